@@ -1,0 +1,44 @@
+"""The one place where image tensors are converted for reward models and files.
+
+Images inside stepgrpo are float tensors `[N, 3, H, W]` in [0, 1] (what the policy's `decode`
+returns). Rewards and writers convert with these helpers, never by hand.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from PIL import Image
+
+
+def to_uint8(images: torch.Tensor) -> np.ndarray:
+    """`[N, 3, H, W]` float in [0, 1] -> `[N, H, W, 3]` uint8 (rounded, clamped)."""
+    if images.ndim != 4 or images.shape[1] != 3:
+        raise ValueError(f"expected images [N, 3, H, W], got {tuple(images.shape)}")
+    arr = images.detach().float().clamp(0, 1).mul(255).round().to(torch.uint8)
+    return arr.permute(0, 2, 3, 1).cpu().numpy()
+
+
+def to_pil(images: torch.Tensor) -> list[Image.Image]:
+    """`[N, 3, H, W]` float in [0, 1] -> a list of RGB PIL images."""
+    return [Image.fromarray(a) for a in to_uint8(images)]
+
+
+def from_uint8(arr: np.ndarray) -> torch.Tensor:
+    """`[N, H, W, 3]` uint8 -> `[N, 3, H, W]` float in [0, 1]."""
+    if arr.ndim != 4 or arr.shape[-1] != 3:
+        raise ValueError(f"expected uint8 images [N, H, W, 3], got {arr.shape}")
+    return torch.from_numpy(np.ascontiguousarray(arr)).permute(0, 3, 1, 2).float() / 255.0
+
+
+def grid(images: torch.Tensor, ncols: int = 8, pad: int = 2) -> Image.Image:
+    """Tile `[N, 3, H, W]` images into one PIL image, `ncols` per row, white padding."""
+    arr = to_uint8(images)
+    n, h, w, _ = arr.shape
+    ncols = max(1, min(ncols, n))
+    nrows = (n + ncols - 1) // ncols
+    canvas = np.full((nrows * (h + pad) + pad, ncols * (w + pad) + pad, 3), 255, np.uint8)
+    for i, img in enumerate(arr):
+        r, c = divmod(i, ncols)
+        canvas[pad + r * (h + pad) : pad + r * (h + pad) + h, pad + c * (w + pad) : pad + c * (w + pad) + w] = img
+    return Image.fromarray(canvas)

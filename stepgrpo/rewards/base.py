@@ -1,0 +1,44 @@
+"""The reward contract: one signature for every scorer, named and versioned.
+
+A reward is built once from a factory in `REWARDS` (models load there) and then called as
+`reward(images, prompts, metadata) -> RewardOutput` with
+
+- `images`: float tensor `[N, 3, H, W]` in [0, 1] (convert with `stepgrpo.images`);
+- `prompts`: `N` strings;
+- `metadata`: `N` dicts (structured prompt facts, e.g. the shapes task's objects), may be empty.
+
+`name` and `version` go into every stored reward row: bump `version` whenever a change to a
+scorer can change its numbers, so old and new scores are never mixed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from stepgrpo_core.registry import Registry
+
+
+@dataclass(frozen=True)
+class RewardOutput:
+    """Scores of `N` images."""
+
+    scores: torch.Tensor  # [N] float32, the reward that training maximises
+    strict: torch.Tensor | None = None  # [N] float32 in {0, 1} where the scorer has it (GenEval-style)
+    sub: Mapping[str, torch.Tensor] = field(default_factory=dict)  # name -> [N], NaN where not applicable
+
+
+class Reward(Protocol):
+    name: str
+    version: str
+
+    def __call__(
+        self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+    ) -> RewardOutput: ...
+
+
+# name -> factory(**options) -> Reward
+REWARDS: Registry = Registry("reward")
