@@ -1,0 +1,358 @@
+"""The one validated configuration of a stepgrpo run.
+
+A run is described by one `Config` with a sub-config per concern (model, sampler, completion,
+reward, credit, optim, calibration, run). Every field has a comment; every model forbids unknown
+fields; names of kernels, completions, credit schemes and rewards are checked against their
+registries, so a typo fails here with an error that names the field and the allowed values,
+never half-way through a run.
+
+`STAGE_FIELDS` says which fields each pipeline stage reads: the cache key of a stage is built
+from exactly these (DESIGN.md, "Caching and restart"), so changing the reward never invalidates
+a rollout and changing the credit scheme never invalidates a score.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+# Bumped whenever code changes what a stage computes from the same inputs: it is part of every
+# cache key, so results written by older code are never reused by newer code.
+CODE_SALT = "stepgrpo-stages-1"
+
+DEFAULT_MODEL = "models/shapes"
+
+
+class ConfigError(ValueError):
+    """A configuration that does not validate; the message names each bad field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class ModelConfig(_Section):
+    path: str = DEFAULT_MODEL
+    """A `StableDiffusion3Pipeline` directory or a hub id (`stabilityai/stable-diffusion-3.5-medium`)."""
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    """Weights and activations dtype; float32 on CPU, bf16/fp16 on GPU."""
+    device: str = "cpu"
+    """Torch device of the policy (`cpu`, `cuda`, `cuda:1`)."""
+    guidance_scale: float = Field(4.5, ge=1.0)
+    """Classifier-free guidance scale while sampling; 1.0 turns CFG off (one forward per step)."""
+    lora_rank: int = Field(32, ge=1)
+    """LoRA rank r (Flow-GRPO: 32)."""
+    lora_alpha: float = Field(64.0, gt=0)
+    """LoRA alpha (Flow-GRPO: 64)."""
+    lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+    """Transformer module names that get a LoRA adapter (Flow-GRPO: the attention projections)."""
+    resolution: int | None = Field(None, ge=8)
+    """Image side in pixels; None uses the model's own sample size (Flow-GRPO trains SD3.5-M at 512)."""
+    max_batch: int = Field(64, ge=1)
+    """Largest number of rows sent through the transformer at once (memory bound, not math)."""
+
+
+class SamplerConfig(_Section):
+    steps: int = Field(10, ge=1)
+    """T, the number of denoising steps of a training rollout (Flow-GRPO: 10)."""
+    kernel: str = "flow"
+    """Transition kernel of the stochastic steps: a name in `stepgrpo_core.kernels.KERNELS`."""
+    noise: float = Field(0.7, ge=0.0)
+    """Kernel noise parameter: `a` for flow / cps (0.7), `eta` for ddim (1.0); unused by ode and psi."""
+    sde_window_start: int = Field(0, ge=0)
+    """First stochastic step of the SDE window (MixGRPO / Flow-GRPO-Fast); steps outside are ODE."""
+    sde_window_size: int | None = Field(None, ge=1)
+    """Number of stochastic steps from `sde_window_start`; None means every step."""
+    eval_steps: int = Field(40, ge=1)
+    """ODE steps of evaluation sampling (Flow-GRPO evaluates with 40)."""
+
+    @field_validator("kernel")
+    @classmethod
+    def _known_kernel(cls, v: str) -> str:
+        from stepgrpo_core.kernels import KERNELS
+
+        return KERNELS.validate(v)
+
+    @model_validator(mode="after")
+    def _window_inside_grid(self) -> SamplerConfig:
+        end = self.sde_window_start + (self.sde_window_size or self.steps - self.sde_window_start)
+        if self.sde_window_start >= self.steps or end > self.steps:
+            raise ValueError(
+                f"sde window [{self.sde_window_start}, {end}) must lie inside the {self.steps} steps"
+            )
+        return self
+
+    def window(self) -> tuple[int, int]:
+        """The stochastic steps `[start, end)`."""
+        size = self.sde_window_size or self.steps - self.sde_window_start
+        return self.sde_window_start, self.sde_window_start + size
+
+
+class CompletionConfig(_Section):
+    method: str | None = "remaining"
+    """How every state `x_k` is completed to a clean image: `remaining`, `substeps:N`, `tweedie`
+    (`stepgrpo_core.completions.COMPLETIONS`); None scores only the final sample (Flow-GRPO)."""
+
+    @field_validator("method")
+    @classmethod
+    def _known_method(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        from stepgrpo_core.completions import validate_method
+
+        return validate_method(v)
+
+
+class RewardConfig(_Section):
+    name: str = "shapes"
+    """Reward model: a name in `stepgrpo.rewards.REWARDS`."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the reward factory (e.g. a hub id or local path of its weights)."""
+
+    @field_validator("name")
+    @classmethod
+    def _known_reward(cls, v: str) -> str:
+        from stepgrpo.rewards import REWARDS
+
+        return REWARDS.validate(v)
+
+
+class CreditConfig(_Section):
+    scheme: str = "outcome"
+    """Credit scheme: a name in `stepgrpo_core.credit.SCHEMES` (outcome, stepwise, dense, turning_point)."""
+    options: dict[str, bool | float | int | str] = Field(default_factory=dict)
+    """Scheme options, e.g. `global_std` (outcome), `consistency` / `first_step` / `balance` (turning_point)."""
+
+    @field_validator("scheme")
+    @classmethod
+    def _known_scheme(cls, v: str) -> str:
+        from stepgrpo_core.credit import SCHEMES
+
+        return SCHEMES.validate(v)
+
+
+class OptimConfig(_Section):
+    lr: float = Field(3e-4, gt=0)
+    """AdamW learning rate (Flow-GRPO: 3e-4)."""
+    weight_decay: float = Field(1e-4, ge=0)
+    """AdamW weight decay (Flow-GRPO: 1e-4)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    clip_range: float = Field(1e-4, gt=0)
+    """PPO ratio clip epsilon (Flow-GRPO: 1e-4; our log-prob is the exact density, see METHODS.md)."""
+    adv_clip: float = Field(5.0, gt=0)
+    """Advantages are clipped to [-adv_clip, adv_clip] (Flow-GRPO: 5)."""
+    kl_beta: float = Field(0.04, ge=0)
+    """Weight of the KL to the reference (LoRA disabled) model: 0.04 GenEval/OCR, 0.01 PickScore."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Gradient norm clip."""
+    inner_epochs: int = Field(1, ge=1)
+    """Passes over one iteration's trajectories."""
+    micro_batch: int = Field(8, ge=1)
+    """Trajectories per forward/backward (independent of the group size and the prompts per iteration)."""
+    grad_accum: int = Field(1, ge=1)
+    """Micro-batches accumulated per optimizer step."""
+    train_steps: tuple[int, ...] | None = None
+    """Which denoising steps are trained (indices k in [0, T)); None trains every step of the SDE window."""
+    ema_decay: float | None = Field(None, ge=0.0, lt=1.0)
+    """EMA of the LoRA weights (used for evaluation and the final LoRA); None disables it."""
+
+
+class CalibrationConfig(_Section):
+    rounds: int = Field(3, ge=1)
+    """DenseGRPO `psi` calibration rounds."""
+    prompts: int = Field(4, ge=1)
+    """Prompts sampled per round (each with the run's group size)."""
+    eps1: float = Field(2.0, ge=0)
+    """Balance threshold on |#(g_k > 0) - #(g_k < 0)| (DenseGRPO: 2)."""
+    eps2: float = Field(0.01, gt=0)
+    """Step of each psi update (DenseGRPO: 0.01)."""
+    init_a: float = Field(0.7, ge=0)
+    """Initial psi[k] = init_a * sqrt(s / (1 - s)), the flow kernel's noise (a choice, METHODS.md)."""
+
+
+class RunConfig(_Section):
+    name: str = "stepgrpo"
+    """Config name: the MLflow experiment and the default prefix of run ids."""
+    prompts: str = "shapes"
+    """Prompt source: `shapes` (the synthetic task, train / held-out split) or a text file, one prompt
+    a line (its held-out prompts in `heldout_prompts`)."""
+    heldout_prompts: str | None = None
+    """Text file of held-out evaluation prompts when `prompts` is a file."""
+    iterations: int = Field(2, ge=1)
+    """Training iterations (rollout -> complete -> score -> credit -> update)."""
+    prompts_per_iteration: int = Field(4, ge=1)
+    """Distinct prompts per iteration; B = prompts_per_iteration x group_size trajectories."""
+    group_size: int = Field(4, ge=2)
+    """G, trajectories per prompt sharing the initial noise x_0 (Flow-GRPO: 24)."""
+    seed: int = 0
+    """Master seed: prompts, noise and update shuffling of iteration i derive from (seed, i)."""
+    eval_every: int = Field(0, ge=0)
+    """Evaluate every N iterations (0: only before and after training)."""
+    eval_prompts: int = Field(16, ge=1)
+    """Held-out prompts per evaluation."""
+    eval_seeds: int = Field(1, ge=1)
+    """Sampling seeds per held-out prompt."""
+    latent_dtype: Literal["float16", "float32"] = "float32"
+    """Dtype of stored latents (float16 halves disk; float32 keeps bit-exact resume)."""
+    runs_root: str = "runs"
+    """Directory that holds run directories `<runs_root>/<run_id>/`."""
+
+
+class Config(_Section):
+    model: ModelConfig = ModelConfig()
+    sampler: SamplerConfig = SamplerConfig()
+    completion: CompletionConfig = CompletionConfig()
+    reward: RewardConfig = RewardConfig()
+    credit: CreditConfig = CreditConfig()
+    optim: OptimConfig = OptimConfig()
+    calibration: CalibrationConfig = CalibrationConfig()
+    run: RunConfig = RunConfig()
+
+    @model_validator(mode="after")
+    def _steps_in_grid(self) -> Config:
+        start, end = self.sampler.window()
+        for k in self.optim.train_steps or ():
+            if not start <= k < end:
+                raise ValueError(
+                    f"optim.train_steps: step {k} is outside the SDE window [{start}, {end}) of sampler"
+                )
+        return self
+
+    def trained_steps(self) -> list[int]:
+        """Indices k of the steps whose log-probs enter the loss."""
+        start, end = self.sampler.window()
+        return sorted(self.optim.train_steps) if self.optim.train_steps else list(range(start, end))
+
+    def flat(self) -> dict[str, Any]:
+        """`{"optim.lr": 3e-4, ...}`: the flattened config (MLflow params, `--set` keys)."""
+        return dict(_flatten(self.model_dump(mode="json")))
+
+    def digest(self) -> str:
+        return digest_of(self.model_dump(mode="json"))
+
+
+# Which config fields each stage reads: a section name means the whole section. These, the
+# stage's input digests, the model / reward identity and CODE_SALT make the stage's cache key.
+STAGE_FIELDS: dict[str, tuple[str, ...]] = {
+    "rollout": (
+        "model", "sampler.steps", "sampler.kernel", "sampler.noise", "sampler.sde_window_start",
+        "sampler.sde_window_size", "run.prompts", "run.prompts_per_iteration", "run.group_size",
+        "run.seed", "run.latent_dtype",
+    ),
+    "complete": ("model", "completion", "run.latent_dtype"),
+    "score": ("model.path", "model.dtype", "model.device", "reward"),
+    "credit": ("credit",),
+    "update": ("model", "optim", "run.seed"),
+    "evaluate": (
+        "model", "sampler.eval_steps", "reward", "run.prompts", "run.heldout_prompts",
+        "run.eval_prompts", "run.eval_seeds", "run.seed",
+    ),
+    "calibrate": ("model", "sampler", "completion", "reward", "calibration", "run.prompts", "run.group_size", "run.seed"),
+}
+
+
+def stage_fields(config: Config, stage: str) -> dict[str, Any]:
+    """The values of the fields `stage` reads, flattened: the config part of its cache key."""
+    flat = config.flat()
+    out: dict[str, Any] = {}
+    for field in STAGE_FIELDS[stage]:
+        out.update({k: v for k, v in flat.items() if k == field or k.startswith(field + ".")})
+    return out
+
+
+def digest_of(obj: Any) -> str:
+    """sha256 of the canonical JSON of `obj` (sorted keys), hex."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> Iterable[tuple[str, Any]]:
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping) and k != "options":
+            yield from _flatten(v, key + ".")
+        elif isinstance(v, Mapping):  # free-form options: one param per option
+            yield from ((f"{key}.{ok}", ov) for ok, ov in sorted(v.items()))
+            if not v:
+                yield key, {}
+        else:
+            yield key, v
+
+
+# ---------------------------------------------------------------- building a config
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Read a YAML config (or the defaults), apply `key=value` overrides, validate.
+
+    Override values are parsed as YAML (`optim.lr=1e-4`, `optim.train_steps=[0,1]`,
+    `completion.method=null`). Raises `ConfigError` naming every bad field.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
+        data = loaded
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected key=value, e.g. optim.lr=1e-4")
+        _set_dotted(data, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+    return validate_config(data)
+
+
+def validate_config(data: Mapping[str, Any]) -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(format_errors(err)) from None
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = data
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {key}: {p!r} is not a section")
+    node[parts[-1]] = value
+
+
+def _fields_at(loc: Sequence[Any]) -> list[str]:
+    """Allowed field names of the model that holds the location `loc` (minus its last part)."""
+    model: type[BaseModel] = Config
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        ann = field.annotation if field else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return list(model.model_fields)
+
+
+def format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = [str(p) for p in e["loc"]]
+        where = ".".join(loc) or "config"
+        if e["type"] == "extra_forbidden":
+            allowed = _fields_at(loc)
+            lines.append(f"{where}: unknown field; allowed: {', '.join(allowed)}")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"{where}: {msg}" + (f" (got {e['input']!r})" if _short(e.get("input")) else ""))
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def _short(value: Any) -> bool:
+    return isinstance(value, str | int | float | bool) and len(repr(value)) < 60

@@ -1,0 +1,98 @@
+"""The validated config: shipped files validate, bad input names the field and the allowed values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stepgrpo.config import STAGE_FIELDS, Config, ConfigError, load_config, stage_fields
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+SHIPPED = ["demo", "flow_grpo_pickscore", "densegrpo_geneval", "tpgrpo_pickscore", "stepwise_pickscore"]
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_configs_validate(name):
+    cfg = load_config(CONFIGS / f"{name}.yaml")
+    assert cfg.run.name == name
+
+
+def test_paper_recipes_carry_the_papers_hyper_parameters():
+    flow = load_config(CONFIGS / "flow_grpo_pickscore.yaml")
+    assert (flow.sampler.kernel, flow.sampler.noise, flow.credit.scheme) == ("flow", 0.7, "outcome")
+    assert (flow.run.group_size, flow.sampler.steps, flow.sampler.eval_steps) == (24, 10, 40)
+    assert (flow.optim.lr, flow.optim.clip_range, flow.optim.kl_beta) == (3e-4, 1e-4, 0.01)
+    assert (flow.model.lora_rank, flow.model.lora_alpha, flow.model.guidance_scale) == (32, 64, 4.5)
+    dense = load_config(CONFIGS / "densegrpo_geneval.yaml")
+    assert (dense.sampler.kernel, dense.completion.method, dense.credit.scheme) == ("psi", "remaining", "dense")
+    assert (dense.optim.kl_beta, dense.calibration.eps1, dense.calibration.eps2) == (0.04, 2, 0.01)
+    tp = load_config(CONFIGS / "tpgrpo_pickscore.yaml")
+    assert (tp.completion.method, tp.credit.scheme) == ("remaining", "turning_point")
+    assert tp.credit.options == {"consistency": True, "first_step": True, "balance": True}
+    step = load_config(CONFIGS / "stepwise_pickscore.yaml")
+    assert (step.sampler.kernel, step.completion.method, step.credit.scheme) == ("ddim", "substeps:5", "stepwise")
+
+
+def test_overrides_are_parsed_as_yaml():
+    cfg = load_config(None, ["optim.lr=1e-3", "optim.train_steps=[0, 2]", "completion.method=null", "run.seed=7"])
+    assert cfg.optim.lr == 1e-3 and cfg.optim.train_steps == (0, 2)
+    assert cfg.completion.method is None and cfg.run.seed == 7
+    assert cfg.trained_steps() == [0, 2]
+
+
+@pytest.mark.parametrize(
+    "override, must_say",
+    [
+        ("optim.lrr=1", ["optim.lrr", "unknown field", "lr", "weight_decay"]),
+        ("bogus.x=1", ["bogus", "unknown field", "sampler", "optim"]),
+        ("sampler.kernel=brownian", ["sampler.kernel", "brownian", "flow", "ddim", "cps"]),
+        ("completion.method=magic", ["completion.method", "remaining", "tweedie"]),
+        ("completion.method=substeps:x", ["completion.method", "positive step count"]),
+        ("credit.scheme=vibes", ["credit.scheme", "vibes", "stepwise", "turning_point"]),
+        ("reward.name=nope", ["reward.name", "nope", "shapes"]),
+        ("model.dtype=float8", ["model.dtype", "float32", "bfloat16"]),
+        ("run.group_size=1", ["run.group_size", "greater than or equal to 2"]),
+        ("sampler.sde_window_start=12", ["sde window", "10 steps"]),
+    ],
+)
+def test_bad_values_name_the_field_and_the_allowed_values(override, must_say):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    for text in must_say:
+        assert text in str(err.value), (text, str(err.value))
+
+
+def test_trained_steps_must_lie_in_the_sde_window():
+    with pytest.raises(ConfigError, match="outside the SDE window"):
+        load_config(None, ["sampler.sde_window_start=2", "sampler.sde_window_size=3", "optim.train_steps=[0]"])
+    cfg = load_config(None, ["sampler.sde_window_start=2", "sampler.sde_window_size=3"])
+    assert cfg.trained_steps() == [2, 3, 4]
+
+
+def test_bad_override_syntax_and_missing_file():
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(None, ["optim.lr"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("no/such/config.yaml")
+
+
+def test_stage_fields_follow_the_caching_contract():
+    base = Config()
+    reward = load_config(None, ["reward.name=jpeg_compressibility"])
+    scheme = load_config(None, ["credit.scheme=stepwise"])
+    # a new reward changes score's key but neither rollout's nor complete's
+    for stage in ("rollout", "complete", "credit"):
+        assert stage_fields(base, stage) == stage_fields(reward, stage), stage
+    assert stage_fields(base, "score") != stage_fields(reward, "score")
+    # a new scheme changes only credit's own fields
+    for stage in set(STAGE_FIELDS) - {"credit"}:
+        assert stage_fields(base, stage) == stage_fields(scheme, stage), stage
+    assert stage_fields(base, "credit") != stage_fields(scheme, "credit")
+
+
+def test_flat_config_round_trips_through_overrides():
+    cfg = load_config(None, ["credit.options={global_std: false}", "optim.ema_decay=0.9"])
+    flat = cfg.flat()
+    assert flat["credit.options.global_std"] is False and flat["optim.ema_decay"] == 0.9
+    assert Config().digest() != cfg.digest()
