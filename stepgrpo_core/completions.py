@@ -1,0 +1,179 @@
+"""ODE completion of every stored state: the clean latents whose rewards are the step rewards `R_k`.
+
+METHODS.md, "Step rewards from ODE completion". For each trajectory and each state `x_k`
+(`k = 0..T`) a completion method produces a clean latent; `R_k` is its reward. The completion of
+`x_T` is `x_T` itself (0 NFEs): it is the sample. Methods (`method` strings):
+
+- `remaining` (DenseGRPO with n = t, TP-GRPO): Euler on the rest of the same grid,
+  `T - k` NFEs for `x_k`, `T (T + 1) / 2` per trajectory.
+- `substeps:N` (Stepwise-Flow-GRPO with N = 5, DenseGRPO with N = 1, 2): `N` Euler steps on a fresh
+  grid from `sigmas[k]` to 0, `N` NFEs per non-final state, `N T` per trajectory. *Choice*: the
+  fresh grid is uniform in sigma (`sigmas[k] (1 - i / N)`); no source fixes its spacing.
+- `tweedie` (Stepwise-Flow-GRPO's one-step estimate): `x0_hat = x_k - sigmas[k] v`, 1 NFE each.
+
+Batching: one call completes every state of every trajectory. Rows of all trajectories that sit
+at the same noise level are stacked and sent through `velocity` together, in chunks of at most
+`max_batch` rows. For `remaining` this is how work is shared: at grid level `j` every state
+`x_k` with `k <= j` has been carried down to `sigmas[j]` and all of them (`B (j + 1)` rows) take
+their step `j -> j + 1` in the same calls. The arithmetic is exactly the per-state Euler runs;
+sharing only fills the batches, so the count is exactly `T (T + 1) / 2` NFEs per trajectory and
+never more. (Reusing the rollout's own velocity at `x_k` would save `T` more per trajectory, but
+only when the rollout ran the same model at the same precision; we do not assume it.)
+
+NFE = velocity rows evaluated. Shapes: `states [B, T+1, C, H, W]` -> latents `[B, T+1, C, H, W]`
+in the dtype of `states`; the Euler steps use `kernels.step_moments("ode", ...)` in fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from .conditioning import take
+from .kernels import step_moments
+from .registry import Registry
+from .rollout import Velocity, check_sigmas
+
+
+class Completion(NamedTuple):
+    latents: torch.Tensor  # [B, T+1, C, H, W] completed clean latent of every state x_k (x_T as is)
+    nfe: int  # velocity rows evaluated by this call
+
+
+# A completion: (velocity, states, sigmas fp32, cond, max_batch, arg) -> Completion, where `arg`
+# is the text after ':' in the method name (None when absent).
+CompletionFn = Callable[[Velocity, torch.Tensor, torch.Tensor, Any, int, "str | None"], Completion]
+COMPLETIONS: Registry[CompletionFn] = Registry("completion")
+
+
+def parse_method(method: str) -> tuple[str, str | None]:
+    """`"substeps:5"` -> `("substeps", "5")`, `"remaining"` -> `("remaining", None)`; validates the name."""
+    if not isinstance(method, str):
+        raise TypeError(f"completion method must be a string such as 'remaining', 'substeps:5' or 'tweedie'; got {method!r}")
+    name, sep, arg = method.partition(":")
+    COMPLETIONS.validate(name)
+    return name, (arg if sep else None)
+
+
+def validate_method(method: str) -> str:
+    """Return `method` if it names a completion with a valid argument (for config validation)."""
+    name, arg = parse_method(method)
+    _ARG_CHECKS[name](arg)
+    return method
+
+
+def _no_arg(name: str):
+    def check(arg: str | None) -> None:
+        if arg is not None:
+            raise ValueError(f"completion {name!r} takes no ':' argument; use plain {name!r}")
+
+    return check
+
+
+def _substeps_n(arg: str | None) -> int:
+    if arg is None or not arg.isdigit() or int(arg) < 1:
+        raise ValueError(f"completion 'substeps' needs a positive step count, e.g. 'substeps:5'; got {arg!r}")
+    return int(arg)
+
+
+_ARG_CHECKS = {"remaining": _no_arg("remaining"), "tweedie": _no_arg("tweedie"), "substeps": _substeps_n}
+
+
+def batched_velocity(
+    velocity: Velocity, x: torch.Tensor, sigma: torch.Tensor, cond: Any, rows: torch.Tensor, max_batch: int
+) -> torch.Tensor:
+    """`velocity` on `N` rows in chunks of at most `max_batch`.
+
+    `x [N, C, H, W]`, `sigma [N]`, `rows [N]` (LongTensor: the trajectory of each row, which
+    selects its conditioning). Returns `v [N, C, H, W]`; it evaluates exactly `N` rows.
+    """
+    out = []
+    for lo in range(0, x.shape[0], max_batch):
+        hi = lo + max_batch
+        out.append(velocity(x[lo:hi], sigma[lo:hi], take(cond, rows[lo:hi])))
+    return torch.cat(out, dim=0)
+
+
+@COMPLETIONS.register("remaining")
+def remaining(velocity, states, sigmas, cond, max_batch, arg) -> Completion:
+    """Euler on the rest of the grid, all states at the same grid level in one batch (module doc)."""
+    _no_arg("remaining")(arg)
+    batch, num_states = states.shape[:2]
+    num_steps = num_states - 1
+    latents = states.clone()  # x_T stays as is; row (b, k) is overwritten as state k runs down
+    nfe = 0
+    for j in range(num_steps):
+        # Running states at level j: k = 0..j of every trajectory, flattened (k-major) to rows.
+        z = latents[:, : j + 1].transpose(0, 1).reshape(-1, *states.shape[2:])
+        rows = torch.arange(batch, device=states.device).repeat(j + 1)
+        sigma = sigmas[j].expand(z.shape[0])
+        v = batched_velocity(velocity, z, sigma, cond, rows, max_batch)
+        mean, _ = step_moments("ode", z, v, sigmas[j], sigmas[j + 1])
+        latents[:, : j + 1] = mean.to(states.dtype).reshape(j + 1, batch, *states.shape[2:]).transpose(0, 1)
+        nfe += z.shape[0]
+    return Completion(latents, nfe)
+
+
+@COMPLETIONS.register("substeps")
+def substeps(velocity, states, sigmas, cond, max_batch, arg) -> Completion:
+    """`N` uniform Euler steps from `sigmas[k]` to 0 for every non-final state, all in one batch."""
+    n = _substeps_n(arg)
+    batch, num_states = states.shape[:2]
+    num_steps = num_states - 1
+    latents = states.clone()
+    z = states[:, :num_steps].reshape(-1, *states.shape[2:])  # rows (b, k), b-major
+    rows = torch.arange(batch, device=states.device).repeat_interleave(num_steps)
+    start = sigmas[:num_steps].repeat(batch)  # [B*T] sigma_k of each row
+    nfe = 0
+    for i in range(n):
+        sigma, sigma_next = start * (1.0 - i / n), start * (1.0 - (i + 1) / n)
+        v = batched_velocity(velocity, z, sigma, cond, rows, max_batch)
+        z = step_moments("ode", z, v, sigma, sigma_next)[0].to(states.dtype)
+        nfe += z.shape[0]
+    latents[:, :num_steps] = z.reshape(batch, num_steps, *states.shape[2:])
+    return Completion(latents, nfe)
+
+
+@COMPLETIONS.register("tweedie")
+def tweedie(velocity, states, sigmas, cond, max_batch, arg) -> Completion:
+    """One-step estimate `x0_hat = x_k - sigmas[k] v(x_k)` for every non-final state."""
+    _no_arg("tweedie")(arg)
+    batch, num_states = states.shape[:2]
+    num_steps = num_states - 1
+    latents = states.clone()
+    z = states[:, :num_steps].reshape(-1, *states.shape[2:])
+    rows = torch.arange(batch, device=states.device).repeat_interleave(num_steps)
+    sigma = sigmas[:num_steps].repeat(batch)
+    v = batched_velocity(velocity, z, sigma, cond, rows, max_batch)
+    # A single Euler step to sigma = 0 is exactly x - sigma v: reuse the ode kernel.
+    x0_hat = step_moments("ode", z, v, sigma, torch.zeros_like(sigma))[0]
+    latents[:, :num_steps] = x0_hat.to(states.dtype).reshape(batch, num_steps, *states.shape[2:])
+    return Completion(latents, z.shape[0])
+
+
+@torch.no_grad()  # completions feed rewards only; no gradient flows through them
+def complete(method: str, velocity: Velocity, states: torch.Tensor, sigmas: torch.Tensor, cond: Any, max_batch: int) -> Completion:
+    """Complete every state of every trajectory with `method` (module doc).
+
+    Args:
+        method: `remaining`, `substeps:N` or `tweedie`.
+        velocity: `velocity(x [N,C,H,W], sigma [N], cond) -> v`; `cond` rows are selected with
+            `conditioning.take` for each batch.
+        states: `[B, T+1, C, H, W]` stored states `x_0 .. x_T`.
+        sigmas: `[T+1]` the grid the states were sampled on.
+        cond: conditioning pytree with leading dim `B`.
+        max_batch: the most rows per `velocity` call.
+
+    Returns `Completion(latents [B, T+1, C, H, W], nfe)`.
+    """
+    name, arg = parse_method(method)
+    if states.dim() != 5:
+        raise ValueError(f"states must be [B, T+1, C, H, W]; got {tuple(states.shape)}")
+    s = check_sigmas(sigmas).to(states.device)
+    if states.shape[1] != s.shape[0]:
+        raise ValueError(f"states hold {states.shape[1]} states but sigmas has {s.shape[0]} levels (T + 1 each)")
+    if not isinstance(max_batch, int) or max_batch < 1:
+        raise ValueError(f"max_batch must be a positive int; got {max_batch!r}")
+    return COMPLETIONS.get(name)(velocity, states, s, cond, max_batch, arg)

@@ -1,0 +1,196 @@
+"""Credit schemes: step rewards `R [B, T+1]` in, per-step advantages `A [B, T]` out.
+
+METHODS.md, "Credit schemes". `R[:, k] = R_k` is the reward of the completion of state `x_k`
+(`R_T` the reward of the sample itself); gains `g_k = R_{k+1} - R_k` telescope to `R_T - R_0`.
+Groups are explicit: `group_ids [B]` int64 (any values; rows of a group need not be adjacent).
+
+Schemes (registry `SCHEMES`, one function each, same signature `(rewards, gains, groups, **options)`):
+
+- `outcome` (Flow-GRPO): `A_k = (R_T - mean_group(R_T)) / (std + STD_EPS)` for every `k`; `std`
+  over the whole batch (`global_std=True`, default) or per group.
+- `stepwise` (Stepwise-Flow-GRPO): gains normalized jointly over all `B x T` entries.
+- `dense` (DenseGRPO): gains normalized per step `k` within each group.
+- `turning_point` (TP-GRPO): turning points get the aggregated reward `R_T - R_k`, then as `dense`.
+
+Every std is the population std (ddof 0, as NumPy and Flow-GRPO) plus `STD_EPS`, so a group with
+no variance gets advantage exactly 0. Groups whose advantages are all 0 carry no signal and are
+dropped (Flow-GRPO): `keep` marks the rows of the other groups; the dropped ones are counted.
+
+Shapes: `B` trajectories, `T` steps.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .registry import Registry
+
+STD_EPS = 1e-4  # added to every std of a normalization (Flow-GRPO's 1e-4)
+
+
+@dataclass(frozen=True)
+class Credit:
+    advantages: torch.Tensor  # [B, T] fp32; 0 for the rows of dropped groups
+    gains: torch.Tensor  # [B, T] fp32, g_k = R_{k+1} - R_k
+    turning_mask: torch.Tensor  # [B, T] bool, the turning points kept (all False but turning_point)
+    keep: torch.Tensor  # [B] bool, False for rows of groups whose advantages are all zero
+    zero_std_groups: int  # number of dropped groups
+    zero_std_ratio: float  # dropped groups / groups
+
+
+class Groups:
+    """Group bookkeeping for per-group statistics: `group_ids [B]` -> dense ids `0..n-1`."""
+
+    def __init__(self, group_ids: torch.Tensor) -> None:
+        _, self.index = torch.unique(group_ids, return_inverse=True)  # [B] in 0..n-1
+        self.count = int(self.index.max()) + 1
+        self.sizes = torch.bincount(self.index, minlength=self.count).float()  # [n]
+        # first row of each group: a per-group reference value (see `normalize`)
+        order = torch.arange(group_ids.shape[0], device=group_ids.device)
+        self.first = torch.full((self.count,), group_ids.shape[0], dtype=torch.long, device=group_ids.device)
+        self.first = self.first.scatter_reduce(0, self.index, order, reduce="amin")
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-group sums of rows: `[B, ...]` -> `[n, ...]`."""
+        return torch.zeros(self.count, *x.shape[1:], dtype=x.dtype, device=x.device).index_add_(0, self.index, x)
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """`(x - mean_group) / (std_group + STD_EPS)` per column of `x [B, ...]`.
+
+        The values are shifted by the group's first row before the mean: the result is the same
+        in exact arithmetic, but a constant group then centers to exactly 0 (the mean of equal
+        floats need not equal them), so it is recognized as zero-variance and dropped.
+        """
+        shifted = x - x[self.first][self.index]
+        size = self.sizes.reshape(-1, *([1] * (x.dim() - 1)))
+        mean = self.sum(shifted) / size
+        centered = shifted - mean[self.index]
+        std = torch.sqrt(self.sum(centered**2) / size)
+        return centered / (std[self.index] + STD_EPS)
+
+
+Scheme = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (rewards, gains, groups, **opts) -> (A, turning mask)
+SCHEMES: Registry[Scheme] = Registry("credit scheme")
+
+
+def _no_turning(gains: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(gains, dtype=torch.bool)
+
+
+@SCHEMES.register("outcome")
+def outcome(rewards, gains, groups: Groups, global_std: bool = True):
+    """Flow-GRPO: the sample's group-relative reward for every step."""
+    final = rewards[:, -1:]  # [B, 1]
+    if global_std:
+        shifted = final - final[0]  # exact zero for a constant group (see Groups.normalize)
+        centered = shifted - (groups.sum(shifted) / groups.sizes[:, None])[groups.index]
+        adv = centered / (shifted.std(correction=0) + STD_EPS)
+    else:
+        adv = groups.normalize(final)
+    return adv.expand_as(gains).clone(), _no_turning(gains)
+
+
+@SCHEMES.register("stepwise")
+def stepwise(rewards, gains, groups: Groups):
+    """Stepwise-Flow-GRPO: gains normalized jointly over all B x T entries (not per step)."""
+    shifted = gains - gains.reshape(-1)[0]
+    centered = shifted - shifted.mean()
+    return centered / (centered.std(correction=0) + STD_EPS), _no_turning(gains)
+
+
+@SCHEMES.register("dense")
+def dense(rewards, gains, groups: Groups):
+    """DenseGRPO: gains normalized per step within each group."""
+    return groups.normalize(gains), _no_turning(gains)
+
+
+def turning_points(rewards: torch.Tensor, gains: torch.Tensor, consistency: bool = True, first_step: bool = True) -> torch.Tensor:
+    """TP-GRPO turning points `[B, T]` bool, before balancing (METHODS.md, scheme 4).
+
+    With `delta = R_T - R_0` and `s_k = sign(g_k) sign(delta)`: step `k > 0` turns when
+    `s_{k-1} < 0 < s_k`; step 0 (`first_step`) when `s_0 > 0`. With `consistency`, additionally
+    `sign(g_k) sign(R_T - R_{k+1}) > 0` (the gain agrees with the rest of the trajectory).
+    `sign(0) = 0`, so ties never qualify (and the last step never passes the consistency rule).
+    """
+    final = rewards[:, -1:]
+    s = torch.sign(gains) * torch.sign(final - rewards[:, :1])  # [B, T]
+    turn = torch.zeros_like(gains, dtype=torch.bool)
+    turn[:, 1:] = (s[:, :-1] < 0) & (s[:, 1:] > 0)
+    if first_step:
+        turn[:, 0] = s[:, 0] > 0
+    if consistency:
+        turn &= torch.sign(gains) * torch.sign(final - rewards[:, 1:]) > 0
+    return turn
+
+
+def balance_turning_points(turn: torch.Tensor, aggregated: torch.Tensor) -> torch.Tensor:
+    """Keep `min(#pos, #neg)` turning points of each sign of `aggregated`, the largest |value| first.
+
+    `turn [B, T]` bool, `aggregated [B, T]`. Over the whole batch. Ties in |value| are broken by
+    position (row-major, earlier first). A zero aggregated value has no sign: never kept.
+    """
+    flat_turn, flat_agg = turn.reshape(-1), aggregated.reshape(-1)
+    pos, neg = flat_turn & (flat_agg > 0), flat_turn & (flat_agg < 0)
+    keep_n = int(min(pos.sum(), neg.sum()))
+    kept = torch.zeros_like(flat_turn)
+    for sign_mask in (pos, neg):
+        idx = sign_mask.nonzero().reshape(-1)  # ascending position
+        # stable sort on -|value|: equal magnitudes keep their position order
+        order = torch.sort(-flat_agg[idx].abs(), stable=True).indices
+        kept[idx[order[:keep_n]]] = True
+    return kept.reshape(turn.shape)
+
+
+@SCHEMES.register("turning_point")
+def turning_point(rewards, gains, groups: Groups, consistency: bool = True, first_step: bool = True, balance: bool = True):
+    """TP-GRPO: turning points take the aggregated reward `R_T - R_k`; then per-(group, step) normalization."""
+    turn = turning_points(rewards, gains, consistency=consistency, first_step=first_step)
+    aggregated = rewards[:, -1:] - rewards[:, :-1]  # [B, T] R_T - R_k
+    if balance:
+        turn = balance_turning_points(turn, aggregated)
+    step_rewards = torch.where(turn, aggregated, gains)
+    return groups.normalize(step_rewards), turn
+
+
+def scheme_options(scheme: str) -> dict[str, object]:
+    """The options of `scheme` and their defaults (for config validation and docs)."""
+    params = list(inspect.signature(SCHEMES.get(scheme)).parameters.values())[3:]
+    return {p.name: p.default for p in params}
+
+
+def assign(scheme: str, rewards: torch.Tensor, group_ids: torch.Tensor, **options) -> Credit:
+    """Advantages of every step under credit `scheme` (module doc).
+
+    Args:
+        scheme: a `SCHEMES` name: `outcome`, `stepwise`, `dense`, `turning_point`.
+        rewards: `[B, T+1]`, `rewards[:, k] = R_k`; no NaN (fill or drop missing rewards first).
+        group_ids: `[B]` int64, equal for trajectories of the same prompt (sharing `x_0`).
+        options: the scheme's options (`scheme_options(scheme)`); unknown ones are rejected.
+
+    Returns `Credit` (advantages `[B, T]` fp32, gains, turning mask, keep mask, drop counts).
+    """
+    fn = SCHEMES.get(scheme)
+    valid = scheme_options(scheme)
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise TypeError(f"credit scheme {scheme!r} has no option(s) {unknown}; valid options: {sorted(valid) or 'none'}")
+    if rewards.dim() != 2 or rewards.shape[1] < 2:
+        raise ValueError(f"rewards must be [B, T+1] with T >= 1; got {tuple(rewards.shape)}")
+    if group_ids.shape != (rewards.shape[0],) or group_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"group_ids must be an integer tensor [B={rewards.shape[0]}]; got {group_ids.dtype} {tuple(group_ids.shape)}")
+    # fp32 at least: rewards may arrive as fp16/bf16 and the gains are small differences.
+    rewards = rewards.float()
+    if bool(rewards.isnan().any()):
+        raise ValueError("rewards contain NaN: drop those trajectories or fill the missing rewards before credit")
+    groups = Groups(group_ids.to(rewards.device))
+    gains = rewards[:, 1:] - rewards[:, :-1]
+    advantages, turn = fn(rewards, gains, groups, **options)
+    nonzero = groups.sum((advantages != 0).any(dim=1, keepdim=True).float()).reshape(-1) > 0  # [n]
+    keep = nonzero[groups.index]
+    advantages = advantages * keep[:, None]
+    dropped = int((~nonzero).sum())
+    return Credit(advantages, gains, turn, keep, dropped, dropped / groups.count)

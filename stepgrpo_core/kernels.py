@@ -1,0 +1,182 @@
+"""Transition kernels: the Gaussian `x_{k+1} | x_k` of one sampling step, and its log-density.
+
+METHODS.md, "Transition kernels". With `s = sigmas[k]`, `s' = sigmas[k+1]`, `dt = s' - s < 0`,
+`x0_hat = x - s v` and `x1_hat = x + (1 - s) v` (Tweedie estimates):
+
+| kernel | std of the step                          | mean                                             |
+|--------|------------------------------------------|--------------------------------------------------|
+| ode    | 0                                        | x + v dt  (Euler)                                |
+| flow   | eps_t sqrt(-dt), eps_t = a sqrt(s/(1-s)) | x + v dt + eps_t^2 / (2 s) (x + (1 - s) v) dt    |
+| cps    | s' sin(a pi / 2)                         | (1 - s') x0_hat + sqrt(s'^2 - std^2) x1_hat      |
+| ddim   | eta s' sqrt(1 - s)                       | as cps                                           |
+| psi    | psi[k] sqrt(-dt) (psi[k] replaces eps_t) | as flow                                          |
+
+Sources: `flow` is Flow-GRPO's SDE (Euler-Maruyama of the reverse SDE that keeps the flow's
+marginals), `cps` its "coefficients-preserving" sampler, `ddim` Stepwise-Flow-GRPO's DDIM-like
+SDE, `psi` DenseGRPO's per-step calibrated noise.
+
+`s = 1` for `flow`: `a sqrt(s / (1 - s))` is infinite at pure noise; Flow-GRPO uses `sigmas[1]`
+in its place. A kernel only sees `s` and `s'`, and `s = 1` only happens at step 0, where
+`s' = sigmas[1]`; so every `s >= 1` is replaced by `s'` in `eps_t` (both the numerator and the
+denominator, as METHODS.md writes it; Flow-GRPO's code replaces only the denominator, which
+differs by a factor `sqrt(sigmas[1])`, under 1% on SD3's grids). The mean keeps the true `s` in
+`1 / (2 s)` and `(1 - s)`. `psi` needs no substitution: the table value is finite.
+
+Shapes: `x, v: [B, C, H, W]`; `sigma, sigma_next, noise`: python floats, 0-d or `[B]` tensors.
+`mean: [B, C, H, W]` fp32, `std: [B, 1, 1, 1]` fp32. All math in fp32: bf16 steps lose the small
+`dt` terms and the log-density ratio is taken between nearly equal numbers.
+
+The log-density is the exact Gaussian one averaged over C, H, W (Flow-GRPO's averaging
+convention). Flow-GRPO's `cps` code drops the `1 / (2 std^2)` factor; ours does not, so clip
+ranges tuned on their `cps` runs do not transfer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from .registry import Registry
+
+Kernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    tuple[torch.Tensor, torch.Tensor],
+]
+KERNELS: Registry[Kernel] = Registry("kernel")
+
+LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
+
+
+def flow_scale(sigma: torch.Tensor, sigma_next: torch.Tensor, a) -> torch.Tensor:
+    """Flow-GRPO's diffusion coefficient `eps_t = a sqrt(s / (1 - s))`, with `s = 1` -> `s'`.
+
+    Shapes broadcast. Also the initial DenseGRPO `psi` table (`calibration.initial_psi`).
+    """
+    s = torch.where(sigma >= 1.0, sigma_next, sigma)
+    return a * torch.sqrt(s / (1.0 - s))
+
+
+def _sde_moments(x, v, sigma, sigma_next, eps_t):
+    # Flow-GRPO eq. for the reverse SDE: drift v + eps_t^2 / (2 s) * (x + (1 - s) v), where
+    # -(x + (1 - s) v) / s is the score of the flow's marginal; Euler-Maruyama over dt < 0.
+    dt = sigma_next - sigma
+    mean = x + v * dt + eps_t**2 / (2.0 * sigma) * (x + (1.0 - sigma) * v) * dt
+    std = eps_t * torch.sqrt(-dt)
+    return mean, std
+
+
+def _preserving_mean(x, v, sigma, sigma_next, std):
+    # Rebuild x_{k+1} from the two Tweedie estimates with total noise level s' split between the
+    # predicted noise (deterministic part) and fresh noise (std): keeps the marginal N((1-s')x0, s'^2).
+    x0_hat = x - sigma * v
+    x1_hat = x + (1.0 - sigma) * v
+    # clamp: at std == s' (cps with a = 1) rounding can make the argument -1e-8.
+    return (1.0 - sigma_next) * x0_hat + torch.sqrt((sigma_next**2 - std**2).clamp_min(0.0)) * x1_hat
+
+
+@KERNELS.register("ode")
+def ode(x, v, sigma, sigma_next, noise):
+    """Euler step of the probability-flow ODE; std 0 (`noise` ignored)."""
+    return x + v * (sigma_next - sigma), torch.zeros_like(sigma)
+
+
+@KERNELS.register("flow")
+def flow(x, v, sigma, sigma_next, noise):
+    """Flow-GRPO SDE step; `noise` is `a` (default 0.7)."""
+    return _sde_moments(x, v, sigma, sigma_next, flow_scale(sigma, sigma_next, noise))
+
+
+@KERNELS.register("psi")
+def psi(x, v, sigma, sigma_next, noise):
+    """DenseGRPO step: the `flow` SDE with `eps_t = psi[k]` (`noise` is the table entry)."""
+    return _sde_moments(x, v, sigma, sigma_next, noise)
+
+
+@KERNELS.register("cps")
+def cps(x, v, sigma, sigma_next, noise):
+    """Flow-GRPO coefficients-preserving step; `noise` is `a` in [0, 1], std `s' sin(a pi / 2)`."""
+    std = sigma_next * torch.sin(noise * (math.pi / 2.0))
+    return _preserving_mean(x, v, sigma, sigma_next, std), std
+
+
+@KERNELS.register("ddim")
+def ddim(x, v, sigma, sigma_next, noise):
+    """Stepwise-Flow-GRPO DDIM-like step; `noise` is `eta` in [0, 1], std `eta s' sqrt(1 - s)`.
+
+    At `s = 1` (step 0) the std is 0: the first step is deterministic under this kernel.
+    """
+    std = noise * sigma_next * torch.sqrt((1.0 - sigma).clamp_min(0.0))
+    return _preserving_mean(x, v, sigma, sigma_next, std), std
+
+
+# What `noise` means per kernel and its valid range; checked once in `step_moments` so every
+# kernel rejects bad values with the same message. A kernel absent here ignores `noise` (ode).
+NOISE_SPEC: dict[str, tuple[str, float, float]] = {
+    "flow": ("a", 0.0, math.inf),
+    "psi": ("psi[k]", 0.0, math.inf),
+    "cps": ("a", 0.0, 1.0),  # std = s' sin(a pi/2) must stay <= s'
+    "ddim": ("eta", 0.0, 1.0),  # std = eta s' sqrt(1 - s) must stay <= s'
+}
+
+
+def _as_column(value, batch: int, device: torch.device, name: str) -> torch.Tensor:
+    """float / 0-d / [B] -> fp32 [B, 1, 1, 1] on `device`."""
+    t = torch.as_tensor(value, dtype=torch.float32, device=device)
+    if t.dim() == 0:
+        t = t.expand(batch)
+    if t.dim() != 1 or t.shape[0] != batch:
+        raise ValueError(f"{name} must be a float, a 0-d tensor or a [B={batch}] tensor; got shape {tuple(t.shape)}")
+    return t.reshape(batch, 1, 1, 1)
+
+
+def step_moments(kind: str, x: torch.Tensor, v: torch.Tensor, sigma, sigma_next, noise=None):
+    """Mean and std of `x_{k+1} | x_k` under kernel `kind` (METHODS.md table, see module doc).
+
+    Args:
+        kind: a name in `KERNELS` (`ode`, `flow`, `cps`, `ddim`, `psi`).
+        x: `[B, C, H, W]` state `x_k`; v: `[B, C, H, W]` velocity at `(x_k, sigma)`.
+        sigma, sigma_next: `s = sigmas[k]`, `s' = sigmas[k+1]`; float, 0-d or `[B]`.
+        noise: `a` (flow, cps), `eta` (ddim), `psi[k]` (psi), ignored for ode; float, 0-d or `[B]`.
+
+    Returns:
+        `(mean [B, C, H, W] fp32, std [B, 1, 1, 1] fp32)`; `std` is the std of the step itself
+        (`sqrt(-dt)` included for flow / psi).
+    """
+    fn = KERNELS.get(kind)
+    if x.dim() != 4 or v.shape != x.shape:
+        raise ValueError(f"x and v must both be [B, C, H, W]; got {tuple(x.shape)} and {tuple(v.shape)}")
+    batch, device = x.shape[0], x.device
+    s = _as_column(sigma, batch, device, "sigma")
+    s_next = _as_column(sigma_next, batch, device, "sigma_next")
+    if bool((s_next > s).any()) or bool((s <= 0).any()) or bool((s_next < 0).any()):
+        raise ValueError("a step needs 0 <= sigma_next <= sigma and sigma > 0 (the grid runs from 1 to 0)")
+    spec = NOISE_SPEC.get(kind)
+    if spec is None:  # the kernel ignores noise: do not force callers to pass a valid one
+        n = torch.zeros_like(s)
+    else:
+        name, lo, hi = spec
+        if noise is None:
+            raise ValueError(f"kernel {kind!r} needs `noise` (its {name})")
+        n = _as_column(noise, batch, device, "noise")
+        if bool((n < lo).any()) or bool((n > hi).any()) or bool(n.isnan().any()):
+            raise ValueError(f"kernel {kind!r}: noise (its {name}) must lie in [{lo}, {hi}]")
+    # fp32: see the module docstring.
+    return fn(x.float(), v.float(), s, s_next, n)
+
+
+
+def log_prob(x_next: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """Exact Gaussian log-density of `x_next` under `N(mean, std^2)`, averaged over C, H, W.
+
+    `x_next, mean: [B, C, H, W]`, `std` broadcastable (`[B, 1, 1, 1]`), all > 0. Returns `[B]`
+    fp32. A zero std (an `ode` step, `ddim` at `s = 1`) has no density: rejected.
+    """
+    if x_next.shape != mean.shape or x_next.dim() < 2:
+        raise ValueError(f"x_next and mean must share a [B, ...] shape; got {tuple(x_next.shape)} and {tuple(mean.shape)}")
+    x_next, mean, std = x_next.float(), mean.float(), std.float()
+    if bool((std <= 0).any()):
+        raise ValueError("log_prob needs std > 0: a deterministic step (ode, ddim at sigma = 1, zero noise) has no density")
+    logp = -((x_next - mean) ** 2) / (2.0 * std**2) - torch.log(std) - LOG_SQRT_2PI
+    return logp.mean(dim=tuple(range(1, logp.dim())))

@@ -1,0 +1,86 @@
+"""The GRPO policy loss: PPO clip on per-step density ratios plus a KL to the reference policy.
+
+METHODS.md, "The policy loss". For each trained step (rows of one call):
+
+    ratio = exp(logp_new - logp_old)
+    A     = clip(advantages, -adv_clip, adv_clip)
+    loss  = mean(max(-A ratio, -A clip(ratio, 1 - clip_range, 1 + clip_range))) + kl_beta KL
+    KL    = mean_B( mean_CHW((mean - ref_mean)^2) / (2 std^2) )
+
+KL is the closed form between two Gaussians with the same std (the step's actual std), the
+reference being the same model with the LoRA adapter disabled (Flow-GRPO).
+Diagnostics: `clip_frac` (fraction with |ratio - 1| > clip_range), `approx_kl`
+(`0.5 mean((logp_new - logp_old)^2)`, Flow-GRPO's estimate), and the ratio's mean / min / max,
+which must be exactly 1 at the first inner step on-policy (a classic bug detector).
+
+Shapes: `log_prob, old_log_prob, advantages: [B]` (any common shape works); `mean, ref_mean:
+[B, C, H, W]`; `std: [B, 1, 1, 1]`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class LossOutput(NamedTuple):
+    loss: torch.Tensor  # scalar, with gradient: policy_loss + kl_beta * kl
+    policy_loss: torch.Tensor  # scalar, detached: the PPO-clip term
+    kl: torch.Tensor  # scalar, detached: KL to the reference (0 when kl_beta == 0 and no means)
+    clip_frac: float
+    approx_kl: float
+    ratio_mean: float
+    ratio_min: float
+    ratio_max: float
+
+
+def grpo_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_range: float = 1e-4,
+    adv_clip: float = 5.0,
+    kl_beta: float = 0.0,
+    mean: torch.Tensor | None = None,
+    ref_mean: torch.Tensor | None = None,
+    std: torch.Tensor | None = None,
+) -> LossOutput:
+    """PPO-clip GRPO loss with advantage clipping and the reference KL (module doc)."""
+    if log_prob.shape != old_log_prob.shape or log_prob.shape != advantages.shape:
+        raise ValueError(
+            f"log_prob, old_log_prob and advantages must share a shape; got {tuple(log_prob.shape)}, "
+            f"{tuple(old_log_prob.shape)}, {tuple(advantages.shape)}"
+        )
+    if clip_range <= 0 or adv_clip <= 0 or kl_beta < 0:
+        raise ValueError(f"need clip_range > 0, adv_clip > 0, kl_beta >= 0; got {clip_range}, {adv_clip}, {kl_beta}")
+    # fp32: the log-ratio is a difference of nearly equal numbers.
+    log_ratio = log_prob.float() - old_log_prob.float().detach()
+    ratio = torch.exp(log_ratio)
+    adv = advantages.float().detach().clamp(-adv_clip, adv_clip)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_range, 1.0 + clip_range)
+    policy_loss = torch.maximum(unclipped, clipped).mean()
+
+    has_means = mean is not None or ref_mean is not None
+    if kl_beta > 0 or has_means:
+        if mean is None or ref_mean is None or std is None:
+            raise ValueError("the KL term needs mean, ref_mean and std (from step_log_prob with the policy and the reference)")
+        if mean.shape != ref_mean.shape:
+            raise ValueError(f"mean and ref_mean must share a shape; got {tuple(mean.shape)} and {tuple(ref_mean.shape)}")
+        sq = ((mean.float() - ref_mean.float().detach()) ** 2).mean(dim=tuple(range(1, mean.dim())))  # [B]
+        kl = (sq / (2.0 * std.float().detach().reshape(-1) ** 2)).mean()
+    else:
+        kl = torch.zeros((), device=log_prob.device)
+    loss = policy_loss + kl_beta * kl
+
+    with torch.no_grad():
+        r = ratio.detach()
+        stats = dict(
+            clip_frac=float(((r - 1.0).abs() > clip_range).float().mean()),
+            approx_kl=float(0.5 * (log_ratio.detach() ** 2).mean()),
+            ratio_mean=float(r.mean()),
+            ratio_min=float(r.min()),
+            ratio_max=float(r.max()),
+        )
+    return LossOutput(loss, policy_loss.detach(), kl.detach(), **stats)
