@@ -1,0 +1,89 @@
+"""The reward registry with every scorer registered, and `build_reward(spec)`.
+
+Importing this package imports each scorer module so that its factory is in `REWARDS`; the heavy
+libraries (transformers, rapidocr) load only when a factory runs.
+
+Registered names: `shapes`, `ocr`, `jpeg_compressibility`, `jpeg_incompressibility`,
+`pickscore`, `clipscore`, `aesthetic`, and `weighted` (a weighted sum of the others).
+
+Spec forms accepted by `build_reward`:
+
+    "pickscore"                                      # a registered name, default options
+    "shapes:1.0,jpeg_compressibility:0.1"            # a weighted sum, `name:weight` pairs
+    {"name": "pickscore", "options": {"model": "/models/pickscore"}}   # factory options
+    {"name": "weighted", "options": {"parts": [     # a weighted sum of parts with options
+        {"name": "shapes", "weight": 1.0},
+        {"name": "aesthetic", "weight": 0.1, "options": {"head": "/models/head.pth"}}]}}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from stepgrpo.rewards import clip_models, jpeg, ocr  # noqa: F401  (they register)
+
+try:  # TEMPORARY until stepgrpo/rewards/shapes.py is committed
+    import stepgrpo.rewards.shapes  # noqa: F401
+except ModuleNotFoundError as err:
+    if err.name != "stepgrpo.rewards.shapes":
+        raise
+from stepgrpo.rewards.base import REWARDS, Reward, RewardOutput
+from stepgrpo.rewards.combine import WeightedSum
+
+__all__ = ["REWARDS", "Reward", "RewardOutput", "WeightedSum", "build_reward", "parse_weights"]
+
+Spec = str | Mapping[str, Any]
+
+
+def parse_weights(spec: str) -> list[tuple[str, float]]:
+    """`"shapes:1.0,jpeg_compressibility:0.1"` -> `[("shapes", 1.0), ("jpeg_compressibility", 0.1)]`.
+
+    A part without `:weight` gets weight 1. Names are checked against `REWARDS`.
+    """
+    parts = []
+    for item in spec.split(","):
+        name, sep, weight = item.strip().partition(":")
+        try:
+            value = float(weight) if sep else 1.0
+        except ValueError:
+            raise ValueError(f"reward spec {spec!r}: weight {weight!r} of {name!r} is not a number") from None
+        parts.append((REWARDS.validate(name.strip()), value))
+    return parts
+
+
+def build_reward(spec: Spec) -> Reward:
+    """Build a reward from a name, a `name:weight,...` string or a `{"name", "options"}` mapping."""
+    if isinstance(spec, str):
+        if "," in spec or ":" in spec:
+            return _weighted_defaults(spec)
+        return REWARDS.get(spec)()
+    if isinstance(spec, Mapping):
+        unknown = set(spec) - {"name", "options"}
+        if unknown or "name" not in spec:
+            raise ValueError(f"a reward spec mapping has keys 'name' and optional 'options', got {sorted(spec)}")
+        return REWARDS.get(spec["name"])(**dict(spec.get("options") or {}))
+    raise TypeError(f"a reward spec is a string or a mapping, got {type(spec).__name__}")
+
+
+def _weighted_defaults(spec: str) -> WeightedSum:
+    """A weighted sum of rewards built with their default options."""
+    return WeightedSum([(REWARDS.get(name)(), w) for name, w in parse_weights(spec)])
+
+
+@REWARDS.register("weighted")
+def weighted(parts: str | Mapping[str, float] | Sequence[Mapping[str, Any]]) -> WeightedSum:
+    """A weighted sum. parts: `"a:1,b:0.1"`, `{"a": 1, "b": 0.1}`, or a list of
+    `{"name", "weight" (default 1), "options" (default none)}` mappings."""
+    if isinstance(parts, str):
+        return _weighted_defaults(parts)
+    if isinstance(parts, Mapping):
+        return WeightedSum([(build_reward(name), float(w)) for name, w in parts.items()])
+    built = []
+    for part in parts:
+        unknown = set(part) - {"name", "weight", "options"}
+        if unknown:
+            raise ValueError(f"a weighted part has keys name, weight, options; got unknown {sorted(unknown)}")
+        reward = build_reward({"name": part["name"], "options": part.get("options") or {}})
+        built.append((reward, float(part.get("weight", 1.0))))
+    return WeightedSum(built)
