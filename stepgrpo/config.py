@@ -81,10 +81,11 @@ class SamplerConfig(_Section):
 
     @model_validator(mode="after")
     def _window_inside_grid(self) -> SamplerConfig:
-        end = self.sde_window_start + (self.sde_window_size or self.steps - self.sde_window_start)
-        if self.sde_window_start >= self.steps or end > self.steps:
+        size = self.sde_window_size or self.steps - self.sde_window_start
+        if self.sde_window_start >= self.steps or self.sde_window_start + size > self.steps:
             raise ValueError(
-                f"sde window [{self.sde_window_start}, {end}) must lie inside the {self.steps} steps"
+                f"sde window (sde_window_start={self.sde_window_start}, sde_window_size={self.sde_window_size}) "
+                f"must lie inside the {self.steps} steps"
             )
         return self
 
@@ -135,6 +136,18 @@ class CreditConfig(_Section):
         from stepgrpo_core.credit import SCHEMES
 
         return SCHEMES.validate(v)
+
+    @model_validator(mode="after")
+    def _known_options(self) -> CreditConfig:
+        from stepgrpo_core.credit import scheme_options
+
+        valid = scheme_options(self.scheme)
+        unknown = sorted(set(self.options) - set(valid))
+        if unknown:
+            raise ValueError(
+                f"options {unknown} are not options of scheme {self.scheme!r}; allowed: {', '.join(sorted(valid)) or 'none'}"
+            )
+        return self
 
 
 class OptimConfig(_Section):
@@ -206,17 +219,22 @@ class RunConfig(_Section):
 
 
 class Config(_Section):
-    model: ModelConfig = ModelConfig()
-    sampler: SamplerConfig = SamplerConfig()
-    completion: CompletionConfig = CompletionConfig()
-    reward: RewardConfig = RewardConfig()
-    credit: CreditConfig = CreditConfig()
-    optim: OptimConfig = OptimConfig()
-    calibration: CalibrationConfig = CalibrationConfig()
-    run: RunConfig = RunConfig()
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    sampler: SamplerConfig = Field(default_factory=SamplerConfig)
+    completion: CompletionConfig = Field(default_factory=CompletionConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    credit: CreditConfig = Field(default_factory=CreditConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
 
     @model_validator(mode="after")
     def _steps_in_grid(self) -> Config:
+        if self.completion.method is None and self.credit.scheme != "outcome":
+            raise ValueError(
+                f"credit.scheme {self.credit.scheme!r} needs step rewards: set completion.method "
+                "(remaining, substeps:N, tweedie); only 'outcome' works with completion.method null"
+            )
         start, end = self.sampler.window()
         for k in self.optim.train_steps or ():
             if not start <= k < end:
