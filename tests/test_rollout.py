@@ -1,0 +1,152 @@
+"""Rollouts over a grid with an optional SDE window, and re-scoring stored transitions."""
+
+import math
+
+import pytest
+import torch
+
+from stepgrpo_core.analytic import PointMassFlow
+from stepgrpo_core.calibration import initial_psi
+from stepgrpo_core.rollout import rollout, step_log_prob
+
+SIGMAS = torch.tensor([1.0, 0.95, 0.85, 0.7, 0.5, 0.3, 0.0])  # T = 6, a shifted-looking grid
+NOISE = {"flow": 0.7, "cps": 0.7, "ddim": 1.0, "psi": initial_psi(SIGMAS)}
+
+
+def nonlinear_velocity(x, sigma, cond):
+    """A model-like field that uses its conditioning rows (so a row mix-up would show)."""
+    return torch.tanh(x) * cond["scale"].reshape(-1, 1, 1, 1) + sigma.reshape(-1, 1, 1, 1) * x
+
+
+def make(batch=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x0 = torch.randn(batch, 2, 3, 3, generator=g)
+    cond = {"scale": torch.linspace(0.5, 1.5, batch)}
+    return x0, cond
+
+
+def test_ode_rollout_is_euler_loop():
+    x0, cond = make()
+    out = rollout(nonlinear_velocity, x0, SIGMAS, cond, kernel="ode")
+    x = x0.clone()
+    for k in range(len(SIGMAS) - 1):  # plain Euler
+        x = x + nonlinear_velocity(x, SIGMAS[k].expand(3), cond) * (SIGMAS[k + 1] - SIGMAS[k])
+        torch.testing.assert_close(out.states[:, k + 1], x)
+    assert out.log_probs.isnan().all() and (out.stds == 0).all() and out.nfe == 3 * 6
+
+
+@pytest.mark.parametrize("kind", ["flow", "cps", "ddim", "psi"])
+def test_shapes_window_and_nfe(kind):
+    x0, cond = make()
+    out = rollout(nonlinear_velocity, x0, SIGMAS, cond, kernel=kind, noise=NOISE[kind], window=(1, 3), generator=torch.Generator().manual_seed(1))
+    assert out.states.shape == (3, 7, 2, 3, 3) and out.log_probs.shape == (3, 6) and out.stds.shape == (3, 6)
+    assert out.nfe == 18 and torch.equal(out.states[:, 0], x0)
+    inside = torch.tensor([False, True, True, True, False, False])
+    assert out.log_probs[:, ~inside].isnan().all() and (out.stds[:, ~inside] == 0).all()
+    assert out.log_probs[:, inside].isfinite().all() and (out.stds[:, inside] > 0).all()
+    # the steps outside the window are plain Euler steps
+    for k in (0, 4, 5):
+        v = nonlinear_velocity(out.states[:, k], SIGMAS[k].expand(3), cond)
+        torch.testing.assert_close(out.states[:, k + 1], out.states[:, k] + v * (SIGMAS[k + 1] - SIGMAS[k]))
+
+
+def test_deterministic_steps_inside_window_get_nan():
+    # ddim has std 0 at sigma = 1 and both ddim and cps at sigma' = 0 (std proportional to s'):
+    # no density, so NaN like the ode steps.
+    x0, cond = make()
+    ddim = rollout(nonlinear_velocity, x0, SIGMAS, cond, kernel="ddim", noise=1.0)
+    assert ddim.log_probs[:, [0, 5]].isnan().all() and ddim.log_probs[:, 1:5].isfinite().all()
+    cps = rollout(nonlinear_velocity, x0, SIGMAS, cond, kernel="cps", noise=0.7)
+    assert cps.log_probs[:, -1].isnan().all() and cps.log_probs[:, :-1].isfinite().all()
+
+
+def test_seeded_rollouts_repeat():
+    x0, cond = make()
+    a = rollout(nonlinear_velocity, x0, SIGMAS, cond, generator=torch.Generator().manual_seed(7))
+    b = rollout(nonlinear_velocity, x0, SIGMAS, cond, generator=torch.Generator().manual_seed(7))
+    c = rollout(nonlinear_velocity, x0, SIGMAS, cond, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(a.states, b.states) and torch.equal(a.log_probs, b.log_probs)
+    assert not torch.equal(a.states, c.states)
+
+
+def test_psi_with_initial_table_equals_flow():
+    x0, cond = make()
+    flow = rollout(nonlinear_velocity, x0, SIGMAS, cond, kernel="flow", noise=0.7, generator=torch.Generator().manual_seed(3))
+    psi = rollout(nonlinear_velocity, x0, SIGMAS, cond, kernel="psi", noise=initial_psi(SIGMAS, 0.7), generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(psi.states, flow.states)
+    torch.testing.assert_close(psi.log_probs, flow.log_probs)
+
+
+@pytest.mark.parametrize("kind", ["flow", "cps", "ddim", "psi"])
+def test_step_log_prob_reproduces_rollout_exactly(kind):
+    x0, cond = make()
+    out = rollout(nonlinear_velocity, x0, SIGMAS, cond, kernel=kind, noise=NOISE[kind], generator=torch.Generator().manual_seed(2))
+    for k in range(6):
+        if out.log_probs[:, k].isnan().any():
+            continue
+        rec = step_log_prob(nonlinear_velocity, out.states, SIGMAS, cond, k, kind, NOISE[kind])
+        assert torch.equal(rec.log_prob, out.log_probs[:, k]), k  # ratio exactly 1 on-policy
+        torch.testing.assert_close(rec.std.reshape(-1), out.stds[:, k], rtol=0, atol=0)
+    # one step per row gives the same values as one step for all rows
+    steps = torch.tensor([1, 3, 2])
+    rec = step_log_prob(nonlinear_velocity, out.states, SIGMAS, cond, steps, kind, NOISE[kind])
+    torch.testing.assert_close(rec.log_prob, out.log_probs[torch.arange(3), steps], rtol=0, atol=0)
+    assert rec.mean.shape == (3, 2, 3, 3) and rec.std.shape == (3, 1, 1, 1)
+
+
+def test_step_log_prob_has_gradient():
+    x0, _ = make()
+    weight = torch.nn.Parameter(torch.tensor(1.0))
+
+    def velocity(x, sigma, cond):
+        return weight * torch.tanh(x)
+
+    with torch.no_grad():
+        out = rollout(velocity, x0, SIGMAS, None, kernel="flow", generator=torch.Generator().manual_seed(0))
+    rec = step_log_prob(velocity, out.states, SIGMAS, None, 2, "flow", 0.7)
+    rec.log_prob.sum().backward()
+    assert weight.grad is not None and weight.grad.abs() > 0
+
+
+def test_rollout_keeps_dtype():
+    x0, cond = make()
+    out = rollout(nonlinear_velocity, x0.double(), SIGMAS, {"scale": cond["scale"].double()})
+    assert out.states.dtype == torch.float64 and out.log_probs.dtype == torch.float32
+
+
+def test_point_mass_ode_reaches_the_data_point():
+    mu = torch.tensor([0.3, -1.0]).reshape(2, 1, 1)
+    x0, _ = make()
+    out = rollout(PointMassFlow(mu), x0, SIGMAS, None, kernel="ode")
+    torch.testing.assert_close(out.states[:, -1], mu.expand(3, 2, 3, 3), atol=1e-5, rtol=0)
+    for k in range(7):  # straight lines: x_k = (1 - s_k) mu + s_k x_0
+        torch.testing.assert_close(out.states[:, k], (1 - SIGMAS[k]) * mu + SIGMAS[k] * x0, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(window=(4, 3)), "start \\+ size <= T = 6"),
+        (dict(window=(0, 0)), "1 <= size"),
+        (dict(kernel="psi", noise=0.7), r"per-step table noise: \[T=6\]"),
+        (dict(kernel="langevin"), "known kernels"),
+        (dict(sigmas=torch.tensor([1.0, 0.5, 0.6, 0.0])), "decrease strictly"),
+    ],
+)
+def test_invalid_rollouts(kwargs, match):
+    x0, cond = make()
+    sigmas = kwargs.pop("sigmas", SIGMAS)
+    with pytest.raises((ValueError, KeyError), match=match):
+        rollout(nonlinear_velocity, x0, sigmas, cond, **kwargs)
+
+
+def test_invalid_step_log_prob():
+    x0, cond = make()
+    out = rollout(nonlinear_velocity, x0, SIGMAS, cond)
+    with pytest.raises(ValueError, match=r"steps must lie in \[0, T-1\]"):
+        step_log_prob(nonlinear_velocity, out.states, SIGMAS, cond, 6, "flow", 0.7)
+    with pytest.raises(ValueError, match="std > 0"):
+        step_log_prob(nonlinear_velocity, out.states, SIGMAS, cond, 0, "ode", None)
+    with pytest.raises(ValueError, match="T \\+ 1"):
+        step_log_prob(nonlinear_velocity, out.states[:, :5], SIGMAS, cond, 0, "flow", 0.7)
+    assert math.isfinite(step_log_prob(nonlinear_velocity, out.states, SIGMAS, cond, 5, "flow", 0.7).log_prob.sum().item())
