@@ -1,0 +1,178 @@
+"""Every stored array, axis, dtype, chunking, column and the schema version, in one place.
+
+Shape legend: `B` trajectories, `T` steps, `T+1` states `x_0..x_T`, `C, H, W` latent.
+
+Bump `SCHEMA_VERSION` whenever anything declared here changes in a way an older reader would
+misread (a renamed array or column, a new required attr, another codec). Runs record the version
+they were written with and readers refuse other versions (see `storage.errors.SchemaVersionError`).
+
+Zarr stores (v3, one directory per stage):
+
+- Arrays marked `per_trajectory` are chunked one trajectory per chunk along `B` (the other axes
+  are one chunk), so each writer owns whole chunks: concurrent writers to a shared chunk lose
+  updates. The others (`sigmas`, `seeds`, ...) are one chunk, written once when the stage begins.
+- Codecs: `bytes` (little endian) then `crc32c`, no compression: latents are noise-like and
+  barely compress, and the checksum lets a reader detect a damaged chunk instead of training on
+  it. A chunk file is therefore the raw little-endian array bytes followed by 4 bytes of crc32c
+  (little endian); `storage.arrays` reads and writes that encoding directly for speed, and the
+  stores stay plain Zarr v3 that `zarr.open_group` reads.
+- Chunk keys use the `default` encoding with separator `"."` (`c.3.0.0.0.0`), which keeps a
+  store's chunk files in one directory per array (nested directories cost more than the writes).
+- Latent dtype: `float16` or `float32` by config. bfloat16 has no NumPy dtype, so bf16 latents are
+  stored as float32 (exact: every bf16 value is a float32 value) and the store's
+  `source_dtype` attr says `"bfloat16"`.
+
+Parquet tables (long format, append-only; one immutable file per append, read as a dataset):
+
+- prompts: one row per prompt.
+- rewards: one row per (iteration, trajectory, state k, reward name, reward version). A reward's
+  sub-scores go in the `sub` map column (sub-score name -> value, NaN where not applicable), so a
+  reward stays one row per state; `strict` is null where a reward has no strict score.
+- advantages: one row per (iteration, trajectory, step k, scheme, options digest). NaN marks a step
+  the scheme gives no credit (e.g. outside the SDE window); infinities are refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+
+# Latent storage dtype for each compute dtype; bf16 -> float32 (no NumPy bf16, float32 is exact).
+LATENT_STORAGE_DTYPES: dict[str, str] = {
+    "float16": "float16",
+    "float32": "float32",
+    "bfloat16": "float32",
+}
+
+CHUNK_KEY_SEPARATOR = "."
+CHECKSUM_BYTES = 4  # crc32c appended to every chunk, little endian
+PUBLISHED_FILE = "_published.json"
+
+# Files a run directory may hold: data formats only, never pickle (opening a run must not run code).
+ALLOWED_FILE_SUFFIXES = (".json", ".yaml", ".yml", ".parquet", ".safetensors")
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """One Zarr array of a stage store."""
+
+    name: str
+    axes: tuple[str, ...]  # axis names from the legend: "B", "T", "T+1", "C", "H", "W"
+    dtype: str  # NumPy dtype name, or "latent" for the configured latent storage dtype
+    per_trajectory: bool  # True: one chunk per trajectory, written by trajectory writers
+    doc: str
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """The arrays and required attrs of one kind of stage store."""
+
+    kind: str
+    arrays: tuple[ArraySpec, ...]
+    required_attrs: tuple[str, ...]  # must be present when the stage is published
+
+    def array(self, name: str) -> ArraySpec:
+        for spec in self.arrays:
+            if spec.name == name:
+                return spec
+        known = ", ".join(a.name for a in self.arrays)
+        raise KeyError(f"{self.kind} store has no array {name!r}; known arrays: {known}")
+
+
+ROLLOUT = StoreSpec(
+    kind="rollout",
+    arrays=(
+        ArraySpec("states", ("B", "T+1", "C", "H", "W"), "latent", True, "states x_0..x_T"),
+        ArraySpec("log_probs", ("B", "T"), "float32", True,
+                  "log-prob of step k under the sampling kernel; NaN outside the SDE window"),
+        ArraySpec("stds", ("B", "T"), "float32", True, "the kernel's std at step k"),
+        ArraySpec("sigmas", ("T+1",), "float32", False, "the grid, sigmas[0] = 1 > ... > sigmas[T] = 0"),
+        ArraySpec("seeds", ("B",), "int64", False, "the seed of each trajectory"),
+        ArraySpec("prompt_ids", ("B",), "int64", False, "row of the prompts table"),
+        ArraySpec("group_ids", ("B",), "int64", False, "GRPO group of each trajectory"),
+    ),
+    # kernel: registry name; kernel_params: its options (JSON); dims and dtypes are added by the writer
+    required_attrs=("kernel", "kernel_params"),
+)
+
+COMPLETION = StoreSpec(
+    kind="completion",
+    arrays=(
+        ArraySpec("latents", ("B", "T+1", "C", "H", "W"), "latent", True,
+                  "ODE completion of every stored state (completion of x_T is x_T)"),
+    ),
+    # method: completion registry name; nfe: transformer rows evaluated to produce the store
+    required_attrs=("method", "nfe"),
+)
+
+# Attrs every Zarr stage store carries (written by storage, not by callers).
+DIM_ATTRS = ("B", "T", "C", "H", "W")
+
+PROMPTS_SCHEMA = pa.schema(
+    [
+        pa.field("prompt_id", pa.int64(), nullable=False),
+        pa.field("text", pa.string(), nullable=False),
+        pa.field("split", pa.string(), nullable=False),  # e.g. "train", "test"
+        pa.field("metadata", pa.string(), nullable=False),  # JSON object (structured prompt facts)
+    ]
+)
+
+REWARDS_SCHEMA = pa.schema(
+    [
+        pa.field("iteration", pa.int64(), nullable=False),
+        pa.field("traj", pa.int64(), nullable=False),  # trajectory index b in [0, B)
+        pa.field("k", pa.int64(), nullable=False),  # state index in [0, T]
+        pa.field("reward_name", pa.string(), nullable=False),
+        pa.field("reward_version", pa.string(), nullable=False),
+        pa.field("value", pa.float64(), nullable=False),  # finite: NaN/inf are refused on append
+        pa.field("strict", pa.float64(), nullable=True),  # null where the reward has no strict score
+        pa.field("sub", pa.map_(pa.string(), pa.float64()), nullable=False),  # sub-scores, may be empty
+    ]
+)
+REWARDS_KEY = ("iteration", "traj", "k", "reward_name", "reward_version")
+
+ADVANTAGES_SCHEMA = pa.schema(
+    [
+        pa.field("iteration", pa.int64(), nullable=False),
+        pa.field("traj", pa.int64(), nullable=False),  # trajectory index b in [0, B)
+        pa.field("k", pa.int64(), nullable=False),  # step index in [0, T)
+        pa.field("scheme", pa.string(), nullable=False),
+        pa.field("options_digest", pa.string(), nullable=False),  # storage.digests.options_digest
+        pa.field("value", pa.float64(), nullable=False),  # NaN = no credit at this step; inf refused
+    ]
+)
+ADVANTAGES_KEY = ("iteration", "traj", "k", "scheme", "options_digest")
+
+
+def axis_sizes(B: int, T: int, C: int, H: int, W: int) -> dict[str, int]:
+    """Sizes of the legend's axes for one stage."""
+    return {"B": B, "T": T, "T+1": T + 1, "C": C, "H": H, "W": W}
+
+
+def array_shape(spec: ArraySpec, sizes: dict[str, int]) -> tuple[int, ...]:
+    """Shape of `spec` for the given axis sizes."""
+    return tuple(sizes[a] for a in spec.axes)
+
+
+def chunk_shape(spec: ArraySpec, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """One trajectory per chunk along B for per-trajectory arrays; one chunk otherwise."""
+    if spec.per_trajectory:
+        return (1, *shape[1:])
+    return shape
+
+
+def storage_dtype(spec: ArraySpec, latent_dtype: str) -> str:
+    """The NumPy dtype name `spec` is stored with (`latent_dtype` is already a storage dtype)."""
+    return latent_dtype if spec.dtype == "latent" else spec.dtype
+
+
+def latent_storage_dtype(dtype: str) -> str:
+    """Storage dtype for a compute dtype name ("float16", "float32", "bfloat16")."""
+    try:
+        return LATENT_STORAGE_DTYPES[dtype]
+    except KeyError:
+        allowed = ", ".join(LATENT_STORAGE_DTYPES)
+        raise ValueError(f"latent dtype {dtype!r} is not storable; use one of: {allowed}") from None
