@@ -1,0 +1,235 @@
+"""Storage: bit-exact round trips of every array and table, digests, publish rules, run isolation."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+from storage import (
+    AlreadyPublishedError,
+    IncompleteStageError,
+    NotPublishedError,
+    Run,
+    SchemaVersionError,
+    options_digest,
+)
+from storage.schema import COMPLETION, ROLLOUT
+
+B, T, C, H, W = 4, 3, 2, 4, 4
+
+
+def rollout_inputs(seed: int = 0, dtype: torch.dtype = torch.float16) -> dict:
+    """A small rollout: states [B,T+1,C,H,W], log_probs/stds [B,T] (NaN outside a window), the plan."""
+    g = torch.Generator().manual_seed(seed)
+    log_probs = torch.randn(B, T, generator=g)
+    log_probs[:, 0] = float("nan")  # step 0 outside the SDE window
+    return {
+        "states": torch.randn(B, T + 1, C, H, W, generator=g).to(dtype),
+        "log_probs": log_probs,
+        "stds": torch.rand(B, T, generator=g),
+        "sigmas": torch.linspace(1, 0, T + 1),
+        "seeds": torch.arange(B) + 1000,
+        "prompt_ids": torch.tensor([7, 7, 3, 3]),
+        "group_ids": torch.tensor([0, 0, 1, 1]),
+    }
+
+
+def write_rollout(run: Run, iteration: int, x: dict, dtype: str = "float16", order=(0, 2)) -> dict:
+    with run.begin_rollout(
+        iteration, sigmas=x["sigmas"], seeds=x["seeds"], prompt_ids=x["prompt_ids"], group_ids=x["group_ids"],
+        latent_shape=(C, H, W), latent_dtype=dtype, kernel="sde", kernel_params={"eta": 0.7, "window": [1, 3]},
+    ) as w:
+        for start in order:  # two slices of two trajectories, in the given order
+            sl = slice(start, start + 2)
+            w.write(start, states=x["states"][sl], log_probs=x["log_probs"][sl], stds=x["stds"][sl])
+        return w.publish(inputs={"seed": 0})
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("dtype,stored", [("float16", np.float16), ("float32", np.float32), ("bfloat16", np.float32)])
+def test_rollout_round_trip_is_bit_exact(tmp_path, dtype, stored):
+    run = Run.create(tmp_path, "r", {"seed": 0})
+    x = rollout_inputs(dtype=getattr(torch, dtype))
+    manifest = write_rollout(run, 0, x, dtype)
+    data = run.read_rollout(0)
+    # bf16 is stored as float32: exact, since every bf16 value is a float32 value
+    assert same_bits(data.states, x["states"].float().numpy().astype(stored))
+    assert same_bits(data.log_probs, x["log_probs"].numpy())  # NaN bits included
+    assert same_bits(data.stds, x["stds"].numpy())
+    assert same_bits(data.sigmas, x["sigmas"].numpy())
+    for name in ("seeds", "prompt_ids", "group_ids"):
+        assert same_bits(getattr(data, name), x[name].numpy())
+    assert (data.kernel, data.kernel_params) == ("sde", {"eta": 0.7, "window": [1, 3]})
+    assert manifest == run.stage_manifest(0, "rollout") == data.manifest
+    assert manifest["counts"] == {"trajectories": B, "steps": T, "states": T + 1, "bytes": manifest["counts"]["bytes"]}
+    assert manifest["attrs"]["source_dtype"] == dtype
+    # selecting trajectories selects the per-trajectory rows and the plan rows alike
+    part = run.read_rollout(0, [3, 1])
+    assert same_bits(part.states, data.states[[3, 1]]) and list(part.seeds) == [1003, 1001]
+    # the store is plain Zarr v3 with the schema's layout and checksum codec
+    group = zarr.open_group(str(run.stage_path(0, "rollout")), mode="r")
+    for spec in ROLLOUT.arrays:
+        arr = group[spec.name]
+        assert same_bits(arr[...], run.read_array(0, "rollout", spec.name))
+        assert arr.metadata.dimension_names == spec.axes
+        assert "crc32c" in json.dumps(arr.metadata.to_dict()["codecs"])
+        assert arr.chunks[0] == (1 if spec.per_trajectory else arr.shape[0])
+
+
+def test_completion_round_trip(tmp_path):
+    run = Run.create(tmp_path, "r", {})
+    x = rollout_inputs()
+    write_rollout(run, 0, x)
+    latents = torch.randn(B, T + 1, C, H, W).half()
+    with run.begin_completion(0, "heun") as w:
+        w.write(0, latents=latents)
+        manifest = w.publish(attrs={"nfe": 24})
+    data = run.read_completion(0, "heun")
+    assert same_bits(data.latents, latents.numpy())
+    assert (data.method, data.nfe) == ("heun", 24)
+    assert manifest["attrs"]["rollout_digest"] == run.stage_manifest(0, "rollout")["digest"]
+    assert run.stage_path(0, "completions/heun").name == "heun.zarr"
+    assert [a.name for a in COMPLETION.arrays] == ["latents"]
+
+
+def test_digest_is_deterministic_and_content_sensitive(tmp_path):
+    runs = [Run.create(tmp_path, f"r{i}", {}) for i in range(3)]
+    x = rollout_inputs()
+    d0 = write_rollout(runs[0], 0, x, order=(0, 2))["digest"]
+    d1 = write_rollout(runs[1], 0, x, order=(2, 0))["digest"]  # other write order, same content
+    x["states"][1, 2, 0, 0, 0] += 1
+    d2 = write_rollout(runs[2], 0, x)["digest"]
+    assert d0 == d1 != d2
+
+
+def test_publish_rules(tmp_path):
+    run = Run.create(tmp_path, "r", {})
+    x = rollout_inputs()
+    with pytest.raises(NotPublishedError, match="publish the rollout"):
+        run.begin_completion(0, "heun")
+    with run.begin_rollout(
+        0, sigmas=x["sigmas"], seeds=x["seeds"], prompt_ids=x["prompt_ids"], group_ids=x["group_ids"],
+        latent_shape=(C, H, W), latent_dtype="float16", kernel="sde", kernel_params={},
+    ) as w:
+        w.write(0, states=x["states"][:3], log_probs=x["log_probs"][:3], stds=x["stds"][:3])
+        with pytest.raises(IncompleteStageError, match=r"states: \[3\]"):
+            w.publish()
+        with pytest.raises(ValueError, match="expected shape"):
+            w.write(3, states=x["states"][3:, :2])
+        w.write(3, states=x["states"][3:], log_probs=x["log_probs"][3:], stds=x["stds"][3:])
+        w.publish()
+    assert run.stage_manifest(0, "rollout") is not None
+    with pytest.raises(AlreadyPublishedError):
+        write_rollout(run, 0, x)
+    with pytest.raises(NotPublishedError):
+        run.read_rollout(1)
+    assert run.stage_manifest(1, "rollout") is None
+    assert run.iterations() == [0]
+
+
+def test_runs_with_different_ids_are_isolated(tmp_path):
+    a, b = Run.create(tmp_path, "a", {"x": 1}), Run.create(tmp_path, "b", {"x": 2})
+    x = rollout_inputs()
+    # the same stage of two runs can be open at once: different locks, different directories
+    wa = a.begin_checkpoint(0)
+    wb = b.begin_checkpoint(0)
+    (wa.path / "state.json").write_text("{}")
+    (wb.path / "state.json").write_text("{}")
+    wa.publish(), wb.publish()
+    write_rollout(a, 0, x)
+    assert b.stage_manifest(0, "rollout") is None
+    assert {p.relative_to(b.path).as_posix() for p in b.path.rglob("*")} == {
+        "manifest.json", "checkpoints", "checkpoints/iter_0", "checkpoints/iter_0/state.json",
+        "checkpoints/iter_0/_published.json",
+    }
+
+
+def test_run_manifest_and_schema_version(tmp_path):
+    config = {"model": "shapes", "train": {"lr": 1e-4, "steps": [1, 2]}}
+    run = Run.create(tmp_path, "r", config)
+    manifest = json.loads((run.path / "manifest.json").read_text())
+    assert manifest["config"] == config and manifest["schema_version"] == run.manifest["schema_version"]
+    assert set(manifest["code_version"]) == {"package", "git_commit"} and manifest["created_at"]
+    assert Run.open(run.path).config == config
+    assert Run.create(tmp_path, "r", config, exist_ok=True).config == config
+    with pytest.raises(FileExistsError):
+        Run.create(tmp_path, "r", config)
+    with pytest.raises(ValueError, match="different config"):
+        Run.create(tmp_path, "r", {"model": "other"}, exist_ok=True)
+    with pytest.raises(ValueError, match="plain JSON"):
+        Run.create(tmp_path, "s", {"x": object()})
+    manifest["schema_version"] = 0
+    (run.path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SchemaVersionError, match=r"schema version 0; this code reads version \d+\. Open it with"):
+        Run.open(run.path)
+
+
+def test_stage_written_with_another_schema_version_is_refused(tmp_path):
+    run = Run.create(tmp_path, "r", {})
+    write_rollout(run, 0, rollout_inputs())
+    published = run.stage_path(0, "rollout") / "_published.json"
+    manifest = json.loads(published.read_text())
+    published.write_text(json.dumps({**manifest, "schema_version": 99}))
+    with pytest.raises(SchemaVersionError, match="version 99"):
+        run.read_rollout(0)
+
+
+def test_checkpoint_round_trip(tmp_path):
+    run = Run.create(tmp_path, "r", {})
+    torch.manual_seed(0)
+    tensors = {
+        "lora": {"a.weight": torch.randn(4, 2, dtype=torch.bfloat16), "b.weight": torch.randn(2, 4)},
+        "optimizer": {"step": torch.tensor(3), "exp_avg.0": torch.randn(4, 2)},
+    }
+    state = {"iteration": 1, "torch_rng": torch.get_rng_state().tolist(), "numpy_rng": [1, 2, 3]}
+    run.save_checkpoint(1, tensors, state)
+    run.save_checkpoint(0, {"lora": {"a.weight": torch.zeros(1)}}, {"iteration": 0})
+    assert run.latest_checkpoint() == 1
+    ckpt = run.load_checkpoint()
+    assert ckpt.iteration == 1 and ckpt.state == state
+    for group, named in tensors.items():
+        for name, t in named.items():
+            got = ckpt.tensors[group][name]
+            assert got.dtype == t.dtype and torch.equal(got, t)
+    # tampering is detected against the published digest
+    (run.stage_path(1, "checkpoint") / "state.json").write_text('{"iteration": 2}')
+    with pytest.raises(Exception, match="do not match the published digest"):
+        run.load_checkpoint(1)
+
+
+def test_run_directory_holds_data_only(tmp_path):
+    run = Run.create(tmp_path, "r", {})
+    with run.begin_checkpoint(0) as w:
+        (w.path / "optimizer.pt").write_bytes(b"\x80\x04pickle")
+        with pytest.raises(ValueError, match="no pickle"):
+            w.publish()
+    assert run.stage_manifest(0, "checkpoint") is None
+
+
+def test_prompts_round_trip_and_write_once(tmp_path):
+    run = Run.create(tmp_path, "r", {})
+    ids, texts, splits = [2, 0, 1], ["two red circles", "a blue square", "ünïcode ✓"], ["train", "test", "train"]
+    meta = [{"objects": [{"shape": "circle", "count": 2}]}, {}, {"x": 1.5}]
+    record = run.write_prompts(ids, texts, splits, meta)
+    assert run.prompts_manifest() == record and record["rows"] == 3
+    rows = run.read_prompts().to_pylist()
+    assert [r["prompt_id"] for r in rows] == [0, 1, 2]
+    by_id = {r["prompt_id"]: r for r in rows}
+    for i, t, s, m in zip(ids, texts, splits, meta):
+        assert (by_id[i]["text"], by_id[i]["split"], json.loads(by_id[i]["metadata"])) == (t, s, m)
+    assert run.write_prompts(ids, texts, splits, meta) == record  # identical rewrite: no-op
+    with pytest.raises(ValueError, match="immutable"):
+        run.write_prompts([0], ["other"], ["train"])
+    assert run.read_prompts().to_pandas().shape == (3, 4)
+
+
+def test_options_digest_is_canonical():
+    assert options_digest({"a": 1, "b": [1, 2]}) == options_digest({"b": [1, 2], "a": 1})
+    assert options_digest({"a": 1}) != options_digest({"a": 2})
