@@ -145,14 +145,24 @@ def balance_turning_points(turn: torch.Tensor, aggregated: torch.Tensor) -> torc
     return kept.reshape(turn.shape)
 
 
-@SCHEMES.register("turning_point")
-def turning_point(rewards, gains, groups: Groups, consistency: bool = True, first_step: bool = True, balance: bool = True):
-    """TP-GRPO: turning points take the aggregated reward `R_T - R_k`; then per-(group, step) normalization."""
+def turning_point_rewards(rewards: torch.Tensor, consistency: bool = True, first_step: bool = True, balance: bool = True):
+    """TP-GRPO step rewards `[B, T]` and the kept turning points `[B, T]` bool.
+
+    `rewards [B, T+1]`. A kept turning point's reward is the aggregated `R_T - R_k` (its own
+    `g_k` is dropped); every other step keeps `g_k`.
+    """
+    gains = rewards[:, 1:] - rewards[:, :-1]
     turn = turning_points(rewards, gains, consistency=consistency, first_step=first_step)
     aggregated = rewards[:, -1:] - rewards[:, :-1]  # [B, T] R_T - R_k
     if balance:
         turn = balance_turning_points(turn, aggregated)
-    step_rewards = torch.where(turn, aggregated, gains)
+    return torch.where(turn, aggregated, gains), turn
+
+
+@SCHEMES.register("turning_point")
+def turning_point(rewards, gains, groups: Groups, consistency: bool = True, first_step: bool = True, balance: bool = True):
+    """TP-GRPO: turning points take the aggregated reward `R_T - R_k`; then per-(group, step) normalization."""
+    step_rewards, turn = turning_point_rewards(rewards, consistency=consistency, first_step=first_step, balance=balance)
     return groups.normalize(step_rewards), turn
 
 

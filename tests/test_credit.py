@@ -1,0 +1,330 @@
+"""Credit schemes (METHODS.md, "Credit schemes"): invariants, hand-worked turning points, and
+every vectorized scheme against a plain-loop reference written out below."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stepgrpo_core.credit import SCHEMES, STD_EPS, assign, scheme_options, turning_point_rewards
+
+SETTINGS = settings(max_examples=40, deadline=None, derandomize=True)
+
+
+# --- plain-loop references (python floats, one value at a time) ------------------------------
+
+
+def sign(x):
+    return (x > 0) - (x < 0)
+
+
+def ref_normalize(values):
+    """Population-std normalization; a constant list is exactly 0 (no signal)."""
+    if all(v == values[0] for v in values):
+        return [0.0] * len(values)
+    m = sum(values) / len(values)
+    sd = (sum((v - m) ** 2 for v in values) / len(values)) ** 0.5
+    return [(v - m) / (sd + STD_EPS) for v in values]
+
+
+def ref_groups(gids):
+    groups = {}
+    for b, gid in enumerate(gids):
+        groups.setdefault(gid, []).append(b)
+    return list(groups.values())
+
+
+def ref_per_group_step(values, gids):
+    """Normalize each column k within each group."""
+    out = [[0.0] * len(values[0]) for _ in values]
+    for rows in ref_groups(gids):
+        for k in range(len(values[0])):
+            for b, a in zip(rows, ref_normalize([values[b][k] for b in rows])):
+                out[b][k] = a
+    return out
+
+
+def ref_turning(R, consistency=True, first_step=True, balance=True):
+    B, T = len(R), len(R[0]) - 1
+    step = [[R[b][k + 1] - R[b][k] for k in range(T)] for b in range(B)]
+    turn = [[False] * T for _ in range(B)]
+    for b in range(B):
+        delta = R[b][T] - R[b][0]
+        s = [sign(step[b][k]) * sign(delta) for k in range(T)]
+        for k in range(T):
+            if k == 0:
+                ok = first_step and s[0] > 0
+            else:
+                ok = s[k - 1] < 0 and s[k] > 0
+            if ok and consistency:
+                ok = sign(step[b][k]) * sign(R[b][T] - R[b][k + 1]) > 0
+            turn[b][k] = ok
+    if balance:
+        pos = [(-abs(R[b][T] - R[b][k]), b * T + k) for b in range(B) for k in range(T) if turn[b][k] and R[b][T] - R[b][k] > 0]
+        neg = [(-abs(R[b][T] - R[b][k]), b * T + k) for b in range(B) for k in range(T) if turn[b][k] and R[b][T] - R[b][k] < 0]
+        n = min(len(pos), len(neg))
+        kept = {i for _, i in sorted(pos)[:n]} | {i for _, i in sorted(neg)[:n]}
+        turn = [[b * T + k in kept for k in range(T)] for b in range(B)]
+    for b in range(B):
+        for k in range(T):
+            if turn[b][k]:
+                step[b][k] = R[b][T] - R[b][k]
+    return step, turn
+
+
+def ref_assign(scheme, R, gids, **opts):
+    """Returns (advantages, turning mask, keep, zero_std_groups)."""
+    B, T = len(R), len(R[0]) - 1
+    gains = [[R[b][k + 1] - R[b][k] for k in range(T)] for b in range(B)]
+    turn = [[False] * T for _ in range(B)]
+    if scheme == "outcome":
+        final = [R[b][T] for b in range(B)]
+        adv = [0.0] * B
+        for rows in ref_groups(gids):
+            if opts.get("global_std", True):
+                m = sum(final[b] for b in rows) / len(rows)
+                sd = (sum((f - sum(final) / B) ** 2 for f in final) / B) ** 0.5
+                same = all(final[b] == final[rows[0]] for b in rows)
+                for b in rows:
+                    adv[b] = 0.0 if same else (final[b] - m) / (sd + STD_EPS)
+            else:
+                for b, a in zip(rows, ref_normalize([final[b] for b in rows])):
+                    adv[b] = a
+        A = [[adv[b]] * T for b in range(B)]
+    elif scheme == "stepwise":
+        flat = ref_normalize([g for row in gains for g in row])
+        A = [flat[b * T : (b + 1) * T] for b in range(B)]
+    elif scheme == "dense":
+        A = ref_per_group_step(gains, gids)
+    else:
+        step, turn = ref_turning(R, **opts)
+        A = ref_per_group_step(step, gids)
+    keep = [True] * B
+    dropped = 0
+    for rows in ref_groups(gids):
+        if all(A[b][k] == 0 for b in rows for k in range(T)):
+            dropped += 1
+            for b in rows:
+                keep[b] = False
+    return A, turn, keep, dropped
+
+
+# --- random inputs ---------------------------------------------------------------------------
+
+
+@st.composite
+def batches(draw, dyadic=True):
+    """Rewards [B, T+1] and shuffled, non-contiguous group ids; dyadic rewards (k / 8) make
+    every gain exact in fp32 and fp64 and produce ties (sign(0), constant groups)."""
+    sizes = draw(st.lists(st.integers(1, 5), min_size=1, max_size=4))
+    T = draw(st.integers(1, 6))
+    gids = [10 * g + 3 for g, n in enumerate(sizes) for _ in range(n)]
+    gids = draw(st.permutations(gids))
+    B = len(gids)
+    if dyadic:
+        R = [[draw(st.integers(-8, 8)) / 8 for _ in range(T + 1)] for _ in range(B)]
+    else:
+        seed = draw(st.integers(0, 2**16))
+        R = torch.rand(B, T + 1, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).tolist()
+    return R, gids
+
+
+OPTIONS = [
+    ("outcome", {}),
+    ("outcome", {"global_std": False}),
+    ("stepwise", {}),
+    ("dense", {}),
+    ("turning_point", {}),
+    ("turning_point", {"consistency": False}),
+    ("turning_point", {"first_step": False}),
+    ("turning_point", {"balance": False}),
+    ("turning_point", {"consistency": False, "first_step": False, "balance": False}),
+]
+
+
+def check_against_reference(R, gids, scheme, opts, exact_masks=True):
+    rewards = torch.tensor(R, dtype=torch.float32)
+    credit = assign(scheme, rewards, torch.tensor(gids), **opts)
+    # the reference sees the same fp32 values
+    A, turn, keep, dropped = ref_assign(scheme, rewards.double().tolist(), gids, **opts)
+    torch.testing.assert_close(credit.advantages, torch.tensor(A, dtype=torch.float32), atol=2e-4, rtol=1e-4)
+    if exact_masks:
+        assert credit.turning_mask.tolist() == turn
+        assert credit.keep.tolist() == keep and credit.zero_std_groups == dropped
+        assert credit.zero_std_ratio == pytest.approx(dropped / len(set(gids)))
+
+
+@SETTINGS
+@given(batches(), st.sampled_from(OPTIONS))
+def test_vectorized_equals_loop_on_tied_rewards(batch, scheme_opts):
+    check_against_reference(*batch, *scheme_opts)
+
+
+@SETTINGS
+@given(batches(dyadic=False), st.sampled_from(OPTIONS))
+def test_vectorized_equals_loop_on_continuous_rewards(batch, scheme_opts):
+    check_against_reference(*batch, *scheme_opts)
+
+
+# --- invariants -------------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(batches(dyadic=False))
+def test_gains_telescope(batch):
+    R, gids = batch
+    rewards = torch.tensor(R)
+    credit = assign("dense", rewards, torch.tensor(gids))
+    torch.testing.assert_close(credit.gains.sum(1), rewards[:, -1] - rewards[:, 0], atol=1e-5, rtol=0)
+
+
+def random_batch(groups=4, size=6, T=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(groups * size, T + 1, generator=g), torch.arange(groups).repeat_interleave(size)
+
+
+def test_stepwise_zero_mean_unit_std_over_all_entries():
+    rewards, gids = random_batch()
+    A = assign("stepwise", rewards, gids).advantages
+    assert abs(A.mean().item()) < 1e-6
+    # std / (std + 1e-4) with std ~ 1.4: 1 within 1e-4
+    assert A.std(correction=0).item() == pytest.approx(1.0, abs=1e-3)
+    # not per step: columns need not be standardized
+    assert A.mean(0).abs().max() > 1e-2
+
+
+def test_dense_zero_mean_per_group_and_step():
+    rewards, gids = random_batch()
+    A = assign("dense", rewards, gids).advantages
+    for grp in range(4):
+        torch.testing.assert_close(A[gids == grp].mean(0), torch.zeros(5), atol=1e-6, rtol=0)
+        torch.testing.assert_close(A[gids == grp].std(0, correction=0), torch.ones(5), atol=1e-3, rtol=0)
+
+
+def test_outcome_constant_along_steps():
+    rewards, gids = random_batch()
+    for global_std in (True, False):
+        A = assign("outcome", rewards, gids, global_std=global_std).advantages
+        assert torch.equal(A, A[:, :1].expand_as(A))
+        for grp in range(4):
+            assert abs(A[gids == grp, 0].mean().item()) < 1e-6
+    # global std: divided by the std of all final rewards of the batch
+    final = rewards[:, -1]
+    group_mean = final.reshape(4, 6).mean(1).repeat_interleave(6)
+    expected = (final - group_mean) / (final.std(correction=0) + STD_EPS)
+    torch.testing.assert_close(assign("outcome", rewards, gids).advantages[:, 0], expected)
+
+
+def test_zero_std_groups_are_dropped_and_counted():
+    rewards, gids = random_batch(groups=3, size=4)
+    rewards[gids == 1] = rewards[gids == 1][0]  # group 1: identical trajectories
+    # stepwise normalizes over the whole batch, so a constant group still has nonzero gains
+    # relative to the batch and is kept; every group-relative scheme drops it.
+    assert assign("stepwise", rewards, gids).zero_std_groups == 0
+    for scheme in ("outcome", "dense", "turning_point"):
+        credit = assign(scheme, rewards, gids)
+        assert credit.keep.tolist() == [True] * 4 + [False] * 4 + [True] * 4, scheme
+        assert credit.zero_std_groups == 1 and credit.zero_std_ratio == pytest.approx(1 / 3)
+        assert (credit.advantages[gids == 1] == 0).all()
+    # outcome also drops a group whose final rewards tie, even if the intermediate ones differ
+    rewards[gids == 2, -1] = 0.25
+    assert assign("outcome", rewards, gids).zero_std_groups == 2
+    assert assign("dense", rewards, gids).zero_std_groups == 1
+
+
+# --- turning points, worked by hand (T = 4, rewards R_0 .. R_4) -------------------------------
+# g = R_{k+1} - R_k, delta = R_4 - R_0, s_k = sign(g_k) sign(delta).
+
+A_ = [0, -1, 1, 2, 3]  # g = [-1, 2, 1, 1], s = [-, +, +, +]: step 1 turns; R_4 - R_2 = 2 > 0 agrees
+B_ = [0, -1, 2, 3, 1]  # g = [-1, 3, 1, -2]: step 1 flips but R_4 - R_2 = -1 disagrees (consistency)
+C_ = [0, 1, 0.5, 2, 3]  # g = [1, -0.5, 1.5, 1], s = [+, -, +, +]: step 0 (first-step rule) and step 2
+D_ = [0, -1, 3, 3, 3]  # g = [-1, 4, 0, 0]: step 1 flips but R_4 - R_2 = 0, sign(0) = 0: a tie
+E_ = [1, 0, 2, 1, 1]  # delta = 0: every s_k = 0, nothing ever turns
+F_ = [0, 1, -1, -2, -3]  # delta < 0, g = [1, -2, -1, -1], s = [-, +, +, +]: step 1 turns, R_4 - R_1 = -4
+
+
+def tp(rows, **opts):
+    step, turn = turning_point_rewards(torch.tensor(rows, dtype=torch.float32), **opts)
+    return step.tolist(), turn.tolist()
+
+
+def test_turning_point_and_aggregated_reward():
+    step, turn = tp([A_], balance=False)
+    assert turn == [[False, True, False, False]]
+    assert step == [[-1, 4, 1, 1]]  # step 1: R_4 - R_1 = 3 - (-1) = 4 replaces g_1 = 2
+
+
+def test_consistency_rule():
+    assert tp([B_], balance=False)[1] == [[False] * 4]
+    step, turn = tp([B_], balance=False, consistency=False)
+    assert turn == [[False, True, False, False]] and step == [[-1, 2, 1, -2]]  # R_4 - R_1 = 2
+
+
+def test_first_step_rule():
+    step, turn = tp([C_], balance=False)
+    assert turn == [[True, False, True, False]]
+    assert step == [[3, -0.5, 2.5, 1]]  # R_4 - R_0 = 3, R_4 - R_2 = 2.5
+    assert tp([C_], balance=False, first_step=False)[1] == [[False, False, True, False]]
+
+
+def test_ties_never_qualify():
+    assert tp([D_], balance=False)[1] == [[False] * 4]  # sign(R_4 - R_2) = sign(0) = 0
+    assert tp([D_], balance=False, consistency=False)[1] == [[False, True, False, False]]
+    assert tp([E_], balance=False, consistency=False)[1] == [[False] * 4]  # sign(delta) = 0
+
+
+def test_negative_trend():
+    step, turn = tp([F_], balance=False)
+    assert turn == [[False, True, False, False]] and step[0][1] == -4
+
+
+def test_balancing_keeps_equal_numbers_of_each_sign():
+    # candidates: A_ step 1 (+4), C_ steps 0 (+3) and 2 (+2.5), F_ step 1 (-4): one of each kept,
+    # the largest |value| of each sign; C_'s turning points revert to their gains.
+    step, turn = tp([A_, C_, F_])
+    assert turn == [[False, True, False, False], [False] * 4, [False, True, False, False]]
+    assert step[1] == [1, -0.5, 1.5, 1]
+    assert sum(map(sum, turn)) == 2
+    # equal magnitudes: the earlier position wins
+    assert tp([A_, A_, F_])[1] == [[False, True, False, False], [False] * 4, [False, True, False, False]]
+    # one sign only: min(#pos, #neg) = 0, nothing kept
+    assert tp([A_, C_])[1] == [[False] * 4, [False] * 4]
+
+
+def test_turning_point_scheme_normalizes_per_group_and_step():
+    rewards = torch.tensor([A_, C_, F_, B_], dtype=torch.float32)
+    gids = torch.tensor([0, 0, 1, 1])
+    credit = assign("turning_point", rewards, gids)
+    step, turn = turning_point_rewards(rewards)
+    assert torch.equal(credit.turning_mask, turn)
+    for grp in (0, 1):
+        rows = step[gids == grp]
+        centered = rows - rows.mean(0)
+        expected = centered / (rows.std(0, correction=0) + STD_EPS)
+        torch.testing.assert_close(credit.advantages[gids == grp], expected)
+
+
+# --- options and validation -------------------------------------------------------------------
+
+
+def test_options_are_validated():
+    assert scheme_options("turning_point") == {"consistency": True, "first_step": True, "balance": True}
+    assert scheme_options("outcome") == {"global_std": True}
+    rewards, gids = random_batch()
+    with pytest.raises(TypeError, match=r"no option\(s\) \['balanced'\]; valid options: \['balance', 'consistency', 'first_step'\]"):
+        assign("turning_point", rewards, gids, balanced=True)
+    with pytest.raises(TypeError, match="valid options: none"):
+        assign("stepwise", rewards, gids, global_std=True)
+    with pytest.raises(KeyError, match="known credit schemes: dense, outcome, stepwise, turning_point"):
+        assign("grpo", rewards, gids)
+
+
+def test_inputs_are_validated():
+    rewards, gids = random_batch()
+    with pytest.raises(ValueError, match=r"\[B, T\+1\]"):
+        assign("dense", rewards[:, 0], gids)
+    with pytest.raises(ValueError, match="group_ids"):
+        assign("dense", rewards, gids[:-1])
+    rewards[0, 2] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        assign("dense", rewards, gids)
