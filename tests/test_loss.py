@@ -1,0 +1,79 @@
+"""The GRPO loss (METHODS.md, "The policy loss"): a PPO-clip worked example, the KL term, and
+ratio exactly 1 on-policy through the real rollout / re-scoring path."""
+
+import pytest
+import torch
+
+from stepgrpo_core.loss import grpo_loss
+from stepgrpo_core.rollout import rollout, step_log_prob
+
+
+def test_ppo_clip_worked_example():
+    # clip_range 0.2, adv_clip 5:
+    # row 0: A = 2,  r = 1.5: max(-2 * 1.5, -2 * 1.2) = max(-3.0, -2.4) = -2.4  (clipped, no grad)
+    # row 1: A = -1, r = 0.5: max(0.5, 0.8)                         =  0.8  (clipped, no grad)
+    # row 2: A = 10 -> 5, r = 0.9: max(-4.5, -4.5)                  = -4.5  (inside, grad -5 r / 3)
+    # loss = (-2.4 + 0.8 - 4.5) / 3 = -2.0333
+    ratio = torch.tensor([1.5, 0.5, 0.9])
+    old = torch.tensor([-1.0, -2.0, 0.5])
+    new = (old + ratio.log()).requires_grad_()
+    out = grpo_loss(new, old, torch.tensor([2.0, -1.0, 10.0]), clip_range=0.2, adv_clip=5.0)
+    assert out.loss.item() == pytest.approx(-6.1 / 3, abs=1e-6)
+    out.loss.backward()
+    torch.testing.assert_close(new.grad, torch.tensor([0.0, 0.0, -5 * 0.9 / 3]))
+    assert out.clip_frac == pytest.approx(2 / 3)  # |r - 1| = 0.5, 0.5, 0.1 > 0.2?
+    assert out.ratio_mean == pytest.approx(2.9 / 3, abs=1e-6)
+    assert out.ratio_min == pytest.approx(0.5) and out.ratio_max == pytest.approx(1.5)
+    # approx_kl = 0.5 mean(log r ^ 2)
+    assert out.approx_kl == pytest.approx(0.5 * (ratio.log() ** 2).mean().item(), rel=1e-5)
+    assert out.kl.item() == 0.0
+
+
+def test_kl_term_worked_example():
+    # mean - ref_mean = 0.2 everywhere, std 0.1: KL = 0.04 / (2 * 0.01) = 2 per row
+    mean = torch.full((2, 1, 2, 2), 0.2, requires_grad=True)
+    ref = torch.zeros(2, 1, 2, 2)
+    std = torch.full((2, 1, 1, 1), 0.1)
+    zeros = torch.zeros(2)
+    out = grpo_loss(zeros, zeros, zeros, kl_beta=0.5, mean=mean, ref_mean=ref, std=std)
+    assert out.kl.item() == pytest.approx(2.0)
+    assert out.loss.item() == pytest.approx(0.5 * 2.0)  # the policy term is 0 with A = 0
+    out.loss.backward()
+    assert mean.grad is not None and (mean.grad > 0).all()
+    same = grpo_loss(zeros, zeros, zeros, kl_beta=0.5, mean=ref, ref_mean=ref, std=std)
+    assert same.kl.item() == 0.0
+
+
+def test_ratio_exactly_one_on_policy():
+    # rollout, then re-score the stored steps with the unchanged policy: the first inner step
+    # must see ratio == 1 bit for bit, so the loss is -mean(A) and nothing is clipped.
+    weight = torch.nn.Parameter(torch.tensor(0.8))
+
+    def velocity(x, sigma, cond):
+        return weight * torch.tanh(x) + cond.reshape(-1, 1, 1, 1)
+
+    g = torch.Generator().manual_seed(0)
+    sigmas = torch.tensor([1.0, 0.8, 0.5, 0.2, 0.0])
+    cond = torch.tensor([0.1, -0.2, 0.3])
+    with torch.no_grad():
+        out = rollout(velocity, torch.randn(3, 2, 4, 4, generator=g), sigmas, cond, kernel="flow", noise=0.7, window=(1, 2), generator=g)
+    adv = torch.tensor([1.0, -0.5, 2.0])
+    for k in (1, 2):
+        new = step_log_prob(velocity, out.states, sigmas, cond, k, "flow", 0.7)
+        loss = grpo_loss(new.log_prob, out.log_probs[:, k], adv, mean=new.mean, ref_mean=new.mean.detach(), std=new.std, kl_beta=0.04)
+        assert loss.ratio_mean == 1.0 and loss.ratio_min == 1.0 and loss.ratio_max == 1.0
+        assert loss.clip_frac == 0.0 and loss.approx_kl == 0.0 and loss.kl.item() == 0.0
+        assert loss.loss.item() == pytest.approx(-adv.mean().item())
+        loss.loss.backward()
+        assert weight.grad is not None and weight.grad != 0
+        weight.grad = None
+
+
+def test_invalid_inputs():
+    z = torch.zeros(3)
+    with pytest.raises(ValueError, match="share a shape"):
+        grpo_loss(z, torch.zeros(2), z)
+    with pytest.raises(ValueError, match="needs mean, ref_mean and std"):
+        grpo_loss(z, z, z, kl_beta=0.04)
+    with pytest.raises(ValueError, match="clip_range > 0"):
+        grpo_loss(z, z, z, clip_range=0.0)
