@@ -96,6 +96,17 @@ def batched_velocity(
     return torch.cat(out, dim=0)
 
 
+def _nonfinal_rows(states: torch.Tensor, sigmas: torch.Tensor):
+    """Flatten the non-final states `x_0..x_{T-1}` of all trajectories to rows (b-major).
+
+    Returns `z [B*T, C, H, W]`, `rows [B*T]` (trajectory of each row), `sigma [B*T]` (its level).
+    """
+    batch, num_steps = states.shape[0], states.shape[1] - 1
+    z = states[:, :num_steps].reshape(-1, *states.shape[2:])
+    rows = torch.arange(batch, device=states.device).repeat_interleave(num_steps)
+    return z, rows, sigmas[:num_steps].repeat(batch)
+
+
 @COMPLETIONS.register("remaining")
 def remaining(velocity, states, sigmas, cond, max_batch, arg) -> Completion:
     """Euler on the rest of the grid, all states at the same grid level in one batch (module doc)."""
@@ -108,7 +119,7 @@ def remaining(velocity, states, sigmas, cond, max_batch, arg) -> Completion:
         # Running states at level j: k = 0..j of every trajectory, flattened (k-major) to rows.
         z = latents[:, : j + 1].transpose(0, 1).reshape(-1, *states.shape[2:])
         rows = torch.arange(batch, device=states.device).repeat(j + 1)
-        sigma = sigmas[j].expand(z.shape[0])
+        sigma = sigmas[j].repeat(z.shape[0])
         v = batched_velocity(velocity, z, sigma, cond, rows, max_batch)
         mean, _ = step_moments("ode", z, v, sigmas[j], sigmas[j + 1])
         latents[:, : j + 1] = mean.to(states.dtype).reshape(j + 1, batch, *states.shape[2:]).transpose(0, 1)
@@ -123,9 +134,7 @@ def substeps(velocity, states, sigmas, cond, max_batch, arg) -> Completion:
     batch, num_states = states.shape[:2]
     num_steps = num_states - 1
     latents = states.clone()
-    z = states[:, :num_steps].reshape(-1, *states.shape[2:])  # rows (b, k), b-major
-    rows = torch.arange(batch, device=states.device).repeat_interleave(num_steps)
-    start = sigmas[:num_steps].repeat(batch)  # [B*T] sigma_k of each row
+    z, rows, start = _nonfinal_rows(states, sigmas)  # start: [B*T] sigma_k of each row
     nfe = 0
     for i in range(n):
         sigma, sigma_next = start * (1.0 - i / n), start * (1.0 - (i + 1) / n)
@@ -143,9 +152,7 @@ def tweedie(velocity, states, sigmas, cond, max_batch, arg) -> Completion:
     batch, num_states = states.shape[:2]
     num_steps = num_states - 1
     latents = states.clone()
-    z = states[:, :num_steps].reshape(-1, *states.shape[2:])
-    rows = torch.arange(batch, device=states.device).repeat_interleave(num_steps)
-    sigma = sigmas[:num_steps].repeat(batch)
+    z, rows, sigma = _nonfinal_rows(states, sigmas)
     v = batched_velocity(velocity, z, sigma, cond, rows, max_batch)
     # A single Euler step to sigma = 0 is exactly x - sigma v: reuse the ode kernel.
     x0_hat = step_moments("ode", z, v, sigma, torch.zeros_like(sigma))[0]

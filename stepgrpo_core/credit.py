@@ -49,10 +49,10 @@ class Groups:
         _, self.index = torch.unique(group_ids, return_inverse=True)  # [B] in 0..n-1
         self.count = int(self.index.max()) + 1
         self.sizes = torch.bincount(self.index, minlength=self.count).float()  # [n]
-        # first row of each group: a per-group reference value (see `normalize`)
-        order = torch.arange(group_ids.shape[0], device=group_ids.device)
-        self.first = torch.full((self.count,), group_ids.shape[0], dtype=torch.long, device=group_ids.device)
-        self.first = self.first.scatter_reduce(0, self.index, order, reduce="amin")
+        # first row of each group [n]: a per-group reference value (see `normalize`)
+        rows = torch.arange(group_ids.shape[0], device=group_ids.device)
+        start = torch.full((self.count,), group_ids.shape[0], dtype=torch.long, device=group_ids.device)
+        self.first = start.scatter_reduce(0, self.index, rows, reduce="amin")
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         """Per-group sums of rows: `[B, ...]` -> `[n, ...]`."""

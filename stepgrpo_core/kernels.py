@@ -166,7 +166,6 @@ def step_moments(kind: str, x: torch.Tensor, v: torch.Tensor, sigma, sigma_next,
     return fn(x.float(), v.float(), s, s_next, n)
 
 
-
 def log_prob(x_next: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
     """Exact Gaussian log-density of `x_next` under `N(mean, std^2)`, averaged over C, H, W.
 

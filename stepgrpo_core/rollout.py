@@ -115,7 +115,7 @@ def rollout(
     stds = torch.zeros(batch, num_steps, device=x0.device)
     x = x0
     for k in range(num_steps):
-        v = velocity(x, s[k].expand(batch), cond)
+        v = velocity(x, s[k].repeat(batch), cond)  # repeat, not expand: models may write into it
         kind = kernel if start <= k < start + size else "ode"
         mean, std = step_moments(kind, x, v, s[k], s[k + 1], _noise_at(kernel, noise, k))
         eps = torch.randn(x.shape, generator=generator, device=x.device, dtype=torch.float32)

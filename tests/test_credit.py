@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stepgrpo_core.credit import SCHEMES, STD_EPS, assign, scheme_options, turning_point_rewards
+from stepgrpo_core.credit import STD_EPS, assign, scheme_options, turning_point_rewards
 
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True)
 
