@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -34,8 +34,20 @@ from storage.schema import (
     storage_dtype,
 )
 
-# Chunk writes and reads release the GIL (file I/O, crc32c); a few threads overlap them.
+# Chunk writes and reads release the GIL (file I/O, crc32c); a few threads overlap them. Chunks
+# smaller than THREAD_MIN_BYTES are done in the calling thread: handing them to a pool costs more.
 IO_THREADS = 4
+THREAD_MIN_BYTES = 256 * 1024
+
+
+def _each(fn: Callable[[int], None], n: int, chunk_bytes: int) -> None:
+    """Call `fn(0) .. fn(n-1)`, on a thread pool when the chunks are large enough to pay for it."""
+    if n > 1 and chunk_bytes >= THREAD_MIN_BYTES:
+        with ThreadPoolExecutor(min(IO_THREADS, n)) as pool:
+            list(pool.map(fn, range(n)))
+    else:
+        for i in range(n):
+            fn(i)
 
 
 def _le(dtype: str) -> np.dtype:
@@ -154,8 +166,9 @@ class StageStore:
             arr = self._as_stored(name, value, (n, *self.shape(name)[1:]))
             for i in range(n):
                 jobs.append((spec, (start + i,) + (0,) * (arr.ndim - 1), arr[i : i + 1]))
-        with ThreadPoolExecutor(IO_THREADS) as pool:
-            list(pool.map(lambda job: self._write_chunk(*job), jobs))
+        for spec in {job[0] for job in jobs}:  # per array: chunk sizes differ between arrays
+            mine = [job for job in jobs if job[0] is spec]
+            _each(lambda i: self._write_chunk(*mine[i]), len(mine), mine[0][2].nbytes)
 
     # --- verify / read ------------------------------------------------------------------------
 
@@ -205,8 +218,7 @@ class StageStore:
             raise IndexError(f"{self.spec.kind}.{name}: trajectories {bad} outside [0, {self.B})")
         out = np.empty((len(rows), *shape[1:]), self.dtype(name))
         coords = self.chunks(spec, rows)
-        with ThreadPoolExecutor(IO_THREADS) as pool:
-            list(pool.map(lambda i: self._read_chunk(spec, coords[i], out[i : i + 1]), range(len(rows))))
+        _each(lambda i: self._read_chunk(spec, coords[i], out[i : i + 1]), len(rows), out[:1].nbytes)
         return out
 
     def missing_trajectories(self) -> dict[str, list[int]]:
@@ -235,18 +247,17 @@ class StageStore:
             )
         digest = hashlib.sha256()
         total = 0
-        with ThreadPoolExecutor(IO_THREADS) as pool:
-            for spec in self.spec.arrays:
-                dtype, shape = self.dtype(spec.name), self.shape(spec.name)
-                digest.update(canonical_json([spec.name, dtype.str, list(shape)]).encode())
-                coords = self.chunks(spec)
-                bufs = [np.empty(chunk_shape(spec, shape), dtype) for _ in range(min(len(coords), 2 * IO_THREADS))]
-                # Read a window of chunks in parallel, then hash them in order (sha256 is sequential).
-                for lo in range(0, len(coords), len(bufs)):
-                    window = coords[lo : lo + len(bufs)]
-                    list(pool.map(lambda i: self._read_chunk(spec, window[i], bufs[i]), range(len(window))))
-                    for buf in bufs[: len(window)]:
-                        digest.update(memoryview(buf).cast("B"))
-                        total += buf.nbytes
+        for spec in self.spec.arrays:
+            dtype, shape = self.dtype(spec.name), self.shape(spec.name)
+            digest.update(canonical_json([spec.name, dtype.str, list(shape)]).encode())
+            coords = self.chunks(spec)
+            bufs = [np.empty(chunk_shape(spec, shape), dtype) for _ in range(min(len(coords), 2 * IO_THREADS))]
+            # Read a window of chunks in parallel, then hash them in order (sha256 is sequential).
+            for lo in range(0, len(coords), len(bufs)):
+                window = coords[lo : lo + len(bufs)]
+                _each(lambda i: self._read_chunk(spec, window[i], bufs[i]), len(window), bufs[0].nbytes)
+                for buf in bufs[: len(window)]:
+                    digest.update(memoryview(buf).cast("B"))
+                    total += buf.nbytes
         digest.update(canonical_json(self.attrs).encode())
         return digest.hexdigest(), total
