@@ -40,7 +40,7 @@ class Constant:
 
 
 def test_registry_lists_every_scorer():
-    expected = {"ocr", "jpeg_compressibility", "jpeg_incompressibility", "pickscore", "clipscore", "aesthetic", "weighted"}
+    expected = {"shapes", "ocr", "jpeg_compressibility", "jpeg_incompressibility", "pickscore", "clipscore", "aesthetic", "weighted"}
     assert expected <= set(REWARDS.names())
     with pytest.raises(ValueError, match="known rewards"):
         build_reward("pickscroe")

@@ -21,13 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from stepgrpo.rewards import clip_models, jpeg, ocr  # noqa: F401  (they register)
-
-try:  # TEMPORARY until stepgrpo/rewards/shapes.py is committed
-    import stepgrpo.rewards.shapes  # noqa: F401
-except ModuleNotFoundError as err:
-    if err.name != "stepgrpo.rewards.shapes":
-        raise
+from stepgrpo.rewards import clip_models, jpeg, ocr, shapes  # noqa: F401  (they register)
 from stepgrpo.rewards.base import REWARDS, Reward, RewardOutput
 from stepgrpo.rewards.combine import WeightedSum
 

@@ -1,0 +1,109 @@
+"""LoRA on the SD3 transformer through peft, saved in the format `load_lora_weights` reads.
+
+Defaults are Flow-GRPO's: rank 32, alpha 64, Gaussian init of A (B starts at zero, so a fresh
+adapter leaves the model unchanged), on every attention projection of the joint blocks: the image
+stream (`to_q`, `to_k`, `to_v`, `to_out.0`) and the text stream (`add_q_proj`, `add_k_proj`,
+`add_v_proj`, `to_add_out`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ADAPTER = "default"  # the one adapter name; peft's default
+TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """Shape of the LoRA adapter."""
+
+    rank: int = 32  # r
+    alpha: float = 64.0  # the update is scaled by alpha / r
+    targets: tuple[str, ...] = TARGETS  # module names (suffixes) in the transformer that get an adapter
+    dropout: float = 0.0  # dropout on the adapter's input (Flow-GRPO: none)
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"LoraSpec.rank must be >= 1, got {self.rank}")
+        if self.alpha <= 0:
+            raise ValueError(f"LoraSpec.alpha must be > 0, got {self.alpha}")
+        if not self.targets:
+            raise ValueError("LoraSpec.targets is empty; name at least one module, e.g. 'to_q'")
+
+    def config(self):
+        """The peft `LoraConfig`."""
+        from peft import LoraConfig
+
+        return LoraConfig(
+            r=self.rank,
+            lora_alpha=self.alpha,
+            target_modules=list(self.targets),
+            lora_dropout=self.dropout,
+            init_lora_weights="gaussian",
+        )
+
+
+def add_lora(transformer: torch.nn.Module, spec: LoraSpec) -> None:
+    """Freeze `transformer` and attach a trainable adapter (peft) named `ADAPTER`."""
+    transformer.requires_grad_(False)
+    try:
+        transformer.add_adapter(spec.config(), adapter_name=ADAPTER)
+    except ValueError as err:  # peft: "Target modules {...} not found in the base model"
+        raise ValueError(f"LoRA targets {spec.targets} do not all match the transformer's modules: {err}") from err
+
+
+def lora_state_dict(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter's weights, keys as peft names them (`transformer_blocks.0.attn.to_q.lora_A.weight`)."""
+    from peft.utils import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(transformer, adapter_name=ADAPTER)
+
+
+def save_lora(transformer: torch.nn.Module, directory: str | Path) -> Path:
+    """Write `pytorch_lora_weights.safetensors` to `directory` (created) for `load_lora_weights`.
+
+    The adapter's config (rank, alpha, targets) goes into the file's metadata, so a fresh
+    `StableDiffusion3Pipeline.load_lora_weights(directory)` applies the right alpha / r scale.
+    """
+    from diffusers import StableDiffusion3Pipeline
+
+    if ADAPTER not in getattr(transformer, "peft_config", {}):
+        raise ValueError("the policy has no LoRA adapter to save; build it with lora=LoraSpec(...)")
+    StableDiffusion3Pipeline.save_lora_weights(
+        str(directory),
+        transformer_lora_layers=lora_state_dict(transformer),
+        transformer_lora_adapter_metadata=transformer.peft_config[ADAPTER].to_dict(),
+    )
+    return Path(directory)
+
+
+def load_lora(transformer: torch.nn.Module, directory: str | Path) -> None:
+    """Load adapter weights saved by `save_lora` (or any SD3 LoRA of the same shape) into `ADAPTER`.
+
+    The transformer must already carry an adapter with the same rank and targets.
+    """
+    from diffusers import StableDiffusion3Pipeline
+    from peft.utils import set_peft_model_state_dict
+
+    if ADAPTER not in getattr(transformer, "peft_config", {}):
+        raise ValueError("load_lora needs a policy built with lora=LoraSpec(...) matching the saved adapter")
+    state = StableDiffusion3Pipeline.lora_state_dict(str(directory))
+    prefix = "transformer."
+    state = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+    if not state:
+        raise ValueError(f"{directory} holds no transformer LoRA weights (keys starting with {prefix!r})")
+    expected = lora_state_dict(transformer)
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"the LoRA in {directory} does not match this policy's adapter (rank / targets differ): "
+            f"missing {missing[:3]}..., unexpected {unexpected[:3]}..."
+        )
+    for key, value in state.items():
+        if value.shape != expected[key].shape:
+            raise ValueError(f"LoRA weight {key}: saved shape {tuple(value.shape)}, policy {tuple(expected[key].shape)}; rank differs")
+    set_peft_model_state_dict(transformer, state, adapter_name=ADAPTER)

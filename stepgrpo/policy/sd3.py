@@ -1,0 +1,331 @@
+"""The policy adapter: a diffusers Stable Diffusion 3 pipeline behind the `velocity` interface.
+
+stepgrpo drives the transformer itself (the diffusers scheduler has no log-prob); this adapter
+owns everything model-specific: prompt encoding, classifier-free guidance, the timestep scale,
+the VAE's latent normalisation, the scheduler's sigma grid and the LoRA adapter.
+
+Shapes: `B` rows of latents `[B, C, H, W]`, `N` images `[N, 3, H_img, W_img]`, `T` steps.
+
+The same code loads the shipped tiny model (`models/shapes` at the repository root, the default)
+and real checkpoints such as `stabilityai/stable-diffusion-3.5-medium` from the hub.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import stepgrpo
+from stepgrpo.policy import lora as lora_lib
+from stepgrpo.policy.devices import resolve_device, resolve_dtype
+from stepgrpo.policy.lora import LoraSpec
+
+DEFAULT_MODEL = Path(stepgrpo.__file__).resolve().parents[1] / "models" / "shapes"
+DEFAULT_MAX_BATCH = 64
+T5_MAX_SEQUENCE_LENGTH = 256  # the pipeline's default T5 context when a T5 encoder is present
+
+Cond = dict[str, torch.Tensor]
+
+
+def _is_hub_id(name: str) -> bool:
+    """`org/name` that is not a local path: hand it to the hub (or its offline cache)."""
+    return name.count("/") == 1 and not name.startswith((".", "/", "~")) and not Path(name).exists()
+
+
+def _absent_components(source: str) -> dict[str, None]:
+    """Components saved as absent (`[null, null]` in `model_index.json`, e.g. no T5 encoder).
+
+    diffusers refuses to load a pipeline with a missing required component unless it is passed
+    explicitly, so pass these as `None`.
+    """
+    index = Path(source) / "model_index.json"
+    if not index.is_file():
+        return {}
+    entries = json.loads(index.read_text())
+    return {name: None for name, value in entries.items() if value == [None, None]}
+
+
+class SD3Policy:
+    """`velocity`, `encode`, `decode` and the sigma grid of a `StableDiffusion3Pipeline`.
+
+    Build with `SD3Policy.from_pretrained(path_or_hub_id, ...)` or `SD3Policy.from_pipeline(pipe, ...)`.
+
+    Attributes:
+        nfe: transformer evaluations counted in rows of `x` passed to `velocity`. With CFG the
+            transformer runs on 2 rows (unconditional + conditional) per counted row: a guided
+            velocity counts once, as the papers count function evaluations.
+        dtype, device: of every component (the LoRA weights stay fp32 when `dtype` is half).
+    """
+
+    def __init__(
+        self,
+        pipe: Any,
+        dtype: torch.dtype,
+        device: torch.device,
+        guidance_scale: float,
+        lora: LoraSpec | None,
+        max_batch: int,
+        resolution: int | None,
+        max_sequence_length: int | None,
+        negative_prompt: str,
+    ) -> None:
+        if guidance_scale < 1.0:
+            raise ValueError(f"guidance_scale must be >= 1 (1 turns CFG off), got {guidance_scale}")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.pipe = pipe.to(device)
+        if pipe.transformer.dtype != dtype:  # diffusers warns about any cast, so cast only when needed
+            self.pipe.to(dtype=dtype)
+        self.pipe.set_progress_bar_config(disable=True)
+        self.transformer = pipe.transformer
+        self.vae = pipe.vae
+        self.dtype, self.device = dtype, device
+        self.guidance_scale = float(guidance_scale)
+        self.max_batch = max_batch
+        self.negative_prompt = negative_prompt
+        # without a T5 encoder the pipeline would append this many zero rows to the context
+        if max_sequence_length is None:
+            max_sequence_length = 0 if pipe.text_encoder_3 is None else T5_MAX_SEQUENCE_LENGTH
+        self.max_sequence_length = max_sequence_length
+        for module in (pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3, pipe.vae, pipe.transformer):
+            if module is not None:
+                module.requires_grad_(False).eval()
+        # the scheduler is only read for its sigma grid; keep a private copy of its config
+        self._scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
+        self.num_train_timesteps = int(self._scheduler.config.num_train_timesteps)
+        self._sigmas: dict[int, torch.Tensor] = {}
+
+        cfg = self.transformer.config
+        self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1) if self.vae is not None else 1
+        side = cfg.sample_size if resolution is None else resolution // self.vae_scale_factor
+        if resolution is not None and resolution % (self.vae_scale_factor * cfg.patch_size):
+            raise ValueError(
+                f"resolution {resolution} must be a multiple of vae scale x patch = {self.vae_scale_factor * cfg.patch_size}"
+            )
+        self.latent_shape: tuple[int, int, int] = (cfg.in_channels, side, side)
+        self.nfe = 0
+
+        self.lora = lora
+        if lora is not None:
+            lora_lib.add_lora(self.transformer, lora)
+            # half-precision adapters lose small updates; train them in fp32 (peft casts inputs)
+            for p in self.trainable_parameters():
+                p.data = p.data.float()
+
+    # ---- construction ----
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path_or_hub_id: str | Path | None = None,
+        dtype: str | torch.dtype | None = None,
+        device: str | torch.device | None = "cpu",
+        guidance_scale: float = 1.0,
+        lora: LoraSpec | None = None,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        resolution: int | None = None,
+        max_sequence_length: int | None = None,
+        negative_prompt: str = "",
+    ) -> SD3Policy:
+        """Load a `StableDiffusion3Pipeline` directory or hub id (default: the shipped `models/shapes`).
+
+        dtype: `None` -> fp32 on CPU, bf16 on GPU; or "float32" / "float16" / "bfloat16".
+        device: "cpu", "cuda", ... (`None` -> CUDA if available).
+        guidance_scale: CFG scale; 1.0 turns CFG off (one transformer row per velocity row).
+        lora: attach a trainable adapter of this shape; `None` for a frozen policy.
+        max_batch: most transformer rows per call (CFG rows included); larger batches are chunked.
+        resolution: image side in pixels (default: the transformer's `sample_size` x VAE scale).
+        max_sequence_length: T5 tokens (default 256 with a T5 encoder, 0 without one).
+        negative_prompt: the unconditional prompt for CFG.
+        """
+        from diffusers import StableDiffusion3Pipeline
+
+        source = str(path_or_hub_id) if path_or_hub_id is not None else str(DEFAULT_MODEL)
+        if not Path(source).is_dir() and not _is_hub_id(source):
+            hint = (
+                "build the shipped model with `stepgrpo pretrain`"
+                if path_or_hub_id is None
+                else "pass a StableDiffusion3Pipeline directory or a hub id like stabilityai/stable-diffusion-3.5-medium"
+            )
+            raise FileNotFoundError(f"no SD3 pipeline directory at {source}; {hint}")
+        device = resolve_device(device)
+        dtype = resolve_dtype(dtype, device)
+        pipe = StableDiffusion3Pipeline.from_pretrained(source, dtype=dtype, **_absent_components(source))
+        return cls(pipe, dtype, device, guidance_scale, lora, max_batch, resolution, max_sequence_length, negative_prompt)
+
+    @classmethod
+    def from_pipeline(
+        cls,
+        pipe: Any,
+        dtype: str | torch.dtype | None = None,
+        device: str | torch.device | None = "cpu",
+        guidance_scale: float = 1.0,
+        lora: LoraSpec | None = None,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        resolution: int | None = None,
+        max_sequence_length: int | None = None,
+        negative_prompt: str = "",
+    ) -> SD3Policy:
+        """Wrap an in-memory `StableDiffusion3Pipeline` (tests); arguments as `from_pretrained`.
+
+        The pipeline's modules are moved / cast in place and (with `lora`) get an adapter.
+        """
+        device = resolve_device(device)
+        dtype = resolve_dtype(dtype, device)
+        return cls(pipe, dtype, device, guidance_scale, lora, max_batch, resolution, max_sequence_length, negative_prompt)
+
+    # ---- the model interface ----
+
+    @property
+    def do_cfg(self) -> bool:
+        return self.guidance_scale > 1.0
+
+    @torch.no_grad()
+    def encode(self, prompts: Sequence[str]) -> Cond:
+        """`B` prompts -> conditioning dict, every leaf `[B, ...]` in the policy dtype:
+
+        `prompt_embeds [B, L, D]`, `pooled_prompt_embeds [B, P]`, and with CFG also
+        `negative_prompt_embeds`, `negative_pooled_prompt_embeds` (the same shapes).
+        """
+        prompts = list(prompts)
+        if not prompts or not all(isinstance(p, str) for p in prompts):
+            raise ValueError("encode needs a non-empty list of prompt strings")
+        pe, npe, pooled, npooled = self.pipe.encode_prompt(
+            prompt=prompts,
+            prompt_2=None,
+            prompt_3=None,
+            device=self.device,
+            do_classifier_free_guidance=self.do_cfg,
+            negative_prompt=[self.negative_prompt] * len(prompts) if self.do_cfg else None,
+            max_sequence_length=self.max_sequence_length,
+        )
+        cond = {"prompt_embeds": pe, "pooled_prompt_embeds": pooled}
+        if self.do_cfg:
+            cond |= {"negative_prompt_embeds": npe, "negative_pooled_prompt_embeds": npooled}
+        return cond
+
+    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: Cond) -> torch.Tensor:
+        """`x [B, C, H, W]`, `sigma [B]`, `cond` from `encode` (rows aligned with `x`) -> `v [B, C, H, W]`.
+
+        One transformer call per chunk (SD3 timestep = sigma * num_train_timesteps); with CFG the
+        chunk is doubled (unconditional rows first, as the pipeline does) and combined as
+        `v_u + s (v_c - v_u)`. Differentiable (no `no_grad`): the policy update calls it too.
+        """
+        if x.ndim != 4 or tuple(x.shape[1:]) != self.latent_shape:
+            raise ValueError(f"x must be [B, {', '.join(map(str, self.latent_shape))}], got {tuple(x.shape)}")
+        if sigma.shape != (x.shape[0],):
+            raise ValueError(f"sigma must be [B] = [{x.shape[0]}], got {tuple(sigma.shape)}")
+        rows = max(1, self.max_batch // (2 if self.do_cfg else 1))
+        out = [
+            self._velocity_chunk(x[i : i + rows], sigma[i : i + rows], {k: c[i : i + rows] for k, c in cond.items()})
+            for i in range(0, x.shape[0], rows)
+        ]
+        self.nfe += x.shape[0]
+        return torch.cat(out).to(x.dtype)
+
+    def _velocity_chunk(self, x: torch.Tensor, sigma: torch.Tensor, cond: Cond) -> torch.Tensor:
+        timestep = sigma.to(self.device, torch.float32) * self.num_train_timesteps
+        x = x.to(self.device, self.dtype)
+        embeds, pooled = cond["prompt_embeds"], cond["pooled_prompt_embeds"]
+        if self.do_cfg:
+            x = torch.cat([x, x])
+            timestep = torch.cat([timestep, timestep])
+            embeds = torch.cat([cond["negative_prompt_embeds"], embeds])
+            pooled = torch.cat([cond["negative_pooled_prompt_embeds"], pooled])
+        v = self.transformer(
+            hidden_states=x,
+            timestep=timestep,
+            encoder_hidden_states=embeds.to(self.device, self.dtype),
+            pooled_projections=pooled.to(self.device, self.dtype),
+            return_dict=False,
+        )[0]
+        if self.do_cfg:
+            v_uncond, v_cond = v.chunk(2)
+            v = v_uncond + self.guidance_scale * (v_cond - v_uncond)
+        return v
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """`[N, C, H, W]` clean latents -> images `[N, 3, H_img, W_img]` fp32 in [0, 1], in chunks.
+
+        Undoes the VAE normalisation (`z / scaling_factor + shift_factor`) as the pipeline does.
+        Without a VAE the latents are pixels in [-1, 1].
+        """
+        images = []
+        for chunk in latents.split(self.max_batch):
+            z = chunk.to(self.device, self.dtype)
+            if self.vae is not None:
+                z = z / self.vae.config.scaling_factor + (self.vae.config.shift_factor or 0.0)
+                z = self.vae.decode(z, return_dict=False)[0]
+            images.append((z.float() / 2 + 0.5).clamp(0, 1))
+        return torch.cat(images)
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """`[T+1]` fp32 grid from the scheduler (its shift), decreasing from ~1 to a final 0.
+
+        Exactly the grid `StableDiffusion3Pipeline` samples on with `num_inference_steps=T`.
+        """
+        if num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        if num_steps not in self._sigmas:
+            kwargs = {}
+            if self._scheduler.config.get("use_dynamic_shifting", False):
+                from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
+
+                _, h, w = self.latent_shape
+                patch = self.transformer.config.patch_size
+                c = self._scheduler.config
+                kwargs["mu"] = calculate_shift(
+                    (h // patch) * (w // patch),
+                    c.get("base_image_seq_len", 256),
+                    c.get("max_image_seq_len", 4096),
+                    c.get("base_shift", 0.5),
+                    c.get("max_shift", 1.16),
+                )
+            scheduler = copy.deepcopy(self._scheduler)  # set_timesteps mutates the scheduler
+            scheduler.set_timesteps(num_steps, device="cpu", **kwargs)
+            self._sigmas[num_steps] = scheduler.sigmas.float().clone()
+        return self._sigmas[num_steps].to(self.device)
+
+    def initial_noise(self, batch: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """`[B, C, H, W]` standard normal in the policy dtype: the pipeline's own draw for `generator`."""
+        from diffusers.utils.torch_utils import randn_tensor
+
+        return randn_tensor((batch, *self.latent_shape), generator=generator, device=self.device, dtype=self.dtype)
+
+    # ---- LoRA ----
+
+    def _require_lora(self) -> None:
+        if self.lora is None:
+            raise ValueError("this policy has no LoRA adapter; build it with lora=LoraSpec(...)")
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """The LoRA weights (empty without an adapter)."""
+        return [p for p in self.transformer.parameters() if p.requires_grad]
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[SD3Policy]:
+        """Inside the block `velocity` is the base model (adapter disabled): the KL reference."""
+        self._require_lora()
+        self.transformer.disable_adapters()
+        try:
+            yield self
+        finally:
+            self.transformer.enable_adapters()
+
+    def save_lora(self, directory: str | Path) -> Path:
+        """Write the adapter as `directory/pytorch_lora_weights.safetensors`, loadable with
+        `StableDiffusion3Pipeline.load_lora_weights(directory)`."""
+        self._require_lora()
+        return lora_lib.save_lora(self.transformer, directory)
+
+    def load_lora(self, directory: str | Path) -> None:
+        """Load adapter weights written by `save_lora` (same rank and targets)."""
+        self._require_lora()
+        lora_lib.load_lora(self.transformer, directory)
