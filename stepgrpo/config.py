@@ -50,8 +50,10 @@ class ModelConfig(_Section):
     """LoRA rank r (Flow-GRPO: 32)."""
     lora_alpha: float = Field(64.0, gt=0)
     """LoRA alpha (Flow-GRPO: 64)."""
-    lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
-    """Transformer module names that get a LoRA adapter (Flow-GRPO: the attention projections)."""
+    lora_targets: tuple[str, ...] = (
+        "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+    )
+    """Transformer modules that get a LoRA adapter (Flow-GRPO: every attention projection of both streams)."""
     resolution: int | None = Field(None, ge=8)
     """Image side in pixels; None uses the model's own sample size (Flow-GRPO trains SD3.5-M at 512)."""
     max_batch: int = Field(64, ge=1)
@@ -212,8 +214,6 @@ class RunConfig(_Section):
     """Held-out prompts per evaluation."""
     eval_seeds: int = Field(1, ge=1)
     """Sampling seeds per held-out prompt."""
-    latent_dtype: Literal["float16", "float32"] = "float32"
-    """Dtype of stored latents (float16 halves disk; float32 keeps bit-exact resume)."""
     runs_root: str = "runs"
     """Directory that holds run directories `<runs_root>/<run_id>/`."""
 
@@ -259,15 +259,16 @@ class Config(_Section):
 # Which config fields each stage reads: a section name means the whole section. These, the
 # stage's input digests, the model / reward identity and CODE_SALT make the stage's cache key.
 STAGE_FIELDS: dict[str, tuple[str, ...]] = {
+    "prompts": ("run.prompts", "run.heldout_prompts"),
     "rollout": (
         "model", "sampler.steps", "sampler.kernel", "sampler.noise", "sampler.sde_window_start",
         "sampler.sde_window_size", "run.prompts", "run.prompts_per_iteration", "run.group_size",
-        "run.seed", "run.latent_dtype",
+        "run.seed", "calibration",
     ),
-    "complete": ("model", "completion", "run.latent_dtype"),
+    "complete": ("model", "completion"),
     "score": ("model.path", "model.dtype", "model.device", "reward"),
     "credit": ("credit",),
-    "update": ("model", "optim", "run.seed"),
+    "update": ("model", "sampler", "optim", "run.seed"),
     "evaluate": (
         "model", "sampler.eval_steps", "reward", "run.prompts", "run.heldout_prompts",
         "run.eval_prompts", "run.eval_seeds", "run.seed",

@@ -86,6 +86,9 @@ class Tracker:
     def log_image(self, image: Image.Image, artifact_file: str) -> None:
         self.client.log_image(self.run_id, image, artifact_file=artifact_file)
 
+    def log_artifact(self, local_file: str | Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(self.run_id, str(local_file), artifact_path)
+
     def log_dir(self, local_dir: str | Path, artifact_path: str) -> None:
         self.client.log_artifacts(self.run_id, str(local_dir), artifact_path)
 

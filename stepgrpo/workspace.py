@@ -1,0 +1,148 @@
+"""Process-wide resources of the pipeline: the policy, reward models, model identity.
+
+Loading a model costs seconds; a stage task must not pay it on every call. These caches keep one
+policy per model config and one reward per reward config for the life of the process. Every
+stage sets the policy's LoRA weights explicitly from a checkpoint (or the initial adapter)
+before it uses it, so what a stage computes never depends on which stage ran before it in this
+process: that is what makes a resumed run bit-identical to an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import stepgrpo
+from stepgrpo.config import Config, ModelConfig, RewardConfig, digest_of
+
+REPO_ROOT = Path(stepgrpo.__file__).resolve().parents[1]
+HASH_LIMIT = 256 * 2**20  # files up to this size are content-hashed for the model identity
+
+_lock = threading.Lock()  # tasks may run in threads; model loading is not re-entrant
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The configured model path is neither a directory nor a hub id."""
+
+
+def resolve_model_path(path: str) -> str:
+    """A local directory (relative to the working directory, else to the repository), or a hub id."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return str(p.resolve())
+    if not p.is_absolute() and (REPO_ROOT / p).is_dir():
+        return str((REPO_ROOT / p).resolve())
+    if path.count("/") == 1 and not path.startswith((".", "/", "~")):
+        return path  # a hub id: identity is the id itself
+    raise ModelNotFoundError(
+        f"model.path {path!r}: no StableDiffusion3Pipeline directory there (and not a hub id like "
+        "stabilityai/stable-diffusion-3.5-medium); build the shipped model with `stepgrpo pretrain`"
+    )
+
+
+@lru_cache(maxsize=16)
+def model_identity(path: str) -> str:
+    """A digest naming the model's exact weights: file contents (size + mtime above HASH_LIMIT)."""
+    resolved = resolve_model_path(path)
+    root = Path(resolved)
+    if not root.is_dir():
+        return f"hub:{resolved}"
+    h = hashlib.sha256()
+    for f in sorted(q for q in root.rglob("*") if q.is_file()):
+        st = f.stat()
+        h.update(f"{f.relative_to(root).as_posix()}:{st.st_size}".encode())
+        if st.st_size <= HASH_LIMIT:
+            h.update(hashlib.sha256(f.read_bytes()).digest())
+        else:
+            h.update(str(st.st_mtime_ns).encode())
+    return h.hexdigest()
+
+
+def policy_key(model: ModelConfig, seed: int) -> str:
+    return digest_of({"model": model.model_dump(mode="json"), "seed": seed})
+
+
+_policies: dict[str, tuple[Any, dict[str, torch.Tensor]]] = {}
+
+
+def policy(cfg: Config) -> Any:
+    """The `SD3Policy` of `cfg.model` with a LoRA adapter (built once per process).
+
+    The adapter's initial weights depend only on `run.seed` (peft draws them from the global RNG,
+    seeded here and restored after).
+    """
+    key = policy_key(cfg.model, cfg.run.seed)
+    with _lock:
+        if key not in _policies:
+            from stepgrpo.policy.lora import LoraSpec
+            from stepgrpo.policy.sd3 import SD3Policy
+
+            m = cfg.model
+            lora = LoraSpec(rank=m.lora_rank, alpha=m.lora_alpha, targets=tuple(m.lora_targets))
+            state = torch.random.get_rng_state()
+            torch.manual_seed(cfg.run.seed)
+            try:
+                pol = SD3Policy.from_pretrained(
+                    resolve_model_path(m.path), dtype=m.dtype, device=m.device, guidance_scale=m.guidance_scale,
+                    lora=lora, max_batch=m.max_batch, resolution=m.resolution,
+                )
+            finally:
+                torch.random.set_rng_state(state)
+            _policies[key] = (pol, lora_state(pol))
+        return _policies[key][0]
+
+
+def initial_lora(cfg: Config) -> dict[str, torch.Tensor]:
+    """The adapter's weights before any update (a copy)."""
+    policy(cfg)
+    return {k: v.clone() for k, v in _policies[policy_key(cfg.model, cfg.run.seed)][1].items()}
+
+
+def lora_state(pol: Any) -> dict[str, torch.Tensor]:
+    """Trainable (LoRA) weights by parameter name, detached copies."""
+    return {n: p.detach().clone() for n, p in pol.transformer.named_parameters() if p.requires_grad}
+
+
+def set_lora(pol: Any, weights: dict[str, torch.Tensor]) -> None:
+    """Copy `weights` (from `lora_state`) into the policy's adapter."""
+    params = {n: p for n, p in pol.transformer.named_parameters() if p.requires_grad}
+    if set(params) != set(weights):
+        missing = sorted(set(params) - set(weights))[:3]
+        raise ValueError(f"LoRA weights do not match the policy's adapter (missing e.g. {missing}); rank or targets differ")
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(weights[n].to(p.device, p.dtype))
+
+
+_rewards: dict[str, Any] = {}
+
+
+def reward(cfg: RewardConfig) -> Any:
+    """The built reward of `cfg` (once per process)."""
+    key = json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
+    with _lock:
+        if key not in _rewards:
+            from stepgrpo.rewards import build_reward
+
+            _rewards[key] = build_reward({"name": cfg.name, "options": dict(cfg.options)})
+        return _rewards[key]
+
+
+def reward_identity(cfg: RewardConfig) -> dict[str, Any]:
+    """`{"name", "version", "options"}`: what identifies a reward's numbers."""
+    r = reward(cfg)
+    return {"name": cfg.name, "version": str(r.version), "options": dict(cfg.options)}
+
+
+def set_threads() -> None:
+    """Honour `STEPGRPO_THREADS` (torch intra-op threads) when set."""
+    n = os.environ.get("STEPGRPO_THREADS")
+    if n:
+        torch.set_num_threads(int(n))
