@@ -85,6 +85,88 @@ def _diff(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:
     return out
 
 
+def find_run(run: str | Path, runs_root: str | Path = "runs") -> Path:
+    """A run directory given as a path, or as a run id under `runs_root`."""
+    for candidate in (Path(run), Path(runs_root) / str(run)):
+        if (candidate / "manifest.json").is_file():
+            return candidate.resolve()
+    raise StageError(f"no run {str(run)!r}: neither a run directory nor a run id under {runs_root}/ (see `stepgrpo runs`)")
+
+
+def run_path(run: str | Path, overrides: Sequence[str] = ()) -> tuple[Path, Config]:
+    """The run directory of `run` and its stored config (with `key=value` overrides applied)."""
+    from stepgrpo.config import _set_dotted
+    from storage.run import Run
+
+    path = find_run(run)
+    stored = Run.open(path).config
+    for item in overrides or ():
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise StageError(f"override {item!r}: expected key=value")
+        import yaml
+
+        _set_dotted(stored, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+    return path, validate(stored)
+
+
+def stored_iterations(path: str | Path) -> list[int]:
+    """Iterations of the run whose rollout is published."""
+    from storage.run import Run
+
+    found = Run.open(path).iterations("rollout")
+    if not found:
+        raise StageError(f"run {Path(path).name} has no published rollout yet")
+    return found
+
+
+def clean_ref(path: str | Path, cfg: Config, iteration: int) -> dict[str, Any]:
+    """Digest of what `score` reads for `iteration`: the completion of `cfg.completion.method`, or the rollout."""
+    from storage.run import Run
+
+    run = Run.open(path)
+    rollout = run.stage_manifest(iteration, "rollout")
+    if cfg.completion.method is None:
+        return {"digest": rollout["digest"], "rollout": rollout["digest"]}
+    m = run.stage_manifest(iteration, f"completions/{method_dir(cfg.completion.method)}")
+    if m is None:
+        raise StageError(f"run {run.run_id} iteration {iteration} has no stored completion {cfg.completion.method!r}")
+    return {"digest": m["digest"], "rollout": rollout["digest"]}
+
+
+def stored_reward(path: str | Path, cfg: Config, iteration: int, reward_name: str | None = None) -> dict[str, Any]:
+    """`{"name", "version", "digest"}` of the rewards stored for `iteration` (default: the run's reward)."""
+    from storage.run import Run
+
+    run = Run.open(path)
+    name = reward_name or workspace.reward(cfg.reward).name
+    table = run.read_rewards(iteration, name)
+    versions = sorted(set(table.column("reward_version").to_pylist()))
+    if not versions:
+        stored = sorted(set(run.read_rewards(iteration).column("reward_name").to_pylist()))
+        raise StageError(f"run {run.run_id} iteration {iteration} has no rewards named {name!r}; stored: {', '.join(stored) or 'none'}")
+    version = versions[-1]
+    return {"name": name, "version": version, "digest": run.rewards_digest(iteration, name, version)}
+
+
+def latest_checkpoint(path: str | Path) -> int:
+    from storage.run import Run
+
+    latest = Run.open(path).latest_checkpoint()
+    if latest is None:
+        raise StageError(f"run {Path(path).name} has no checkpoint yet; evaluate the base model with --iteration -1")
+    return latest
+
+
+def checkpoint_digest(path: str | Path, iteration: int) -> str:
+    from storage.run import Run
+
+    m = Run.open(path).stage_manifest(iteration, "checkpoint")
+    if m is None:
+        raise StageError(f"run {Path(path).name} has no checkpoint for iteration {iteration}")
+    return m["digest"]
+
+
 def validate(config: dict[str, Any]) -> Config:
     from stepgrpo.config import validate_config
 

@@ -1,0 +1,235 @@
+"""The `stepgrpo` console script.
+
+    stepgrpo train [--config F] [--set key=value ...] [--run-dir D] [--run-id ID]
+    stepgrpo rescore RUN --reward NAME        # new reward rows, no sampling
+    stepgrpo credit RUN --scheme NAME         # new advantages from stored rewards
+    stepgrpo calibrate [--config F] ...       # DenseGRPO psi into a run
+    stepgrpo evaluate RUN [--iteration K]
+    stepgrpo pretrain ...                     # build the shipped shapes model
+    stepgrpo runs                             # the runs under runs/
+    stepgrpo inspect RUN                      # iterations, stages published, rewards
+
+Every command exits non-zero with a one-paragraph message when its input is wrong (unknown
+field, reward, scheme or kernel; missing model; a run of another schema version).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(
+    name="stepgrpo",
+    help="GRPO fine-tuning of flow-matching text-to-image models with step-level credit, as a cached Prefect pipeline.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+err_console = Console(stderr=True)
+
+ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="YAML config (default: built-in defaults).")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="Override a field: key=value (YAML value), repeatable.")]
+RunDirOpt = Annotated[Path | None, typer.Option("--run-dir", help="The run directory (resumed if it exists).")]
+RunIdOpt = Annotated[str | None, typer.Option("--run-id", help="Run id under run.runs_root (resumed if it exists).")]
+RunArg = Annotated[str, typer.Argument(help="A run directory or a run id under runs/.")]
+
+
+def _expected_errors() -> tuple[type[BaseException], ...]:
+    from stepgrpo.config import ConfigError
+    from stepgrpo.stages import StageError
+    from stepgrpo_core.registry import UnknownNameError
+    from storage.errors import StorageError
+
+    return (ConfigError, StageError, StorageError, UnknownNameError, FileNotFoundError, ValueError, TypeError, KeyError)
+
+
+def _run(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Call a flow; on failure print a clear message and exit 1."""
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    try:
+        return fn(*args, **kwargs)
+    except _expected_errors() as err:
+        err_console.print(f"[bold red]error:[/] {type(err).__name__}: {err}", highlight=False, markup=True)
+        raise typer.Exit(1) from None
+    except Exception as err:  # an unexpected failure: still a message and a non-zero exit
+        err_console.print(f"[bold red]failed:[/] {type(err).__name__}: {err}", highlight=False)
+        raise typer.Exit(1) from None
+
+
+def _check_config(config: Path | None, overrides: list[str] | None) -> None:
+    """Validate before any flow starts (and before a Prefect server is started)."""
+    from stepgrpo.config import load_config
+    from stepgrpo.workspace import resolve_model_path
+
+    cfg = load_config(config, overrides or [])
+    resolve_model_path(cfg.model.path)
+
+
+@app.command()
+def train(config: ConfigOpt = None, set_: SetOpt = None, run_dir: RunDirOpt = None, run_id: RunIdOpt = None) -> None:
+    """Train: iterations of rollout -> complete -> score -> credit -> update, evaluated before and after."""
+    _run(_check_config, config, set_)
+    from flows.train import train as train_flow
+
+    out = _run(train_flow, config_path=str(config) if config else None, overrides=list(set_ or []),
+               run_dir=str(run_dir) if run_dir else None, run_id=run_id)
+    from stepgrpo.report import print_summary
+
+    print_summary(Path(out["run_dir"]), out["tracking_uri"], out["evaluations"])
+
+
+
+
+@app.command()
+def rescore(run: RunArg, reward: Annotated[str, typer.Option(help="Reward name (see REWARDS).")],
+            options: Annotated[str | None, typer.Option(help="Reward options as JSON.")] = None) -> None:
+    """Score the stored trajectories of RUN with another reward (no transformer call)."""
+    from flows.rescore import rescore as rescore_flow
+
+    out = _run(rescore_flow, run=run, reward=reward, reward_options=_json(options))
+    table = Table("iteration", "reward", "version", "mean", "strict", "transformer calls", title=f"rescored {out['run_dir']}")
+    for s in out["scores"]:
+        table.add_row(str(s["iteration"]), s["reward_name"], s["reward_version"], f"{s['reward_mean']:.4f}",
+                      _fmt(s.get("reward_strict")), str(s["transformer_nfe"]))
+    console.print(table)
+
+
+@app.command()
+def credit(run: RunArg, scheme: Annotated[str, typer.Option(help="Credit scheme (outcome, stepwise, dense, turning_point).")],
+           options: Annotated[str | None, typer.Option(help="Scheme options as JSON.")] = None,
+           reward: Annotated[str | None, typer.Option(help="Which stored reward to use (default: the run's).")] = None) -> None:
+    """Recompute the advantages of RUN with another scheme, from its stored rewards only."""
+    from flows.credit import credit as credit_flow
+
+    out = _run(credit_flow, run=run, scheme=scheme, options=_json(options), reward=reward)
+    table = Table("iteration", "scheme", "adv std", "|adv| max", "zero-std groups", "turning points", title=f"credit {out['run_dir']}")
+    for a in out["advantages"]:
+        table.add_row(str(a["iteration"]), a["scheme"], f"{a['adv_std']:.4f}", f"{a['adv_abs_max']:.3f}",
+                      f"{a['zero_std_ratio']:.2f}", str(a["turning_points"]))
+    console.print(table)
+
+
+@app.command()
+def calibrate(config: ConfigOpt = None, set_: SetOpt = None, run_dir: RunDirOpt = None, run_id: RunIdOpt = None) -> None:
+    """DenseGRPO psi calibration into a run (then `train` with the same config and run id)."""
+    _run(_check_config, config, set_)
+    from flows.calibrate import calibrate as calibrate_flow
+
+    out = _run(calibrate_flow, config_path=str(config) if config else None, overrides=list(set_ or []),
+               run_dir=str(run_dir) if run_dir else None, run_id=run_id)
+    console.print(f"psi: {[round(p, 4) for p in out['psi']]}\nrun directory: {out['run_dir']}")
+
+
+
+@app.command()
+def evaluate(run: RunArg, iteration: Annotated[int | None, typer.Option(help="Checkpoint iteration (default latest; -1 base model).")] = None,
+             set_: SetOpt = None) -> None:
+    """Held-out reward of RUN's policy and an image grid."""
+    from flows.evaluate import evaluate as evaluate_flow
+
+    out = _run(evaluate_flow, run=run, iteration=iteration, overrides=list(set_ or []))
+    console.print(f"held-out {out['reward_name']} ({out['label']}): {out['reward_mean']:.4f}"
+                  + (f", strict {out['reward_strict']:.4f}" if "reward_strict" in out else "") + f"\nimages: {out['grid']}")
+
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def pretrain(ctx: typer.Context) -> None:
+    """Pretrain the shipped `shapes` model (options: see `python -m stepgrpo.shapes.pretrain --help`)."""
+    try:
+        from flows.pretrain import pretrain as pretrain_flow
+    except ImportError:
+        pretrain_flow = None
+    if pretrain_flow is None or ctx.args:
+        from stepgrpo.shapes.pretrain import main
+
+        _run(main, list(ctx.args))
+        return
+    _run(pretrain_flow)
+
+
+@app.command()
+def runs(root: Annotated[Path, typer.Option(help="Directory holding run directories.")] = Path("runs")) -> None:
+    """List the runs under ROOT."""
+    table = Table("run id", "config", "created", "iterations", "checkpoints", "held-out reward (base -> last)", title=str(root))
+    for path in sorted(p for p in root.glob("*") if (p / "manifest.json").is_file()):
+        m = json.loads((path / "manifest.json").read_text())
+        iters = [d for d in path.glob("iter_*") if (d / "rollout.zarr" / "_published.json").is_file()]
+        ckpts = [d for d in (path / "checkpoints").glob("iter_*") if (d / "_published.json").is_file()]
+        evals = _evals(path)
+        reward = f"{evals[0][1]:.4f} -> {evals[-1][1]:.4f}" if len(evals) > 1 else (f"{evals[0][1]:.4f}" if evals else "")
+        table.add_row(path.name, str(m.get("config", {}).get("run", {}).get("name", "")), str(m.get("created_at", "")),
+                      str(len(iters)), str(len(ckpts)), reward)
+    console.print(table)
+
+
+@app.command()
+def inspect(run: RunArg) -> None:
+    """A table of RUN's iterations: stages published and rewards."""
+    _run(_inspect, run)
+
+
+def _inspect(run: str) -> None:
+    from stepgrpo.stages import find_run
+    from storage.run import Run
+
+    r = Run.open(find_run(run))
+    rewards = r.read_rewards().to_pandas() if (r.path / "rewards").is_dir() else None
+    advantages = r.read_advantages().to_pandas() if (r.path / "advantages").is_dir() else None
+    table = Table("iteration", "rollout", "completions", "rewards (final-sample mean)", "advantages", "checkpoint", title=f"run {r.run_id}")
+    iters = sorted(set(r.iterations("rollout")) | set(r.iterations("checkpoint")))
+    for i in iters:
+        comps = sorted(p.stem for p in (r.path / f"iter_{i}" / "completions").glob("*.zarr") if (p / "_published.json").is_file())
+        rew = ""
+        if rewards is not None:
+            sel = rewards[rewards.iteration == i]
+            final = sel[sel.k == sel.k.max()] if len(sel) else sel
+            rew = ", ".join(f"{n} v{v}: {g.value.mean():.4f}" for (n, v), g in final.groupby(["reward_name", "reward_version"]))
+        adv = ""
+        if advantages is not None:
+            adv = ", ".join(sorted(set(advantages[advantages.iteration == i].scheme)))
+        rollout = r.stage_manifest(i, "rollout")
+        table.add_row(str(i), f"{rollout['counts']['trajectories']} traj" if rollout else "-", ", ".join(comps) or "-",
+                      rew or "-", adv or "-", "yes" if r.stage_manifest(i, "checkpoint") else "-")
+    console.print(table)
+    for label, value in _evals(r.path):
+        console.print(f"held-out reward {label}: {value:.4f}")
+
+
+def _evals(path: Path) -> list[tuple[str, float]]:
+    out = []
+    for f in (path / "eval").glob("*.json"):
+        e = json.loads(f.read_text())
+        out.append((e["label"], e["reward_mean"], -1 if e["label"] == "base" else int(e["label"].removeprefix("iter_"))))
+    return [(label, value) for label, value, _ in sorted(out, key=lambda x: x[2])]
+
+
+def _json(text: str | None) -> dict[str, Any] | None:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        err_console.print(f"[bold red]error:[/] --options is not JSON: {err}")
+        raise typer.Exit(1) from None
+    if not isinstance(value, dict):
+        err_console.print("[bold red]error:[/] --options must be a JSON object")
+        raise typer.Exit(1)
+    return value
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4f}"
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(app())
