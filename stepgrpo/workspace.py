@@ -138,7 +138,7 @@ def reward(cfg: RewardConfig) -> Any:
 def reward_identity(cfg: RewardConfig) -> dict[str, Any]:
     """`{"name", "version", "options"}`: what identifies a reward's numbers."""
     r = reward(cfg)
-    return {"name": cfg.name, "version": str(r.version), "options": dict(cfg.options)}
+    return {"name": str(r.name), "version": str(r.version), "options": dict(cfg.options)}
 
 
 def set_threads() -> None:

@@ -1,0 +1,216 @@
+"""The Prefect flows on a tiny random-weight SD3 pipeline: training, caching, rescore, credit, failures.
+
+One Prefect test harness for the module; stage executions are counted by wrapping the stage
+bodies (a cached task never calls its body).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from stepgrpo import stages, workspace
+from stepgrpo.config import load_config
+from stepgrpo.rewards.base import RewardOutput
+
+pytestmark = pytest.mark.slow
+
+STAGES = ("prompts", "calibrate", "rollout", "complete", "score", "credit", "update", "evaluate")
+
+
+@pytest.fixture(scope="module")
+def harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    from stepgrpo.shapes.model import build_pipeline, tiny_spec
+
+    path = tmp_path_factory.mktemp("model") / "tiny-sd3"
+    build_pipeline(tiny_spec(), seed=0).save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model) -> list[str]:
+    return [
+        f"model.path={tiny_model}", "model.lora_rank=4", "model.lora_alpha=8", "model.guidance_scale=1.0",
+        "sampler.steps=4", "sampler.eval_steps=4", "reward.name=jpeg_compressibility", "credit.scheme=stepwise",
+        "run.iterations=2", "run.prompts_per_iteration=2", "run.group_size=3", "run.eval_prompts=4",
+        "optim.micro_batch=3", "optim.lr=1e-3", "optim.clip_range=0.05",
+    ]
+
+
+@pytest.fixture
+def calls(monkeypatch) -> collections.Counter:
+    """Counts executions of each stage body."""
+    counter: collections.Counter = collections.Counter()
+    for name in STAGES:
+        original = getattr(stages, name)
+
+        def wrapped(*args, _name=name, _original=original, **kwargs):
+            counter[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(stages, name, wrapped)
+    return counter
+
+
+@pytest.fixture(scope="module")
+def trained(harness, tiny, tmp_path_factory) -> dict:
+    from flows.train import train
+
+    run_dir = tmp_path_factory.mktemp("runs") / "tiny-a"
+    return train(overrides=tiny, run_dir=str(run_dir))
+
+
+def test_train_runs_every_stage_and_tracks_it(trained):
+    run_dir = Path(trained["run_dir"])
+    assert [e["label"] for e in trained["evaluations"]] == ["base", "iter_1"]
+    for i in (0, 1):
+        assert (run_dir / f"iter_{i}" / "rollout.zarr" / "_published.json").is_file()
+        assert (run_dir / f"iter_{i}" / "completions" / "remaining.zarr" / "_published.json").is_file()
+        assert (run_dir / "checkpoints" / f"iter_{i}" / "lora.safetensors").is_file()
+    assert (run_dir / "lora" / "pytorch_lora_weights.safetensors").is_file()
+    assert (run_dir / "eval" / "base.png").is_file()
+
+    from mlflow.tracking import MlflowClient
+
+    assert trained["tracking_uri"] == f"sqlite:///{run_dir / 'mlflow.db'}"
+    client = MlflowClient(trained["tracking_uri"])
+    exp = client.get_experiment_by_name("stepgrpo")
+    (mlrun,) = client.search_runs([exp.experiment_id])
+    assert mlrun.data.params["credit.scheme"] == "stepwise"
+    for metric in ("reward/mean", "clip_frac", "approx_kl", "ratio/mean", "zero_std_ratio", "gain/step_0",
+                   "nfe/complete", "seconds/update", "eval/mean"):
+        assert metric in mlrun.data.metrics, metric
+    assert len(client.get_metric_history(mlrun.info.run_id, "reward/mean")) == 2
+    artifacts = {a.path for a in client.list_artifacts(mlrun.info.run_id)}
+    assert {"lora", "eval"} <= artifacts
+
+
+def test_rerunning_the_same_run_computes_nothing(trained, tiny, calls):
+    from flows.train import train
+
+    again = train(overrides=tiny, run_dir=trained["run_dir"])
+    assert sum(calls.values()) == 0, calls
+    assert again["evaluations"] == trained["evaluations"]
+
+
+def test_a_run_refuses_another_config(trained, tiny):
+    from flows.train import train
+
+    with pytest.raises(stages.StageError, match="changed: optim.lr"):
+        train(overrides=[*tiny, "optim.lr=0.5"], run_dir=trained["run_dir"])
+
+
+def test_cache_keys_follow_the_contract(trained, tiny):
+    from tasks.keys import stage_key
+
+    base = load_config(None, tiny).model_dump(mode="json")
+    new_reward = load_config(None, [*tiny, "reward.name=jpeg_incompressibility"]).model_dump(mode="json")
+    new_scheme = load_config(None, [*tiny, "credit.scheme=dense"]).model_dump(mode="json")
+    inputs = {"rollout": "r", "checkpoint": "c"}
+    key = lambda stage, conf: stage_key(stage, trained["run_dir"], conf, 0, inputs)  # noqa: E731
+    for stage in ("rollout", "complete"):
+        assert key(stage, base) == key(stage, new_reward) == key(stage, new_scheme)
+    assert key("score", base) != key("score", new_reward)
+    assert key("score", base) == key("score", new_scheme)
+    assert key("credit", base) != key("credit", new_scheme)
+    assert key("credit", base) == key("credit", new_reward)  # its rewards digest input changes instead
+
+
+def test_rescore_adds_rows_without_a_transformer_call(trained, calls):
+    from flows.rescore import rescore
+    from storage.run import Run
+
+    pol = workspace.policy(load_config(None, _stored_overrides(trained)))
+    before = pol.nfe
+    out = rescore(trained["run_dir"], "jpeg_incompressibility")
+    assert pol.nfe == before and all(s["transformer_nfe"] == 0 for s in out["scores"])
+    assert calls["score"] == 2 and calls["rollout"] == calls["complete"] == calls["update"] == 0
+    names = set(Run.open(trained["run_dir"]).read_rewards(0).column("reward_name").to_pylist())
+    assert names == {"jpeg_compressibility", "jpeg_incompressibility"}
+    again = rescore(trained["run_dir"], "jpeg_incompressibility")  # cached: nothing recomputed
+    assert calls["score"] == 2 and again["scores"] == out["scores"]
+
+
+def test_credit_recomputes_advantages_from_stored_rewards(trained, calls):
+    from flows.credit import credit
+    from storage.run import Run
+
+    out = credit(trained["run_dir"], "turning_point")
+    assert calls["credit"] == 2 and calls["rollout"] == calls["complete"] == calls["score"] == 0
+    run = Run.open(trained["run_dir"])
+    schemes = set(run.read_advantages(1).column("scheme").to_pylist())
+    assert schemes == {"stepwise", "turning_point"}
+    grid = run.advantage_grid(1, "turning_point", out["advantages"][1]["options_digest"])
+    assert grid.shape == (6, 4) and bool(torch.isfinite(grid).all())
+
+
+def test_nan_rewards_fail_the_stage_naming_the_rows(trained, monkeypatch):
+    from flows.rescore import rescore
+    from storage.run import Run
+
+    class NanReward:
+        name, version = "nan_test", "1"
+
+        def __call__(self, images, prompts, metadata):
+            scores = torch.zeros(len(prompts))
+            scores[1] = float("nan")
+            return RewardOutput(scores=scores)
+
+    monkeypatch.setattr(workspace, "reward", lambda cfg: NanReward())
+    with pytest.raises(stages.StageError, match=r"NaN/inf .*\(traj 0, k 1\)"):
+        rescore(trained["run_dir"], "jpeg_incompressibility", iterations=[0])
+    assert Run.open(trained["run_dir"]).read_rewards(0, "nan_test").num_rows == 0
+
+
+def test_evaluate_flow_reuses_the_stored_evaluation(trained, calls):
+    from flows.evaluate import evaluate
+
+    out = evaluate(trained["run_dir"])
+    assert calls["evaluate"] == 0 and out == trained["evaluations"][-1]
+    base = evaluate(trained["run_dir"], iteration=-1, overrides=["run.eval_prompts=2"])
+    assert calls["evaluate"] == 1 and base["prompts"] == 2
+
+
+def test_psi_kernel_calibrates_then_trains(harness, tiny, tmp_path, calls):
+    from flows.train import train
+
+    out = train(overrides=[*tiny, "sampler.kernel=psi", "credit.scheme=dense", "run.iterations=1",
+                           "calibration.rounds=2", "calibration.prompts=2"], run_dir=str(tmp_path / "psi"))
+    psi = json.loads((tmp_path / "psi" / "calibration" / "psi.json").read_text())
+    assert len(psi["psi"]) == 4 and len(psi["rounds"]) == 2
+    assert calls["calibrate"] == 1 and out["iterations"][0]["iteration"] == 0
+
+
+def test_outcome_without_completion_scores_final_samples_only(harness, tiny, tmp_path):
+    from flows.train import train
+    from storage.run import Run
+
+    out = train(overrides=[*tiny, "completion.method=null", "credit.scheme=outcome", "run.iterations=1",
+                           "optim.ema_decay=0.5", "optim.grad_accum=2", "sampler.sde_window_start=1",
+                           "sampler.sde_window_size=2"], run_dir=str(tmp_path / "outcome"))
+    run = Run.open(out["run_dir"])
+    assert set(run.read_rewards(0).column("k").to_pylist()) == {4}
+    assert not (Path(out["run_dir"]) / "iter_0" / "completions").exists()
+    ckpt = run.load_checkpoint(0)
+    assert set(ckpt.tensors) == {"lora", "optimizer", "ema", "rng"}
+    assert ckpt.state["update"]["trained_steps"] == 2.0
+
+
+def _stored_overrides(trained: dict) -> list[str]:
+    from storage.run import Run
+
+    cfg = Run.open(trained["run_dir"]).config
+    return [f"{k}={json.dumps(v)}" for k, v in load_config(None, []).model_validate(cfg).flat().items()
+            if not k.endswith(".options")]
