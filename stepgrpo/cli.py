@@ -23,6 +23,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 app = typer.Typer(
@@ -58,10 +59,10 @@ def _run(fn: Any, *args: Any, **kwargs: Any) -> Any:
     try:
         return fn(*args, **kwargs)
     except _expected_errors() as err:
-        err_console.print(f"[bold red]error:[/] {type(err).__name__}: {err}", highlight=False, markup=True)
+        err_console.print(f"[bold red]error:[/] {type(err).__name__}: {escape(str(err))}", highlight=False, markup=True, soft_wrap=True)
         raise typer.Exit(1) from None
     except Exception as err:  # an unexpected failure: still a message and a non-zero exit
-        err_console.print(f"[bold red]failed:[/] {type(err).__name__}: {err}", highlight=False)
+        err_console.print(f"[bold red]failed:[/] {type(err).__name__}: {escape(str(err))}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
 
 
@@ -72,6 +73,22 @@ def _check_config(config: Path | None, overrides: list[str] | None) -> None:
 
     cfg = load_config(config, overrides or [])
     resolve_model_path(cfg.model.path)
+
+
+def _check_run(run: str, reward: str | None = None, scheme: str | None = None) -> None:
+    """Open the run (schema version checked) and validate names before any flow starts."""
+    from stepgrpo.stages import find_run
+    from storage.run import Run
+
+    Run.open(find_run(run))
+    if reward is not None:
+        from stepgrpo.rewards import REWARDS
+
+        REWARDS.validate(reward)
+    if scheme is not None:
+        from stepgrpo_core.credit import SCHEMES
+
+        SCHEMES.validate(scheme)
 
 
 @app.command()
@@ -93,6 +110,7 @@ def train(config: ConfigOpt = None, set_: SetOpt = None, run_dir: RunDirOpt = No
 def rescore(run: RunArg, reward: Annotated[str, typer.Option(help="Reward name (see REWARDS).")],
             options: Annotated[str | None, typer.Option(help="Reward options as JSON.")] = None) -> None:
     """Score the stored trajectories of RUN with another reward (no transformer call)."""
+    _run(_check_run, run, reward=reward)
     from flows.rescore import rescore as rescore_flow
 
     out = _run(rescore_flow, run=run, reward=reward, reward_options=_json(options))
@@ -108,6 +126,7 @@ def credit(run: RunArg, scheme: Annotated[str, typer.Option(help="Credit scheme 
            options: Annotated[str | None, typer.Option(help="Scheme options as JSON.")] = None,
            reward: Annotated[str | None, typer.Option(help="Which stored reward to use (default: the run's).")] = None) -> None:
     """Recompute the advantages of RUN with another scheme, from its stored rewards only."""
+    _run(_check_run, run, scheme=scheme)
     from flows.credit import credit as credit_flow
 
     out = _run(credit_flow, run=run, scheme=scheme, options=_json(options), reward=reward)
@@ -134,6 +153,7 @@ def calibrate(config: ConfigOpt = None, set_: SetOpt = None, run_dir: RunDirOpt 
 def evaluate(run: RunArg, iteration: Annotated[int | None, typer.Option(help="Checkpoint iteration (default latest; -1 base model).")] = None,
              set_: SetOpt = None) -> None:
     """Held-out reward of RUN's policy and an image grid."""
+    _run(_check_run, run)
     from flows.evaluate import evaluate as evaluate_flow
 
     out = _run(evaluate_flow, run=run, iteration=iteration, overrides=list(set_ or []))

@@ -1,0 +1,92 @@
+"""The `stepgrpo` console script: help texts and error paths (clear message, exit 1, nothing published).
+
+None of these start a Prefect server: inputs are validated before any flow runs.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from stepgrpo.cli import app
+
+runner = CliRunner()
+COMMANDS = ["train", "rescore", "credit", "calibrate", "evaluate", "pretrain", "runs", "inspect"]
+
+
+def invoke(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def test_help_lists_every_command():
+    result = invoke("--help")
+    assert result.exit_code == 0
+    for command in COMMANDS:
+        assert command in result.output
+
+
+@pytest.mark.parametrize("command", [c for c in COMMANDS if c != "pretrain"])
+def test_each_command_has_help(command):
+    result = invoke(command, "--help")
+    assert result.exit_code == 0 and "Usage" in result.output
+
+
+@pytest.mark.parametrize(
+    "override, says",
+    [
+        ("optim.lrr=1", ["optim.lrr", "unknown field", "weight_decay"]),
+        ("reward.name=nope", ["unknown reward 'nope'", "jpeg_compressibility", "shapes"]),
+        ("credit.scheme=vibes", ["unknown credit scheme 'vibes'", "turning_point"]),
+        ("sampler.kernel=brownian", ["unknown kernel 'brownian'", "ddim"]),
+        ("model.path=no/such/model", ["model.path 'no/such/model'", "stepgrpo pretrain"]),
+    ],
+)
+def test_train_rejects_bad_input_before_publishing_anything(tmp_path, monkeypatch, override, says):
+    monkeypatch.chdir(tmp_path)
+    result = invoke("train", "--set", override, "--set", "run.runs_root=runs", "--run-id", "x")
+    assert result.exit_code == 1, result.output
+    for text in says:
+        assert text in result.output, (text, result.output)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_missing_config_file(tmp_path):
+    result = invoke("train", "--config", str(tmp_path / "nope.yaml"))
+    assert result.exit_code == 1 and "does not exist" in result.output
+
+
+def _fake_run(root, schema_version):
+    run = root / "old"
+    run.mkdir(parents=True)
+    (run / "manifest.json").write_text(json.dumps({"run_id": "old", "schema_version": schema_version, "config": {}}))
+    return run
+
+
+def test_a_run_of_another_schema_version_is_refused(tmp_path):
+    run = _fake_run(tmp_path, 999)
+    for args in (["rescore", str(run), "--reward", "shapes"], ["credit", str(run), "--scheme", "dense"],
+                 ["evaluate", str(run)], ["inspect", str(run)]):
+        result = invoke(*args)
+        assert result.exit_code == 1, (args, result.output)
+        assert "schema version 999" in result.output, result.output
+
+
+def test_offline_commands_name_unknown_runs_rewards_and_schemes(tmp_path):
+    from storage.schema import SCHEMA_VERSION
+
+    run = _fake_run(tmp_path, SCHEMA_VERSION)
+    result = invoke("rescore", str(tmp_path / "missing"), "--reward", "shapes")
+    assert result.exit_code == 1 and "no run" in result.output
+    result = invoke("rescore", str(run), "--reward", "nope")
+    assert result.exit_code == 1 and "known rewards" in result.output
+    result = invoke("credit", str(run), "--scheme", "nope")
+    assert result.exit_code == 1 and "known credit schemes" in result.output
+    result = invoke("credit", str(run), "--scheme", "dense", "--options", "[1]")
+    assert result.exit_code == 1 and "JSON object" in result.output
+
+
+def test_runs_on_an_empty_root(tmp_path):
+    result = invoke("runs", "--root", str(tmp_path))
+    assert result.exit_code == 0
