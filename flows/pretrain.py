@@ -1,0 +1,31 @@
+"""Pretrain the shipped `shapes` model: the autoencoder, then the transformer and text encoders.
+
+A thin wrapper: the stages, checkpoints and export live in `stepgrpo.shapes.pretrain`. Rerunning
+with the same `workdir` resumes from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow
+
+from stepgrpo.shapes.pretrain import PretrainConfig, pretrain as run_pretrain
+
+
+@flow(name="pretrain", log_prints=True)
+def pretrain(
+    workdir: str = ".pretrain",
+    out: str = "models/shapes",
+    seed: int = 0,
+    vae_minutes: float = PretrainConfig.vae_minutes,
+    minutes: float = PretrainConfig.minutes,
+    eval_minutes: float = PretrainConfig.eval_minutes,
+    threads: int = PretrainConfig.threads,
+) -> dict[str, Any]:
+    """Train (or resume) and export the fp16 pipeline to `out`; returns steps, minutes and size."""
+    cfg = PretrainConfig(
+        workdir=workdir, out=out, seed=seed, vae_minutes=vae_minutes, minutes=minutes, eval_minutes=eval_minutes,
+        threads=threads,
+    )
+    return run_pretrain(cfg)
