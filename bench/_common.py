@@ -1,0 +1,323 @@
+"""Shared helpers of the benchmark scripts: import path, environment, the machine, one pipeline
+run read back from its run directory, the bare in-process loop, and small statistics.
+
+Import it first (`import _common`) from a script in `bench/`: `bench/storage.py` is named like the
+`storage` package, and Python puts a script's own folder first on `sys.path`, so this module drops
+that folder and puts the repository root there instead.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+ROOT = BENCH_DIR.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH_DIR]
+sys.path.insert(0, str(ROOT))
+
+OUT_DIR = BENCH_DIR / "out"  # gitignored; the numbers quoted in docs are copied to docs/bench/
+SHIPPED_MODEL = "models/shapes"
+
+
+def setup_env(out: Path, threads: int | None = None) -> None:
+    """Environment every benchmark process runs in; call before importing prefect / torch users.
+
+    A Prefect home of its own (its temporary server's database never competes with other runs'),
+    a generous server start-up timeout (the machine may be busy), no telemetry, quiet logs.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("PREFECT_HOME", str(OUT_DIR / "prefect-home"))
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.chdir(ROOT)  # relative paths in configs (models/shapes) resolve from the repository root
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    import warnings
+
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    import logging
+
+    for name in ("mlflow", "alembic", "prefect", "httpx"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    try:
+        from diffusers.utils import logging as dlog
+
+        dlog.disable_progress_bar()
+        from transformers.utils import logging as tlog
+
+        tlog.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    import torch
+
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                mem = round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return {
+        "cpu": cpu, "cores": os.cpu_count(), "memory_gib": mem, "gpu": torch.cuda.is_available(),
+        "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+        "load_avg": list(os.getloadavg()), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+
+
+def model_path(requested: str | None = None) -> str:
+    """The model to benchmark: `requested`, else the shipped `models/shapes` (must exist)."""
+    path = requested or SHIPPED_MODEL
+    if not (ROOT / path / "model_index.json").is_file() and not (Path(path) / "model_index.json").is_file():
+        raise SystemExit(f"no model at {path}: the shipped model is built by `stepgrpo pretrain`; "
+                         "pass --model DIR to benchmark another SD3 pipeline directory")
+    return path
+
+
+def write_json(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True, default=float) + "\n")
+    tmp.replace(path)
+
+
+# --------------------------------------------------------------------------- a pipeline run
+
+
+def train_flow(overrides: Sequence[str], run_id: str, config_path: str | None = None) -> dict[str, Any]:
+    """Run the product's `train` flow in this process; returns its result and the wall seconds."""
+    from flows.train import train
+
+    t0 = time.perf_counter()
+    out = train(config_path=config_path, overrides=list(overrides), run_id=run_id)
+    out["flow_seconds"] = time.perf_counter() - t0
+    return out
+
+
+@dataclass
+class RunRecord:
+    """One finished pipeline run, read back from its run directory (all lists per iteration)."""
+
+    train_reward: list[float]  # mean R_T of the iteration's rollout (SDE samples, training prompts)
+    train_strict: list[float]
+    iter_seconds: list[float]  # wall seconds of each iteration (checkpoint to checkpoint, evals excluded)
+    stage_seconds: list[dict[str, float]]  # rollout / complete / update seconds as the stages recorded them
+    nfe: list[dict[str, int]]  # rollout / complete transformer rows (a CFG pair counts once)
+    gains: list[list[float]]  # mean gain g_k per step k (empty without step rewards)
+    heldout: list[dict[str, Any]]  # evaluations: iteration (0 = base), reward, strict, sub-scores
+    setup_seconds: float  # before iteration 0: psi calibration (other set-up is not training)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def read_run(run_dir: Path) -> RunRecord:
+    """Everything the benchmarks plot, from a finished run directory (storage API + stage files).
+
+    Wall-clock per iteration is the time between publications of consecutive checkpoints (the
+    update stage publishes last in an iteration) minus the evaluations that ran in between, so it
+    holds every stage and all the pipeline's own overhead (Prefect, storage, MLflow). Iteration 0
+    is counted from the start of its rollout stage.
+    """
+    import numpy as np
+
+    from stepgrpo.config import validate_config
+    from storage import Run
+
+    run = Run.open(run_dir)
+    cfg = validate_config(run.config)
+    evals = {}
+    for f in sorted((run_dir / "eval").glob("*.json")):
+        e = json.loads(f.read_text())
+        e["finished"] = f.stat().st_mtime
+        evals[e["label"]] = e
+    n = len(run.iterations("checkpoint"))
+    rewards, stricts, secs, stage_secs, nfes, gains = [], [], [], [], [], []
+    # Iteration 0 starts when its rollout stage started (published time minus its own seconds):
+    # between the base evaluation and that, the flow does one-time set-up (the MLflow store).
+    ro0 = run.stage_manifest(0, "rollout") if n else None
+    prev_end = (run.stage_path(0, "rollout") / "_published.json").stat().st_mtime - ro0["inputs"].get("seconds", 0.0) if n else 0.0
+    calib = run_dir / "calibration" / "psi.json"
+    setup = json.loads(calib.read_text())["seconds"] if calib.is_file() else 0.0
+    method = cfg.completion.method
+    for i in range(n):
+        rows = run.read_rewards(i)
+        names = sorted(set(rows.column("reward_name").to_pylist()))
+        name = cfg.reward.name if cfg.reward.name in names else names[0]
+        grid = run.reward_grid(i, name).numpy()
+        strict = run.reward_grid(i, name, field="strict").numpy()
+        rewards.append(float(grid[:, -1].mean()))
+        stricts.append(float(np.nanmean(strict[:, -1])) if np.isfinite(strict[:, -1]).any() else float("nan"))
+        gains.append(np.diff(grid, axis=1).mean(0).tolist() if np.isfinite(grid).all() else [])
+        ro = run.stage_manifest(i, "rollout")
+        cm = run.stage_manifest(i, f"completions/{method.replace(':', '-')}") if method else None
+        state = json.loads((run.stage_path(i, "checkpoint") / "state.json").read_text())
+        stage_secs.append({"rollout": ro["inputs"].get("seconds", float("nan")),
+                           "complete": cm["inputs"].get("seconds", float("nan")) if cm else 0.0,
+                           "update": state.get("seconds", float("nan"))})
+        nfes.append({"rollout": int(ro["inputs"].get("nfe", 0)), "complete": int(cm["attrs"]["nfe"]) if cm else 0})
+        end = (run.stage_path(i, "checkpoint") / "_published.json").stat().st_mtime
+        between = [e for e in evals.values() if e["label"] != "base" and prev_end < e["finished"] <= end]
+        secs.append(end - prev_end - sum(e["seconds"] for e in between))
+        prev_end = end
+    heldout = []
+    for label, e in evals.items():
+        it = 0 if label == "base" else int(label.removeprefix("iter_")) + 1
+        heldout.append({"iteration": it, "reward": e["reward_mean"], "strict": e.get("reward_strict", float("nan")),
+                        **{k: v for k, v in e.items() if k.startswith("sub_")}, "seconds": e["seconds"], "nfe": e["nfe"]})
+    heldout.sort(key=lambda h: h["iteration"])
+    return RunRecord(rewards, stricts, secs, stage_secs, nfes, gains, heldout, setup)
+
+
+# ------------------------------------------------------------------------- the bare loop
+
+
+def bare_loop(cfg: Any, iterations: int, on_iteration: Callable[[int, dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    """The training loop with no Prefect, no storage, no tracking: the same core functions and the
+    same seeds as the pipeline's stages (prompts, noise, SDE noise, update order), on tensors in
+    memory. Returns per-iteration records: seconds per phase, NFEs, the mean final reward.
+
+    It is the reference the pipeline's overhead is measured against (bench/costs.py): anything
+    the pipeline spends beyond this is orchestration, storage and tracking. Kernels with a
+    calibrated table (`psi`) are not supported here.
+    """
+    import numpy as np
+    import torch
+
+    from stepgrpo import stages, training, workspace
+    from stepgrpo_core.completions import complete
+    from stepgrpo_core.credit import assign
+    from stepgrpo_core.rollout import rollout
+
+    if cfg.sampler.kernel == "psi":
+        raise ValueError("the bare loop has no psi calibration; benchmark a kernel with a fixed noise")
+    pol = workspace.policy(cfg)
+    workspace.set_lora(pol, workspace.initial_lora(cfg))
+    reward = workspace.reward(cfg.reward)
+    opt = training.make_optimizer(pol.trainable_parameters(), cfg)
+    texts, splits, meta = stages.prompt_source(cfg)
+    train_ids = np.array([i for i, s in enumerate(splits) if s == "train"])
+    P, G, T, mb = cfg.run.prompts_per_iteration, cfg.run.group_size, cfg.sampler.steps, cfg.model.max_batch
+    start, end = cfg.sampler.window()
+    method, noise = cfg.completion.method, cfg.sampler.noise
+    ema = workspace.lora_state(pol) if cfg.optim.ema_decay is not None else None
+    records = []
+    for it in range(iterations):
+        t0 = time.perf_counter()
+        nfe0 = pol.nfe
+        pick = torch.randperm(len(train_ids), generator=stages.generator(cfg.run.seed, "prompts", it))
+        chosen = train_ids[pick[:P].numpy()]
+        prompt_ids, group_ids = np.repeat(chosen, G), np.repeat(np.arange(P), G)
+        seeds = [stages.seed_for(cfg.run.seed, "noise", it, g) for g in range(P)]
+        sigmas = pol.sigmas(T)
+        parts = []
+        per_chunk = max(1, mb // G)
+        for c0 in range(0, P, per_chunk):
+            groups = range(c0, min(P, c0 + per_chunk))
+            x0 = torch.cat([pol.initial_noise(1, stages.generator(int(seeds[g]), device=pol.device)).expand(G, -1, -1, -1) for g in groups])
+            rows = np.arange(c0 * G, (groups[-1] + 1) * G)
+            cond = stages._encode(pol, texts, prompt_ids[rows])
+            parts.append(rollout(pol.velocity, x0, sigmas, cond, kernel=cfg.sampler.kernel, noise=noise, window=(start, end - start),
+                                 generator=stages.generator(cfg.run.seed, "sde", it, c0, device=pol.device)))
+        states = torch.cat([p.states for p in parts])
+        log_probs = torch.cat([p.log_probs for p in parts])
+        t1 = time.perf_counter()
+        nfe_rollout = pol.nfe - nfe0
+        if method:
+            done = []
+            for c0 in range(0, len(group_ids), mb):
+                rows = slice(c0, c0 + mb)
+                chunk_cond = stages._encode(pol, texts, prompt_ids[rows])  # as the complete stage encodes
+                done.append(complete(method, pol.velocity, states[rows], sigmas, chunk_cond, mb).latents)
+            clean = torch.cat(done)
+        else:
+            clean = states[:, -1:]
+        t2 = time.perf_counter()
+        nfe_complete = pol.nfe - nfe0 - nfe_rollout
+        B, K = clean.shape[:2]
+        flat = clean.reshape(B * K, *clean.shape[2:])
+        pids = np.repeat(prompt_ids, K)
+        scores = []
+        for c0 in range(0, len(pids), mb):
+            rows = slice(c0, c0 + mb)
+            images = pol.decode(flat[rows])
+            scores.append(reward(images, [texts[int(p)] for p in pids[rows]], [meta[int(p)] for p in pids[rows]]).scores.float())
+        grid = torch.cat(scores).reshape(B, K)
+        t3 = time.perf_counter()
+        if K == 1:
+            grid = grid.expand(B, T + 1).clone()  # outcome reads R_T only
+        credit = assign(cfg.credit.scheme, grid, torch.from_numpy(group_ids).long(), **cfg.credit.options)
+        t4 = time.perf_counter()
+        cond = stages._encode(pol, texts, prompt_ids)
+        summary = training.update(pol, opt, cfg, states, log_probs, credit.advantages, cond, sigmas, cfg.sampler.kernel, noise,
+                                  stages.generator(cfg.run.seed, "update", it), ema=ema)
+        t5 = time.perf_counter()
+        rec = {"iteration": it, "reward_mean": float(grid[:, -1].mean()), "seconds": t5 - t0,
+               "rollout": t1 - t0, "complete": t2 - t1, "score": t3 - t2, "credit": t4 - t3, "update": t5 - t4,
+               "nfe_rollout": nfe_rollout, "nfe_complete": nfe_complete, "clip_frac": summary.get("clip_frac")}
+        records.append(rec)
+        if on_iteration:
+            on_iteration(it, rec)
+    return records
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def mean_ci(values: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:
+    """Mean and a Student-t confidence interval over independent runs (seeds); NaN for n < 2."""
+    from scipy import stats
+
+    v = [x for x in values if x == x]
+    if not v:
+        return float("nan"), float("nan"), float("nan")
+    m = sum(v) / len(v)
+    if len(v) < 2:
+        return m, float("nan"), float("nan")
+    sd = math.sqrt(sum((x - m) ** 2 for x in v) / (len(v) - 1))
+    half = stats.t.ppf(0.5 + level / 2, len(v) - 1) * sd / math.sqrt(len(v))
+    return m, m - half, m + half
+
+
+def moving_average(values: Sequence[float], window: int) -> list[float]:
+    """Trailing mean over the last `window` values (fewer at the start)."""
+    out = []
+    for i in range(len(values)):
+        chunk = values[max(0, i - window + 1) : i + 1]
+        out.append(sum(chunk) / len(chunk))
+    return out
+
+
+def first_reach(values: Sequence[float], threshold: float) -> int | None:
+    """1-based iteration count at which `values` first reaches `threshold`, else None."""
+    for i, v in enumerate(values):
+        if v >= threshold:
+            return i + 1
+    return None

@@ -1,0 +1,409 @@
+"""Credit schemes compared on the shapes task, through the real pipeline (issue 5).
+
+Every configuration is one run of the product's `train` flow (Prefect tasks, Zarr / Parquet run
+directory, MLflow), in this process, on the shipped `models/shapes` model and the rule-based
+`shapes` reward, with the same budget: the same iterations, prompts per iteration, group size,
+sampler, LoRA and optimiser settings, and the same seeds (so seed `s` of every scheme sees the
+same prompts and initial noise in every iteration). Configurations:
+
+- main: `outcome` (Flow-GRPO, scores x_T only), `stepwise`, `dense`, `turning_point`, each with
+  `remaining` completion (every state run down the rest of the grid);
+- ablations, on `dense`: the `psi` kernel with DenseGRPO's calibrated noise table
+  (`dense_psi`) against the flow kernel's noise `a = 0.7` (`dense`); completion `substeps:2`
+  (`dense_substeps2`) and `tweedie` (`dense_tweedie`) against `remaining` (`dense`).
+
+`outcome` may run longer (`--outcome-iterations`): it costs about a third as much per iteration,
+so its extra iterations show where it stands at equal wall-clock; every per-iteration statistic
+uses the first `--iterations` only.
+
+Outputs in `--out` (default `bench/out/credit_schemes[_quick]`): `curves.csv` (per run and
+iteration: training reward, wall seconds, NFEs), `heldout.csv` (held-out evaluations),
+`gains.csv` (mean gain per step k), `summary.csv` / `summary.md` (final held-out reward with a
+95 % Student-t interval over seeds, paired differences to `outcome`, iterations and seconds to
+reach thresholds), PNG plots, and `records/<run>.json`. A run whose record exists is not redone,
+so an interrupted benchmark continues where it stopped; `--report-only` redraws from records.
+
+    python bench/credit_schemes.py --quick      # <= 10 min on 2 CPU cores
+    python bench/credit_schemes.py              # the full comparison (see docs/BENCHMARKS.md)
+"""
+
+from __future__ import annotations
+
+import _common  # noqa: I001  (first: fixes sys.path, see its docstring)
+
+import argparse
+import csv
+import json
+import math
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from _common import OUT_DIR, first_reach, mean_ci, moving_average, read_run, write_json
+
+# name -> (scheme, completion method or None, kernel)
+CONFIGS: dict[str, tuple[str, str | None, str]] = {
+    "outcome": ("outcome", None, "flow"),
+    "stepwise": ("stepwise", "remaining", "flow"),
+    "dense": ("dense", "remaining", "flow"),
+    "turning_point": ("turning_point", "remaining", "flow"),
+    "dense_psi": ("dense", "remaining", "psi"),
+    "dense_substeps2": ("dense", "substeps:2", "flow"),
+    "dense_tweedie": ("dense", "tweedie", "flow"),
+}
+MAIN = ("outcome", "stepwise", "dense", "turning_point")
+ABLATIONS = {
+    "exploration noise (dense, remaining)": ("dense", "dense_psi"),
+    "completion (dense)": ("dense", "dense_substeps2", "dense_tweedie"),
+}
+COLOURS = {"outcome": "black", "stepwise": "tab:blue", "dense": "tab:orange", "turning_point": "tab:green",
+           "dense_psi": "tab:red", "dense_substeps2": "tab:purple", "dense_tweedie": "tab:brown"}
+SMOOTH = 3  # iterations in the trailing mean of the training reward (thresholds, curves)
+
+# Shared by every configuration. LoRA / optimiser follow configs/demo.yaml (what learns in a few
+# CPU iterations); T = 10 and a = 0.7 are Flow-GRPO's; no KL term (demo), so the update is one
+# forward + backward per trained step.
+COMMON = {
+    "model.dtype": "float32", "model.device": "cpu", "model.guidance_scale": 2.5, "model.lora_rank": 8,
+    "model.lora_alpha": 16, "model.max_batch": 128, "sampler.steps": 10, "sampler.noise": 0.7,
+    "sampler.eval_steps": 10, "reward.name": "shapes", "optim.lr": 1.0e-3, "optim.clip_range": 1.0e-3,
+    "optim.kl_beta": 0.0, "optim.micro_batch": 32, "run.eval_seeds": 1, "calibration.rounds": 3,
+    "calibration.prompts": 4, "run.name": "bench-credit",
+}
+PRESETS = {
+    # quick: every configuration once, the main ones with 2 seeds; checks the whole path
+    "quick": {"iterations": 4, "outcome_iterations": 4, "prompts": 4, "group_size": 4, "eval_prompts": 32,
+              "eval_every": 2, "seeds": [0, 1], "ablation_seeds": [0]},
+    "full": {"iterations": 12, "outcome_iterations": 24, "prompts": 4, "group_size": 8, "eval_prompts": 200,
+             "eval_every": 4, "seeds": [0, 1, 2], "ablation_seeds": [0, 1, 2]},
+}
+
+
+def overrides(name: str, seed: int, iterations: int, a: argparse.Namespace, runs_root: Path) -> list[str]:
+    scheme, method, kernel = CONFIGS[name]
+    values = dict(COMMON) | {
+        "model.path": a.model, "sampler.kernel": kernel, "completion.method": method, "credit.scheme": scheme,
+        "run.iterations": iterations, "run.prompts_per_iteration": a.prompts, "run.group_size": a.group_size,
+        "run.eval_prompts": a.eval_prompts, "run.eval_every": a.eval_every, "run.seed": seed,
+        "run.runs_root": str(runs_root),
+    }
+    return [f"{k}={'null' if v is None else v}" for k, v in values.items()]
+
+
+def run_one(name: str, seed: int, a: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """One configuration x seed through the `train` flow; its record (cached in `records/`)."""
+    run_id = f"{name}-s{seed}"
+    record_path = out / "records" / f"{run_id}.json"
+    iterations = a.outcome_iterations if name == "outcome" else a.iterations
+    ov = overrides(name, seed, iterations, a, out / "runs")
+    if record_path.is_file():
+        rec = json.loads(record_path.read_text())
+        if rec["overrides"] != ov:
+            raise SystemExit(f"{record_path} was made with other settings; use another --out or delete it")
+        return rec
+    run_dir = out / "runs" / run_id
+    if run_dir.exists():  # an interrupted attempt: its timings would include the gap, start it over
+        shutil.rmtree(run_dir)
+    load_before = _common.os.getloadavg()[0]
+    result = _common.train_flow(ov, run_id)
+    rec = asdict(read_run(Path(result["run_dir"])))
+    rec |= {"config": name, "seed": seed, "overrides": ov, "flow_seconds": result["flow_seconds"],
+            "load_before": load_before, "load_after": _common.os.getloadavg()[0]}
+    write_json(record_path, rec)
+    return rec
+
+
+# ------------------------------------------------------------------------------- analysis
+
+
+def by_config(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for r in sorted(records, key=lambda r: (list(CONFIGS).index(r["config"]), r["seed"])):
+        out.setdefault(r["config"], []).append(r)
+    return out
+
+
+def wall(rec: dict[str, Any]) -> list[float]:
+    """Cumulative training seconds at the end of each iteration (set-up such as psi calibration included)."""
+    t, out = rec["setup_seconds"], []
+    for s in rec["iter_seconds"]:
+        t += s
+        out.append(t)
+    return out
+
+
+def heldout_at(rec: dict[str, Any], iteration: int) -> dict[str, Any] | None:
+    return next((h for h in rec["heldout"] if h["iteration"] == iteration), None)
+
+
+def analyse(records: list[dict[str, Any]], n_iter: int) -> dict[str, Any]:
+    groups = by_config(records)
+    base_train = mean_ci([r["train_reward"][0] for r in records if r["config"] != "dense_psi"])[0]
+    outcome = groups.get("outcome", [])
+    out_final = mean_ci([moving_average(r["train_reward"][:n_iter], SMOOTH)[-1] for r in outcome])[0]
+    thresholds = {"half": base_train + 0.5 * (out_final - base_train), "outcome": out_final}
+    base_held = {r["seed"]: heldout_at(r, 0)["reward"] for r in records if heldout_at(r, 0)}
+    out_final_held = {r["seed"]: heldout_at(r, n_iter)["reward"] for r in outcome if heldout_at(r, n_iter)}
+    rows = []
+    for name, recs in groups.items():
+        finals = [heldout_at(r, n_iter) for r in recs]
+        finals = [f["reward"] if f else float("nan") for f in finals]
+        strict = [heldout_at(r, n_iter)["strict"] if heldout_at(r, n_iter) else float("nan") for r in recs]
+        gain = [f - heldout_at(r, 0)["reward"] for f, r in zip(finals, recs)]
+        paired = [f - out_final_held[r["seed"]] for f, r in zip(finals, recs) if r["seed"] in out_final_held]
+        m, lo, hi = mean_ci(finals)
+        gm, glo, ghi = mean_ci(gain)
+        dm, dlo, dhi = mean_ci(paired) if name != "outcome" else (float("nan"),) * 3
+        row: dict[str, Any] = {
+            "config": name, "scheme": CONFIGS[name][0], "completion": CONFIGS[name][1] or "none",
+            "kernel": CONFIGS[name][2], "seeds": len(recs), "iterations": n_iter,
+            "heldout_final": m, "heldout_ci_lo": lo, "heldout_ci_hi": hi,
+            "heldout_strict": mean_ci(strict)[0], "heldout_gain": gm, "gain_ci_lo": glo, "gain_ci_hi": ghi,
+            "diff_vs_outcome": dm, "diff_ci_lo": dlo, "diff_ci_hi": dhi,
+            "train_final": mean_ci([moving_average(r["train_reward"][:n_iter], SMOOTH)[-1] for r in recs])[0],
+            "seconds_per_iter": mean_ci([sum(r["iter_seconds"][:n_iter]) / n_iter for r in recs])[0],
+            "setup_seconds": mean_ci([r["setup_seconds"] for r in recs])[0],
+            "nfe_per_iter": mean_ci([sum(n["rollout"] + n["complete"] for n in r["nfe"][:n_iter]) / n_iter for r in recs])[0],
+        }
+        for tname, thr in thresholds.items():
+            its = [first_reach(moving_average(r["train_reward"][:n_iter], SMOOTH), thr) for r in recs]
+            secs = [wall(r)[i - 1] if i else None for i, r in zip(its, recs)]
+            # outcome may have run longer: where did it reach the threshold at all (equal wall-clock view)
+            its_all = [first_reach(moving_average(r["train_reward"], SMOOTH), thr) for r in recs]
+            secs_all = [wall(r)[i - 1] if i else None for i, r in zip(its_all, recs)]
+            row[f"reached_{tname}"] = f"{sum(i is not None for i in its)}/{len(its)}"
+            row[f"iters_to_{tname}"] = _mean_known(its)
+            row[f"seconds_to_{tname}"] = _mean_known(secs_all if name == "outcome" else secs)
+        rows.append(row)
+    del base_held
+    return {"rows": rows, "thresholds": thresholds, "base_train": base_train}
+
+
+def _mean_known(values: list[Any]) -> float:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else float("nan")
+
+
+def write_csvs(records: list[dict[str, Any]], analysis: dict[str, Any], out: Path) -> None:
+    with open(out / "curves.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["config", "seed", "iteration", "train_reward", "train_reward_smoothed", "train_strict", "iter_seconds",
+                    "wall_seconds", "rollout_seconds", "complete_seconds", "update_seconds", "nfe_rollout", "nfe_complete"])
+        for r in records:
+            smooth, cum = moving_average(r["train_reward"], SMOOTH), wall(r)
+            for i, rew in enumerate(r["train_reward"]):
+                s, n = r["stage_seconds"][i], r["nfe"][i]
+                w.writerow([r["config"], r["seed"], i + 1, rew, smooth[i], r["train_strict"][i], r["iter_seconds"][i], cum[i],
+                            s["rollout"], s["complete"], s["update"], n["rollout"], n["complete"]])
+    subs = sorted({k for r in records for h in r["heldout"] for k in h if k.startswith("sub_")})
+    with open(out / "heldout.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["config", "seed", "iteration", "wall_seconds", "reward", "strict", *subs])
+        for r in records:
+            cum = [r["setup_seconds"], *wall(r)]
+            for h in r["heldout"]:
+                w.writerow([r["config"], r["seed"], h["iteration"], cum[h["iteration"]], h["reward"], h["strict"],
+                            *[h.get(s, "") for s in subs]])
+    with open(out / "gains.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["config", "seed", "iteration", "k", "mean_gain"])
+        for r in records:
+            for i, g in enumerate(r["gains"]):
+                for k, v in enumerate(g):
+                    w.writerow([r["config"], r["seed"], i + 1, k, v])
+    rows = analysis["rows"]
+    with open(out / "summary.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def fmt(x: float, digits: int = 3) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def summary_md(analysis: dict[str, Any], settings: dict[str, Any], machine: dict[str, Any]) -> str:
+    th = analysis["thresholds"]
+    lines = [
+        f"settings: {json.dumps(settings, sort_keys=True)}",
+        f"machine: {machine['cores']} cores ({machine['cpu']}), torch {machine['torch']} with {machine['torch_threads']} threads, "
+        f"GPU: {machine['gpu']}, load average at the end {machine['load_avg'][0]:.2f}",
+        "",
+        f"thresholds on the training reward (trailing mean of {SMOOTH} iterations): base {fmt(analysis['base_train'])}, "
+        f"half of outcome's gain {fmt(th['half'])}, outcome's final {fmt(th['outcome'])}",
+        "",
+        "| config | seeds | held-out reward after N (95% CI) | gain over base (95% CI) | minus outcome, paired (95% CI) "
+        "| strict | iters to half / to outcome | seconds to half / to outcome | s / iter | NFE / iter |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in analysis["rows"]:
+        lines.append(
+            f"| {r['config']} | {r['seeds']} | {fmt(r['heldout_final'])} [{fmt(r['heldout_ci_lo'])}, {fmt(r['heldout_ci_hi'])}] "
+            f"| {fmt(r['heldout_gain'])} [{fmt(r['gain_ci_lo'])}, {fmt(r['gain_ci_hi'])}] "
+            f"| {fmt(r['diff_vs_outcome'])} [{fmt(r['diff_ci_lo'])}, {fmt(r['diff_ci_hi'])}] | {fmt(r['heldout_strict'])} "
+            f"| {fmt(r['iters_to_half'], 1)} ({r['reached_half']}) / {fmt(r['iters_to_outcome'], 1)} ({r['reached_outcome']}) "
+            f"| {fmt(r['seconds_to_half'], 0)} / {fmt(r['seconds_to_outcome'], 0)} | {fmt(r['seconds_per_iter'], 1)} "
+            f"| {fmt(r['nfe_per_iter'], 0)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------- plots
+
+
+def plot(records: list[dict[str, Any]], analysis: dict[str, Any], n_iter: int, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.ticker import MaxNLocator
+
+    groups = by_config(records)
+
+    def curves(names: tuple[str, ...], x_wall: bool, path: Path, title: str) -> None:
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+        for name in names:
+            recs = groups.get(name, [])
+            if not recs:
+                continue
+            n = min(len(r["train_reward"]) for r in recs)
+            y = np.array([moving_average(r["train_reward"][:n], SMOOTH) for r in recs])
+            x = np.mean([wall(r)[:n] for r in recs], 0) if x_wall else np.arange(1, n + 1)
+            c = COLOURS[name]
+            axes[0].plot(x, y.mean(0), color=c, label=f"{name} ({len(recs)} seeds)")
+            axes[0].fill_between(x, y.min(0), y.max(0), color=c, alpha=0.12)
+            its = sorted({h["iteration"] for h in recs[0]["heldout"]})
+            hx, hy, lo, hi = [], [], [], []
+            for it in its:
+                vals = [heldout_at(r, it)["reward"] for r in recs if heldout_at(r, it)]
+                if len(vals) != len(recs):
+                    continue
+                m, a, b = mean_ci(vals)
+                hx.append(np.mean([([r["setup_seconds"], *wall(r)])[it] for r in recs]) if x_wall else it)
+                hy.append(m)
+                lo.append(m - a if a == a else 0.0)
+                hi.append(b - m if b == b else 0.0)
+            axes[1].errorbar(hx, hy, yerr=[lo, hi], color=c, marker="o", capsize=3, label=name)
+        for ax in axes:
+            ax.set_xlabel("training wall-clock seconds (2 CPU cores)" if x_wall else "iteration")
+            ax.grid(alpha=0.3)
+            if not x_wall:
+                ax.axvline(n_iter, color="grey", lw=0.8, ls=":")
+        axes[0].set_ylabel(f"training reward R_T (mean of last {SMOOTH} iterations)")
+        axes[0].set_title("training reward: mean over seeds, band = min..max")
+        axes[1].set_ylabel("held-out reward (ODE samples)")
+        axes[1].set_title("held-out reward: mean and 95% CI over seeds")
+        for thr, ls in ((analysis["thresholds"]["half"], "--"), (analysis["thresholds"]["outcome"], "-.")):
+            axes[0].axhline(thr, color="grey", lw=0.8, ls=ls)
+        axes[0].legend(fontsize=8)
+        fig.suptitle(title)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+
+    curves(MAIN, False, out / "reward_vs_iteration.png", "credit schemes on the shapes task: reward vs iteration")
+    curves(MAIN, True, out / "reward_vs_wallclock.png", "credit schemes on the shapes task: reward vs wall-clock")
+    for title, names in ABLATIONS.items():
+        slug = "ablation_psi" if "noise" in title else "ablation_completion"
+        curves(names, False, out / f"{slug}.png", f"ablation, {title}: reward vs iteration")
+        curves(names, True, out / f"{slug}_wallclock.png", f"ablation, {title}: reward vs wall-clock")
+
+    # mean gain per step k: one heatmap per configuration with step rewards (iteration x k)
+    with_gains = [n for n, recs in groups.items() if recs[0]["gains"] and recs[0]["gains"][0]]
+    if with_gains:
+        cols = min(4, len(with_gains))
+        rows = math.ceil(len(with_gains) / cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(3.8 * cols + 1, 3.2 * rows + 0.6), squeeze=False, constrained_layout=True)
+        arrays = {n: np.mean([np.array(r["gains"][:n_iter]) for r in groups[n]], 0) for n in with_gains}
+        vmax = max(float(np.abs(a).max()) for a in arrays.values()) or 1.0
+        for ax, name in zip(axes.flat, with_gains):
+            im = ax.imshow(arrays[name], cmap="RdBu", vmin=-vmax, vmax=vmax, aspect="auto", origin="lower",
+                           extent=(-0.5, arrays[name].shape[1] - 0.5, 0.5, arrays[name].shape[0] + 0.5))
+            ax.set_title(f"{name} ({len(groups[name])} seeds)", fontsize=9)
+            ax.set_xlabel("step k")
+            ax.set_ylabel("iteration")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        for ax in list(axes.flat)[len(with_gains):]:
+            ax.axis("off")
+        fig.colorbar(im, ax=axes, shrink=0.8, label="mean gain g_k = R_{k+1} - R_k")
+        fig.suptitle("mean gain per step k (training rollouts, mean over trajectories and seeds)")
+        fig.savefig(out / "gain_heatmap.png", dpi=110)
+        plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------ main
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="small settings that finish in <= 10 min on 2 CPU cores")
+    p.add_argument("--iterations", type=int, help="iterations of every configuration")
+    p.add_argument("--outcome-iterations", type=int, help="iterations of outcome (>= --iterations; equal wall-clock view)")
+    p.add_argument("--prompts", type=int, help="prompts per iteration")
+    p.add_argument("--group-size", type=int, help="trajectories per prompt")
+    p.add_argument("--eval-prompts", type=int, help="held-out prompts per evaluation (all held-out prompts if larger)")
+    p.add_argument("--eval-every", type=int, help="held-out evaluation every N iterations (must divide --iterations)")
+    p.add_argument("--seeds", type=int, nargs="+", help="seeds of the main configurations")
+    p.add_argument("--ablation-seeds", type=int, nargs="+", help="seeds of the ablation configurations")
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    p.add_argument("--max-minutes", type=float, default=None, help="start no new run after this many minutes")
+    p.add_argument("--model", default=None, help="SD3 pipeline directory (default: the shipped models/shapes)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, = cores)")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--report-only", action="store_true", help="only redraw tables and plots from existing records")
+    a = p.parse_args()
+    preset = PRESETS["quick" if a.quick else "full"]
+    for key, value in preset.items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
+    a.outcome_iterations = max(a.outcome_iterations, a.iterations)
+    if a.iterations % a.eval_every:
+        p.error(f"--eval-every {a.eval_every} must divide --iterations {a.iterations}")
+    out = a.out or OUT_DIR / ("credit_schemes_quick" if a.quick else "credit_schemes")
+    _common.setup_env(out, a.threads)
+    a.model = _common.model_path(a.model)
+    settings = {k: getattr(a, k) for k in ("iterations", "outcome_iterations", "prompts", "group_size", "eval_prompts",
+                                          "eval_every", "seeds", "ablation_seeds", "model")}
+    print(f"settings: {settings}", flush=True)
+
+    plan = [(n, s) for s in sorted(set(a.seeds) | set(a.ablation_seeds)) for n in a.configs
+            if s in (a.seeds if n in MAIN else a.ablation_seeds)]
+    records, skipped, t0 = [], [], time.perf_counter()
+    for name, seed in plan:
+        done = (out / "records" / f"{name}-s{seed}.json").is_file()
+        if a.report_only and not done:
+            continue
+        if not done and a.max_minutes is not None and time.perf_counter() - t0 > 60 * a.max_minutes:
+            skipped.append(f"{name}-s{seed}")
+            continue
+        t1 = time.perf_counter()
+        rec = run_one(name, seed, a, out)
+        records.append(rec)
+        final = rec["heldout"][-1]
+        print(f"[{(time.perf_counter() - t0) / 60:5.1f} min] {name:16s} seed {seed}: held-out {rec['heldout'][0]['reward']:.3f} -> "
+              f"{final['reward']:.3f} (iteration {final['iteration']}), {sum(rec['iter_seconds']) / len(rec['iter_seconds']):.1f} s/iter, "
+              f"{time.perf_counter() - t1:.0f} s", flush=True)
+    if skipped:
+        print(f"not run (--max-minutes {a.max_minutes}): {', '.join(skipped)}")
+    if not records:
+        raise SystemExit("no records to report")
+    analysis = analyse(records, a.iterations)
+    write_csvs(records, analysis, out)
+    plot(records, analysis, a.iterations, out)
+    machine = _common.machine()
+    text = summary_md(analysis, settings, machine)
+    if skipped:
+        text += f"\nnot run (time budget): {', '.join(skipped)}\n"
+    (out / "summary.md").write_text(text)
+    write_json(out / "analysis.json", {"settings": settings, "machine": machine, "skipped": skipped, **analysis,
+                                       "total_minutes": (time.perf_counter() - t0) / 60})
+    print(text)
+    print(f"outputs in {out}")
+
+
+if __name__ == "__main__":
+    main()
