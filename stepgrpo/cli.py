@@ -56,6 +56,9 @@ def _run(fn: Any, *args: Any, **kwargs: Any) -> Any:
     """Call a flow; on failure print a clear message and exit 1."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    from stepgrpo.workspace import set_threads
+
+    set_threads()
     try:
         return fn(*args, **kwargs)
     except _expected_errors() as err:

@@ -95,7 +95,7 @@ def update(
     micro = 0
     for _ in range(o.inner_epochs):
         order = rows[torch.randperm(len(rows), generator=generator)]
-        batches = list(order.split(o.micro_batch))
+        batches = [b for b in order.split(o.micro_batch) if len(b)]  # split of an empty tensor gives one empty part
         for bi, idx in enumerate(batches):
             sub_cond = take(cond, idx)
             for k in steps:

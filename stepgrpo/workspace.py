@@ -81,8 +81,12 @@ def policy(cfg: Config) -> Any:
     key = policy_key(cfg.model, cfg.run.seed)
     with _lock:
         if key not in _policies:
+            from diffusers.utils import logging as diffusers_logging
+
             from stepgrpo.policy.lora import LoraSpec
             from stepgrpo.policy.sd3 import SD3Policy
+
+            diffusers_logging.disable_progress_bar()  # the pipeline's loading bars, per component
 
             m = cfg.model
             lora = LoraSpec(rank=m.lora_rank, alpha=m.lora_alpha, targets=tuple(m.lora_targets))
