@@ -27,6 +27,17 @@ sys.path.insert(0, str(ROOT))
 OUT_DIR = BENCH_DIR / "out"  # gitignored; the numbers quoted in docs are copied to docs/bench/
 SHIPPED_MODEL = "models/shapes"
 
+# Shared by every configuration. LoRA / optimiser follow configs/demo.yaml (what learns in a few
+# CPU iterations); T = 10 and a = 0.7 are Flow-GRPO's; no KL term (demo), so the update is one
+# forward + backward per trained step.
+COMMON = {
+    "model.dtype": "float32", "model.device": "cpu", "model.guidance_scale": 2.5, "model.lora_rank": 8,
+    "model.lora_alpha": 16, "model.max_batch": 128, "sampler.steps": 10, "sampler.noise": 0.7,
+    "sampler.eval_steps": 10, "reward.name": "shapes", "optim.lr": 1.0e-3, "optim.clip_range": 1.0e-3,
+    "optim.kl_beta": 0.0, "optim.micro_batch": 32, "run.eval_seeds": 1, "calibration.rounds": 3,
+    "calibration.prompts": 4, "run.name": "bench",
+}
+
 
 def setup_env(out: Path, threads: int | None = None) -> None:
     """Environment every benchmark process runs in; call before importing prefect / torch users.
@@ -40,6 +51,7 @@ def setup_env(out: Path, threads: int | None = None) -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")

@@ -41,7 +41,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from _common import OUT_DIR, first_reach, mean_ci, moving_average, read_run, write_json
+from _common import COMMON, OUT_DIR, first_reach, mean_ci, moving_average, read_run, write_json
 
 # name -> (scheme, completion method or None, kernel)
 CONFIGS: dict[str, tuple[str, str | None, str]] = {
@@ -62,16 +62,6 @@ COLOURS = {"outcome": "black", "stepwise": "tab:blue", "dense": "tab:orange", "t
            "dense_psi": "tab:red", "dense_substeps2": "tab:purple", "dense_tweedie": "tab:brown"}
 SMOOTH = 3  # iterations in the trailing mean of the training reward (thresholds, curves)
 
-# Shared by every configuration. LoRA / optimiser follow configs/demo.yaml (what learns in a few
-# CPU iterations); T = 10 and a = 0.7 are Flow-GRPO's; no KL term (demo), so the update is one
-# forward + backward per trained step.
-COMMON = {
-    "model.dtype": "float32", "model.device": "cpu", "model.guidance_scale": 2.5, "model.lora_rank": 8,
-    "model.lora_alpha": 16, "model.max_batch": 128, "sampler.steps": 10, "sampler.noise": 0.7,
-    "sampler.eval_steps": 10, "reward.name": "shapes", "optim.lr": 1.0e-3, "optim.clip_range": 1.0e-3,
-    "optim.kl_beta": 0.0, "optim.micro_batch": 32, "run.eval_seeds": 1, "calibration.rounds": 3,
-    "calibration.prompts": 4, "run.name": "bench-credit",
-}
 PRESETS = {
     # quick: every configuration once, the main ones with 2 seeds; checks the whole path
     "quick": {"iterations": 4, "outcome_iterations": 4, "prompts": 4, "group_size": 4, "eval_prompts": 32,
