@@ -8,6 +8,7 @@ pipeline, which copies every chunk twice and is about 4x slower for latents (see
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -18,7 +19,9 @@ from typing import Any
 import crc32c
 import numpy as np
 import zarr
+import zarr.api.asynchronous
 from zarr.codecs import Crc32cCodec
+from zarr.core.sync import sync
 
 from storage.errors import CorruptChunkError, IncompleteStageError
 from storage.publish import canonical_json, check_json
@@ -100,23 +103,10 @@ class StageStore:
     def create(self, whole: Mapping[str, np.ndarray]) -> None:
         """Write the zarr metadata of every array and the one-chunk arrays given in `whole`."""
         check_json(self.attrs, f"{self.spec.kind} attrs")
-        group = zarr.open_group(str(self.path), mode="w", zarr_format=3)
-        group.attrs.update(self.attrs)
-        for spec in self.spec.arrays:
-            shape = self.shape(spec.name)
-            group.create_array(
-                spec.name,
-                shape=shape,
-                dtype=self.dtype(spec.name),
-                chunks=chunk_shape(spec, shape),
-                compressors=[Crc32cCodec()],
-                filters=None,
-                fill_value=np.nan if self.dtype(spec.name).kind == "f" else 0,
-                chunk_key_encoding={"name": "default", "separator": CHUNK_KEY_SEPARATOR},
-                dimension_names=list(spec.axes),
-                attributes={"doc": spec.doc},
-                write_data=False,
-            )
+        # Zarr writes every metadata document; all of them in one call into zarr's event loop (the
+        # group with its attrs in one write, the arrays concurrently): one synchronous round trip
+        # per array plus one per attribute cost ~2/3 of a small stage's write time.
+        sync(self._create_metadata())
         missing = [s.name for s in self.spec.arrays if not s.per_trajectory and s.name not in whole]
         if missing:
             raise ValueError(f"{self.spec.kind}: arrays {missing} must be given when the stage begins")
@@ -125,6 +115,27 @@ class StageStore:
             if spec.per_trajectory:
                 raise ValueError(f"{self.spec.kind}: {name} is written per trajectory, not at begin")
             self._write_chunk(spec, (0,) * len(spec.axes), self._as_stored(name, value, self.shape(name)))
+
+    async def _create_metadata(self) -> None:
+        group = await zarr.api.asynchronous.open_group(
+            store=str(self.path), mode="w", zarr_format=3, attributes=dict(self.attrs)
+        )
+        await asyncio.gather(*(
+            group.create_array(
+                spec.name,
+                shape=self.shape(spec.name),
+                dtype=self.dtype(spec.name),
+                chunks=chunk_shape(spec, self.shape(spec.name)),
+                compressors=[Crc32cCodec()],
+                filters=None,
+                fill_value=np.nan if self.dtype(spec.name).kind == "f" else 0,
+                chunk_key_encoding={"name": "default", "separator": CHUNK_KEY_SEPARATOR},
+                dimension_names=list(spec.axes),
+                attributes={"doc": spec.doc},
+                write_data=False,
+            )
+            for spec in self.spec.arrays
+        ))
 
     def _as_stored(self, name: str, value: Any, shape: tuple[int, ...]) -> np.ndarray:
         """`value` (NumPy or torch) as a C-contiguous little-endian array of the stored dtype."""
