@@ -126,23 +126,13 @@ class SD3Policy:
         path_or_hub_id: str | Path | None = None,
         dtype: str | torch.dtype | None = None,
         device: str | torch.device | None = "cpu",
-        guidance_scale: float = 1.0,
-        lora: LoraSpec | None = None,
-        max_batch: int = DEFAULT_MAX_BATCH,
-        resolution: int | None = None,
-        max_sequence_length: int | None = None,
-        negative_prompt: str = "",
+        **options: Any,
     ) -> SD3Policy:
         """Load a `StableDiffusion3Pipeline` directory or hub id (default: the shipped `models/shapes`).
 
         dtype: `None` -> fp32 on CPU, bf16 on GPU; or "float32" / "float16" / "bfloat16".
         device: "cpu", "cuda", ... (`None` -> CUDA if available).
-        guidance_scale: CFG scale; 1.0 turns CFG off (one transformer row per velocity row).
-        lora: attach a trainable adapter of this shape; `None` for a frozen policy.
-        max_batch: most transformer rows per call (CFG rows included); larger batches are chunked.
-        resolution: image side in pixels (default: the transformer's `sample_size` x VAE scale).
-        max_sequence_length: T5 tokens (default 256 with a T5 encoder, 0 without one).
-        negative_prompt: the unconditional prompt for CFG.
+        options: `guidance_scale`, `lora`, `max_batch`, ... as in `from_pipeline`.
         """
         from diffusers import StableDiffusion3Pipeline
 
@@ -157,7 +147,7 @@ class SD3Policy:
         device = resolve_device(device)
         dtype = resolve_dtype(dtype, device)
         pipe = StableDiffusion3Pipeline.from_pretrained(source, dtype=dtype, **_absent_components(source))
-        return cls(pipe, dtype, device, guidance_scale, lora, max_batch, resolution, max_sequence_length, negative_prompt)
+        return cls.from_pipeline(pipe, dtype, device, **options)
 
     @classmethod
     def from_pipeline(
@@ -172,9 +162,15 @@ class SD3Policy:
         max_sequence_length: int | None = None,
         negative_prompt: str = "",
     ) -> SD3Policy:
-        """Wrap an in-memory `StableDiffusion3Pipeline` (tests); arguments as `from_pretrained`.
+        """Wrap a `StableDiffusion3Pipeline`; its modules are moved / cast in place.
 
-        The pipeline's modules are moved / cast in place and (with `lora`) get an adapter.
+        dtype, device: as `from_pretrained`.
+        guidance_scale: CFG scale; 1.0 turns CFG off (one transformer row per velocity row).
+        lora: attach a trainable adapter of this shape; `None` for a frozen policy.
+        max_batch: most transformer rows per call (CFG rows included); larger batches are chunked.
+        resolution: image side in pixels (default: the transformer's `sample_size` x VAE scale).
+        max_sequence_length: T5 tokens (default 256 with a T5 encoder, 0 without one).
+        negative_prompt: the unconditional prompt for CFG.
         """
         device = resolve_device(device)
         dtype = resolve_dtype(dtype, device)
