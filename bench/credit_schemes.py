@@ -60,6 +60,7 @@ ABLATIONS = {
 }
 COLOURS = {"outcome": "black", "stepwise": "tab:blue", "dense": "tab:orange", "turning_point": "tab:green",
            "dense_psi": "tab:red", "dense_substeps2": "tab:purple", "dense_tweedie": "tab:brown"}
+EXPERIMENT = "bench-credit-schemes"  # MLflow experiment of every run
 SMOOTH = 3  # iterations in the trailing mean of the training reward (thresholds, curves)
 
 PRESETS = {
@@ -77,9 +78,23 @@ def overrides(name: str, seed: int, iterations: int, a: argparse.Namespace, runs
         "model.path": a.model, "sampler.kernel": kernel, "completion.method": method, "credit.scheme": scheme,
         "run.iterations": iterations, "run.prompts_per_iteration": a.prompts, "run.group_size": a.group_size,
         "run.eval_prompts": a.eval_prompts, "run.eval_every": a.eval_every, "run.seed": seed,
-        "run.runs_root": str(runs_root),
+        "run.runs_root": str(runs_root), "run.name": EXPERIMENT,
     }
     return [f"{k}={'null' if v is None else v}" for k, v in values.items()]
+
+
+def shared_tracking(out: Path) -> None:
+    """One MLflow store for every run of the benchmark (`MLFLOW_TRACKING_URI`, as a user with a
+    tracking server would set it): the per-run SQLite default would create a database per run."""
+    if _common.os.environ.get("MLFLOW_TRACKING_URI"):
+        return
+    uri = f"sqlite:///{(out / 'mlflow.db').resolve()}"
+    _common.os.environ["MLFLOW_TRACKING_URI"] = uri
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    if client.get_experiment_by_name(EXPERIMENT) is None:
+        client.create_experiment(EXPERIMENT, artifact_location=(out / "mlflow-artifacts").resolve().as_uri())
 
 
 def run_one(name: str, seed: int, a: argparse.Namespace, out: Path) -> dict[str, Any]:
@@ -168,7 +183,20 @@ def analyse(records: list[dict[str, Any]], n_iter: int) -> dict[str, Any]:
             row[f"seconds_to_{tname}"] = _mean_known(secs_all if name == "outcome" else secs)
         rows.append(row)
     del base_held
-    return {"rows": rows, "thresholds": thresholds, "base_train": base_train}
+    result = {"rows": rows, "thresholds": thresholds, "base_train": base_train}
+    # outcome run longer than n_iter: its held-out reward at the end, and when that was
+    longest = max((len(r["train_reward"]) for r in outcome), default=0)
+    if longest > n_iter:
+        last = [heldout_at(r, longest) for r in outcome]
+        if all(last):
+            step_walls = [wall(r)[n_iter - 1] for n in MAIN[1:] for r in groups.get(n, [])]
+            result["outcome_long"] = {
+                "iterations": longest, "heldout": mean_ci([h["reward"] for h in last]),
+                "paired_gain": mean_ci([h["reward"] - heldout_at(r, 0)["reward"] for h, r in zip(last, outcome)]),
+                "wall_seconds": mean_ci([wall(r)[-1] for r in outcome])[0],
+                "step_schemes_wall_seconds_at_n": mean_ci(step_walls)[0],
+            }
+    return result
 
 
 def _mean_known(values: list[Any]) -> float:
@@ -237,6 +265,12 @@ def summary_md(analysis: dict[str, Any], settings: dict[str, Any], machine: dict
             f"| {fmt(r['seconds_to_half'], 0)} / {fmt(r['seconds_to_outcome'], 0)} | {fmt(r['seconds_per_iter'], 1)} "
             f"| {fmt(r['nfe_per_iter'], 0)} |"
         )
+    if "outcome_long" in analysis:
+        o = analysis["outcome_long"]
+        lines += ["", f"outcome after {o['iterations']} iterations ({fmt(o['wall_seconds'], 0)} s of training; the step-level "
+                  f"schemes' {analysis['rows'][0]['iterations']} iterations took {fmt(o['step_schemes_wall_seconds_at_n'], 0)} s): "
+                  f"held-out {fmt(o['heldout'][0])} [{fmt(o['heldout'][1])}, {fmt(o['heldout'][2])}], gain over base "
+                  f"{fmt(o['paired_gain'][0])} [{fmt(o['paired_gain'][1])}, {fmt(o['paired_gain'][2])}]"]
     return "\n".join(lines) + "\n"
 
 
@@ -356,6 +390,7 @@ def main() -> None:
     out = a.out or OUT_DIR / ("credit_schemes_quick" if a.quick else "credit_schemes")
     _common.setup_env(out, a.threads)
     a.model = _common.model_path(a.model)
+    shared_tracking(out)
     settings = {k: getattr(a, k) for k in ("iterations", "outcome_iterations", "prompts", "group_size", "eval_prompts",
                                           "eval_every", "seeds", "ablation_seeds", "model")}
     print(f"settings: {settings}", flush=True)
@@ -371,6 +406,9 @@ def main() -> None:
             skipped.append(f"{name}-s{seed}")
             continue
         t1 = time.perf_counter()
+        if a.report_only:
+            records.append(json.loads((out / "records" / f"{name}-s{seed}.json").read_text()))
+            continue
         rec = run_one(name, seed, a, out)
         records.append(rec)
         final = rec["heldout"][-1]
