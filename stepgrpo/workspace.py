@@ -39,7 +39,9 @@ def resolve_model_path(path: str) -> str:
         return str(p.resolve())
     if not p.is_absolute() and (REPO_ROOT / p).is_dir():
         return str((REPO_ROOT / p).resolve())
-    if path.count("/") == 1 and not path.startswith((".", "/", "~")):
+    org = path.split("/", 1)[0]
+    local_parent = Path(org).is_dir() or (REPO_ROOT / org).is_dir()  # e.g. "models/...": a local path
+    if path.count("/") == 1 and not path.startswith((".", "/", "~")) and not local_parent:
         return path  # a hub id: identity is the id itself
     raise ModelNotFoundError(
         f"model.path {path!r}: no StableDiffusion3Pipeline directory there (and not a hub id like "
