@@ -21,5 +21,11 @@ test: install
 	PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120 \
 	$(PY) -m pytest -q tests
 
+# The demo: the shipped shapes model, a temporary local Prefect server, a run under runs/.
+demo: install
+	PREFECT_SERVER_ANALYTICS_ENABLED=false MLFLOW_DISABLE_TELEMETRY=true \
+	PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120 \
+	$(VENV)/bin/stepgrpo train --config configs/demo.yaml
+
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
