@@ -115,11 +115,15 @@ def main() -> None:
     parser.add_argument("--clock", choices=list(CLOCKS), default="wall",
                         help="wall: NFEs per second; cpu: NFEs per CPU-second of this process "
                         "(steadier on a CPU shared with other jobs)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's); 1 avoids oversubscribing a CPU shared with other jobs")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None, help="float32 / float16 / bfloat16 (default: fp32 on CPU, bf16 on GPU)")
     args = parser.parse_args()
     global clock
     clock = CLOCKS[args.clock]
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     policy, label = load_policy(args.model, args.device, args.dtype)
     params = sum(p.numel() for p in policy.transformer.parameters())
