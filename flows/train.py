@@ -40,6 +40,7 @@ def train(
     with Tracker.start(path, cfg.run.name, run.run_id, {"run_dir": where, "run_id": run.run_id}) as tracker:
         tracker.log_params(cfg.flat())
         tracker.log_metrics(report.eval_metrics(evals[0]), step=0)
+        tracker.log_artifact(evals[0]["grid"], "eval")
         for i in range(cfg.run.iterations):
             rollout = t.rollout(where, conf, i, {"prompts": prompts["digest"], "checkpoint": checkpoint, "psi": psi})
             clean = t.complete(where, conf, i, {"rollout": rollout["digest"], "checkpoint": checkpoint}) if cfg.completion.method else rollout

@@ -114,9 +114,10 @@ def rescore(run: RunArg, reward: Annotated[str, typer.Option(help="Reward name (
             options: Annotated[str | None, typer.Option(help="Reward options as JSON.")] = None) -> None:
     """Score the stored trajectories of RUN with another reward (no transformer call)."""
     _run(_check_run, run, reward=reward)
+    parsed = _json(options)
     from flows.rescore import rescore as rescore_flow
 
-    out = _run(rescore_flow, run=run, reward=reward, reward_options=_json(options))
+    out = _run(rescore_flow, run=run, reward=reward, reward_options=parsed)
     table = Table("iteration", "reward", "version", "mean", "strict", "transformer calls", title=f"rescored {out['run_dir']}")
     for s in out["scores"]:
         table.add_row(str(s["iteration"]), s["reward_name"], s["reward_version"], f"{s['reward_mean']:.4f}",
@@ -130,9 +131,10 @@ def credit(run: RunArg, scheme: Annotated[str, typer.Option(help="Credit scheme 
            reward: Annotated[str | None, typer.Option(help="Which stored reward to use (default: the run's).")] = None) -> None:
     """Recompute the advantages of RUN with another scheme, from its stored rewards only."""
     _run(_check_run, run, scheme=scheme)
+    parsed = _json(options)
     from flows.credit import credit as credit_flow
 
-    out = _run(credit_flow, run=run, scheme=scheme, options=_json(options), reward=reward)
+    out = _run(credit_flow, run=run, scheme=scheme, options=parsed, reward=reward)
     table = Table("iteration", "scheme", "adv std", "|adv| max", "zero-std groups", "turning points", title=f"credit {out['run_dir']}")
     for a in out["advantages"]:
         table.add_row(str(a["iteration"]), a["scheme"], f"{a['adv_std']:.4f}", f"{a['adv_abs_max']:.3f}",

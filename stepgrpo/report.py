@@ -16,6 +16,18 @@ from typing import Any
 from stepgrpo.config import Config
 
 
+def track(items: Sequence[Any] | range, description: str) -> Any:
+    """Iterate with a transient progress bar on an interactive terminal (long stages), plainly otherwise."""
+    import os
+
+    if len(items) < 2 or not sys.stderr.isatty() or os.environ.get("STEPGRPO_PROGRESS", "1") == "0":
+        return iter(items)
+    from rich.console import Console
+    from rich.progress import track as rich_track
+
+    return rich_track(items, description=description, transient=True, console=Console(stderr=True))
+
+
 def resolve_run_dir(cfg: Config, run_dir: str | None = None, run_id: str | None = None) -> Path:
     """`--run-dir` as given; else `<runs_root>/<run_id>`; else a new id `<name>-<UTC time>`."""
     if run_dir:

@@ -28,6 +28,7 @@ import torch
 
 from stepgrpo import workspace
 from stepgrpo.config import Config, digest_of
+from stepgrpo.report import track
 
 EVAL_DIR = "eval"
 CALIBRATION_FILE = "calibration/psi.json"
@@ -291,7 +292,7 @@ def rollout(run: Any, cfg: Config, iteration: int, key: str) -> dict[str, Any]:
         nfe0 = pol.nfe
         with writer:
             per_chunk = max(1, cfg.model.max_batch // G)  # whole groups per sampling call
-            for c0 in range(0, P, per_chunk):
+            for c0 in track(range(0, P, per_chunk), f"rollout {iteration}"):
                 groups = range(c0, min(P, c0 + per_chunk))
                 x0 = torch.cat([pol.initial_noise(1, generator(int(seeds[g]), device=pol.device)).expand(G, -1, -1, -1) for g in groups])
                 rows = np.arange(c0 * G, (groups[-1] + 1) * G)
@@ -329,7 +330,7 @@ def complete(run: Any, cfg: Config, iteration: int, key: str) -> dict[str, Any]:
         nfe = 0
         with writer:
             per_chunk = max(1, cfg.model.max_batch)
-            for c0 in range(0, len(data.group_ids), per_chunk):
+            for c0 in track(range(0, len(data.group_ids), per_chunk), f"complete {iteration}"):
                 rows = slice(c0, c0 + per_chunk)
                 states = torch.from_numpy(data.states[rows]).to(pol.device, pol.dtype)
                 cond = _encode(pol, texts, data.prompt_ids[rows])
@@ -372,7 +373,7 @@ def score(run: Any, cfg: Config, iteration: int, key: str) -> dict[str, Any]:
         pids = run.read_rollout(iteration).prompt_ids[traj]
         scores, strict, subs = [], [], {}
         chunk = max(1, cfg.model.max_batch)
-        for c0 in range(0, len(traj), chunk):
+        for c0 in track(range(0, len(traj), chunk), f"score {iteration}"):
             rows = slice(c0, c0 + chunk)
             images = pol.decode(torch.from_numpy(latents[rows]).to(pol.device, pol.dtype))
             out = reward(images, [texts[int(p)] for p in pids[rows]], [meta[int(p)] for p in pids[rows]])

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from stepgrpo.config import Config
+from stepgrpo.report import track
 
 # torch's AdamW keeps per-parameter tensors under these names (plus "step").
 ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
@@ -96,7 +97,7 @@ def update(
     for _ in range(o.inner_epochs):
         order = rows[torch.randperm(len(rows), generator=generator)]
         batches = [b for b in order.split(o.micro_batch) if len(b)]  # split of an empty tensor gives one empty part
-        for bi, idx in enumerate(batches):
+        for bi, idx in enumerate(track(batches, "update")):
             sub_cond = take(cond, idx)
             for k in steps:
                 out = step_log_prob(pol.velocity, states[idx], sigmas, sub_cond, k, kernel, noise)

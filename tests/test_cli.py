@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import prefect  # noqa: F401  (Prefect binds its log handlers at import: not inside CliRunner's streams)
 import pytest
 from typer.testing import CliRunner
 

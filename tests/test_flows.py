@@ -214,3 +214,21 @@ def _stored_overrides(trained: dict) -> list[str]:
     cfg = Run.open(trained["run_dir"]).config
     return [f"{k}={json.dumps(v)}" for k, v in load_config(None, []).model_validate(cfg).flat().items()
             if not k.endswith(".options")]
+
+
+SHIPPED = Path(__file__).resolve().parents[1] / "models" / "shapes"
+
+
+@pytest.mark.skipif(not (SHIPPED / "model_index.json").is_file(), reason="the shipped shapes model is not built yet")
+def test_end_to_end_on_the_shipped_shapes_model(harness, tmp_path):
+    from flows.train import train
+    from storage.run import Run
+
+    out = train(config_path=str(SHIPPED.parents[1] / "configs" / "demo.yaml"), run_dir=str(tmp_path / "shapes"),
+                overrides=["run.iterations=2", "run.prompts_per_iteration=2", "run.group_size=4", "run.eval_prompts=8",
+                           "sampler.steps=4", "sampler.eval_steps=4"])
+    assert [e["label"] for e in out["evaluations"]] == ["base", "iter_1"]
+    for e in out["evaluations"]:
+        assert 0.0 <= e["reward_mean"] <= 1.0 and 0.0 <= e["reward_strict"] <= 1.0
+    grid = Run.open(out["run_dir"]).reward_grid(1, "shapes")
+    assert grid.shape == (8, 5) and bool(torch.isfinite(grid).all())
