@@ -10,9 +10,9 @@ Detection, per image (`[H, W, 3]` uint8):
 3. shape from three descriptors of the component's bounding box: `top` = share of the pixels in
    its top half (an upward triangle ~0.3, circles and squares ~0.5), `extent` = area / box area
    (square 1.0, circle ~0.8, triangle ~0.6) and `corners` = fill of the four 2x2 corner blocks
-   (square 1.0, a square with soft corners ~0.75, circle <= 0.25). Extent alone does not
-   separate them: a 9 px digital circle has extent 0.85 and soft generated squares fall below
-   0.93. Anything else is an object of unknown shape;
+   (square 1.0, a square with one or two pixels rounded off each corner 0.5-0.75, circle <= 0.25),
+   after filling holes. Extent alone does not separate them: a 9 px digital circle has extent
+   0.85 and soft generated squares fall below 0.93. Anything else is an object of unknown shape;
 4. the centroid of each object, for relations (image y grows downwards).
 
 Constraints, one per category, each 0 or 1 (the prompt's structured spec comes from `metadata`
@@ -51,8 +51,8 @@ MAX_COLOUR_DIST = 90.0  # RGB distance; half the closest pair of palette colours
 MIN_AREA = 12  # pixels at 32x32 (the smallest rendered shape, an 8 px triangle, has 40)
 RELATION_MARGIN = 3.0  # px at 32x32; rendered relations hold by at least data.RELATION_MARGIN (6)
 TRIANGLE_TOP = 0.42  # top-half share below this (and extent below TRIANGLE_EXTENT) -> triangle
-TRIANGLE_EXTENT = 0.75
-SQUARE_CORNERS = 0.6  # corner fill at or above this (and extent >= SQUARE_EXTENT) -> square
+TRIANGLE_EXTENT = 0.85  # generated triangles have blunt apexes: extent up to ~0.8
+SQUARE_CORNERS = 0.45  # corner fill at or above this (and extent >= SQUARE_EXTENT) -> square
 SQUARE_EXTENT = 0.8
 CIRCLE_EXTENT = (0.65, 0.92)  # a circle's extent range (pi / 4 = 0.785 for a perfect disc)
 
@@ -73,12 +73,13 @@ _PALETTE = np.array([data.BACKGROUND, *data.COLOURS.values()], np.float32)  # [1
 
 def classify(mask: np.ndarray) -> str | None:
     """Shape of one component given its `[h, w]` bool mask cropped to its bounding box."""
+    mask = ndimage.binary_fill_holes(mask)  # off-palette speckles inside a generated shape are not holes
     h, w = mask.shape
     area = mask.sum()
     extent = area / (h * w)
     top = mask[: h // 2].sum() + (mask[h // 2].sum() / 2 if h % 2 else 0)  # middle row counts half
     top = top / area
-    k = max(1, min(h, w) // 5)  # 2x2 corner blocks at 8-12 px
+    k = max(1, round(min(h, w) / 5))  # 2x2 corner blocks at 8-12 px
     corners = np.mean([mask[:k, :k].mean(), mask[:k, -k:].mean(), mask[-k:, :k].mean(), mask[-k:, -k:].mean()])
     if top < TRIANGLE_TOP and extent < TRIANGLE_EXTENT:
         return "triangle"
@@ -132,7 +133,7 @@ class ShapesReward:
     """The `shapes` scorer: `(images [N, 3, H, W] in [0, 1], prompts, metadata) -> RewardOutput`."""
 
     name = "shapes"
-    version = "1"
+    version = "2"
 
     def __call__(
         self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]] | None = None
