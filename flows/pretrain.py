@@ -20,12 +20,14 @@ def pretrain(
     seed: int = 0,
     vae_minutes: float = PretrainConfig.vae_minutes,
     minutes: float = PretrainConfig.minutes,
+    cooldown_minutes: float = PretrainConfig.cooldown_minutes,
     eval_minutes: float = PretrainConfig.eval_minutes,
     threads: int = PretrainConfig.threads,
 ) -> dict[str, Any]:
     """Train (or resume) and export the fp16 pipeline to `out`; returns steps, minutes and size."""
     cfg = PretrainConfig(
-        workdir=workdir, out=out, seed=seed, vae_minutes=vae_minutes, minutes=minutes, eval_minutes=eval_minutes,
+        workdir=workdir, out=out, seed=seed, vae_minutes=vae_minutes, minutes=minutes,
+        cooldown_minutes=cooldown_minutes, eval_minutes=eval_minutes,
         threads=threads,
     )
     return run_pretrain(cfg)

@@ -12,7 +12,8 @@ Two stages, both on freshly rendered data (`stepgrpo.shapes.data`, training prom
    `x_s = (1 - s) x0 + s x1`, `x1 ~ N(0, I)`, `s = sigmoid(u)`, `u ~ N(0, 1)`, target `x1 - x0`
    (the velocity the Euler scheduler integrates from s = 1 to 0). 10% of captions are replaced by
    the empty prompt, which is the pipeline's negative prompt, so classifier-free guidance works.
-   AdamW with linear warm-up then a constant rate; an EMA of the weights is what gets exported.
+   AdamW with linear warm-up, a constant rate, and a linear cool-down over the last minutes of
+   the budget; an EMA of the weights is what gets exported.
 
 Everything (weights, optimizer, EMA, RNG states, step, elapsed time) is checkpointed every few
 minutes into `workdir`, so a killed process restarted with the same command continues exactly
@@ -66,6 +67,7 @@ class PretrainConfig:
     batch: int = 64
     lr: float = 5e-4
     warmup_steps: int = 200
+    cooldown_minutes: float = 12.0  # linear decay of the rate to 0 over the last this many minutes
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     ema: float = 0.999  # EMA decay; early steps use min(ema, (1 + step) / (10 + step))
@@ -249,6 +251,15 @@ def flow_loss(pipe, images: torch.Tensor, prompts: list[str], gen: torch.Generat
     return F.mse_loss(v, x1 - x0)
 
 
+def _flow_lr(cfg: PretrainConfig, step: int, elapsed: float, budget: float) -> float:
+    """Linear warm-up over `warmup_steps`, constant, then a linear cool-down to 0 over the last
+    `cooldown_minutes` of the time budget (warmup-stable-decay: the decay is set by time because
+    the number of steps a budget buys is unknown in advance)."""
+    warm = min(1.0, (step + 1) / cfg.warmup_steps)
+    cool = min(1.0, max(0.0, budget - elapsed) / (cfg.cooldown_minutes * 60)) if cfg.cooldown_minutes > 0 else 1.0
+    return cfg.lr * warm * cool
+
+
 def _ema_decay(cfg: PretrainConfig, step: int) -> float:
     return min(cfg.ema, (1 + step) / (10 + step))
 
@@ -284,7 +295,7 @@ def _train_flow(cfg: PretrainConfig, pipe, state: dict[str, Any], ckpt: Path | N
             break
         step = state["step"]
         for g in opt.param_groups:
-            g["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps)
+            g["lr"] = _flow_lr(cfg, step, elapsed, budget)
         images, prompts, _ = data.sample_batch(specs, cfg.batch, np_rng)
         drop = np_rng.random(len(prompts)) < cfg.caption_dropout
         prompts = ["" if d else p for p, d in zip(prompts, drop)]
@@ -426,6 +437,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--minutes", type=float, default=defaults.minutes)
     p.add_argument("--batch", type=int, default=defaults.batch)
     p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--cooldown-minutes", type=float, default=defaults.cooldown_minutes)
     p.add_argument("--eval-minutes", type=float, default=defaults.eval_minutes)
     p.add_argument("--eval-cfg", type=float, default=defaults.eval_cfg)
     p.add_argument("--checkpoint-minutes", type=float, default=defaults.checkpoint_minutes)
@@ -439,6 +451,7 @@ def main(argv: list[str] | None = None) -> None:
         minutes=a.minutes,
         batch=a.batch,
         lr=a.lr,
+        cooldown_minutes=a.cooldown_minutes,
         eval_minutes=a.eval_minutes,
         eval_cfg=a.eval_cfg,
         checkpoint_minutes=a.checkpoint_minutes,
