@@ -79,7 +79,7 @@ def overrides(name: str, seed: int, iterations: int, a: argparse.Namespace, runs
         "run.iterations": iterations, "run.prompts_per_iteration": a.prompts, "run.group_size": a.group_size,
         "run.eval_prompts": a.eval_prompts, "run.eval_every": a.eval_every, "run.seed": seed,
         "run.runs_root": str(runs_root), "run.name": EXPERIMENT,
-    }
+    } | dict(item.split("=", 1) for item in a.set)
     return [f"{k}={'null' if v is None else v}" for k, v in values.items()]
 
 
@@ -374,6 +374,8 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", help="seeds of the main configurations")
     p.add_argument("--ablation-seeds", type=int, nargs="+", help="seeds of the ablation configurations")
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="config overrides applied to every configuration (e.g. optim.lr=3e-4)")
     p.add_argument("--max-minutes", type=float, default=None, help="start no new run after this many minutes")
     p.add_argument("--model", default=None, help="SD3 pipeline directory (default: the shipped models/shapes)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, = cores)")
@@ -392,7 +394,7 @@ def main() -> None:
     a.model = _common.model_path(a.model)
     shared_tracking(out)
     settings = {k: getattr(a, k) for k in ("iterations", "outcome_iterations", "prompts", "group_size", "eval_prompts",
-                                          "eval_every", "seeds", "ablation_seeds", "model")}
+                                          "eval_every", "seeds", "ablation_seeds", "model", "set")}
     print(f"settings: {settings}", flush=True)
 
     plan = [(n, s) for s in sorted(set(a.seeds) | set(a.ablation_seeds)) for n in a.configs
