@@ -397,8 +397,10 @@ def main() -> None:
                                           "eval_every", "seeds", "ablation_seeds", "model", "set")}
     print(f"settings: {settings}", flush=True)
 
-    plan = [(n, s) for s in sorted(set(a.seeds) | set(a.ablation_seeds)) for n in a.configs
-            if s in (a.seeds if n in MAIN else a.ablation_seeds)]
+    # every seed of the main comparison first, then the ablations seed by seed: a time budget
+    # (--max-minutes) cuts ablation seeds, never the main comparison's
+    plan = [(n, s) for s in a.seeds for n in a.configs if n in MAIN]
+    plan += [(n, s) for s in a.ablation_seeds for n in a.configs if n not in MAIN]
     records, skipped, t0 = [], [], time.perf_counter()
     for name, seed in plan:
         done = (out / "records" / f"{name}-s{seed}.json").is_file()
