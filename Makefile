@@ -22,9 +22,11 @@ test: install
 	$(PY) -m pytest -q tests
 
 # The demo: the shipped shapes model, a temporary local Prefect server, a run under runs/.
+# One torch thread: the tiny model's matrices gain little from two, and lose a lot when the
+# second core is busy.
 demo: install
 	PREFECT_SERVER_ANALYTICS_ENABLED=false MLFLOW_DISABLE_TELEMETRY=true \
-	PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120 \
+	PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120 STEPGRPO_THREADS=1 \
 	$(VENV)/bin/stepgrpo train --config configs/demo.yaml
 
 clean:
