@@ -225,7 +225,7 @@ def test_end_to_end_on_the_shipped_shapes_model(harness, tmp_path):
     from storage.run import Run
 
     out = train(config_path=str(SHIPPED.parents[1] / "configs" / "demo.yaml"), run_dir=str(tmp_path / "shapes"),
-                overrides=["run.iterations=2", "run.prompts_per_iteration=2", "run.group_size=4", "run.eval_prompts=8",
+                overrides=["reward.name=shapes", "run.iterations=2", "run.prompts_per_iteration=2", "run.group_size=4", "run.eval_prompts=8",
                            "sampler.steps=4", "sampler.eval_steps=4"])
     assert [e["label"] for e in out["evaluations"]] == ["base", "iter_1"]
     for e in out["evaluations"]:
