@@ -29,7 +29,7 @@ SHIPPED_MODEL = "models/shapes"
 
 # Shared by every configuration. LoRA rank, learning rate and clip range follow configs/demo.yaml
 # (the CPU recipe); T = 10 and a = 0.7 are Flow-GRPO's; no KL term (demo), so the update is one
-# forward + backward per trained step. micro_batch 8 gives 4 optimizer steps per iteration of 32
+# forward + backward per trained step. micro_batch 8 gives 2 optimizer steps per iteration of 16
 # trajectories. Short probes of `outcome` on an intermediate pretraining checkpoint: lr 1e-2
 # collapsed the held-out reward within 6 iterations; 3e-3 and 1e-3 moved it by +-0.02.
 COMMON = {

@@ -18,7 +18,7 @@ On the shipped `models/shapes` model (CPU unless `--device`), with the benchmark
    policy, in memory: a lower bound on regenerating). Target: re-scoring >= 10x faster.
 6. The store against raw writes: `bench/storage.py` (a realistic SD3 rollout), its output quoted.
 
-    python bench/costs.py [--iterations 4] [--prompts 4] [--group-size 8]
+    python bench/costs.py [--iterations 3] [--prompts 4] [--group-size 4] [--threads 1]
 """
 
 from __future__ import annotations
@@ -192,9 +192,9 @@ def regenerate(run_dir: Path, reward_name: str) -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--iterations", type=int, default=4)
+    p.add_argument("--iterations", type=int, default=3)
     p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--eval-prompts", type=int, default=16)
     p.add_argument("--rescore-reward", default="jpeg_compressibility")
     p.add_argument("--model", default=None, help="SD3 pipeline directory (default: the shipped models/shapes)")

@@ -67,7 +67,8 @@ PRESETS = {
     # quick: every configuration once, the main ones with 2 seeds; checks the whole path
     "quick": {"iterations": 4, "outcome_iterations": 4, "prompts": 4, "group_size": 4, "eval_prompts": 32,
               "eval_every": 2, "seeds": [0, 1], "ablation_seeds": [0]},
-    "full": {"iterations": 12, "outcome_iterations": 24, "prompts": 4, "group_size": 8, "eval_prompts": 200,
+    # full: sized to fit ~30 min on 2 busy CPU cores with one torch thread (docs/BENCHMARKS.md)
+    "full": {"iterations": 8, "outcome_iterations": 12, "prompts": 4, "group_size": 4, "eval_prompts": 64,
              "eval_every": 4, "seeds": [0, 1, 2], "ablation_seeds": [0, 1, 2]},
 }
 
