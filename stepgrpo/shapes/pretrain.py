@@ -57,13 +57,13 @@ class PretrainConfig:
     seed: int = 0  # seeds the weight init, the data stream and the noise
     spec: ModelSpec = ModelSpec()  # component sizes
     # stage 1: autoencoder
-    vae_minutes: float = 12.0  # wall-clock budget of stage 1
+    vae_minutes: float = 22.0  # wall-clock budget of stage 1 (training time, summed over restarts)
     vae_batch: int = 32
     vae_lr: float = 4e-4  # 1e-3 was unstable for this VAE; cosine-decayed to 0 over the budget
     kl_weight: float = 1e-6  # tiny: the latents only need to be roughly Gaussian-scaled
     stats_images: int = 4096  # images used to measure the latent shift and scale
     # stage 2: transformer + text encoders
-    minutes: float = 70.0  # wall-clock budget of stage 2
+    minutes: float = 63.0  # wall-clock budget of stage 2 (training time; evaluations excluded)
     batch: int = 64
     lr: float = 5e-4
     warmup_steps: int = 200
@@ -74,7 +74,7 @@ class PretrainConfig:
     caption_dropout: float = 0.1  # fraction of empty captions, for classifier-free guidance
     # bookkeeping
     checkpoint_minutes: float = 4.0
-    eval_minutes: float = 10.0  # held-out evaluation of the EMA weights every this often (0: never)
+    eval_minutes: float = 12.0  # held-out evaluation of the EMA weights every this often (0: never)
     eval_cfg: float = 4.0  # guidance scale of those evaluations
     threads: int = 1  # torch CPU threads: on a busy 2-core machine 2 threads ran 6x slower than 1
 
