@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from stepgrpo.rewards import clip_models, jpeg, ocr, shapes  # noqa: F401  (they register)
+from stepgrpo.rewards import geneval  # noqa: F401  (registers `geneval`)
 from stepgrpo.rewards.base import REWARDS, Reward, RewardOutput
 from stepgrpo.rewards.combine import WeightedSum
 
