@@ -201,13 +201,22 @@ def read_run(run_dir: Path) -> RunRecord:
         between = [e for e in evals.values() if e["label"] != "base" and prev_end < e["finished"] <= end]
         secs.append(end - prev_end - sum(e["seconds"] for e in between))
         prev_end = end
+    # turning points (TP-GRPO) the stored rewards give, before and after the balancing rule
+    turning = []
+    if gains and all(gains):
+        from stepgrpo_core.credit import turning_point_rewards, turning_points
+
+        for i in range(n):
+            grid = run.reward_grid(i, name).float()
+            raw = int(turning_points(grid, grid[:, 1:] - grid[:, :-1]).sum())
+            turning.append({"raw": raw, "kept": int(turning_point_rewards(grid)[1].sum())})
     heldout = []
     for label, e in evals.items():
         it = 0 if label == "base" else int(label.removeprefix("iter_")) + 1
         heldout.append({"iteration": it, "reward": e["reward_mean"], "strict": e.get("reward_strict", float("nan")),
                         **{k: v for k, v in e.items() if k.startswith("sub_")}, "seconds": e["seconds"], "nfe": e["nfe"]})
     heldout.sort(key=lambda h: h["iteration"])
-    return RunRecord(rewards, stricts, secs, stage_secs, nfes, gains, heldout, setup)
+    return RunRecord(rewards, stricts, secs, stage_secs, nfes, gains, heldout, setup, {"turning_points": turning})
 
 
 # ------------------------------------------------------------------------- the bare loop

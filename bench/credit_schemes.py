@@ -10,7 +10,9 @@ same prompts and initial noise in every iteration). Configurations:
   `remaining` completion (every state run down the rest of the grid);
 - ablations, on `dense`: the `psi` kernel with DenseGRPO's calibrated noise table
   (`dense_psi`) against the flow kernel's noise `a = 0.7` (`dense`); completion `substeps:2`
-  (`dense_substeps2`) and `tweedie` (`dense_tweedie`) against `remaining` (`dense`).
+  (`dense_substeps2`) and `tweedie` (`dense_tweedie`) against `remaining` (`dense`); and
+  `turning_point` without its balancing rule (`turning_point_nobal`): with small batches the rule
+  often keeps no turning point at all, and `turning_point` then equals `dense`.
 
 `outcome` may run longer (`--outcome-iterations`): it costs about a third as much per iteration,
 so its extra iterations show where it stands at equal wall-clock; every per-iteration statistic
@@ -52,14 +54,19 @@ CONFIGS: dict[str, tuple[str, str | None, str]] = {
     "dense_psi": ("dense", "remaining", "psi"),
     "dense_substeps2": ("dense", "substeps:2", "flow"),
     "dense_tweedie": ("dense", "tweedie", "flow"),
+    "turning_point_nobal": ("turning_point", "remaining", "flow"),
 }
+# scheme options of a configuration (default: the scheme's defaults)
+OPTIONS: dict[str, dict[str, object]] = {"turning_point_nobal": {"balance": "false"}}
 MAIN = ("outcome", "stepwise", "dense", "turning_point")
 ABLATIONS = {
     "exploration noise (dense, remaining)": ("dense", "dense_psi"),
     "completion (dense)": ("dense", "dense_substeps2", "dense_tweedie"),
+    "turning-point balancing": ("turning_point", "turning_point_nobal"),
 }
 COLOURS = {"outcome": "black", "stepwise": "tab:blue", "dense": "tab:orange", "turning_point": "tab:green",
-           "dense_psi": "tab:red", "dense_substeps2": "tab:purple", "dense_tweedie": "tab:brown"}
+           "dense_psi": "tab:red", "dense_substeps2": "tab:purple", "dense_tweedie": "tab:brown",
+           "turning_point_nobal": "tab:olive"}
 EXPERIMENT = "bench-credit-schemes"  # MLflow experiment of every run
 SMOOTH = 3  # iterations in the trailing mean of the training reward (thresholds, curves)
 
@@ -80,7 +87,7 @@ def overrides(name: str, seed: int, iterations: int, a: argparse.Namespace, runs
         "run.iterations": iterations, "run.prompts_per_iteration": a.prompts, "run.group_size": a.group_size,
         "run.eval_prompts": a.eval_prompts, "run.eval_every": a.eval_every, "run.seed": seed,
         "run.runs_root": str(runs_root), "run.name": EXPERIMENT,
-    } | dict(item.split("=", 1) for item in a.set)
+    } | {f"credit.options.{k}": v for k, v in OPTIONS.get(name, {}).items()} | dict(item.split("=", 1) for item in a.set)
     return [f"{k}={'null' if v is None else v}" for k, v in values.items()]
 
 
@@ -98,6 +105,17 @@ def shared_tracking(out: Path) -> None:
         client.create_experiment(EXPERIMENT, artifact_location=(out / "mlflow-artifacts").resolve().as_uri())
 
 
+def load_record(path: Path, out: Path) -> dict[str, Any]:
+    """A stored record; one written by an older version of this script is re-read from its run
+    directory (everything in it derives from the run's files)."""
+    rec = json.loads(path.read_text())
+    run_dir = out / "runs" / path.stem
+    if "extra" not in rec and run_dir.is_dir():
+        rec |= asdict(read_run(run_dir))
+        write_json(path, rec)
+    return rec
+
+
 def run_one(name: str, seed: int, a: argparse.Namespace, out: Path) -> dict[str, Any]:
     """One configuration x seed through the `train` flow; its record (cached in `records/`)."""
     run_id = f"{name}-s{seed}"
@@ -105,7 +123,7 @@ def run_one(name: str, seed: int, a: argparse.Namespace, out: Path) -> dict[str,
     iterations = a.outcome_iterations if name == "outcome" else a.iterations
     ov = overrides(name, seed, iterations, a, out / "runs")
     if record_path.is_file():
-        rec = json.loads(record_path.read_text())
+        rec = load_record(record_path, out)
         if rec["overrides"] != ov:
             raise SystemExit(f"{record_path} was made with other settings; use another --out or delete it")
         return rec
@@ -173,6 +191,9 @@ def analyse(records: list[dict[str, Any]], n_iter: int) -> dict[str, Any]:
             "setup_seconds": mean_ci([r["setup_seconds"] for r in recs])[0],
             "nfe_per_iter": mean_ci([sum(n["rollout"] + n["complete"] for n in r["nfe"][:n_iter]) / n_iter for r in recs])[0],
         }
+        tps = [t for r in recs for t in r.get("extra", {}).get("turning_points", [])[:n_iter]]
+        row["tp_raw_per_iter"] = sum(t["raw"] for t in tps) / len(tps) if tps else float("nan")
+        row["tp_kept_per_iter"] = sum(t["kept"] for t in tps) / len(tps) if tps else float("nan")
         for tname, thr in thresholds.items():
             its = [first_reach(moving_average(r["train_reward"][:n_iter], SMOOTH), thr) for r in recs]
             secs = [wall(r)[i - 1] if i else None for i, r in zip(its, recs)]
@@ -254,8 +275,8 @@ def summary_md(analysis: dict[str, Any], settings: dict[str, Any], machine: dict
         f"half of outcome's gain {fmt(th['half'])}, outcome's final {fmt(th['outcome'])}",
         "",
         "| config | seeds | held-out reward after N (95% CI) | gain over base (95% CI) | minus outcome, paired (95% CI) "
-        "| strict | iters to half / to outcome | seconds to half / to outcome | s / iter | NFE / iter |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| strict | iters to half / to outcome | seconds to half / to outcome | s / iter | NFE / iter | turning points / iter (kept) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in analysis["rows"]:
         lines.append(
@@ -264,7 +285,7 @@ def summary_md(analysis: dict[str, Any], settings: dict[str, Any], machine: dict
             f"| {fmt(r['diff_vs_outcome'])} [{fmt(r['diff_ci_lo'])}, {fmt(r['diff_ci_hi'])}] | {fmt(r['heldout_strict'])} "
             f"| {fmt(r['iters_to_half'], 1)} ({r['reached_half']}) / {fmt(r['iters_to_outcome'], 1)} ({r['reached_outcome']}) "
             f"| {fmt(r['seconds_to_half'], 0)} / {fmt(r['seconds_to_outcome'], 0)} | {fmt(r['seconds_per_iter'], 1)} "
-            f"| {fmt(r['nfe_per_iter'], 0)} |"
+            f"| {fmt(r['nfe_per_iter'], 0)} | {fmt(r['tp_raw_per_iter'], 1)} ({fmt(r['tp_kept_per_iter'], 1)}) |"
         )
     if "outcome_long" in analysis:
         o = analysis["outcome_long"]
@@ -332,7 +353,7 @@ def plot(records: list[dict[str, Any]], analysis: dict[str, Any], n_iter: int, o
     curves(MAIN, False, out / "reward_vs_iteration.png", "credit schemes on the shapes task: reward vs iteration")
     curves(MAIN, True, out / "reward_vs_wallclock.png", "credit schemes on the shapes task: reward vs wall-clock")
     for title, names in ABLATIONS.items():
-        slug = "ablation_psi" if "noise" in title else "ablation_completion"
+        slug = {"exploration": "ablation_psi", "completion": "ablation_completion", "turning-point": "ablation_tp_balance"}[title.split()[0]]
         curves(names, False, out / f"{slug}.png", f"ablation, {title}: reward vs iteration")
         curves(names, True, out / f"{slug}_wallclock.png", f"ablation, {title}: reward vs wall-clock")
 
@@ -412,7 +433,7 @@ def main() -> None:
             continue
         t1 = time.perf_counter()
         if a.report_only:
-            records.append(json.loads((out / "records" / f"{name}-s{seed}.json").read_text()))
+            records.append(load_record(out / "records" / f"{name}-s{seed}.json", out))
             continue
         rec = run_one(name, seed, a, out)
         records.append(rec)
