@@ -209,7 +209,9 @@ def read_run(run_dir: Path) -> RunRecord:
         for i in range(n):
             grid = run.reward_grid(i, name).float()
             raw = int(turning_points(grid, grid[:, 1:] - grid[:, :-1]).sum())
-            turning.append({"raw": raw, "kept": int(turning_point_rewards(grid)[1].sum())})
+            # the run's own options when it trained with turning points (else the defaults)
+            opts = dict(cfg.credit.options) if cfg.credit.scheme == "turning_point" else {}
+            turning.append({"raw": raw, "kept": int(turning_point_rewards(grid, **opts)[1].sum())})
     heldout = []
     for label, e in evals.items():
         it = 0 if label == "base" else int(label.removeprefix("iter_")) + 1

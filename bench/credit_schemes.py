@@ -68,6 +68,7 @@ COLOURS = {"outcome": "black", "stepwise": "tab:blue", "dense": "tab:orange", "t
            "dense_psi": "tab:red", "dense_substeps2": "tab:purple", "dense_tweedie": "tab:brown",
            "turning_point_nobal": "tab:olive"}
 EXPERIMENT = "bench-credit-schemes"  # MLflow experiment of every run
+THRESHOLDS = (0.02, 0.05)  # training-reward gains over the base whose first crossing is reported
 SMOOTH = 3  # iterations in the trailing mean of the training reward (thresholds, curves)
 
 PRESETS = {
@@ -105,12 +106,13 @@ def shared_tracking(out: Path) -> None:
         client.create_experiment(EXPERIMENT, artifact_location=(out / "mlflow-artifacts").resolve().as_uri())
 
 
-def load_record(path: Path, out: Path) -> dict[str, Any]:
-    """A stored record; one written by an older version of this script is re-read from its run
-    directory (everything in it derives from the run's files)."""
+def load_record(path: Path, out: Path, refresh: bool = False) -> dict[str, Any]:
+    """A stored record, re-read from its run directory when `refresh` or when an older version of
+    this script wrote it (everything in a record but its timing of the whole flow derives from the
+    run's files)."""
     rec = json.loads(path.read_text())
     run_dir = out / "runs" / path.stem
-    if "extra" not in rec and run_dir.is_dir():
+    if (refresh or "turning_points" not in rec.get("extra", {})) and run_dir.is_dir():
         rec |= asdict(read_run(run_dir))
         write_json(path, rec)
     return rec
@@ -130,11 +132,13 @@ def run_one(name: str, seed: int, a: argparse.Namespace, out: Path) -> dict[str,
     run_dir = out / "runs" / run_id
     if run_dir.exists():  # an interrupted attempt: its timings would include the gap, start it over
         shutil.rmtree(run_dir)
+    import torch
+
     load_before = _common.os.getloadavg()[0]
     result = _common.train_flow(ov, run_id)
     rec = asdict(read_run(Path(result["run_dir"])))
     rec |= {"config": name, "seed": seed, "overrides": ov, "flow_seconds": result["flow_seconds"],
-            "load_before": load_before, "load_after": _common.os.getloadavg()[0]}
+            "load_before": load_before, "load_after": _common.os.getloadavg()[0], "torch_threads": torch.get_num_threads()}
     write_json(record_path, rec)
     return rec
 
@@ -167,7 +171,9 @@ def analyse(records: list[dict[str, Any]], n_iter: int) -> dict[str, Any]:
     base_train = mean_ci([r["train_reward"][0] for r in records if r["config"] != "dense_psi"])[0]
     outcome = groups.get("outcome", [])
     out_final = mean_ci([moving_average(r["train_reward"][:n_iter], SMOOTH)[-1] for r in outcome])[0]
-    thresholds = {"half": base_train + 0.5 * (out_final - base_train), "outcome": out_final}
+    # thresholds above the base policy's training reward (the same for every configuration)
+    thresholds = {f"+{d}": base_train + d for d in THRESHOLDS}
+    del out_final
     base_held = {r["seed"]: heldout_at(r, 0)["reward"] for r in records if heldout_at(r, 0)}
     out_final_held = {r["seed"]: heldout_at(r, n_iter)["reward"] for r in outcome if heldout_at(r, n_iter)}
     rows = []
@@ -205,7 +211,10 @@ def analyse(records: list[dict[str, Any]], n_iter: int) -> dict[str, Any]:
             row[f"seconds_to_{tname}"] = _mean_known(secs_all if name == "outcome" else secs)
         rows.append(row)
     del base_held
-    result = {"rows": rows, "thresholds": thresholds, "base_train": base_train}
+    result = {"rows": rows, "thresholds": thresholds, "base_train": base_train,
+              "threads": sorted({str(r.get("torch_threads", "not recorded")) for r in records}),
+              "load": (mean_ci([r["load_before"] for r in records])[0], mean_ci([r["load_after"] for r in records])[0],
+                       max(max(r["load_before"], r["load_after"]) for r in records))}
     # outcome run longer than n_iter: its held-out reward at the end, and when that was
     longest = max((len(r["train_reward"]) for r in outcome), default=0)
     if longest > n_iter:
@@ -268,14 +277,15 @@ def summary_md(analysis: dict[str, Any], settings: dict[str, Any], machine: dict
     th = analysis["thresholds"]
     lines = [
         f"settings: {json.dumps(settings, sort_keys=True)}",
-        f"machine: {machine['cores']} cores ({machine['cpu']}), torch {machine['torch']} with {machine['torch_threads']} threads, "
-        f"GPU: {machine['gpu']}, load average at the end {machine['load_avg'][0]:.2f}",
+        f"machine: {machine['cores']} cores ({machine['cpu']}), torch {machine['torch']}, GPU: {machine['gpu']}; "
+        f"torch threads of the runs: {analysis['threads']}; load average (1 min) before / after each run: "
+        f"mean {fmt(analysis['load'][0], 2)} / {fmt(analysis['load'][1], 2)}, max {fmt(analysis['load'][2], 2)}",
         "",
-        f"thresholds on the training reward (trailing mean of {SMOOTH} iterations): base {fmt(analysis['base_train'])}, "
-        f"half of outcome's gain {fmt(th['half'])}, outcome's final {fmt(th['outcome'])}",
+        f"thresholds on the training reward (trailing mean of {SMOOTH} iterations): base {fmt(analysis['base_train'])}; "
+        + ", ".join(f"base {k}: {fmt(v)}" for k, v in th.items()),
         "",
         "| config | seeds | held-out reward after N (95% CI) | gain over base (95% CI) | minus outcome, paired (95% CI) "
-        "| strict | iters to half / to outcome | seconds to half / to outcome | s / iter | NFE / iter | turning points / iter (kept) |",
+        "| strict | iters to base+0.02 / +0.05 | seconds to base+0.02 / +0.05 | s / iter | NFE / iter | turning points / iter (kept) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in analysis["rows"]:
@@ -283,8 +293,8 @@ def summary_md(analysis: dict[str, Any], settings: dict[str, Any], machine: dict
             f"| {r['config']} | {r['seeds']} | {fmt(r['heldout_final'])} [{fmt(r['heldout_ci_lo'])}, {fmt(r['heldout_ci_hi'])}] "
             f"| {fmt(r['heldout_gain'])} [{fmt(r['gain_ci_lo'])}, {fmt(r['gain_ci_hi'])}] "
             f"| {fmt(r['diff_vs_outcome'])} [{fmt(r['diff_ci_lo'])}, {fmt(r['diff_ci_hi'])}] | {fmt(r['heldout_strict'])} "
-            f"| {fmt(r['iters_to_half'], 1)} ({r['reached_half']}) / {fmt(r['iters_to_outcome'], 1)} ({r['reached_outcome']}) "
-            f"| {fmt(r['seconds_to_half'], 0)} / {fmt(r['seconds_to_outcome'], 0)} | {fmt(r['seconds_per_iter'], 1)} "
+            f"| {fmt(r['iters_to_+0.02'], 1)} ({r['reached_+0.02']}) / {fmt(r['iters_to_+0.05'], 1)} ({r['reached_+0.05']}) "
+            f"| {fmt(r['seconds_to_+0.02'], 0)} / {fmt(r['seconds_to_+0.05'], 0)} | {fmt(r['seconds_per_iter'], 1)} "
             f"| {fmt(r['nfe_per_iter'], 0)} | {fmt(r['tp_raw_per_iter'], 1)} ({fmt(r['tp_kept_per_iter'], 1)}) |"
         )
     if "outcome_long" in analysis:
@@ -342,7 +352,7 @@ def plot(records: list[dict[str, Any]], analysis: dict[str, Any], n_iter: int, o
         axes[0].set_title("training reward: mean over seeds, band = min..max")
         axes[1].set_ylabel("held-out reward (ODE samples)")
         axes[1].set_title("held-out reward: mean and 95% CI over seeds")
-        for thr, ls in ((analysis["thresholds"]["half"], "--"), (analysis["thresholds"]["outcome"], "-.")):
+        for thr, ls in zip(analysis["thresholds"].values(), ("--", "-.")):
             axes[0].axhline(thr, color="grey", lw=0.8, ls=ls)
         axes[0].legend(fontsize=8)
         fig.suptitle(title)
@@ -433,7 +443,7 @@ def main() -> None:
             continue
         t1 = time.perf_counter()
         if a.report_only:
-            records.append(load_record(out / "records" / f"{name}-s{seed}.json", out))
+            records.append(load_record(out / "records" / f"{name}-s{seed}.json", out, refresh=True))
             continue
         rec = run_one(name, seed, a, out)
         records.append(rec)
