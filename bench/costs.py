@@ -123,7 +123,7 @@ def mlflow_stage_seconds(run_dir: Path) -> dict[str, list[float]]:
 
 
 def prefect_overhead(iterations: int) -> dict[str, float]:
-    """Seconds of an empty flow run and of one empty task call inside a flow."""
+    """Seconds of an empty flow run, and of one empty task call timed inside a flow."""
     from prefect import flow, task
 
     @task
@@ -131,18 +131,18 @@ def prefect_overhead(iterations: int) -> dict[str, float]:
         return i
 
     @flow(name="bench-empty")
-    def empty(n: int) -> None:
+    def empty(n: int) -> float:
+        t0 = time.perf_counter()
         for i in range(n):
             nothing(i)
+        return time.perf_counter() - t0
 
     empty(1)  # the first call in a process also connects to (or starts) the server
     t0 = time.perf_counter()
     empty(0)
-    t1 = time.perf_counter()
-    calls = 6 * iterations
-    empty(calls)
-    t2 = time.perf_counter()
-    return {"flow_run_seconds": t1 - t0, "task_call_seconds": (t2 - t1 - (t1 - t0)) / calls}
+    flow_s = time.perf_counter() - t0
+    calls = max(30, 6 * iterations)
+    return {"flow_run_seconds": flow_s, "task_call_seconds": empty(calls) / calls}
 
 
 # -------------------------------------------------------------------------------- 5. rescore
@@ -244,8 +244,13 @@ def main() -> None:
     bare2 = _common.bare_loop(cfg, a.iterations)
     rec = _common.read_run(run_dir)
     stage_s = mlflow_stage_seconds(run_dir)
-    pipe_iter = statistics.median(rec.iter_seconds[1:]) if a.iterations > 1 else rec.iter_seconds[0]
-    bare_iter = statistics.mean([statistics.median([r["seconds"] for r in b[1:]] or [b[0]["seconds"]]) for b in (bare1, bare2)])
+    # Iteration times without each loop's first (warm-up) iteration. On a shared machine another
+    # process can take the CPU for seconds: the minimum is the least disturbed estimate, the
+    # median the typical one; both ratios are reported.
+    pipe_its = rec.iter_seconds[1:] or rec.iter_seconds
+    bare_its = [r["seconds"] for b in (bare1, bare2) for r in (b[1:] or b)]
+    pipe_iter, bare_iter = statistics.median(pipe_its), statistics.median(bare_its)
+    res["overhead_ratio_min"] = min(pipe_its) / min(bare_its)
     # the same numbers up to float32 rounding of the mean (the pipeline reads rewards back as float64)
     diff = max(abs(r["reward_mean"] - p) for r, p in zip(bare1, rec.train_reward))
     same = diff < 1e-6
@@ -266,7 +271,8 @@ def main() -> None:
     bare_med = {k: statistics.median([r[k] for r in bare1[1:] + bare2[1:]] or [bare1[0][k]]) for k in ("rollout", "complete", "score", "credit", "update")}
     res["bare_stage_seconds"] = bare_med
     print("  bare loop: " + ", ".join(f"{k} {v:.2f} s" for k, v in bare_med.items()))
-    print(f"\n3. pipeline iteration {pipe_iter:.2f} s / bare loop {bare_iter:.2f} s = {res['overhead_ratio']:.3f} (target <= 1.15); "
+    print(f"\n3. pipeline iteration / bare loop: median {pipe_iter:.2f} s / {bare_iter:.2f} s = {res['overhead_ratio']:.3f}, "
+          f"minimum {min(pipe_its):.2f} s / {min(bare_its):.2f} s = {res['overhead_ratio_min']:.3f} (target <= 1.15); "
           f"the bare loop's rewards equal the pipeline's: {same} (max difference {diff:.1e})")
 
     # 4. Prefect's share
