@@ -333,12 +333,14 @@ def plot(records: list[dict[str, Any]], analysis: dict[str, Any], n_iter: int, o
             axes[0].fill_between(x, y.min(0), y.max(0), color=c, alpha=0.12)
             its = sorted({h["iteration"] for h in recs[0]["heldout"]})
             hx, hy, lo, hi = [], [], [], []
+            shift = 0.08 * (names.index(name) - (len(names) - 1) / 2)  # side by side at one iteration
             for it in its:
-                vals = [heldout_at(r, it)["reward"] for r in recs if heldout_at(r, it)]
+                # paired: each seed's held-out reward minus its base model's (same prompts and noise)
+                vals = [heldout_at(r, it)["reward"] - heldout_at(r, 0)["reward"] for r in recs if heldout_at(r, it)]
                 if len(vals) != len(recs):
                     continue
                 m, a, b = mean_ci(vals)
-                hx.append(np.mean([([r["setup_seconds"], *wall(r)])[it] for r in recs]) if x_wall else it)
+                hx.append(np.mean([([r["setup_seconds"], *wall(r)])[it] for r in recs]) if x_wall else it + shift)
                 hy.append(m)
                 lo.append(m - a if a == a else 0.0)
                 hi.append(b - m if b == b else 0.0)
@@ -350,8 +352,9 @@ def plot(records: list[dict[str, Any]], analysis: dict[str, Any], n_iter: int, o
                 ax.axvline(n_iter, color="grey", lw=0.8, ls=":")
         axes[0].set_ylabel(f"training reward R_T (mean of last {SMOOTH} iterations)")
         axes[0].set_title("training reward: mean over seeds, band = min..max")
-        axes[1].set_ylabel("held-out reward (ODE samples)")
-        axes[1].set_title("held-out reward: mean and 95% CI over seeds")
+        axes[1].set_ylabel("held-out reward minus the base model's")
+        axes[1].set_title("held-out gain (ODE samples): mean, 95% CI over seeds")
+        axes[1].axhline(0.0, color="grey", lw=0.8)
         for thr, ls in zip(analysis["thresholds"].values(), ("--", "-.")):
             axes[0].axhline(thr, color="grey", lw=0.8, ls=ls)
         axes[0].legend(fontsize=8)
