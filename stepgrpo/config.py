@@ -196,10 +196,11 @@ class RunConfig(_Section):
     name: str = "stepgrpo"
     """Config name: the MLflow experiment and the default prefix of run ids."""
     prompts: str = "shapes"
-    """Prompt source: `shapes` (the synthetic task, train / held-out split) or a text file, one prompt
-    a line (its held-out prompts in `heldout_prompts`)."""
+    """Prompt source: `shapes` (the synthetic task, train / held-out split), a `.txt` file (one prompt
+    a line) or a `.jsonl` file (one object a line with a `prompt` field, the rest its metadata, as
+    GenEval's `metadata.jsonl`); held-out prompts in `heldout_prompts`."""
     heldout_prompts: str | None = None
-    """Text file of held-out evaluation prompts when `prompts` is a file."""
+    """File (`.txt` or `.jsonl`) of held-out evaluation prompts when `prompts` is a file."""
     iterations: int = Field(2, ge=1)
     """Training iterations (rollout -> complete -> score -> credit -> update)."""
     prompts_per_iteration: int = Field(4, ge=1)

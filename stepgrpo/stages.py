@@ -185,17 +185,41 @@ def prompt_source(cfg: Config) -> tuple[list[str], list[str], list[dict[str, Any
         train, test = split(held_out=False), split(held_out=True)
         specs = train + test
         return [prompt_of(s) for s in specs], ["train"] * len(train) + ["test"] * len(test), specs
-    texts, splits = [], []
+    texts, splits, metadata = [], [], []
     for path, name in ((cfg.run.prompts, "train"), (cfg.run.heldout_prompts, "test")):
         if path is None:
             continue
         p = workspace.REPO_ROOT / path if not Path(path).exists() and (workspace.REPO_ROOT / path).exists() else Path(path)
         if not p.is_file():
-            raise StageError(f"run.prompts file {path!r} does not exist (one prompt a line)")
-        lines = [line.strip() for line in p.read_text().splitlines() if line.strip()]
-        texts += lines
-        splits += [name] * len(lines)
-    return texts, splits, [{} for _ in texts]
+            raise StageError(f"run.prompts file {path!r} does not exist (.txt: one prompt a line; "
+                             ".jsonl: one JSON object a line with a 'prompt' field)")
+        file_texts, file_meta = _read_prompt_file(p)
+        texts += file_texts
+        metadata += file_meta
+        splits += [name] * len(file_texts)
+    return texts, splits, metadata
+
+
+def _read_prompt_file(path: Path) -> tuple[list[str], list[dict[str, Any]]]:
+    """Prompts of a `.txt` file (one a line) or a `.jsonl` file (GenEval / Flow-GRPO's
+    `metadata.jsonl`: one object a line with a `prompt` field; the whole object is the prompt's
+    metadata, which structured rewards such as `geneval` read)."""
+    lines = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    if path.suffix != ".jsonl":
+        return lines, [{} for _ in lines]
+    texts, metadata = [], []
+    for number, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise StageError(f"{path}:{number} is not a JSON object ({err.msg}); a .jsonl prompt file "
+                             "holds one object a line") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise StageError(f"{path}:{number} has no 'prompt' string field; each line must look like "
+                             '{"prompt": "a photo of two dogs", "tag": "counting", "include": [...]}')
+        texts.append(row["prompt"])
+        metadata.append(row)
+    return texts, metadata
 
 
 def prompts(run: Any, cfg: Config) -> dict[str, Any]:

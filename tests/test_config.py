@@ -12,24 +12,10 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SHIPPED = ["demo", "flow_grpo_pickscore", "densegrpo_geneval", "tpgrpo_pickscore", "stepwise_pickscore"]
 
 
-def _needs_geneval(name: str) -> None:
-    """GenEval's reward needs an object detector that stepgrpo's REWARDS does not ship (yet)."""
-    from stepgrpo.rewards import REWARDS
-
-    if "geneval" in name and "geneval" not in REWARDS:
-        pytest.xfail("reward 'geneval' (object-detector GenEval) is not registered in REWARDS")
-
-
 @pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_configs_validate(name):
-    _needs_geneval(name)
     cfg = load_config(CONFIGS / f"{name}.yaml")
     assert cfg.run.name == name
-
-
-def test_geneval_recipe_is_valid_but_for_its_reward():
-    cfg = load_config(CONFIGS / "densegrpo_geneval.yaml", ["reward.name=shapes"])
-    assert cfg.sampler.kernel == "psi"
 
 
 def test_paper_recipes_carry_the_papers_hyper_parameters():
@@ -38,7 +24,8 @@ def test_paper_recipes_carry_the_papers_hyper_parameters():
     assert (flow.run.group_size, flow.sampler.steps, flow.sampler.eval_steps) == (24, 10, 40)
     assert (flow.optim.lr, flow.optim.clip_range, flow.optim.kl_beta) == (3e-4, 1e-4, 0.01)
     assert (flow.model.lora_rank, flow.model.lora_alpha, flow.model.guidance_scale) == (32, 64, 4.5)
-    dense = load_config(CONFIGS / "densegrpo_geneval.yaml", ["reward.name=shapes"])  # see _needs_geneval
+    dense = load_config(CONFIGS / "densegrpo_geneval.yaml")
+    assert dense.reward.name == "geneval"
     assert (dense.sampler.kernel, dense.completion.method, dense.credit.scheme) == ("psi", "remaining", "dense")
     assert (dense.optim.kl_beta, dense.calibration.eps1, dense.calibration.eps2) == (0.04, 2, 0.01)
     tp = load_config(CONFIGS / "tpgrpo_pickscore.yaml")

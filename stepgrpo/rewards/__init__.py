@@ -3,7 +3,7 @@
 Importing this package imports each scorer module so that its factory is in `REWARDS`; the heavy
 libraries (transformers, rapidocr) load only when a factory runs.
 
-Registered names: `shapes`, `ocr`, `jpeg_compressibility`, `jpeg_incompressibility`,
+Registered names: `shapes`, `geneval`, `ocr`, `jpeg_compressibility`, `jpeg_incompressibility`,
 `pickscore`, `clipscore`, `aesthetic`, and `weighted` (a weighted sum of the others).
 
 Spec forms accepted by `build_reward`:
@@ -21,8 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from stepgrpo.rewards import clip_models, jpeg, ocr, shapes  # noqa: F401  (they register)
-from stepgrpo.rewards import geneval  # noqa: F401  (registers `geneval`)
+from stepgrpo.rewards import clip_models, geneval, jpeg, ocr, shapes  # noqa: F401  (they register)
 from stepgrpo.rewards.base import REWARDS, Reward, RewardOutput
 from stepgrpo.rewards.combine import WeightedSum
 
