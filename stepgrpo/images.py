@@ -28,7 +28,8 @@ def from_uint8(arr: np.ndarray) -> torch.Tensor:
     """`[N, H, W, 3]` uint8 -> `[N, 3, H, W]` float in [0, 1]."""
     if arr.ndim != 4 or arr.shape[-1] != 3:
         raise ValueError(f"expected uint8 images [N, H, W, 3], got {arr.shape}")
-    return torch.from_numpy(np.ascontiguousarray(arr)).permute(0, 3, 1, 2).float() / 255.0
+    # a copy: the array may be read-only (PIL / OpenCV views), which torch.from_numpy cannot share
+    return torch.from_numpy(np.array(arr, dtype=np.uint8)).permute(0, 3, 1, 2).float() / 255.0
 
 
 def grid(images: torch.Tensor, ncols: int = 8, pad: int = 2) -> Image.Image:
