@@ -117,6 +117,14 @@ def model_path(requested: str | None = None) -> str:
     return path
 
 
+def relative(path: Path) -> str:
+    """`path` relative to the repository root when it is inside it (what scripts print)."""
+    try:
+        return str(Path(path).resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
 def write_json(path: Path, obj: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")

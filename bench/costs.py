@@ -313,7 +313,7 @@ def main() -> None:
     m = res["machine_end"]
     print(f"\nmachine: {m['cores']} cores ({m['cpu']}), GPU {m['gpu']}, torch {m['torch']} {m['torch_threads']} threads; "
           f"load average {res['machine_start']['load_avg'][0]:.2f} at the start, {m['load_avg'][0]:.2f} at the end; "
-          f"total {res['total_seconds']:.0f} s; results in {out / 'costs.json'}")
+          f"total {res['total_seconds']:.0f} s; results in {_common.relative(out / 'costs.json')}")
 
 
 if __name__ == "__main__":

@@ -476,7 +476,7 @@ def main() -> None:
     write_json(out / "analysis.json", {"settings": settings, "machine": machine, "skipped": skipped, **analysis,
                                        "total_minutes": (time.perf_counter() - t0) / 60})
     print(text)
-    print(f"outputs in {out}")
+    print(f"outputs in {_common.relative(out)}")
 
 
 if __name__ == "__main__":
