@@ -91,10 +91,9 @@ def print_summary(run_dir: Path, tracking_uri: str, evals: Sequence[Mapping[str,
     out = sys.stdout
     for e in evals:
         strict = f", strict {e['reward_strict']:.3f}" if "reward_strict" in e else ""
-        name = "base model" if e["label"] == "base" else f"after {e['label'].removeprefix('iter_')} + 1 iterations"
-        if e["label"] != "base":
-            name = f"trained (iteration {int(e['label'].removeprefix('iter_')) + 1})"
-        print(f"held-out reward, {name}: {e['reward_mean']:.4f}{strict}", file=out)
+        name = "base model" if e["label"] == "base" else f"trained (iteration {int(e['label'].removeprefix('iter_')) + 1})"
+        reward = f" ({e['reward_name']})" if "reward_name" in e else ""
+        print(f"held-out reward{reward}, {name}: {e['reward_mean']:.4f}{strict}", file=out)
     print(f"run directory: {run_dir}", file=out)
     print(f"MLflow store:  {tracking_uri}", file=out)
     print(f"images:        {run_dir / 'eval'}", file=out)

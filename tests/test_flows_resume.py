@@ -77,7 +77,7 @@ def test_kill_9_mid_iteration_then_resume_is_bit_identical(setup):
     after = published(run_dir)
     assert {k: after[k] for k in before} == before  # nothing published was redone
     assert "checkpoints/iter_1" in after
-    assert "held-out reward, base model" in resumed.stdout and "MLflow store" in resumed.stdout
+    assert "base model: " in resumed.stdout and "MLflow store" in resumed.stdout
 
     for i in range(2):
         a = load_file(str(root / "runs" / "clean" / "checkpoints" / f"iter_{i}" / "lora.safetensors"))
