@@ -442,21 +442,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eval-cfg", type=float, default=defaults.eval_cfg)
     p.add_argument("--checkpoint-minutes", type=float, default=defaults.checkpoint_minutes)
     p.add_argument("--threads", type=int, default=defaults.threads)
-    a = p.parse_args(argv)
-    cfg = PretrainConfig(
-        workdir=a.workdir,
-        out=a.out,
-        seed=a.seed,
-        vae_minutes=a.vae_minutes,
-        minutes=a.minutes,
-        batch=a.batch,
-        lr=a.lr,
-        cooldown_minutes=a.cooldown_minutes,
-        eval_minutes=a.eval_minutes,
-        eval_cfg=a.eval_cfg,
-        checkpoint_minutes=a.checkpoint_minutes,
-        threads=a.threads,
-    )
+    # every option's destination is the PretrainConfig field of the same name
+    cfg = PretrainConfig(**vars(p.parse_args(argv)))
     pretrain(cfg)
 
 
