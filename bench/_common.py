@@ -300,7 +300,7 @@ def bare_loop(cfg: Any, iterations: int, on_iteration: Callable[[int, dict[str, 
         scores = []
         for c0 in range(0, len(pids), mb):
             rows = slice(c0, c0 + mb)
-            images = pol.decode(flat[rows])
+            images = stages.reward_images(pol.decoder, flat[rows])[1]  # 8-bit, as the score stage
             scores.append(reward(images, [texts[int(p)] for p in pids[rows]], [meta[int(p)] for p in pids[rows]]).scores.float())
         grid = torch.cat(scores).reshape(B, K)
         t3 = time.perf_counter()

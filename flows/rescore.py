@@ -1,7 +1,9 @@
 """Re-score stored trajectories of a run with another reward: no sampling, no transformer call.
 
 Adds reward rows (`reward_name`, `reward_version`) next to the ones already stored; rollout and
-completion stages are read, never recomputed.
+completion stages are read, never recomputed. The images the first reward saw are read from the
+iteration's image store when it has one (no VAE call); otherwise the VAE alone is loaded to decode
+the stored latents, and the images are stored for the next re-score (`storage.images`).
 """
 
 from __future__ import annotations
@@ -26,5 +28,5 @@ def rescore(run: str, reward: str, reward_options: dict[str, Any] | None = None,
         clean = stages.clean_ref(path, cfg, i)
         done.append(t.score(where, conf, i, {"clean": clean["digest"], "rollout": clean["rollout"]}))
         print(f"iteration {i}: {done[-1]['reward_name']} mean {done[-1]['reward_mean']:.4f} "
-              f"({done[-1]['transformer_nfe']} transformer calls)")
+              f"(images {done[-1]['images']})")
     return {"run_dir": where, "scores": done}

@@ -118,10 +118,10 @@ def rescore(run: RunArg, reward: Annotated[str, typer.Option(help="Reward name (
     from flows.rescore import rescore as rescore_flow
 
     out = _run(rescore_flow, run=run, reward=reward, reward_options=parsed)
-    table = Table("iteration", "reward", "version", "mean", "strict", "transformer calls", title=f"rescored {out['run_dir']}")
+    table = Table("iteration", "reward", "version", "mean", "strict", "images", title=f"rescored {out['run_dir']}")
     for s in out["scores"]:
         table.add_row(str(s["iteration"]), s["reward_name"], s["reward_version"], f"{s['reward_mean']:.4f}",
-                      _fmt(s.get("reward_strict")), str(s["transformer_nfe"]))
+                      _fmt(s.get("reward_strict")), s["images"])
     console.print(table)
 
 

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 # Bumped whenever code changes what a stage computes from the same inputs: it is part of every
 # cache key, so results written by older code are never reused by newer code.
-CODE_SALT = "stepgrpo-stages-1"
+CODE_SALT = "stepgrpo-stages-2"  # 2: rewards see 8-bit images
 
 DEFAULT_MODEL = "models/shapes"
 
@@ -219,6 +219,13 @@ class RunConfig(_Section):
     """Directory that holds run directories `<runs_root>/<run_id>/`."""
 
 
+class StorageConfig(_Section):
+    images: bool = True
+    """Keep the uint8 images the reward saw (every scored state) so that re-scoring with another
+    reward skips the VAE. 3 x H x W bytes a state: 3 KB at 32 px, 768 KB at 512 px (six times a
+    fp16 SD3 latent); turn off for large images if disk matters more than re-scoring time."""
+
+
 class Config(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
@@ -228,6 +235,7 @@ class Config(_Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
 
     @model_validator(mode="after")
     def _steps_in_grid(self) -> Config:

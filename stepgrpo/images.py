@@ -11,12 +11,22 @@ import torch
 from PIL import Image
 
 
+def quantize(images: torch.Tensor) -> torch.Tensor:
+    """`[N, 3, H, W]` float in [0, 1] -> uint8 of the same layout (rounded, clamped, as
+    diffusers' `numpy_to_pil`): the 8-bit images every reward is given."""
+    return images.detach().float().clamp(0, 1).mul(255).round().to(torch.uint8)
+
+
+def dequantize(images: torch.Tensor) -> torch.Tensor:
+    """uint8 `[N, 3, H, W]` -> float32 in [0, 1] (exact inverse of `quantize` on its outputs)."""
+    return images.float() / 255.0
+
+
 def to_uint8(images: torch.Tensor) -> np.ndarray:
     """`[N, 3, H, W]` float in [0, 1] -> `[N, H, W, 3]` uint8 (rounded, clamped)."""
     if images.ndim != 4 or images.shape[1] != 3:
         raise ValueError(f"expected images [N, 3, H, W], got {tuple(images.shape)}")
-    arr = images.detach().float().clamp(0, 1).mul(255).round().to(torch.uint8)
-    return arr.permute(0, 2, 3, 1).cpu().numpy()
+    return quantize(images).permute(0, 2, 3, 1).cpu().numpy()
 
 
 def to_pil(images: torch.Tensor) -> list[Image.Image]:

@@ -371,36 +371,83 @@ def complete(run: Any, cfg: Config, iteration: int, key: str) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------ score
 
 
-def _clean_latents(run: Any, cfg_method: str | None, iteration: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Latents to score `[N, C, H, W]` with their `traj`, `k`: every completed state, or only x_T."""
+def _clean_source(cfg_method: str | None) -> str:
+    """The stage whose latents `score` reads: a completion, or the rollout (its x_T) for outcome."""
+    return "rollout" if cfg_method is None else f"completions/{method_dir(cfg_method)}"
+
+
+def _clean_latents(run: Any, cfg_method: str | None, iteration: int) -> np.ndarray:
+    """Latents to score `[B, K, C, H, W]`: every completed state (K = T+1), or only x_T (K = 1)."""
     if cfg_method is None:
-        states = run.read_rollout(iteration).states
-        B, T1 = states.shape[:2]
-        return states[:, -1], np.arange(B), np.full(B, T1 - 1)
-    lat = run.read_completion(iteration, method_dir(cfg_method)).latents
-    B, T1 = lat.shape[:2]
-    return lat.reshape(B * T1, *lat.shape[2:]), np.repeat(np.arange(B), T1), np.tile(np.arange(T1), B)
+        return run.read_rollout(iteration).states[:, -1:]
+    return run.read_completion(iteration, method_dir(cfg_method)).latents
+
+
+def reward_images(decoder: Any, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clean latents -> (uint8 images on the CPU, the fp32 images in [0, 1] a reward is given)."""
+    from stepgrpo.images import dequantize
+
+    u8 = decoder.decode_uint8(latents)
+    return u8, dequantize(u8.to(decoder.device))
+
+
+def _images(run: Any, cfg: Config, iteration: int) -> tuple[np.ndarray, np.ndarray, str]:
+    """`[B, K, 3, Y, X]` uint8 images of the clean latents, their state indices `k [K]`, and where
+    they came from ("stored", "decoded" or "decoded+stored"). Decodes (VAE only) when the iteration
+    has no stored images; stores them when `storage.images` is on."""
+    source = _clean_source(cfg.completion.method)
+    stored = run.read_images(iteration, source)
+    if stored is not None:
+        return stored.images, stored.k, "stored"
+    dec = workspace.decoder(cfg.model)
+    latents = _clean_latents(run, cfg.completion.method, iteration)
+    B, K = latents.shape[:2]
+    flat = latents.reshape(B * K, *latents.shape[2:])
+    chunk = max(1, cfg.model.max_batch)
+    parts = [reward_images(dec, torch.from_numpy(flat[c0 : c0 + chunk]))[0]
+             for c0 in track(range(0, len(flat), chunk), f"decode {iteration}")]
+    images = torch.cat(parts).reshape(B, K, *parts[0].shape[1:]).numpy()
+    T = run.stage_manifest(iteration, "rollout")["attrs"]["T"]
+    k = np.arange(T + 1) if K == T + 1 else np.array([T])
+    if not cfg.storage.images:
+        return images, k, "decoded"
+    from storage.errors import AlreadyPublishedError, StageLockedError
+
+    try:
+        with run.begin_images(iteration, source, k=k, image_shape=images.shape[2:]) as writer:
+            writer.write(0, images=images)
+            writer.publish()
+    except (AlreadyPublishedError, StageLockedError):
+        return images, k, "decoded"  # another scorer stored (or is storing) the same bytes
+    return images, k, "decoded+stored"
 
 
 def score(run: Any, cfg: Config, iteration: int, key: str) -> dict[str, Any]:
-    """Decode the clean latents and append one reward's rows; no transformer call."""
+    """Append one reward's rows for every clean state; no transformer call.
+
+    The images come from the iteration's image store when it has one (no VAE call either), else
+    from decoding the clean latents with the VAE alone, stored for the next reward
+    (`storage.images`).
+    """
     reward = workspace.reward(cfg.reward)
     name, version = reward.name, str(reward.version)
     stored = run.read_rewards(iteration, name, version)
-    nfe_spent = 0
+    images_from = "none"
     t0 = time.perf_counter()
     if stored.num_rows == 0:
-        pol = workspace.policy(cfg)  # its VAE decodes; its transformer is not called
-        nfe0 = pol.nfe
-        latents, traj, k = _clean_latents(run, cfg.completion.method, iteration)
+        images, k_of, images_from = _images(run, cfg, iteration)
+        B, K = images.shape[:2]
+        flat = torch.from_numpy(images.reshape(B * K, *images.shape[2:]))
+        traj, k = np.repeat(np.arange(B), K), np.tile(k_of, B)
         texts, _, meta = _prompt_rows(run)
-        pids = run.read_rollout(iteration).prompt_ids[traj]
+        pids = _prompt_ids(run, iteration)[traj]
         scores, strict, subs = [], [], {}
         chunk = max(1, cfg.model.max_batch)
+        from stepgrpo.images import dequantize
+
         for c0 in track(range(0, len(traj), chunk), f"score {iteration}"):
             rows = slice(c0, c0 + chunk)
-            images = pol.decode(torch.from_numpy(latents[rows]).to(pol.device, pol.dtype))
-            out = reward(images, [texts[int(p)] for p in pids[rows]], [meta[int(p)] for p in pids[rows]])
+            out = reward(dequantize(flat[rows]), [texts[int(p)] for p in pids[rows]], [meta[int(p)] for p in pids[rows]])
             scores.append(out.scores.float().cpu())
             strict.append(out.strict.float().cpu() if out.strict is not None else None)
             for sname, v in out.sub.items():
@@ -415,7 +462,6 @@ def score(run: Any, cfg: Config, iteration: int, key: str) -> dict[str, Any]:
         run.append_rewards(iteration, name, version, traj, k, value.double().numpy(),
                            strict=None if strict_all is None else strict_all.double().numpy(),
                            sub={s: v.double().numpy() for s, v in sub.items()} or None)
-        nfe_spent = pol.nfe - nfe0
     grid = run.reward_grid(iteration, name, version)  # [B, T+1]
     final = grid[:, -1]
     summary = {"reward_mean": float(final.mean()), "reward_std": float(final.std(unbiased=False))}
@@ -425,8 +471,13 @@ def score(run: Any, cfg: Config, iteration: int, key: str) -> dict[str, Any]:
     if bool(torch.isfinite(grid).all()):
         summary["reward_per_state"] = grid.mean(0).tolist()
     return {"stage": "score", "iteration": iteration, "reward_name": name, "reward_version": version,
-            "digest": run.rewards_digest(iteration, name, version), "transformer_nfe": nfe_spent,
+            "digest": run.rewards_digest(iteration, name, version), "images": images_from,
             "seconds": time.perf_counter() - t0, **summary}
+
+
+def _prompt_ids(run: Any, iteration: int) -> np.ndarray:
+    """`[B]` prompt row of each trajectory (one small array; the states are not read)."""
+    return run.read_array(iteration, "rollout", "prompt_ids")
 
 
 # ----------------------------------------------------------------------------------- credit
@@ -555,7 +606,7 @@ def evaluate(run: Any, cfg: Config, iteration: int | None, key: str) -> dict[str
             rows = ids[c0 : c0 + cfg.model.max_batch]
             x0 = torch.cat([pol.initial_noise(1, generator(cfg.run.seed, "eval", s, int(p), device=pol.device)) for p in rows])
             out = sample(pol.velocity, x0, sigmas, _encode(pol, texts, rows), kernel="ode")
-            images = pol.decode(out.states[:, -1])
+            images = reward_images(pol.decoder, out.states[:, -1])[1]
             r = reward(images, [texts[int(p)] for p in rows], [meta[int(p)] for p in rows])
             scores.append(r.scores.float().cpu())
             if r.strict is not None:
@@ -642,7 +693,7 @@ def calibrate(run: Any, cfg: Config, key: str) -> dict[str, Any]:
         with torch.no_grad():
             done = run_completion(cfg.completion.method, pol.velocity, out.states, sigmas, cond, cfg.model.max_batch)
         B, T1 = done.latents.shape[:2]
-        images = pol.decode(done.latents.reshape(B * T1, *done.latents.shape[2:]))
+        images = reward_images(pol.decoder, done.latents.reshape(B * T1, *done.latents.shape[2:]))[1]
         rep = np.repeat(pids, T1)
         scores = reward(images, [texts[int(p)] for p in rep], [meta[int(p)] for p in rep]).scores.float().reshape(B, T1)
         gains = assign("dense", scores, torch.from_numpy(np.repeat(np.arange(len(pick)), G))).gains

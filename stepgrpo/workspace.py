@@ -68,7 +68,8 @@ def model_identity(path: str) -> str:
 
 
 def policy_key(model: ModelConfig, seed: int) -> str:
-    return digest_of({"model": model.model_dump(mode="json"), "seed": seed})
+    """`<decoder key>:<digest>`: policies of one model share their decoder's key as a prefix."""
+    return _decoder_key(model) + ":" + digest_of({"model": model.model_dump(mode="json"), "seed": seed})
 
 
 _policies: dict[str, tuple[Any, dict[str, torch.Tensor]]] = {}
@@ -125,6 +126,29 @@ def set_lora(pol: Any, weights: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for n, p in params.items():
             p.copy_(weights[n].to(p.device, p.dtype))
+
+
+_decoders: dict[str, Any] = {}
+
+
+def decoder(model: ModelConfig) -> Any:
+    """The `ImageDecoder` of `model`: the loaded policy's VAE if there is one in this process,
+    else the VAE alone (scoring stored latents never needs the transformer or text encoders)."""
+    with _lock:
+        for key, (pol, _) in _policies.items():
+            if key.startswith(_decoder_key(model) + ":"):
+                return pol.decoder
+        key = _decoder_key(model)
+        if key not in _decoders:
+            from stepgrpo.policy.sd3 import ImageDecoder
+
+            _decoders[key] = ImageDecoder.from_pretrained(resolve_model_path(model.path), dtype=model.dtype,
+                                                          device=model.device, max_batch=model.max_batch)
+        return _decoders[key]
+
+
+def _decoder_key(model: ModelConfig) -> str:
+    return digest_of({k: getattr(model, k) for k in ("path", "dtype", "device", "max_batch")})
 
 
 _rewards: dict[str, Any] = {}

@@ -7,7 +7,7 @@ Public API (all on `Run` unless noted):
 
 - `Run.create(root, run_id, config, exist_ok=False) -> Run`, `Run.open(path) -> Run`
   (`SchemaVersionError` names the version found and what to do). `run.config`, `run.manifest`.
-- Stages, named `"rollout"`, `"completions/<method>"`, `"checkpoint"`:
+- Stages, named `"rollout"`, `"completions/<method>"`, `"images/<source>"`, `"checkpoint"`:
   `stage_path(iteration, stage) -> Path`, `stage_manifest(iteration, stage) -> dict | None`
   (None until published; `["digest"]` is the content digest for cache keys, `["counts"]`,
   `["attrs"]`, `["schema_version"]`), `iterations(stage="rollout") -> list[int]`.
@@ -24,6 +24,11 @@ Public API (all on `Run` unless noted):
   `read_completion(iteration, method, trajectories=None) -> CompletionData`,
   `read_array(iteration, stage, name, trajectories=None) -> np.ndarray`; a damaged chunk raises
   `CorruptChunkError` naming the array and chunk.
+- Decoded images (a cache of the VAE decode, so re-scoring skips it):
+  `begin_images(iteration, source, *, k [K], image_shape (3, Y, X))` with `source` `"rollout"`
+  (final states) or `"completions/<method>"`, then `write(start, images=[n,K,3,Y,X] uint8)`;
+  `read_images(iteration, source) -> ImagesData | None` (None when absent or decoded from other
+  content than the source holds now); `images_stage(source)` names the stage.
 - Prompts: `write_prompts(prompt_ids, texts, splits, metadata=None)`, `read_prompts() -> pa.Table`,
   `prompts_manifest() -> dict | None`.
 - Rewards: `append_rewards(iteration, reward_name, reward_version, traj, k, value, strict=None,

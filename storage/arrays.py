@@ -28,13 +28,12 @@ from storage.publish import canonical_json, check_json
 from storage.schema import (
     CHECKSUM_BYTES,
     CHUNK_KEY_SEPARATOR,
-    DIM_ATTRS,
     ArraySpec,
     StoreSpec,
     array_shape,
-    axis_sizes,
     chunk_shape,
     storage_dtype,
+    store_sizes,
 )
 
 # Chunk writes and reads release the GIL (file I/O, crc32c); a few threads overlap them. Chunks
@@ -65,15 +64,15 @@ def chunk_file(store: Path, name: str, coords: Sequence[int]) -> Path:
 class StageStore:
     """One Zarr stage store on disk (published or `.partial`), described by its attrs.
 
-    `attrs` holds the dims `B, T, C, H, W`, `latent_dtype` (storage dtype) and the stage's own
-    attrs (kernel, method, nfe, ...).
+    `attrs` holds the dims (`spec.dims`: `B, T, C, H, W` for latent stores), `latent_dtype`
+    (storage dtype, latent stores) and the stage's own attrs (kernel, method, nfe, ...).
     """
 
     def __init__(self, path: Path, spec: StoreSpec, attrs: Mapping[str, Any]) -> None:
         self.path = path
         self.spec = spec
         self.attrs = dict(attrs)
-        self.sizes = axis_sizes(*(int(self.attrs[d]) for d in DIM_ATTRS))
+        self.sizes = store_sizes(spec, self.attrs)
         self.B = self.sizes["B"]
 
     @classmethod
@@ -88,7 +87,7 @@ class StageStore:
         return array_shape(self.spec.array(name), self.sizes)
 
     def dtype(self, name: str) -> np.dtype:
-        return _le(storage_dtype(self.spec.array(name), self.attrs["latent_dtype"]))
+        return _le(storage_dtype(self.spec.array(name), self.attrs.get("latent_dtype", "")))
 
     def chunks(self, spec: ArraySpec, trajectories: Iterable[int] | None = None) -> list[tuple[int, ...]]:
         """Chunk coordinates of `spec` (only those of `trajectories` for per-trajectory arrays)."""

@@ -6,6 +6,7 @@ runs/<run_id>/
   prompts.parquet                 written once; manifest (digest, rows) in the Parquet footer
   iter_<k>/rollout.zarr/          ROLLOUT store + _published.json
   iter_<k>/completions/<m>.zarr/  COMPLETION store of method <m> + _published.json
+  iter_<k>/images/<s>.zarr/       IMAGES store: decoded images of source <s> (a method, or final)
   rewards/part-<digest>.parquet   append-only, one file per append
   advantages/part-<digest>.parquet, advantages/options-<digest>.json (the scheme options)
   checkpoints/iter_<k>/           <group>.safetensors + state.json + _published.json
@@ -62,6 +63,7 @@ from storage.schema import (
     ADVANTAGES_SCHEMA,
     ALLOWED_FILE_SUFFIXES,
     COMPLETION,
+    IMAGES,
     PUBLISHED_FILE,
     REWARDS_KEY,
     REWARDS_SCHEMA,
@@ -133,6 +135,17 @@ class CompletionData:
     latents: np.ndarray  # [n, T+1, C, H, W], completion of every state
     method: str
     nfe: int  # transformer rows evaluated for the whole stage
+    manifest: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ImagesData:
+    """Stored decoded images of one source."""
+
+    images: np.ndarray  # [n, K, 3, Y, X] uint8
+    k: np.ndarray  # [K] int64: the state index of each image along K
+    source: str  # "rollout" (x_T only) or "completions/<method>"
+    source_digest: str  # digest of the stage the latents were read from
     manifest: dict[str, Any]
 
 
@@ -213,9 +226,10 @@ class StageWriter:
             if missing:
                 raise ValueError(f"{self.what}: attrs {missing} are required to publish (pass them to publish())")
             digest, nbytes = store.verify_and_digest()
+            counts = {"trajectories": store.B, "steps": store.sizes.get("T"), "states": store.sizes.get("T+1", store.sizes.get("K"))}
             manifest.update(
                 digest=digest,
-                counts={"trajectories": store.B, "steps": store.sizes["T"], "states": store.sizes["T+1"], "bytes": nbytes},
+                counts={**{k: v for k, v in counts.items() if v is not None}, "bytes": nbytes},
                 attrs=store.attrs,
             )
         else:
@@ -336,9 +350,14 @@ class Run:
         if stage.startswith("completions/"):
             method = _check_name(stage.split("/", 1)[1], "completion method")
             return self.path / f"iter_{iteration}" / "completions" / f"{method}.zarr"
+        if stage.startswith("images/"):
+            source = _check_name(stage.split("/", 1)[1], "image source")
+            return self.path / f"iter_{iteration}" / "images" / f"{source}.zarr"
         if stage == "checkpoint":
             return self.path / "checkpoints" / f"iter_{iteration}"
-        raise ValueError(f"unknown stage {stage!r}; stages are 'rollout', 'completions/<method>', 'checkpoint'")
+        raise ValueError(
+            f"unknown stage {stage!r}; stages are 'rollout', 'completions/<method>', 'images/<source>', 'checkpoint'"
+        )
 
     def stage_manifest(self, iteration: int, stage: str) -> dict[str, Any] | None:
         """The stage's `_published.json` (digest, counts, schema version), or None if not published."""
@@ -433,9 +452,39 @@ class Run:
             StageStore(writer.path, COMPLETION, stage_attrs).create({})
         return writer
 
+    def begin_images(self, iteration: int, source: str, *, k: Any, image_shape: Sequence[int],
+                     attrs: Mapping[str, Any] | None = None) -> StageWriter:
+        """Begin storing decoded images of `iteration` under `images/<name>`.
+
+        `source` is the stage whose latents were decoded: `"rollout"` (its final states) or
+        `"completions/<method>"` (every completed state); it must be published, and its digest is
+        recorded. `k [K]` are the state indices decoded per trajectory, `image_shape` `(3, Y, X)`.
+        Write `images=[n, K, 3, Y, X]` uint8 per trajectory, then `publish()`.
+        """
+        manifest = self.stage_manifest(iteration, source)
+        if manifest is None:
+            raise NotPublishedError(f"run {self.run_id} iteration {iteration}: publish {source} before storing its images")
+        k = np.asarray(k, dtype=np.int64)
+        rgb, y, x = (int(v) for v in image_shape)
+        stage_attrs = {**dict(attrs or {}), "source": source, "source_digest": manifest["digest"],
+                       "B": int(manifest["attrs"]["B"]), "K": len(k), "RGB": rgb, "Y": y, "X": x}
+        writer = self._begin(iteration, self.images_stage(source), IMAGES)
+        with _abort_on_error(writer):
+            StageStore(writer.path, IMAGES, stage_attrs).create({"k": k})
+        return writer
+
+    @staticmethod
+    def images_stage(source: str) -> str:
+        """The stage name of the images decoded from `source` ("rollout" -> "images/final")."""
+        if source == "rollout":
+            return "images/final"
+        if source.startswith("completions/"):
+            return "images/" + source.split("/", 1)[1]
+        raise ValueError(f"images are decoded from 'rollout' or 'completions/<method>', not {source!r}")
+
     def attach(self, iteration: int, stage: str, token: str) -> StageWriter:
         """Join a begun stage from another process with the begin's `writer.token`."""
-        spec = ROLLOUT if stage == "rollout" else COMPLETION if stage.startswith("completions/") else None
+        spec = _spec_of(stage) if stage != "checkpoint" else None
         writer = StageWriter(self, iteration, stage, token, owner=False, spec=spec)
         check_token(writer.lock, token, writer.what)
         return writer
@@ -450,8 +499,7 @@ class Run:
 
     def read_array(self, iteration: int, stage: str, name: str, trajectories: slice | Sequence[int] | None = None) -> np.ndarray:
         """One array of a published Zarr stage (see `storage.schema`), optionally some trajectories."""
-        spec = ROLLOUT if stage == "rollout" else COMPLETION
-        return self._store(iteration, stage, spec)[0].read(name, trajectories)
+        return self._store(iteration, stage, _spec_of(stage))[0].read(name, trajectories)
 
     def read_rollout(self, iteration: int, trajectories: slice | Sequence[int] | None = None) -> RolloutData:
         """The published rollout of `iteration` (all trajectories, or those selected)."""
@@ -479,6 +527,19 @@ class Run:
             nfe=int(store.attrs["nfe"]),
             manifest=manifest,
         )
+
+    def read_images(self, iteration: int, source: str, trajectories: slice | Sequence[int] | None = None) -> ImagesData | None:
+        """The images stored for `source`'s latents, or None if there are none or they were decoded
+        from other content than `source` now holds (then they are not used)."""
+        stage = self.images_stage(source)
+        if self.stage_manifest(iteration, stage) is None:
+            return None
+        store, manifest = self._store(iteration, stage, IMAGES)
+        source_manifest = self.stage_manifest(iteration, source)
+        if source_manifest is None or store.attrs["source_digest"] != source_manifest["digest"]:
+            return None
+        return ImagesData(images=store.read("images", trajectories), k=store.read("k"), source=source,
+                          source_digest=store.attrs["source_digest"], manifest=manifest)
 
     # --- prompts --------------------------------------------------------------------------------
 
@@ -639,6 +700,16 @@ class Run:
             )
         tensors = {p.stem: load_file(str(p)) for p in sorted(path.glob("*.safetensors"))}
         return Checkpoint(iteration, tensors, json.loads((path / STATE_FILE).read_text()), manifest)
+
+
+def _spec_of(stage: str) -> StoreSpec:
+    if stage == "rollout":
+        return ROLLOUT
+    if stage.startswith("completions/"):
+        return COMPLETION
+    if stage.startswith("images/"):
+        return IMAGES
+    raise ValueError(f"stage {stage!r} is not a Zarr stage ('rollout', 'completions/<method>', 'images/<source>')")
 
 
 class _abort_on_error:

@@ -1,6 +1,7 @@
 """Every stored array, axis, dtype, chunking, column and the schema version, in one place.
 
-Shape legend: `B` trajectories, `T` steps, `T+1` states `x_0..x_T`, `C, H, W` latent.
+Shape legend: `B` trajectories, `T` steps, `T+1` states `x_0..x_T`, `C, H, W` latent; for
+decoded images `K` scored states, `RGB` channels (3), `Y, X` pixels.
 
 Bump `SCHEMA_VERSION` whenever anything declared here changes in a way an older reader would
 misread (a renamed array or column, a new required attr, another codec). Runs record the version
@@ -21,6 +22,12 @@ Zarr stores (v3, one directory per stage):
 - Latent dtype: `float16` or `float32` by config. bfloat16 has no NumPy dtype, so bf16 latents are
   stored as float32 (exact: every bf16 value is a float32 value) and the store's
   `source_dtype` attr says `"bfloat16"`.
+
+Image stores (`images/<source>`, optional): the uint8 images a reward saw for the clean latents
+of one completion (or of `x_T` alone, source `final`), written by the first `score` of an
+iteration. Re-scoring reads them and skips the VAE; they are a cache of a deterministic decode,
+so deleting them loses nothing. They cost `3 * Y * X` bytes per state (768 KiB at 512 px, six
+times a 16x64x64 fp16 latent): `storage.images: false` turns them off.
 
 Parquet tables (long format, append-only; one immutable file per append, read as a dataset):
 
@@ -73,6 +80,7 @@ class StoreSpec:
     kind: str
     arrays: tuple[ArraySpec, ...]
     required_attrs: tuple[str, ...]  # must be present when the stage is published
+    dims: tuple[str, ...] = ("B", "T", "C", "H", "W")  # attrs holding the axis sizes
 
     def array(self, name: str) -> ArraySpec:
         for spec in self.arrays:
@@ -108,8 +116,20 @@ COMPLETION = StoreSpec(
     required_attrs=("method", "nfe"),
 )
 
-# Attrs every Zarr stage store carries (written by storage, not by callers).
-DIM_ATTRS = ("B", "T", "C", "H", "W")
+IMAGES = StoreSpec(
+    kind="images",
+    arrays=(
+        ArraySpec("images", ("B", "K", "RGB", "Y", "X"), "uint8", True,
+                  "decoded RGB images of the scored states, as rewards see them"),
+        ArraySpec("k", ("K",), "int64", False, "state index (0..T) of each image along K"),
+    ),
+    # source: the stage the latents came from ("rollout" or "completions/<method>"); source_digest: its digest
+    required_attrs=("source", "source_digest"),
+    dims=("B", "K", "RGB", "Y", "X"),
+)
+
+# Attrs every latent stage store carries (written by storage, not by callers).
+DIM_ATTRS = ROLLOUT.dims
 
 PROMPTS_SCHEMA = pa.schema(
     [
@@ -148,8 +168,16 @@ ADVANTAGES_KEY = ("iteration", "traj", "k", "scheme", "options_digest")
 
 
 def axis_sizes(B: int, T: int, C: int, H: int, W: int) -> dict[str, int]:
-    """Sizes of the legend's axes for one stage."""
+    """Sizes of the legend's axes for one latent stage."""
     return {"B": B, "T": T, "T+1": T + 1, "C": C, "H": H, "W": W}
+
+
+def store_sizes(spec: StoreSpec, attrs: dict[str, object]) -> dict[str, int]:
+    """Axis sizes of a store of `spec` from its dim attrs (plus `T+1` where `T` is a dim)."""
+    sizes = {d: int(attrs[d]) for d in spec.dims}  # type: ignore[call-overload]
+    if "T" in sizes:
+        sizes["T+1"] = sizes["T"] + 1
+    return sizes
 
 
 def array_shape(spec: ArraySpec, sizes: dict[str, int]) -> tuple[int, ...]:

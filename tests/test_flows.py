@@ -128,19 +128,63 @@ def test_cache_keys_follow_the_contract(trained, tiny):
     assert key("credit", base) == key("credit", new_reward)  # its rewards digest input changes instead
 
 
-def test_rescore_adds_rows_without_a_transformer_call(trained, calls):
+@pytest.fixture
+def decodes(monkeypatch) -> collections.Counter:
+    """Counts VAE decodes (latent rows)."""
+    from stepgrpo.policy.sd3 import ImageDecoder
+
+    counter: collections.Counter = collections.Counter()
+    original = ImageDecoder.decode
+
+    def counted(self, latents):
+        counter["rows"] += len(latents)
+        return original(self, latents)
+
+    monkeypatch.setattr(ImageDecoder, "decode", counted)
+    return counter
+
+
+def test_rescore_adds_rows_without_a_transformer_call(trained, calls, decodes):
     from flows.rescore import rescore
     from storage.run import Run
 
     pol = workspace.policy(load_config(None, _stored_overrides(trained)))
     before = pol.nfe
     out = rescore(trained["run_dir"], "jpeg_incompressibility")
-    assert pol.nfe == before and all(s["transformer_nfe"] == 0 for s in out["scores"])
+    assert pol.nfe == before
+    assert all(s["images"] == "stored" for s in out["scores"])  # the images the training reward saw
+    assert decodes["rows"] == 0
     assert calls["score"] == 2 and calls["rollout"] == calls["complete"] == calls["update"] == 0
     names = set(Run.open(trained["run_dir"]).read_rewards(0).column("reward_name").to_pylist())
     assert names == {"jpeg_compressibility", "jpeg_incompressibility"}
     again = rescore(trained["run_dir"], "jpeg_incompressibility")  # cached: nothing recomputed
     assert calls["score"] == 2 and again["scores"] == out["scores"]
+
+
+def test_rescore_without_stored_images_loads_only_the_vae(trained, tmp_path, monkeypatch, decodes):
+    import shutil
+
+    from flows.rescore import rescore
+    from storage.run import Run
+
+    copy = tmp_path / "copy"
+    shutil.copytree(trained["run_dir"], copy)
+    for d in copy.glob("iter_*/images"):
+        shutil.rmtree(d)
+    monkeypatch.setattr(workspace, "_policies", {})  # a fresh process: nothing loaded
+    monkeypatch.setattr(workspace, "_decoders", {})
+    out = rescore(str(copy), "shapes")
+    assert [s["images"] for s in out["scores"]] == ["decoded+stored"] * 2
+    assert workspace._policies == {} and len(workspace._decoders) == 1  # the VAE alone was loaded
+    assert decodes["rows"] == 2 * 6 * 5  # 2 iterations x 6 trajectories x 5 states
+    # decoding again gives the bytes the training run stored, so the rewards are the same
+    ours, theirs = Run.open(copy), Run.open(trained["run_dir"])
+    for i in (0, 1):
+        assert ours.read_images(i, "completions/remaining").images.tobytes() == \
+            theirs.read_images(i, "completions/remaining").images.tobytes()
+        assert torch.equal(ours.reward_grid(i, "jpeg_compressibility"), theirs.reward_grid(i, "jpeg_compressibility"))
+    again = rescore(str(copy), "shapes", iterations=[0])  # cached task
+    assert again["scores"][0] == out["scores"][0] and decodes["rows"] == 60
 
 
 def test_credit_recomputes_advantages_from_stored_rewards(trained, calls):
@@ -203,6 +247,7 @@ def test_outcome_without_completion_scores_final_samples_only(harness, tiny, tmp
     run = Run.open(out["run_dir"])
     assert set(run.read_rewards(0).column("k").to_pylist()) == {4}
     assert not (Path(out["run_dir"]) / "iter_0" / "completions").exists()
+    assert list(run.read_images(0, "rollout").k) == [4]  # the final images only
     ckpt = run.load_checkpoint(0)
     assert set(ckpt.tensors) == {"lora", "optimizer", "ema", "rng"}
     assert ckpt.state["update"]["trained_steps"] == 2.0

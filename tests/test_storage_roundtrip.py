@@ -99,6 +99,46 @@ def test_completion_round_trip(tmp_path):
     assert [a.name for a in COMPLETION.arrays] == ["latents"]
 
 
+def test_images_round_trip_and_follow_their_source(tmp_path):
+    run = Run.create(tmp_path, "r", {"seed": 0})
+    write_rollout(run, 0, rollout_inputs())
+    with pytest.raises(NotPublishedError, match="publish completions/heun"):
+        run.begin_images(0, "completions/heun", k=np.arange(T + 1), image_shape=(3, 8, 8))
+    assert run.read_images(0, "rollout") is None
+    final = np.random.default_rng(0).integers(0, 256, (B, 1, 3, 8, 8), dtype=np.uint8)
+    with run.begin_images(0, "rollout", k=[T], image_shape=(3, 8, 8)) as w:
+        w.write(0, images=final)
+        manifest = w.publish()
+    got = run.read_images(0, "rollout")
+    assert same_bits(got.images, final) and list(got.k) == [T] and got.source == "rollout"
+    assert manifest["counts"]["trajectories"] == B and manifest["counts"]["states"] == 1
+    assert run.stage_path(0, "images/final").name == "final.zarr"
+    assert same_bits(run.read_images(0, "rollout", [2]).images, final[[2]])
+    group = zarr.open_group(str(run.stage_path(0, "images/final")), mode="r")  # plain Zarr v3
+    assert same_bits(group["images"][...], final)
+    with pytest.raises(AlreadyPublishedError):
+        run.begin_images(0, "rollout", k=[T], image_shape=(3, 8, 8))
+    # images of a completion; when the completion is replaced by other content they are ignored
+    lat = torch.randn(B, T + 1, C, H, W).half()
+    for attempt in range(2):
+        if attempt:
+            import shutil
+
+            shutil.rmtree(run.stage_path(0, "completions/heun"))
+            lat = lat + 1
+        with run.begin_completion(0, "heun") as w:
+            w.write(0, latents=lat)
+            w.publish(attrs={"nfe": 1})
+        if not attempt:
+            with run.begin_images(0, "completions/heun", k=np.arange(T + 1), image_shape=(3, 8, 8)) as w:
+                w.write(0, images=np.zeros((B, T + 1, 3, 8, 8), np.uint8))
+                w.publish()
+            assert run.read_images(0, "completions/heun").images.shape == (B, T + 1, 3, 8, 8)
+    assert run.read_images(0, "completions/heun") is None
+    with pytest.raises(ValueError, match="images are decoded from"):
+        run.images_stage("checkpoint")
+
+
 def test_digest_is_deterministic_and_content_sensitive(tmp_path):
     runs = [Run.create(tmp_path, f"r{i}", {}) for i in range(3)]
     x = rollout_inputs()

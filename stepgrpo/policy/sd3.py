@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 import stepgrpo
+from stepgrpo.images import quantize
 from stepgrpo.policy import lora as lora_lib
 from stepgrpo.policy.devices import resolve_device, resolve_dtype
 from stepgrpo.policy.lora import LoraSpec
@@ -49,6 +50,53 @@ def _absent_components(source: str) -> dict[str, None]:
         return {}
     entries = json.loads(index.read_text())
     return {name: None for name, value in entries.items() if value == [None, None]}
+
+
+class ImageDecoder:
+    """The VAE half of an SD3 pipeline: clean latents -> images.
+
+    Scoring needs only this, so re-scoring a stored run loads the VAE alone
+    (`ImageDecoder.from_pretrained`), not the transformer and text encoders.
+    Rewards are given 8-bit images (`decode_uint8`, then `stepgrpo.images.dequantize`), as a
+    deployed pipeline hands them PIL images; the stored image cache holds exactly those bytes.
+    """
+
+    def __init__(self, vae: Any, dtype: torch.dtype, device: torch.device, max_batch: int = DEFAULT_MAX_BATCH) -> None:
+        self.vae, self.dtype, self.device, self.max_batch = vae, dtype, device, max_batch
+
+    @classmethod
+    def from_pretrained(cls, path_or_hub_id: str | Path | None = None, dtype: str | torch.dtype | None = None,
+                        device: str | torch.device | None = "cpu", max_batch: int = DEFAULT_MAX_BATCH) -> ImageDecoder:
+        """The `vae` of a `StableDiffusion3Pipeline` directory or hub id (default: the shipped model)."""
+        from diffusers import AutoencoderKL
+
+        source = str(path_or_hub_id) if path_or_hub_id is not None else str(DEFAULT_MODEL)
+        device = resolve_device(device)
+        dtype = resolve_dtype(dtype, device)
+        if "vae" in _absent_components(source):
+            return cls(None, dtype, device, max_batch)
+        vae = AutoencoderKL.from_pretrained(source, subfolder="vae", torch_dtype=dtype)
+        return cls(vae.to(device).requires_grad_(False).eval(), dtype, device, max_batch)
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """`[N, C, H, W]` clean latents -> images `[N, 3, H_img, W_img]` fp32 in [0, 1], in chunks.
+
+        Undoes the VAE normalisation (`z / scaling_factor + shift_factor`) as the pipeline does.
+        Without a VAE the latents are pixels in [-1, 1].
+        """
+        images = []
+        for chunk in latents.split(self.max_batch):
+            z = chunk.to(self.device, self.dtype)
+            if self.vae is not None:
+                z = z / self.vae.config.scaling_factor + (self.vae.config.shift_factor or 0.0)
+                z = self.vae.decode(z, return_dict=False)[0]
+            images.append((z.float() / 2 + 0.5).clamp(0, 1))
+        return torch.cat(images)
+
+    def decode_uint8(self, latents: torch.Tensor) -> torch.Tensor:
+        """`[N, C, H, W]` -> `[N, 3, H_img, W_img]` uint8 (on the CPU)."""
+        return quantize(self.decode(latents)).cpu()
 
 
 class SD3Policy:
@@ -85,6 +133,7 @@ class SD3Policy:
         self.pipe.set_progress_bar_config(disable=True)
         self.transformer = pipe.transformer
         self.vae = pipe.vae
+        self.decoder = ImageDecoder(pipe.vae, dtype, device, max_batch)
         self.dtype, self.device = dtype, device
         self.guidance_scale = float(guidance_scale)
         self.max_batch = max_batch
@@ -246,21 +295,13 @@ class SD3Policy:
             v = v_uncond + self.guidance_scale * (v_cond - v_uncond)
         return v
 
-    @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """`[N, C, H, W]` clean latents -> images `[N, 3, H_img, W_img]` fp32 in [0, 1], in chunks.
+        """`[N, C, H, W]` clean latents -> images `[N, 3, H_img, W_img]` fp32 in [0, 1] (`ImageDecoder.decode`)."""
+        return self.decoder.decode(latents)
 
-        Undoes the VAE normalisation (`z / scaling_factor + shift_factor`) as the pipeline does.
-        Without a VAE the latents are pixels in [-1, 1].
-        """
-        images = []
-        for chunk in latents.split(self.max_batch):
-            z = chunk.to(self.device, self.dtype)
-            if self.vae is not None:
-                z = z / self.vae.config.scaling_factor + (self.vae.config.shift_factor or 0.0)
-                z = self.vae.decode(z, return_dict=False)[0]
-            images.append((z.float() / 2 + 0.5).clamp(0, 1))
-        return torch.cat(images)
+    def decode_uint8(self, latents: torch.Tensor) -> torch.Tensor:
+        """Clean latents -> uint8 images, as the rewards see them (`ImageDecoder.decode_uint8`)."""
+        return self.decoder.decode_uint8(latents)
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """`[T+1]` fp32 grid from the scheduler (its shift), decreasing from ~1 to a final 0.
