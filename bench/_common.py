@@ -256,7 +256,6 @@ def bare_loop(cfg: Any, iterations: int, on_iteration: Callable[[int, dict[str, 
     reward = workspace.reward(cfg.reward)
     opt = training.make_optimizer(pol.trainable_parameters(), cfg)
     texts, splits, meta = stages.prompt_source(cfg)
-    train_ids = np.array([i for i, s in enumerate(splits) if s == "train"])
     P, G, T, mb = cfg.run.prompts_per_iteration, cfg.run.group_size, cfg.sampler.steps, cfg.model.max_batch
     start, end = cfg.sampler.window()
     method, noise = cfg.completion.method, cfg.sampler.noise
@@ -265,10 +264,7 @@ def bare_loop(cfg: Any, iterations: int, on_iteration: Callable[[int, dict[str, 
     for it in range(iterations):
         t0 = time.perf_counter()
         nfe0 = pol.nfe
-        pick = torch.randperm(len(train_ids), generator=stages.generator(cfg.run.seed, "prompts", it))
-        chosen = train_ids[pick[:P].numpy()]
-        prompt_ids, group_ids = np.repeat(chosen, G), np.repeat(np.arange(P), G)
-        seeds = [stages.seed_for(cfg.run.seed, "noise", it, g) for g in range(P)]
+        prompt_ids, group_ids, seeds = stages.iteration_plan(cfg, splits, it)
         sigmas = pol.sigmas(T)
         parts = []
         per_chunk = max(1, mb // G)

@@ -299,12 +299,8 @@ def rollout(run: Any, cfg: Config, iteration: int, key: str) -> dict[str, Any]:
         t0 = time.perf_counter()
         pol = policy_at(run, cfg, iteration)
         texts, splits, _ = _prompt_rows(run)
-        train_ids = np.array([i for i, s in enumerate(splits) if s == "train"])
         P, G, T = cfg.run.prompts_per_iteration, cfg.run.group_size, cfg.sampler.steps
-        pick = torch.randperm(len(train_ids), generator=generator(cfg.run.seed, "prompts", iteration))
-        chosen = train_ids[pick.numpy() % len(train_ids)][:P] if P > len(train_ids) else train_ids[pick[:P].numpy()]
-        prompt_ids, group_ids = np.repeat(chosen, G), np.repeat(np.arange(P), G)
-        seeds = np.array([seed_for(cfg.run.seed, "noise", iteration, g) for g in range(P)], np.int64)
+        prompt_ids, group_ids, seeds = iteration_plan(cfg, splits, iteration)
         sigmas = pol.sigmas(T)
         noise = kernel_noise(run, cfg)
         start, end = cfg.sampler.window()
@@ -328,6 +324,19 @@ def rollout(run: Any, cfg: Config, iteration: int, key: str) -> dict[str, Any]:
     m = run.stage_manifest(iteration, "rollout")
     return {"stage": "rollout", "iteration": iteration, "digest": m["digest"], "nfe": m["inputs"].get("nfe", 0),
             "seconds": m["inputs"].get("seconds", 0.0), "trajectories": m["counts"]["trajectories"]}
+
+
+def iteration_plan(cfg: Config, splits: Sequence[str], iteration: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Who samples what in `iteration`: `prompt_ids [B]`, `group_ids [B]` (trajectories of a group
+    are adjacent) and one noise seed per group `[P]`, all derived from `(run.seed, iteration)`."""
+    train_ids = np.array([i for i, s in enumerate(splits) if s == "train"])
+    if len(train_ids) == 0:
+        raise StageError("the prompt source has no 'train' prompts to sample")
+    P, G = cfg.run.prompts_per_iteration, cfg.run.group_size
+    pick = torch.randperm(len(train_ids), generator=generator(cfg.run.seed, "prompts", iteration)).numpy()
+    chosen = train_ids[np.resize(pick, P)]  # more prompts than the split holds: the permutation repeats
+    seeds = np.array([seed_for(cfg.run.seed, "noise", iteration, g) for g in range(P)], np.int64)
+    return np.repeat(chosen, G), np.repeat(np.arange(P), G), seeds
 
 
 def _json_noise(noise: float | torch.Tensor) -> float | list[float]:

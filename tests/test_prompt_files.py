@@ -38,3 +38,20 @@ def test_missing_prompt_file_is_named(tmp_path):
     cfg = load_config(None, [f"run.prompts={tmp_path / 'nope.txt'}"])
     with pytest.raises(StageError, match="nope.txt"):
         prompt_source(cfg)
+
+
+def test_iteration_plan_fills_every_group_even_from_few_prompts(tmp_path):
+    from stepgrpo.stages import iteration_plan
+
+    few = tmp_path / "few.txt"
+    few.write_text("a\nb\nc\n")
+    cfg = load_config(None, [f"run.prompts={few}", "run.prompts_per_iteration=5", "run.group_size=2"])
+    _, splits, _ = prompt_source(cfg)
+    prompt_ids, group_ids, seeds = iteration_plan(cfg, splits, 0)
+    assert len(prompt_ids) == len(group_ids) == 10 and len(seeds) == 5
+    assert list(group_ids) == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    assert set(prompt_ids[:6]) == {0, 1, 2} and list(prompt_ids[6:]) == list(prompt_ids[:4])  # the permutation repeats
+    assert (prompt_ids[::2] == prompt_ids[1::2]).all()  # a group shares its prompt
+    again = iteration_plan(cfg, splits, 0)
+    assert all((x == y).all() for x, y in zip(again, (prompt_ids, group_ids, seeds)))
+    assert not (iteration_plan(cfg, splits, 1)[2] == seeds).all()
