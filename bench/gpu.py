@@ -882,6 +882,8 @@ def main() -> None:
     report.line(f"done in {time.perf_counter() - start:.1f} s: {len(checks) - len(failed)}/{len(checks)} checks passed"
                 + (f"; FAILED: {', '.join(failed)}" if failed else ""))
     report.line(f"results: {args.out / 'results.json'}, {args.out / 'report.txt'}")
+    if failed:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

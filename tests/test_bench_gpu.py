@@ -1,0 +1,28 @@
+"""`bench/gpu.py` runs on the GPU machines only when one is lent; its every code path is kept
+working here with `--device cpu --small` (toy sizes), so it does not rot between those runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(not (ROOT / "models" / "shapes" / "model_index.json").is_file(), reason="needs the shipped model")
+def test_gpu_script_runs_end_to_end_on_the_cpu(tmp_path):
+    env = {**os.environ, "STEPGRPO_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--device", "cpu", "--small", "--out", str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["status"] == "done"
+    assert results["checks"] and all(c["passed"] for c in results["checks"])
+    assert "raw" in (tmp_path / "report.txt").read_text()
