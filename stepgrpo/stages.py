@@ -28,6 +28,7 @@ import torch
 
 from stepgrpo import workspace
 from stepgrpo.config import Config, digest_of
+from stepgrpo.images import dequantize
 from stepgrpo.report import track
 
 EVAL_DIR = "eval"
@@ -127,9 +128,7 @@ def clean_ref(path: str | Path, cfg: Config, iteration: int) -> dict[str, Any]:
 
     run = Run.open(path)
     rollout = run.stage_manifest(iteration, "rollout")
-    if cfg.completion.method is None:
-        return {"digest": rollout["digest"], "rollout": rollout["digest"]}
-    m = run.stage_manifest(iteration, f"completions/{method_dir(cfg.completion.method)}")
+    m = run.stage_manifest(iteration, _clean_source(cfg.completion.method))
     if m is None:
         raise StageError(f"run {run.run_id} iteration {iteration} has no stored completion {cfg.completion.method!r}")
     return {"digest": m["digest"], "rollout": rollout["digest"]}
@@ -394,8 +393,6 @@ def _clean_latents(run: Any, cfg_method: str | None, iteration: int) -> np.ndarr
 
 def reward_images(decoder: Any, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Clean latents -> (uint8 images on the CPU, the fp32 images in [0, 1] a reward is given)."""
-    from stepgrpo.images import dequantize
-
     u8 = decoder.decode_uint8(latents)
     return u8, dequantize(u8.to(decoder.device))
 
@@ -452,8 +449,6 @@ def score(run: Any, cfg: Config, iteration: int, key: str) -> dict[str, Any]:
         pids = _prompt_ids(run, iteration)[traj]
         scores, strict, subs = [], [], {}
         chunk = max(1, cfg.model.max_batch)
-        from stepgrpo.images import dequantize
-
         for c0 in track(range(0, len(traj), chunk), f"score {iteration}"):
             rows = slice(c0, c0 + chunk)
             out = reward(dequantize(flat[rows]), [texts[int(p)] for p in pids[rows]], [meta[int(p)] for p in pids[rows]])
