@@ -27,10 +27,10 @@ sys.path.insert(0, str(ROOT))
 OUT_DIR = BENCH_DIR / "out"  # gitignored; the numbers quoted in docs are copied to docs/bench/
 SHIPPED_MODEL = "models/shapes"
 
-# Shared by every configuration. LoRA rank, learning rate and clip range follow configs/demo.yaml
-# (the CPU recipe); T = 10 and a = 0.7 are Flow-GRPO's; no KL term (demo), so the update is one
-# forward + backward per trained step. micro_batch 8 gives 2 optimizer steps per iteration of 16
-# trajectories. Short probes of `outcome` on an intermediate pretraining checkpoint: lr 1e-2
+# Shared by every configuration of bench/credit_schemes.py and bench/costs.py (the earlier CPU
+# recipe, CFG 2.5, every step stochastic; configs/shapes_*.yaml hold the recipe that learns, see
+# bench/learning.py). T = 10 and a = 0.7 are Flow-GRPO's; no KL term, so the update is one
+# forward + backward per trained step; 2 optimizer steps per iteration (the default). Short probes of `outcome` on an intermediate pretraining checkpoint: lr 1e-2
 # collapsed the held-out reward within 6 iterations; 3e-3 and 1e-3 moved it by +-0.02.
 COMMON = {
     "model.dtype": "float32", "model.device": "cpu", "model.guidance_scale": 2.5, "model.lora_rank": 8,
@@ -246,6 +246,7 @@ def bare_loop(cfg: Any, iterations: int, on_iteration: Callable[[int, dict[str, 
 
     from stepgrpo import stages, training, workspace
     from stepgrpo_core.completions import complete
+    from stepgrpo_core.conditioning import take
     from stepgrpo_core.credit import assign
     from stepgrpo_core.rollout import rollout
 
@@ -266,7 +267,7 @@ def bare_loop(cfg: Any, iterations: int, on_iteration: Callable[[int, dict[str, 
         nfe0 = pol.nfe
         prompt_ids, group_ids, seeds = stages.iteration_plan(cfg, splits, it)
         sigmas = pol.sigmas(T)
-        parts = []
+        parts, refs = [], []
         per_chunk = max(1, mb // G)
         for c0 in range(0, P, per_chunk):
             groups = range(c0, min(P, c0 + per_chunk))
@@ -275,7 +276,10 @@ def bare_loop(cfg: Any, iterations: int, on_iteration: Callable[[int, dict[str, 
             cond = stages._encode(pol, texts, prompt_ids[rows])
             parts.append(rollout(pol.velocity, x0, sigmas, cond, kernel=cfg.sampler.kernel, noise=noise, window=(start, end - start),
                                  generator=stages.generator(cfg.run.seed, "sde", it, c0, device=pol.device)))
+            # the ODE reference of each group, as the rollout stage samples it
+            refs.append(rollout(pol.velocity, x0[::G], sigmas, take(cond, torch.arange(0, len(rows), G)), kernel="ode").states[:, -1])
         states = torch.cat([p.states for p in parts])
+        ode_final = torch.cat(refs).repeat_interleave(G, dim=0)
         log_probs = torch.cat([p.log_probs for p in parts])
         t1 = time.perf_counter()
         nfe_rollout = pol.nfe - nfe0
@@ -284,10 +288,10 @@ def bare_loop(cfg: Any, iterations: int, on_iteration: Callable[[int, dict[str, 
             for c0 in range(0, len(group_ids), mb):
                 rows = slice(c0, c0 + mb)
                 chunk_cond = stages._encode(pol, texts, prompt_ids[rows])  # as the complete stage encodes
-                done.append(complete(method, pol.velocity, states[rows], sigmas, chunk_cond, mb).latents)
-            clean = torch.cat(done)
+                done.append(complete(method, pol.velocity, states[rows], sigmas, chunk_cond, mb, through=end).latents)
+            clean = torch.cat(done)[:, [*range(end), T]]  # the states after the window are x_T: scored once
         else:
-            clean = states[:, -1:]
+            clean = torch.stack([ode_final, states[:, -1]], dim=1)
         t2 = time.perf_counter()
         nfe_complete = pol.nfe - nfe0 - nfe_rollout
         B, K = clean.shape[:2]
@@ -298,15 +302,17 @@ def bare_loop(cfg: Any, iterations: int, on_iteration: Callable[[int, dict[str, 
             rows = slice(c0, c0 + mb)
             images = stages.reward_images(pol.decoder, flat[rows])[1]  # 8-bit, as the score stage
             scores.append(reward(images, [texts[int(p)] for p in pids[rows]], [meta[int(p)] for p in pids[rows]]).scores.float())
-        grid = torch.cat(scores).reshape(B, K)
+        scored = torch.cat(scores).reshape(B, K)
         t3 = time.perf_counter()
-        if K == 1:
-            grid = grid.expand(B, T + 1).clone()  # outcome reads R_T only
+        if method:  # R_k = R_T after the window
+            grid = torch.cat([scored[:, :end], scored[:, -1:].expand(B, T + 1 - end)], dim=1)
+        else:
+            grid = scored[:, -1:].expand(B, T + 1).clone()  # outcome reads R_T only
         credit = assign(cfg.credit.scheme, grid, torch.from_numpy(group_ids).long(), **cfg.credit.options)
         t4 = time.perf_counter()
         cond = stages._encode(pol, texts, prompt_ids)
-        summary = training.update(pol, opt, cfg, states, log_probs, credit.advantages, cond, sigmas, cfg.sampler.kernel, noise,
-                                  stages.generator(cfg.run.seed, "update", it), ema=ema)
+        summary = training.update(pol, opt, cfg, states, log_probs, credit.advantages, torch.from_numpy(group_ids), cond, sigmas,
+                                  cfg.sampler.kernel, noise, stages.generator(cfg.run.seed, "update", it), ema=ema)
         t5 = time.perf_counter()
         rec = {"iteration": it, "reward_mean": float(grid[:, -1].mean()), "seconds": t5 - t0,
                "rollout": t1 - t0, "complete": t2 - t1, "score": t3 - t2, "credit": t4 - t3, "update": t5 - t4,

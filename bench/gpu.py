@@ -489,7 +489,7 @@ def check_update(case: Case, micro: int) -> Outcome:
         with torch.no_grad(), policy.reference():
             ref_mean = step_log_prob(policy.velocity, states[idx], case.sigmas, sub, k, KERNEL, NOISE).mean
         loss = grpo_loss(out.log_prob, old[idx, k], advantages, clip_range=RATIO_TOL, kl_beta=RECIPE_KL,
-                         mean=out.mean, ref_mean=ref_mean, std=out.std)
+                         mean=out.mean, ref_mean=ref_mean, kl_std=out.std)
         (loss.loss / STEPS).backward()
         losses.append(float(loss.loss.detach()))
         clip_fracs.append(loss.clip_frac)
@@ -757,7 +757,7 @@ def measure_update(
             with torch.no_grad(), trained.reference():
                 ref_mean = step_log_prob(trained.velocity, out.states, sigmas, cond, k, KERNEL, NOISE).mean
         loss = grpo_loss(new.log_prob, out.log_probs[:, k], advantages, clip_range=RATIO_TOL, kl_beta=RECIPE_KL if kl else 0.0,
-                         mean=new.mean if kl else None, ref_mean=ref_mean, std=new.std if kl else None)
+                         mean=new.mean if kl else None, ref_mean=ref_mean, kl_std=new.std if kl else None)
         loss.loss.backward()
 
     calls = max(2, spec.max_calls // 10)

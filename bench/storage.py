@@ -55,7 +55,7 @@ def main() -> None:
             ta = time.perf_counter()
             writer.write(0, states=states)
             tb = time.perf_counter()
-            writer.write(0, log_probs=small, stds=small)
+            writer.write(0, log_probs=small, stds=small, ode_final=states[:, -1])
             t1 = time.perf_counter()
             writer.publish()
             t2 = time.perf_counter()

@@ -34,7 +34,7 @@ def train(
     prompts = t.prompts(where, conf, 0, {})
     psi = t.calibrate(where, conf, 0, {"prompts": prompts["digest"]})["digest"] if cfg.sampler.kernel == "psi" else None
     evals = [t.evaluate(where, conf, -1, {"prompts": prompts["digest"], "checkpoint": "init"})]
-    checkpoint, rows = "init", []
+    checkpoint, rows, watch = "init", [], report.SignalWatch()
     progress = create_progress_artifact(0.0, description=f"stepgrpo run {run.run_id}: iterations done")
 
     with Tracker.start(path, cfg.run.name, run.run_id, {"run_dir": where, "run_id": run.run_id}) as tracker:
@@ -53,9 +53,10 @@ def train(
             refs = {"rollout": rollout, "score": rewards, "credit": credit, "update": update}
             refs |= {"complete": clean} if cfg.completion.method else {}
             tracker.log_metrics(report.iteration_metrics(refs), step=i + 1)
-            rows.append({"iteration": i, "reward_mean": rewards["reward_mean"], "reward_strict": rewards.get("reward_strict"),
-                         "clip_frac": update.get("clip_frac"), "approx_kl": update.get("approx_kl")})
-            print(f"iteration {i}: reward {rewards['reward_mean']:.4f}, clip_frac {update.get('clip_frac', 0):.3f}")
+            rows.append(report.iteration_row(i, rewards, update))
+            print(report.iteration_line(rows[-1]))
+            if (warning := watch.see(i, update)) is not None:
+                print(warning)
             if i + 1 == cfg.run.iterations or (cfg.run.eval_every and (i + 1) % cfg.run.eval_every == 0):
                 evals.append(t.evaluate(where, conf, i, {"prompts": prompts["digest"], "checkpoint": checkpoint}))
                 tracker.log_metrics(report.eval_metrics(evals[-1]), step=i + 1)

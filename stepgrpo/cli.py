@@ -226,8 +226,52 @@ def _inspect(run: str) -> None:
         table.add_row(str(i), f"{rollout['counts']['trajectories']} traj" if rollout else "-", ", ".join(comps) or "-",
                       rew or "-", adv or "-", "yes" if r.stage_manifest(i, "checkpoint") else "-")
     console.print(table)
+    _diagnostics(r, iters)
     for label, value in _evals(r.path):
         console.print(f"held-out reward {label}: {value:.4f}")
+
+
+def _diagnostics(r: Any, iters: list[int]) -> None:
+    """The learning diagnostics of every trained iteration (the update's record, the run's reward)."""
+    import torch
+
+    from stepgrpo.config import validate_config
+    from stepgrpo.report import SignalWatch
+    from stepgrpo.stages import reward_summary
+
+    reward = validate_config(r.config).reward.name
+    table = Table("iter", "R SDE", "R ODE", "grp std", "0-std", "clip 1st/later", "0-grad", "ratio sd", "signal",
+                  "signal 20 it.", "grad energy k:share", "|step|", "|LoRA-init|", title="learning diagnostics")
+    watch, warning = SignalWatch(), None
+    for i in iters:
+        state = r.stage_path(i, "checkpoint") / "state.json"
+        if not state.is_file():
+            continue
+        u = json.loads(state.read_text())["update"]
+        score: dict[str, Any] = {}
+        names = set(r.read_rewards(i).column("reward_name").to_pylist()) if r.stage_manifest(i, "rollout") else set()
+        if reward in names:
+            groups = torch.from_numpy(r.read_array(i, "rollout", "group_ids")).long()
+            score = reward_summary(r.reward_grid(i, reward), r.reward_grid(i, reward, field="strict"), groups)
+        share = " ".join(f"{k}:{v:.2f}" for k, v in zip(u.get("trained_step_ids", []), u.get("grad_energy_share", [])) if v is not None)
+        table.add_row(
+            str(i), _fmt(score.get("reward_mean")), _fmt(score.get("ode_reward_mean")), _fmt(score.get("group_reward_std")),
+            _fmt(score.get("zero_std_groups"), 2), f"{_fmt(u.get('clip_frac_first'), 3)}/{_fmt(u.get('clip_frac_later'), 3)}",
+            _fmt(u.get("zero_grad_frac_later"), 3), _fmt(u.get("ratio_std"), 5), _fmt(u.get("signal_cosine"), 3),
+            _fmt(u.get("signal_cosine_window"), 3), share or "-",
+            _fmt(u.get("update_norm")), _fmt(u.get("lora_distance")),
+        )
+        warning = warning or watch.see(i, u)
+    if table.row_count:
+        # wide: a pipe or a log file would otherwise wrap every row into several lines
+        (console if console.is_terminal else Console(width=160)).print(table)
+        console.print("R SDE / R ODE: training reward of the SDE samples / of the ODE sample from the same prompt and noise; "
+                      "grp std: within-group std of R_T (0-std: groups with none); clip, 0-grad (later steps), ratio sd: "
+                      "the PPO ratio; signal: cosine between the gradients of two halves of the batch, this iteration "
+                      "and summed over ~20 iterations (~0: noise); "
+                      "|step|: the update's size; |LoRA-init|: distance from the initial LoRA", soft_wrap=True)
+    if warning:
+        console.print(warning)
 
 
 def _evals(path: Path) -> list[tuple[str, float]]:
@@ -252,8 +296,8 @@ def _json(text: str | None) -> dict[str, Any] | None:
     return value
 
 
-def _fmt(x: float | None) -> str:
-    return "-" if x is None else f"{x:.4f}"
+def _fmt(x: float | None, digits: int = 4) -> str:
+    return "-" if x is None or x != x else f"{x:.{digits}f}"
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 # Bumped whenever code changes what a stage computes from the same inputs: it is part of every
 # cache key, so results written by older code are never reused by newer code.
-CODE_SALT = "stepgrpo-stages-2"  # 2: rewards see 8-bit images
+CODE_SALT = "stepgrpo-stages-3"  # 2: rewards see 8-bit images; 3: flow eps_t at s = 1, ODE reference, Flow-GRPO KL
 
 DEFAULT_MODEL = "models/shapes"
 
@@ -164,17 +164,36 @@ class OptimConfig(_Section):
     adv_clip: float = Field(5.0, gt=0)
     """Advantages are clipped to [-adv_clip, adv_clip] (Flow-GRPO: 5)."""
     kl_beta: float = Field(0.04, ge=0)
-    """Weight of the KL to the reference (LoRA disabled) model: 0.04 GenEval/OCR, 0.01 PickScore."""
+    """Weight of the KL to the reference (LoRA disabled) model: 0.04 GenEval/OCR, 0.01 PickScore
+    (Flow-GRPO's betas, which assume `kl_form: flow_grpo`)."""
+    kl_form: Literal["flow_grpo", "exact"] = "flow_grpo"
+    """`flow_grpo`: `mean_CHW((mu - mu_ref)^2) / (2 eps_t^2)` with `eps_t` the kernel's diffusion
+    coefficient without `sqrt(-dt)` (Flow-GRPO's code; published betas mean this). `exact`: the
+    Gaussian KL of the step, dividing by its variance `eps_t^2 |dt|`; `beta_exact = beta |dt|`
+    gives the same penalty on the flow / psi kernels (METHODS.md)."""
     max_grad_norm: float = Field(1.0, gt=0)
     """Gradient norm clip."""
     inner_epochs: int = Field(1, ge=1)
     """Passes over one iteration's trajectories."""
+    optimizer_steps: int = Field(2, ge=1)
+    """AdamW steps per inner epoch: the trajectories are shuffled and split into this many equal
+    parts, each step taking the gradient of one part accumulated over every trained step (Flow-GRPO:
+    2, each from half the batch)."""
     micro_batch: int = Field(8, ge=1)
-    """Trajectories per forward/backward (independent of the group size and the prompts per iteration)."""
-    grad_accum: int = Field(1, ge=1)
-    """Micro-batches accumulated per optimizer step."""
+    """Trajectories per forward/backward: a memory bound only, it does not change the gradient."""
     train_steps: tuple[int, ...] | None = None
-    """Which denoising steps are trained (indices k in [0, T)); None trains every step of the SDE window."""
+    """Which denoising steps are trained (indices k in [0, T)); None trains every step of the SDE
+    window except the final one (unless `train_final_step`)."""
+    train_final_step: bool = False
+    """Also train step T-1 when `train_steps` is None. Off as in Flow-GRPO (`timestep_fraction`
+    0.99) and TP-GRPO: its std is tiny and its noise barely changes the image, yet it dominates the
+    gradient."""
+    detach_uncond: bool = True
+    """With CFG, detach the unconditional branch in the update so the gradient flows through the
+    conditional prediction only (Flow-GRPO's `compute_log_prob`)."""
+    diagnostics: bool = True
+    """Learning diagnostics of the first optimizer step (per-step gradient energy, the signal check
+    between two halves of its trajectories); costs two copies of the LoRA gradient per trained step."""
     ema_decay: float | None = Field(None, ge=0.0, lt=1.0)
     """EMA of the LoRA weights (used for evaluation and the final LoRA); None disables it."""
 
@@ -250,12 +269,27 @@ class Config(_Section):
                 raise ValueError(
                     f"optim.train_steps: step {k} is outside the SDE window [{start}, {end}) of sampler"
                 )
+        if not self.trained_steps():
+            raise ValueError(
+                f"no step is trained: the SDE window [{start}, {end}) holds only the final step, which is not "
+                "trained by default; widen the window or set optim.train_final_step=true"
+            )
+        B = self.run.prompts_per_iteration * self.run.group_size
+        if self.optim.optimizer_steps > B:
+            raise ValueError(
+                f"optim.optimizer_steps={self.optim.optimizer_steps} exceeds the {B} trajectories of an iteration "
+                "(run.prompts_per_iteration x run.group_size): each optimizer step needs at least one"
+            )
         return self
 
     def trained_steps(self) -> list[int]:
-        """Indices k of the steps whose log-probs enter the loss."""
+        """Indices k of the steps whose log-probs enter the loss: `optim.train_steps`, or the SDE
+        window without the final step `T-1` (unless `optim.train_final_step`)."""
+        if self.optim.train_steps:
+            return sorted(self.optim.train_steps)
         start, end = self.sampler.window()
-        return sorted(self.optim.train_steps) if self.optim.train_steps else list(range(start, end))
+        last = self.sampler.steps - 1
+        return [k for k in range(start, end) if k != last or self.optim.train_final_step]
 
     def flat(self) -> dict[str, Any]:
         """`{"optim.lr": 3e-4, ...}`: the flattened config (MLflow params, `--set` keys)."""
@@ -319,24 +353,45 @@ def _flatten(d: Mapping[str, Any], prefix: str = "") -> Iterable[tuple[str, Any]
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
     """Read a YAML config (or the defaults), apply `key=value` overrides, validate.
 
-    Override values are parsed as YAML (`optim.lr=1e-4`, `optim.train_steps=[0,1]`,
+    A config file may name a `base` config (a path relative to it) whose sections it overrides
+    field by field. Override values are parsed as YAML (`optim.lr=1e-4`, `optim.train_steps=[0,1]`,
     `completion.method=null`). Raises `ConfigError` naming every bad field.
     """
-    data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        loaded = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
-        data = loaded
+    data = _read_config_file(Path(path)) if path is not None else {}
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"--set {item!r}: expected key=value, e.g. optim.lr=1e-4")
         _set_dotted(data, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
     return validate_config(data)
+
+
+BASE_KEY = "base"  # a config file may start from another one: `base: shapes_outcome.yaml`
+
+
+def _read_config_file(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A YAML config as a mapping, with its `base` file (relative to it) merged underneath."""
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    if path.resolve() in seen:
+        raise ConfigError(f"config file {str(path)!r} is its own base (through {' -> '.join(p.name for p in seen)})")
+    loaded = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
+    base = loaded.pop(BASE_KEY, None)
+    if base is None:
+        return loaded
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: `base` must be the path of another config file, relative to this one")
+    return _merge(_read_config_file(path.parent / base, (*seen, path.resolve())), loaded)
+
+
+def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    """`top` over `base`, section by section (a section's free-form `options` are replaced whole)."""
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), dict) and k != "options" else v
+    return out
 
 
 def validate_config(data: Mapping[str, Any]) -> Config:

@@ -44,17 +44,98 @@ def iteration_metrics(refs: Mapping[str, Mapping[str, Any]]) -> dict[str, float]
         "reward/mean": r.get("reward_mean"), "reward/std": r.get("reward_std"), "reward/strict": r.get("reward_strict"),
         "advantage/mean": c.get("adv_mean"), "advantage/std": c.get("adv_std"), "advantage/abs_max": c.get("adv_abs_max"),
         "zero_std_ratio": c.get("zero_std_ratio"), "turning_points": c.get("turning_points"),
+        "reward/ode_mean": r.get("ode_reward_mean"), "reward/group_std": r.get("group_reward_std"),
+        "reward/zero_std_groups": r.get("zero_std_groups"),
         "clip_frac": u.get("clip_frac"), "approx_kl": u.get("approx_kl"), "kl": u.get("kl"), "loss": u.get("loss"),
-        "ratio/mean": u.get("ratio_mean"), "ratio/min": u.get("ratio_min"), "ratio/max": u.get("ratio_max"),
-        "grad_norm": u.get("grad_norm"),
-        "nfe/rollout": refs["rollout"].get("nfe"), "nfe/complete": refs.get("complete", {}).get("nfe", 0),
+        "ratio/mean": u.get("ratio_mean"), "ratio/std": u.get("ratio_std"), "ratio/min": u.get("ratio_min"),
+        "ratio/max": u.get("ratio_max"), "grad_norm": u.get("grad_norm"),
+        "signal_cosine": u.get("signal_cosine"), "signal_cosine_window": u.get("signal_cosine_window"),
+        "lora/distance": u.get("lora_distance"), "lora/update_norm": u.get("update_norm"),
+        "nfe/rollout": refs["rollout"].get("nfe"), "nfe/ode_reference": refs["rollout"].get("nfe_ode"),
+        "nfe/complete": refs.get("complete", {}).get("nfe", 0),
     }
+    for phase in ("first", "later"):
+        out[f"clip_frac/{phase}"] = u.get(f"clip_frac_{phase}")
+        out[f"zero_grad_frac/{phase}"] = u.get(f"zero_grad_frac_{phase}")
+    steps = u.get("trained_step_ids") or []
+    for name in ("grad_energy_share", "clip_frac_later_by_step", "zero_grad_frac_later_by_step"):
+        for k, v in zip(steps, u.get(name) or []):
+            out[f"{name.removesuffix('_by_step')}/step_{k}"] = v
     for k, g in enumerate(c.get("gain_mean") or []):
         out[f"gain/step_{k}"] = g
     for stage, ref in refs.items():
         if "seconds" in ref:
             out[f"seconds/{stage}"] = ref["seconds"]
     return {k: float(v) for k, v in out.items() if isinstance(v, int | float) and math.isfinite(float(v))}
+
+
+# The signal check (`training.Diagnostics`, `training.accumulate_signal`): the cosine between the
+# gradients of two disjoint halves of a batch, each summed over the last ~20 iterations. One
+# iteration's cosine is noise-dominated even while a recipe learns; the summed halves agree when
+# the batches keep pointing one way. The run says so when, after NOISE_WINDOW iterations, the
+# summed cosine is below NOISE_COSINE.
+NOISE_WINDOW = 20
+NOISE_COSINE = 0.05
+
+
+class SignalWatch:
+    """Says once, in one line, when the summed signal check reads noise (module constants)."""
+
+    def __init__(self) -> None:
+        self.said = False
+
+    def see(self, iteration: int, update: Mapping[str, Any]) -> str | None:
+        cos, n = update.get("signal_cosine_window"), update.get("signal_iterations", 0)
+        if self.said or not isinstance(cos, int | float) or not math.isfinite(cos) or n < NOISE_WINDOW or cos >= NOISE_COSINE:
+            return None
+        self.said = True
+        return (f"iteration {iteration}: the gradients of two halves of the batches, summed over the last ~{NOISE_WINDOW} "
+                f"iterations, have a cosine of {cos:+.3f} (below {NOISE_COSINE}): the update is following noise, not a "
+                "direction the batches agree on; see `stepgrpo inspect` (gradient energy per step) and docs/BENCHMARKS.md, "
+                "\"Learning\"")
+
+
+def paired_gain(before: Mapping[str, Any], after: Mapping[str, Any], key: str = "scores") -> tuple[float, float, float] | None:
+    """Mean of `after - before` over paired held-out samples and its 95 % t-interval; None when the
+    two evaluations are not paired (other prompts, seeds or an older record without scores)."""
+    a, b = before.get(key), after.get(key)
+    if not a or not b or len(a) != len(b) or (before.get("prompts"), before.get("seeds")) != (after.get("prompts"), after.get("seeds")):
+        return None
+    return mean_interval([y - x for x, y in zip(a, b)])
+
+
+def mean_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:
+    """`(mean, low, high)`: the mean and its two-sided t-interval (a point when fewer than 2 values)."""
+    from scipy import stats
+
+    n = len(values)
+    m = sum(values) / n
+    if n < 2:
+        return m, m, m
+    sd = math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1))
+    half = float(stats.t.ppf(0.5 + level / 2, n - 1)) * sd / math.sqrt(n)
+    return m, m - half, m + half
+
+
+def iteration_row(iteration: int, score: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    """One row of the run's reward table (console, Prefect artifact)."""
+    return {"iteration": iteration, "reward_mean": score["reward_mean"], "reward_strict": score.get("reward_strict"),
+            "ode_reward_mean": score.get("ode_reward_mean"), "group_reward_std": score.get("group_reward_std"),
+            "clip_frac": update.get("clip_frac"), "approx_kl": update.get("approx_kl"),
+            "signal_cosine": update.get("signal_cosine"), "signal_cosine_window": update.get("signal_cosine_window"),
+            "lora_distance": update.get("lora_distance")}
+
+
+def iteration_line(row: Mapping[str, Any]) -> str:
+    """`iteration 3: reward 0.7012 (ODE 0.7101), clip_frac 0.004, signal cos +0.081 (20 it. +0.210), LoRA moved 0.0123`."""
+    def num(key: str, fmt: str) -> str:
+        v = row.get(key)
+        return format(v, fmt) if isinstance(v, int | float) and math.isfinite(v) else "n/a"
+
+    return (f"iteration {row['iteration']}: reward {num('reward_mean', '.4f')} (ODE {num('ode_reward_mean', '.4f')}), "
+            f"clip_frac {num('clip_frac', '.3f')}, signal cos {num('signal_cosine', '+.3f')} "
+            f"(20 it. {num('signal_cosine_window', '+.3f')}), "
+            f"LoRA moved {num('lora_distance', '.4f')}")
 
 
 def eval_metrics(result: Mapping[str, Any]) -> dict[str, float]:
@@ -87,13 +168,21 @@ def publish_artifacts(run_id: str, cfg: Config, rows: Sequence[Mapping[str, Any]
 
 
 def print_summary(run_dir: Path, tracking_uri: str, evals: Sequence[Mapping[str, Any]]) -> None:
-    """The end-of-run lines: held-out rewards and where everything is."""
+    """The end-of-run lines: held-out rewards, the paired gain of the last over the base, where everything is."""
     out = sys.stdout
     for e in evals:
         strict = f", strict {e['reward_strict']:.3f}" if "reward_strict" in e else ""
         name = "base model" if e["label"] == "base" else f"trained (iteration {int(e['label'].removeprefix('iter_')) + 1})"
         reward = f" ({e['reward_name']})" if "reward_name" in e else ""
-        print(f"held-out reward{reward}, {name}: {e['reward_mean']:.4f}{strict}", file=out)
+        subs = ", ".join(f"{k.removeprefix('sub_')} {v:.3f}" for k, v in sorted(e.items()) if k.startswith("sub_"))
+        print(f"held-out reward{reward}, {name}: {e['reward_mean']:.4f}{strict}" + (f" ({subs})" if subs else ""), file=out)
+    if len(evals) > 1:
+        gain = paired_gain(evals[0], evals[-1])
+        if gain is not None:
+            samples = evals[0]["prompts"] * evals[0]["seeds"]
+            verdict = "rose" if gain[1] > 0 else "fell" if gain[2] < 0 else "did not move beyond noise"
+            print(f"paired gain over the base ({samples} held-out prompt x seed pairs): {gain[0]:+.4f}, "
+                  f"95 % interval [{gain[1]:+.4f}, {gain[2]:+.4f}]: the held-out reward {verdict}", file=out)
     print(f"run directory: {run_dir}", file=out)
     print(f"MLflow store:  {tracking_uri}", file=out)
     print(f"images:        {run_dir / 'eval'}", file=out)

@@ -290,7 +290,9 @@ def _published(manifest: dict[str, Any] | None, key: str, what: str) -> bool:
 
 
 def rollout(run: Any, cfg: Config, iteration: int, key: str) -> dict[str, Any]:
-    """Sample `prompts_per_iteration x group_size` trajectories; store every state and log-prob."""
+    """Sample `prompts_per_iteration x group_size` trajectories; store every state and log-prob,
+    and the ODE sample of each group's initial noise (`ode_final`, `nfe_ode` NFEs)."""
+    from stepgrpo_core.conditioning import take
     from stepgrpo_core.rollout import rollout as sample
 
     what = f"iteration {iteration} rollout"
@@ -308,7 +310,7 @@ def rollout(run: Any, cfg: Config, iteration: int, key: str) -> dict[str, Any]:
             group_ids=group_ids, latent_shape=pol.latent_shape, latent_dtype=cfg.model.dtype,
             kernel=cfg.sampler.kernel, kernel_params={"noise": _json_noise(noise), "window": [start, end - start]},
         )
-        nfe0 = pol.nfe
+        nfe0, nfe_ode = pol.nfe, 0
         with writer:
             per_chunk = max(1, cfg.model.max_batch // G)  # whole groups per sampling call
             for c0 in track(range(0, P, per_chunk), f"rollout {iteration}"):
@@ -318,11 +320,18 @@ def rollout(run: Any, cfg: Config, iteration: int, key: str) -> dict[str, Any]:
                 cond = _encode(pol, texts, prompt_ids[rows])
                 out = sample(pol.velocity, x0, sigmas, cond, kernel=cfg.sampler.kernel, noise=noise,
                              window=(start, end - start), generator=generator(cfg.run.seed, "sde", iteration, c0, device=pol.device))
-                writer.write(int(rows[0]), states=out.states.cpu(), log_probs=out.log_probs.cpu(), stds=out.stds.cpu())
-            writer.publish(inputs={"key": key, "nfe": pol.nfe - nfe0, "seconds": time.perf_counter() - t0})
+                # The ODE sample of each group's x_0 (one per group: members share prompt and noise):
+                # R_0 for outcome runs, and the ODE reward beside the SDE training reward.
+                nfe_sde = pol.nfe
+                ode = sample(pol.velocity, x0[::G], sigmas, take(cond, torch.arange(0, len(rows), G)), kernel="ode")
+                nfe_ode += pol.nfe - nfe_sde
+                writer.write(int(rows[0]), states=out.states.cpu(), log_probs=out.log_probs.cpu(), stds=out.stds.cpu(),
+                             ode_final=ode.states[:, -1].repeat_interleave(G, dim=0).cpu())
+            writer.publish(inputs={"key": key, "nfe": pol.nfe - nfe0 - nfe_ode, "nfe_ode": nfe_ode,
+                                   "seconds": time.perf_counter() - t0})
     m = run.stage_manifest(iteration, "rollout")
     return {"stage": "rollout", "iteration": iteration, "digest": m["digest"], "nfe": m["inputs"].get("nfe", 0),
-            "seconds": m["inputs"].get("seconds", 0.0), "trajectories": m["counts"]["trajectories"]}
+            "nfe_ode": m["inputs"].get("nfe_ode", 0), "seconds": m["inputs"].get("seconds", 0.0), "trajectories": m["counts"]["trajectories"]}
 
 
 def iteration_plan(cfg: Config, splits: Sequence[str], iteration: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -345,8 +354,20 @@ def _json_noise(noise: float | torch.Tensor) -> float | list[float]:
 # --------------------------------------------------------------------------------- complete
 
 
+# Completion attr: states k >= this evolve deterministically (after the SDE window); their
+# completion is x_T, so they are neither completed nor scored (their rewards are R_T's).
+DETERMINISTIC_FROM = "deterministic_from"
+
+
+def _window_end(kernel_params: dict[str, Any], num_steps: int) -> int:
+    """The first step after the rollout's SDE window (`kernel_params["window"] = [start, size]`)."""
+    start, size = kernel_params.get("window", [0, num_steps])
+    return int(start) + int(size)
+
+
 def complete(run: Any, cfg: Config, iteration: int, key: str) -> dict[str, Any]:
-    """ODE-complete every stored state with `completion.method`; store the clean latents and NFEs."""
+    """ODE-complete every stored state that needs it with `completion.method` (states after the SDE
+    window are `x_T` already, module `stepgrpo_core.completions`); store the clean latents and NFEs."""
     from stepgrpo_core.completions import complete as run_completion
 
     method = cfg.completion.method
@@ -358,7 +379,9 @@ def complete(run: Any, cfg: Config, iteration: int, key: str) -> dict[str, Any]:
         data = run.read_rollout(iteration)
         texts, _, _ = _prompt_rows(run)
         sigmas = torch.from_numpy(data.sigmas)
-        writer = run.begin_completion(iteration, method_dir(method), latent_dtype=cfg.model.dtype, attrs={"method_spec": method})
+        through = _window_end(data.kernel_params, len(data.sigmas) - 1)
+        writer = run.begin_completion(iteration, method_dir(method), latent_dtype=cfg.model.dtype,
+                                      attrs={"method_spec": method, DETERMINISTIC_FROM: through})
         nfe = 0
         with writer:
             per_chunk = max(1, cfg.model.max_batch)
@@ -367,7 +390,7 @@ def complete(run: Any, cfg: Config, iteration: int, key: str) -> dict[str, Any]:
                 states = torch.from_numpy(data.states[rows]).to(pol.device, pol.dtype)
                 cond = _encode(pol, texts, data.prompt_ids[rows])
                 with torch.no_grad():
-                    out = run_completion(method, pol.velocity, states, sigmas.to(pol.device), cond, cfg.model.max_batch)
+                    out = run_completion(method, pol.velocity, states, sigmas.to(pol.device), cond, cfg.model.max_batch, through)
                 writer.write(c0, latents=out.latents.cpu())
                 nfe += out.nfe
             writer.publish(attrs={"nfe": nfe}, inputs={"key": key, "seconds": time.perf_counter() - t0})
@@ -384,11 +407,27 @@ def _clean_source(cfg_method: str | None) -> str:
     return "rollout" if cfg_method is None else f"completions/{method_dir(cfg_method)}"
 
 
-def _clean_latents(run: Any, cfg_method: str | None, iteration: int) -> np.ndarray:
-    """Latents to score `[B, K, C, H, W]`: every completed state (K = T+1), or only x_T (K = 1)."""
+def scored_states(run: Any, cfg_method: str | None, iteration: int) -> tuple[np.ndarray, np.ndarray]:
+    """Which states `score` evaluates, `k [K]`, and which copy R_T, `copies [n]`.
+
+    With a completion: every `k < deterministic_from` and `T` are scored; the states after the SDE
+    window copy R_T. Without one (outcome credit): `k = 0` (the ODE sample of `x_0`) and `T`; the
+    states in between have no reward (NaN in `reward_grid`).
+    """
+    T = int(run.stage_manifest(iteration, "rollout")["attrs"]["T"])
     if cfg_method is None:
-        return run.read_rollout(iteration).states[:, -1:]
-    return run.read_completion(iteration, method_dir(cfg_method)).latents
+        return np.array([0, T]), np.zeros(0, np.int64)
+    attrs = run.stage_manifest(iteration, _clean_source(cfg_method))["attrs"]
+    through = int(attrs.get(DETERMINISTIC_FROM, T))
+    return np.array([*range(through), T]), np.arange(through, T)
+
+
+def _clean_latents(run: Any, cfg_method: str | None, iteration: int, k: np.ndarray) -> np.ndarray:
+    """Latents of the scored states `k` `[B, K, C, H, W]`: completions, or `ode_final` and `x_T`."""
+    if cfg_method is None:
+        data = run.read_rollout(iteration)
+        return np.stack([data.ode_final, data.states[:, -1]], axis=1)
+    return run.read_completion(iteration, method_dir(cfg_method)).latents[:, k]
 
 
 def reward_images(decoder: Any, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -406,15 +445,17 @@ def _images(run: Any, cfg: Config, iteration: int) -> tuple[np.ndarray, np.ndarr
     if stored is not None:
         return stored.images, stored.k, "stored"
     dec = workspace.decoder(cfg.model)
-    latents = _clean_latents(run, cfg.completion.method, iteration)
+    k, _ = scored_states(run, cfg.completion.method, iteration)
+    latents = _clean_latents(run, cfg.completion.method, iteration, k)
     B, K = latents.shape[:2]
     flat = latents.reshape(B * K, *latents.shape[2:])
+    # Equal latents decode to equal images: decode each once (a group's ODE sample of x_0 is shared).
+    _, first, inverse = np.unique(flat.reshape(B * K, -1), axis=0, return_index=True, return_inverse=True)
+    unique = flat[first]
     chunk = max(1, cfg.model.max_batch)
-    parts = [reward_images(dec, torch.from_numpy(flat[c0 : c0 + chunk]))[0]
-             for c0 in track(range(0, len(flat), chunk), f"decode {iteration}")]
-    images = torch.cat(parts).reshape(B, K, *parts[0].shape[1:]).numpy()
-    T = run.stage_manifest(iteration, "rollout")["attrs"]["T"]
-    k = np.arange(T + 1) if K == T + 1 else np.array([T])
+    parts = [reward_images(dec, torch.from_numpy(unique[c0 : c0 + chunk]))[0]
+             for c0 in track(range(0, len(unique), chunk), f"decode {iteration}")]
+    images = torch.cat(parts)[torch.from_numpy(inverse.reshape(-1))].reshape(B, K, *parts[0].shape[1:]).numpy()
     if not cfg.storage.images:
         return images, k, "decoded"
     from storage.errors import AlreadyPublishedError, StageLockedError
@@ -463,20 +504,46 @@ def score(run: Any, cfg: Config, iteration: int, key: str) -> dict[str, Any]:
             raise StageError(f"reward {name!r} returned NaN/inf for {len(bad)} rows of iteration {iteration}: {rows}; nothing was stored")
         strict_all = torch.cat(strict) if all(s is not None for s in strict) else None
         sub = {s: torch.cat(v) for s, v in subs.items()}
-        run.append_rewards(iteration, name, version, traj, k, value.double().numpy(),
-                           strict=None if strict_all is None else strict_all.double().numpy(),
-                           sub={s: v.double().numpy() for s, v in sub.items()} or None)
+        # States after the SDE window are x_T: their rows repeat R_T's (the last scored state).
+        _, copies = scored_states(run, cfg.completion.method, iteration)
+        src = np.repeat(np.arange(B) * K + K - 1, len(copies))
+        take_rows = torch.from_numpy(np.concatenate([np.arange(B * K), src]))
+        traj, k = np.concatenate([traj, np.repeat(np.arange(B), len(copies))]), np.concatenate([k, np.tile(copies, B)])
+        run.append_rewards(iteration, name, version, traj, k, value[take_rows].double().numpy(),
+                           strict=None if strict_all is None else strict_all[take_rows].double().numpy(),
+                           sub={s: v[take_rows].double().numpy() for s, v in sub.items()} or None)
     grid = run.reward_grid(iteration, name, version)  # [B, T+1]
-    final = grid[:, -1]
-    summary = {"reward_mean": float(final.mean()), "reward_std": float(final.std(unbiased=False))}
-    strict_grid = run.reward_grid(iteration, name, version, field="strict")
-    if bool(torch.isfinite(strict_grid[:, -1]).all()):
-        summary["reward_strict"] = float(strict_grid[:, -1].mean())
-    if bool(torch.isfinite(grid).all()):
-        summary["reward_per_state"] = grid.mean(0).tolist()
+    summary = reward_summary(grid, run.reward_grid(iteration, name, version, field="strict"),
+                             torch.from_numpy(run.read_array(iteration, "rollout", "group_ids")).long())
     return {"stage": "score", "iteration": iteration, "reward_name": name, "reward_version": version,
             "digest": run.rewards_digest(iteration, name, version), "images": images_from,
             "seconds": time.perf_counter() - t0, **summary}
+
+
+def reward_summary(grid: torch.Tensor, strict: torch.Tensor, group_ids: torch.Tensor) -> dict[str, Any]:
+    """The training reward of an iteration: `grid, strict [B, T+1]` (NaN where not scored), `group_ids [B]`.
+
+    `reward_*`: the SDE samples `x_T`; `ode_reward_*`: `R_0`, the ODE sample of the same prompt
+    and initial noise (with a completion method, the completion of `x_0`: exact for `remaining`).
+    `group_reward_std`: the mean within-group std of `R_T` (what GRPO's advantages are made of);
+    `zero_std_groups`: the fraction of groups whose rewards are all equal (no signal).
+    """
+    from stepgrpo_core.credit import Groups
+
+    final = grid[:, -1]
+    out: dict[str, Any] = {"reward_mean": float(final.mean()), "reward_std": float(final.std(unbiased=False))}
+    if bool(torch.isfinite(strict[:, -1]).all()):
+        out["reward_strict"] = float(strict[:, -1].mean())
+    if bool(torch.isfinite(grid[:, 0]).all()):
+        out["ode_reward_mean"] = float(grid[:, 0].mean())
+        if bool(torch.isfinite(strict[:, 0]).all()):
+            out["ode_reward_strict"] = float(strict[:, 0].mean())
+    per_group = Groups(group_ids).std(final.double())  # [groups]
+    out["group_reward_std"] = float(per_group.mean())
+    out["zero_std_groups"] = float((per_group == 0).float().mean())
+    if bool(torch.isfinite(grid).all()):
+        out["reward_per_state"] = grid.mean(0).tolist()
+    return out
 
 
 def _prompt_ids(run: Any, iteration: int) -> np.ndarray:
@@ -535,11 +602,12 @@ def update(run: Any, cfg: Config, iteration: int, scheme: str, options_digest: s
         t0 = time.perf_counter()
         pol = policy_at(run, cfg, iteration)
         opt = training.make_optimizer(pol.trainable_parameters(), cfg)
-        ema = None
+        ema, signal = None, {}
         if iteration > 0:
             prev = run.load_checkpoint(iteration - 1)
             training.load_optimizer_tensors(opt, prev.tensors.get("optimizer", {}))
             ema = prev.tensors.get("ema")
+            signal = dict(prev.tensors.get("signal", {}))
         if cfg.optim.ema_decay is not None and ema is None:
             ema = workspace.lora_state(pol)
         data = run.read_rollout(iteration)
@@ -548,14 +616,16 @@ def update(run: Any, cfg: Config, iteration: int, scheme: str, options_digest: s
         states = torch.from_numpy(data.states).to(pol.device, pol.dtype)
         summary = training.update(
             pol, opt, cfg, states, torch.from_numpy(data.log_probs).to(pol.device), advantages.to(pol.device),
-            _encode(pol, texts, data.prompt_ids), torch.from_numpy(data.sigmas).to(pol.device),
+            torch.from_numpy(data.group_ids), _encode(pol, texts, data.prompt_ids), torch.from_numpy(data.sigmas).to(pol.device),
             data.kernel, _noise_of(data.kernel_params, pol.device), generator(cfg.run.seed, "update", iteration),
-            ema=ema,
+            ema=ema, initial=workspace.initial_lora(cfg), signal=signal if cfg.optim.diagnostics else None,
         )
         tensors = {"lora": workspace.lora_state(pol), "optimizer": training.optimizer_tensors(opt),
                    "rng": {"torch": training.rng_tensor()}}
         if ema is not None:
             tensors["ema"] = ema
+        if signal:
+            tensors["signal"] = signal
         state = training.checkpoint_state(iteration, summary)
         state.update(key=key, seconds=time.perf_counter() - t0, nfe=pol.nfe)
         run.save_checkpoint(iteration, tensors, state)
@@ -628,9 +698,13 @@ def evaluate(run: Any, cfg: Config, iteration: int | None, key: str) -> dict[str
         "reward_name": reward.name, "reward_version": str(reward.version),
         "prompts": len(ids), "seeds": cfg.run.eval_seeds, "reward_mean": float(value.mean()),
         "reward_std": float(value.std(unbiased=False)), "nfe": pol.nfe - nfe0,
+        # one score per (seed, prompt), seed-major: the same noise for every evaluation of a run,
+        # so two evaluations compare pair by pair (`report.paired_gain`)
+        "scores": value.tolist(),
     }
     if stricts:
         result["reward_strict"] = float(torch.cat(stricts).mean())
+        result["strict_scores"] = torch.cat(stricts).tolist()
     for name, v in subs.items():
         cat = torch.cat(v)
         finite = cat[torch.isfinite(cat)]

@@ -1,9 +1,11 @@
 """The policy update of one iteration, and what a checkpoint holds.
 
 The math (PPO-clip, the KL to the reference, the step log-densities) is `stepgrpo_core`'s; this
-module only loops: over inner epochs, over micro-batches of trajectories (shuffled by a generator
-seeded from the run seed and the iteration), over the trained steps, accumulating gradients for
-`grad_accum` micro-batches per optimizer step (Flow-GRPO accumulates over the timesteps too).
+module only loops: over inner epochs, over `optim.optimizer_steps` parts of the trajectories
+(shuffled by a generator seeded from the run seed and the iteration), and inside each part over
+the trained steps and micro-batches, accumulating one gradient per part (Flow-GRPO accumulates
+over the timesteps and half the batch). `micro_batch` bounds memory only. `Diagnostics` records
+what the update says about learning.
 
 A checkpoint is data only (safetensors + JSON): the LoRA weights, the AdamW state flattened to
 named tensors, the EMA of the LoRA weights when enabled, the torch RNG state, and the iteration.
@@ -12,13 +14,17 @@ named tensors, the EMA of the LoRA weights when enabled, the torch RNG state, an
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from stepgrpo.config import Config
-from stepgrpo.report import track
+from stepgrpo_core.conditioning import take
+from stepgrpo_core.kernels import diffusion_coefficient
+from stepgrpo_core.loss import grpo_loss
+from stepgrpo_core.rollout import step_log_prob
 
 # torch's AdamW keeps per-parameter tensors under these names (plus "step").
 ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
@@ -66,74 +72,231 @@ def update(
     states: torch.Tensor,
     old_log_probs: torch.Tensor,
     advantages: torch.Tensor,
+    group_ids: torch.Tensor,
     cond: Any,
     sigmas: torch.Tensor,
     kernel: str,
     noise: float | torch.Tensor,
     generator: torch.Generator,
     ema: dict[str, torch.Tensor] | None = None,
-) -> dict[str, float]:
-    """One iteration's policy update; returns mean diagnostics.
+    initial: Mapping[str, torch.Tensor] | None = None,
+    signal: dict[str, torch.Tensor] | None = None,
+) -> dict[str, Any]:
+    """One iteration's policy update; returns its diagnostics (`Diagnostics.summary`).
 
     Args:
         states: `[B, T+1, C, H, W]` stored rollout states; old_log_probs: `[B, T]` (NaN: not trainable).
-        advantages: `[B, T]` (NaN: no credit); cond: conditioning pytree with leading dim `B`.
+        advantages: `[B, T]` (NaN: no credit); group_ids: `[B]`; cond: conditioning pytree with leading dim `B`.
         sigmas: `[T+1]`; kernel, noise: the rollout's kernel and its noise (a float or the psi table).
-    Trajectories whose advantages are all zero (dropped groups) are skipped, as in Flow-GRPO.
-    """
-    from stepgrpo_core.conditioning import take
-    from stepgrpo_core.loss import grpo_loss
-    from stepgrpo_core.rollout import step_log_prob
+        initial: the LoRA weights before training (for the distance travelled); None skips it.
+        signal: the running sums of the two halves' gradients over past iterations (`signal_state`),
+            updated in place; empty or None starts them.
 
+    Per inner epoch the trajectories are shuffled and split into `optim.optimizer_steps` parts; each
+    AdamW step takes the mean gradient over one part's trajectories and the trained steps
+    (Flow-GRPO). Trajectories whose advantages are all zero (dropped groups) are skipped.
+    """
     o = cfg.optim
     steps = [k for k in cfg.trained_steps() if bool(torch.isfinite(old_log_probs[:, k]).all())]
     adv = torch.nan_to_num(advantages.float(), nan=0.0)
     rows = torch.nonzero((adv[:, steps] != 0).any(dim=1)).reshape(-1) if steps else torch.zeros(0, dtype=torch.long)
-    stats: dict[str, list[float]] = {k: [] for k in ("loss", "policy_loss", "kl", "clip_frac", "approx_kl", "ratio_mean", "ratio_min", "ratio_max", "grad_norm")}
-    trained = [p for p in pol.trainable_parameters()]
+    trained = pol.trainable_parameters()
     named = {n: p for n, p in pol.transformer.named_parameters() if p.requires_grad}
-    opt.zero_grad(set_to_none=True)
-    micro = 0
-    for _ in range(o.inner_epochs):
+    before = _flat(trained, grad=False)
+    diag = Diagnostics(steps)
+    velocity = _velocity(pol, o.detach_uncond)
+    for epoch in range(o.inner_epochs):
         order = rows[torch.randperm(len(rows), generator=generator)]
-        batches = [b for b in order.split(o.micro_batch) if len(b)]  # split of an empty tensor gives one empty part
-        for bi, idx in enumerate(track(batches, "update")):
-            sub_cond = take(cond, idx)
+        parts = [p for p in order.tensor_split(min(o.optimizer_steps, max(1, len(order)))) if len(p)]
+        for pi, part in enumerate(parts):
+            first = epoch == 0 and pi == 0
+            # The signal check: the first step's trajectories in two halves of whole groups, each
+            # half's gradient measured apart (at the same weights, before any optimizer step).
+            halves = _halves(part, group_ids) if first and o.diagnostics else [part]
+            opt.zero_grad(set_to_none=True)
             for k in steps:
-                out = step_log_prob(pol.velocity, states[idx], sigmas, sub_cond, k, kernel, noise)
-                ref_mean = None
-                if o.kl_beta > 0:
-                    with torch.no_grad(), pol.reference():
-                        ref_mean = step_log_prob(pol.velocity, states[idx], sigmas, sub_cond, k, kernel, noise).mean
-                loss = grpo_loss(
-                    out.log_prob, old_log_probs[idx, k], adv[idx, k], clip_range=o.clip_range, adv_clip=o.adv_clip,
-                    kl_beta=o.kl_beta, mean=out.mean if ref_mean is not None else None, ref_mean=ref_mean,
-                    std=out.std if ref_mean is not None else None,
-                )
-                (loss.loss / (len(steps) * o.grad_accum)).backward()
-                for name in ("clip_frac", "approx_kl", "ratio_mean", "ratio_min", "ratio_max"):
-                    stats[name].append(getattr(loss, name))
-                stats["loss"].append(float(loss.loss.detach()))
-                stats["policy_loss"].append(float(loss.policy_loss))
-                stats["kl"].append(float(loss.kl))
-            micro += 1
-            if micro % o.grad_accum == 0 or bi == len(batches) - 1:
-                stats["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(trained, o.max_grad_norm)))
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                micro = 0
-                if ema is not None and o.ema_decay is not None:
-                    ema_update(ema, {n: p for n, p in named.items()}, o.ema_decay)
-    summary = {k: (sum(v) / len(v) if v else float("nan")) for k, v in stats.items()}
-    summary["ratio_min"] = min(stats["ratio_min"], default=float("nan"))
-    summary["ratio_max"] = max(stats["ratio_max"], default=float("nan"))
-    summary["trained_trajectories"] = float(len(rows))
-    summary["trained_steps"] = float(len(steps))
-    summary["optimizer_steps"] = float(len(stats["grad_norm"]))
-    return summary
+                for half in halves:
+                    for idx in half.split(o.micro_batch):
+                        sub_cond = take(cond, idx)
+                        out = step_log_prob(velocity, states[idx], sigmas, sub_cond, k, kernel, noise)
+                        ref_mean = kl_std = None
+                        if o.kl_beta > 0:
+                            with torch.no_grad(), pol.reference():
+                                ref_mean = step_log_prob(pol.velocity, states[idx], sigmas, sub_cond, k, kernel, noise).mean
+                            kl_std = out.std if o.kl_form == "exact" else diffusion_coefficient(kernel, out.std, sigmas[k], sigmas[k + 1])
+                        loss = grpo_loss(
+                            out.log_prob, old_log_probs[idx, k], adv[idx, k], clip_range=o.clip_range, adv_clip=o.adv_clip,
+                            kl_beta=o.kl_beta, mean=out.mean if ref_mean is not None else None, ref_mean=ref_mean, kl_std=kl_std,
+                        )
+                        # the mean over the part's trajectories and the trained steps, whatever the micro-batches
+                        (loss.loss * (len(idx) / (len(part) * len(steps)))).backward()
+                        diag.add_loss(k, first, len(idx), loss)
+                    if first and o.diagnostics:
+                        diag.add_half(_flat(trained, grad=True))
+                diag.end_step(k)
+            diag.grad_norms.append(float(torch.nn.utils.clip_grad_norm_(trained, o.max_grad_norm)))
+            step_start = _flat(trained, grad=False)
+            opt.step()
+            diag.update_norms.append(float((_flat(trained, grad=False) - step_start).norm()))
+            if ema is not None and o.ema_decay is not None:
+                ema_update(ema, named, o.ema_decay)
+    after = _flat(trained, grad=False)
+    diag.iteration_norm = float((after - before).norm())
+    if initial is not None:
+        diag.lora_distance = float((after - torch.cat([initial[n].reshape(-1).to(after) for n in named])).norm())
+    diag.trained_trajectories = len(rows)
+    out = diag.summary()
+    if signal is not None and len(diag.halves) == 2:
+        out.update(accumulate_signal(signal, *diag.halves))
+    return out
+
+
+# The signal check over iterations: each half's gradient is summed across iterations with this
+# decay (a window of about 1 / (1 - decay) = 20 iterations). One iteration's cosine is noisy (its
+# halves hold few trajectories); a direction the batches keep agreeing on adds up linearly in the
+# sums while noise adds up as a square root, so the cosine of the sums rises when the recipe has a
+# signal and stays near 0 when it follows noise.
+SIGNAL_DECAY = 0.95
+
+
+def accumulate_signal(signal: dict[str, torch.Tensor], a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
+    """`signal["a"|"b"] = decay * signal + half gradient`, `signal["n"]` counts iterations; returns
+    `signal_cosine_window` (the cosine of the two sums) and `signal_iterations`."""
+    for name, g in (("a", a), ("b", b)):
+        prev = signal.get(name)
+        signal[name] = g.float().cpu() if prev is None else prev.mul(SIGNAL_DECAY).add(g.float().cpu())
+    signal["n"] = signal.get("n", torch.zeros((), dtype=torch.int64)) + 1
+    return {"signal_cosine_window": _cosine(signal["a"], signal["b"]), "signal_iterations": float(signal["n"])}
+
+
+def _velocity(pol: Any, detach_uncond: bool):
+    """The policy's velocity, with CFG's unconditional branch detached when asked (Flow-GRPO)."""
+    if not detach_uncond or not hasattr(pol, "detached_uncond"):
+        return pol.velocity
+
+    def velocity(x, sigma, cond):
+        with pol.detached_uncond():
+            return pol.velocity(x, sigma, cond)
+
+    return velocity
+
+
+def _flat(params: Sequence[torch.nn.Parameter], grad: bool) -> torch.Tensor:
+    """The parameters (or their gradients; zeros where none) as one fp32 vector."""
+    parts = []
+    for p in params:
+        t = p.grad if grad else p.detach()
+        parts.append(torch.zeros(p.numel(), device=p.device) if t is None else t.detach().reshape(-1).float())
+    return torch.cat(parts) if parts else torch.zeros(0)
+
+
+def _halves(part: torch.Tensor, group_ids: torch.Tensor) -> list[torch.Tensor]:
+    """`part` (trajectory indices) as two disjoint halves of whole groups, in order of first
+    appearance; a part of one group is split by trajectories. Fewer than 2 rows: one half."""
+    if len(part) < 2:
+        return [part]
+    groups = group_ids[part.cpu()]
+    order = list(dict.fromkeys(groups.tolist()))
+    if len(order) < 2:
+        return [part[: len(part) // 2], part[len(part) // 2 :]]
+    first = torch.tensor([g in set(order[: len(order) // 2]) for g in groups.tolist()], device=part.device)
+    return [part[first], part[~first]]
+
+
+class Diagnostics:
+    """What one update says about learning (METHODS.md, "Learning diagnostics").
+
+    Per trained step `k` and phase (`first`: the first optimizer step, on-policy; `later`: the
+    rest): the clip fraction and the fraction of trajectories the clip gives zero gradient. From
+    the first optimizer step: each step's share of the gradient energy `|g_k|^2 / sum_j |g_j|^2`
+    and the signal check, the cosine between the gradients of two disjoint halves (whole groups)
+    of its trajectories: near 0 means the batch gradient is noise (`accumulate_signal` sums the
+    halves over iterations, where a weak but real direction shows). Ratio mean / std / range over
+    every row; the norm of each optimizer step's change and the LoRA's distance from its start.
+    """
+
+    def __init__(self, steps: Sequence[int]) -> None:
+        self.steps = list(steps)
+        self.rows: dict[tuple[int, bool], float] = {}
+        self.sums: dict[str, dict[tuple[int, bool], float]] = {"clip_frac": {}, "zero_grad_frac": {}}
+        self.totals: dict[str, float] = {n: 0.0 for n in ("loss", "policy_loss", "kl", "approx_kl", "ratio_mean", "ratio_sq")}
+        self.ratio_min, self.ratio_max = float("inf"), float("-inf")
+        self.energy: dict[int, float] = {}
+        self.halves: list[torch.Tensor] = []
+        self._last: torch.Tensor | None = None
+        self._pending: list[torch.Tensor] = []
+        self.grad_norms: list[float] = []
+        self.update_norms: list[float] = []
+        self.iteration_norm = float("nan")
+        self.lora_distance = float("nan")
+        self.trained_trajectories = 0
+
+    def add_loss(self, k: int, first: bool, n: int, loss: Any) -> None:
+        key = (k, first)
+        self.rows[key] = self.rows.get(key, 0.0) + n
+        for name in self.sums:
+            self.sums[name][key] = self.sums[name].get(key, 0.0) + n * getattr(loss, name)
+        for name in ("policy_loss", "kl"):
+            self.totals[name] += n * float(getattr(loss, name))
+        self.totals["loss"] += n * float(loss.loss.detach())
+        self.totals["approx_kl"] += n * loss.approx_kl
+        self.totals["ratio_mean"] += n * loss.ratio_mean
+        self.totals["ratio_sq"] += n * (loss.ratio_std**2 + loss.ratio_mean**2)
+        self.ratio_min, self.ratio_max = min(self.ratio_min, loss.ratio_min), max(self.ratio_max, loss.ratio_max)
+
+    def add_half(self, accumulated: torch.Tensor) -> None:
+        """After each half of a trained step of the first optimizer step: the accumulated gradient."""
+        delta = accumulated - (self._last if self._last is not None else torch.zeros_like(accumulated))
+        self._last = accumulated
+        self._pending.append(delta)
+
+    def end_step(self, k: int) -> None:
+        """Step `k`'s halves are in: its gradient energy, and the halves' running gradients."""
+        if not self._pending:
+            return
+        self.energy[k] = float(torch.stack(self._pending).sum(0).square().sum())
+        self.halves = self._pending if not self.halves else [a + b for a, b in zip(self.halves, self._pending)]
+        self._pending = []
+
+    def summary(self) -> dict[str, Any]:
+        n = sum(self.rows.values())
+        mean = (lambda name: self.totals[name] / n) if n else (lambda name: float("nan"))
+        out: dict[str, Any] = {name: mean(name) for name in ("loss", "policy_loss", "kl", "approx_kl", "ratio_mean")}
+        out["ratio_std"] = math.sqrt(max(0.0, mean("ratio_sq") - mean("ratio_mean") ** 2)) if n else float("nan")
+        out["ratio_min"] = self.ratio_min if n else float("nan")
+        out["ratio_max"] = self.ratio_max if n else float("nan")
+        for name, sums in self.sums.items():
+            out[name] = sum(sums.values()) / n if n else float("nan")
+            for phase, first in (("first", True), ("later", False)):
+                rows = sum(r for (k, f), r in self.rows.items() if f == first)
+                out[f"{name}_{phase}"] = sum(v for (k, f), v in sums.items() if f == first) / rows if rows else float("nan")
+                out[f"{name}_{phase}_by_step"] = [
+                    sums[(k, first)] / self.rows[(k, first)] if (k, first) in self.rows else float("nan") for k in self.steps
+                ]
+        total = sum(self.energy.values())
+        out["grad_energy_share"] = [self.energy[k] / total if total > 0 and k in self.energy else float("nan") for k in self.steps]
+        out["signal_cosine"] = _cosine(*self.halves) if len(self.halves) == 2 else float("nan")
+        out["grad_norm"] = sum(self.grad_norms) / len(self.grad_norms) if self.grad_norms else float("nan")
+        out["update_norms"] = list(self.update_norms)
+        out["update_norm"] = self.iteration_norm
+        out["lora_distance"] = self.lora_distance
+        out["trained_steps"] = float(len(self.steps))
+        out["trained_step_ids"] = list(self.steps)
+        out["trained_trajectories"] = float(self.trained_trajectories)
+        out["optimizer_steps"] = float(len(self.grad_norms))
+        return out
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    denom = float(a.norm() * b.norm())
+    return float(a @ b) / denom if denom > 0 else float("nan")
 
 
 def checkpoint_state(iteration: int, summary: Mapping[str, Any]) -> dict[str, Any]:
-    """The JSON part of a checkpoint (finite numbers only)."""
-    clean = {k: v for k, v in summary.items() if isinstance(v, int | float) and v == v and abs(v) != float("inf")}
+    """The JSON part of a checkpoint: finite numbers, and lists of numbers with null for NaN."""
+    def finite(v: Any) -> bool:
+        return isinstance(v, int | float) and math.isfinite(v)
+
+    clean: dict[str, Any] = {k: v for k, v in summary.items() if finite(v)}
+    clean |= {k: [x if finite(x) else None for x in v] for k, v in summary.items() if isinstance(v, list)}
     return json.loads(json.dumps({"iteration": iteration, "update": clean}))

@@ -20,6 +20,14 @@ sharing only fills the batches, so the count is exactly `T (T + 1) / 2` NFEs per
 never more. (Reusing the rollout's own velocity at `x_k` would save `T` more per trajectory, but
 only when the rollout ran the same model at the same precision; we do not assume it.)
 
+States that evolve deterministically (`through`): with an SDE window `[start, end)` every step
+from `end` on is `ode`, so the ODE completion of `x_k`, `k >= end`, on the rollout's own grid is
+the sample `x_T` itself. `complete(..., through=end)` completes only `x_0 .. x_{end-1}` and copies
+`x_T` into the rest: `remaining` then costs `sum_{k < end} (T - k)` NFEs per trajectory,
+`substeps:N` costs `N end`, `tweedie` `end` (the minimum for the window). For `remaining` the
+copies are exactly what recomputing would give; for `substeps` / `tweedie` a state after the window
+takes its trajectory's own ODE on the training grid instead of `N` fresh substeps (a *choice*).
+
 NFE = velocity rows evaluated. Shapes: `states [B, T+1, C, H, W]` -> latents `[B, T+1, C, H, W]`
 in the dtype of `states`; the Euler steps use `kernels.step_moments("ode", ...)` in fp32.
 """
@@ -42,9 +50,10 @@ class Completion(NamedTuple):
     nfe: int  # velocity rows evaluated by this call
 
 
-# A completion: (velocity, states, sigmas fp32, cond, max_batch, arg) -> Completion, where `arg`
-# is the text after ':' in the method name (None when absent).
-CompletionFn = Callable[[Velocity, torch.Tensor, torch.Tensor, Any, int, "str | None"], Completion]
+# A completion: (velocity, states, sigmas fp32, cond, max_batch, arg, through) -> Completion, where
+# `arg` is the text after ':' in the method name (None when absent) and only states k < through
+# are completed (the caller copies x_T into the rest).
+CompletionFn = Callable[[Velocity, torch.Tensor, torch.Tensor, Any, int, "str | None", int], Completion]
 COMPLETIONS: Registry[CompletionFn] = Registry("completion")
 
 
@@ -96,19 +105,19 @@ def batched_velocity(
     return torch.cat(out, dim=0)
 
 
-def _nonfinal_rows(states: torch.Tensor, sigmas: torch.Tensor):
-    """Flatten the non-final states `x_0..x_{T-1}` of all trajectories to rows (b-major).
+def _nonfinal_rows(states: torch.Tensor, sigmas: torch.Tensor, through: int):
+    """Flatten the states `x_0..x_{through-1}` of all trajectories to rows (b-major).
 
-    Returns `z [B*T, C, H, W]`, `rows [B*T]` (trajectory of each row), `sigma [B*T]` (its level).
+    Returns `z [B*through, C, H, W]`, `rows [B*through]` (trajectory of each row), `sigma` (its level).
     """
-    batch, num_steps = states.shape[0], states.shape[1] - 1
-    z = states[:, :num_steps].reshape(-1, *states.shape[2:])
-    rows = torch.arange(batch, device=states.device).repeat_interleave(num_steps)
-    return z, rows, sigmas[:num_steps].repeat(batch)
+    batch = states.shape[0]
+    z = states[:, :through].reshape(-1, *states.shape[2:])
+    rows = torch.arange(batch, device=states.device).repeat_interleave(through)
+    return z, rows, sigmas[:through].repeat(batch)
 
 
 @COMPLETIONS.register("remaining")
-def remaining(velocity, states, sigmas, cond, max_batch, arg) -> Completion:
+def remaining(velocity, states, sigmas, cond, max_batch, arg, through) -> Completion:
     """Euler on the rest of the grid, all states at the same grid level in one batch (module doc)."""
     _no_arg("remaining")(arg)
     batch, num_states = states.shape[:2]
@@ -116,52 +125,56 @@ def remaining(velocity, states, sigmas, cond, max_batch, arg) -> Completion:
     latents = states.clone()  # x_T stays as is; row (b, k) is overwritten as state k runs down
     nfe = 0
     for j in range(num_steps):
-        # Running states at level j: k = 0..j of every trajectory, flattened (k-major) to rows.
-        z = latents[:, : j + 1].transpose(0, 1).reshape(-1, *states.shape[2:])
-        rows = torch.arange(batch, device=states.device).repeat(j + 1)
+        # Running states at level j: k = 0..min(j, through - 1) of every trajectory, k-major rows.
+        n = min(j + 1, through)
+        if n == 0:
+            break
+        z = latents[:, :n].transpose(0, 1).reshape(-1, *states.shape[2:])
+        rows = torch.arange(batch, device=states.device).repeat(n)
         sigma = sigmas[j].repeat(z.shape[0])
         v = batched_velocity(velocity, z, sigma, cond, rows, max_batch)
         mean, _ = step_moments("ode", z, v, sigmas[j], sigmas[j + 1])
-        latents[:, : j + 1] = mean.to(states.dtype).reshape(j + 1, batch, *states.shape[2:]).transpose(0, 1)
+        latents[:, :n] = mean.to(states.dtype).reshape(n, batch, *states.shape[2:]).transpose(0, 1)
         nfe += z.shape[0]
     return Completion(latents, nfe)
 
 
 @COMPLETIONS.register("substeps")
-def substeps(velocity, states, sigmas, cond, max_batch, arg) -> Completion:
-    """`N` uniform Euler steps from `sigmas[k]` to 0 for every non-final state, all in one batch."""
+def substeps(velocity, states, sigmas, cond, max_batch, arg, through) -> Completion:
+    """`N` uniform Euler steps from `sigmas[k]` to 0 for every state `k < through`, all in one batch."""
     n = _substeps_n(arg)
-    batch, num_states = states.shape[:2]
-    num_steps = num_states - 1
+    batch = states.shape[0]
     latents = states.clone()
-    z, rows, start = _nonfinal_rows(states, sigmas)  # start: [B*T] sigma_k of each row
+    z, rows, start = _nonfinal_rows(states, sigmas, through)  # start: sigma_k of each row
     nfe = 0
     for i in range(n):
         sigma, sigma_next = start * (1.0 - i / n), start * (1.0 - (i + 1) / n)
         v = batched_velocity(velocity, z, sigma, cond, rows, max_batch)
         z = step_moments("ode", z, v, sigma, sigma_next)[0].to(states.dtype)
         nfe += z.shape[0]
-    latents[:, :num_steps] = z.reshape(batch, num_steps, *states.shape[2:])
+    latents[:, :through] = z.reshape(batch, through, *states.shape[2:])
     return Completion(latents, nfe)
 
 
 @COMPLETIONS.register("tweedie")
-def tweedie(velocity, states, sigmas, cond, max_batch, arg) -> Completion:
-    """One-step estimate `x0_hat = x_k - sigmas[k] v(x_k)` for every non-final state."""
+def tweedie(velocity, states, sigmas, cond, max_batch, arg, through) -> Completion:
+    """One-step estimate `x0_hat = x_k - sigmas[k] v(x_k)` for every state `k < through`."""
     _no_arg("tweedie")(arg)
-    batch, num_states = states.shape[:2]
-    num_steps = num_states - 1
+    batch = states.shape[0]
     latents = states.clone()
-    z, rows, sigma = _nonfinal_rows(states, sigmas)
+    z, rows, sigma = _nonfinal_rows(states, sigmas, through)
     v = batched_velocity(velocity, z, sigma, cond, rows, max_batch)
     # A single Euler step to sigma = 0 is exactly x - sigma v: reuse the ode kernel.
     x0_hat = step_moments("ode", z, v, sigma, torch.zeros_like(sigma))[0]
-    latents[:, :num_steps] = x0_hat.to(states.dtype).reshape(batch, num_steps, *states.shape[2:])
+    latents[:, :through] = x0_hat.to(states.dtype).reshape(batch, through, *states.shape[2:])
     return Completion(latents, z.shape[0])
 
 
 @torch.no_grad()  # completions feed rewards only; no gradient flows through them
-def complete(method: str, velocity: Velocity, states: torch.Tensor, sigmas: torch.Tensor, cond: Any, max_batch: int) -> Completion:
+def complete(
+    method: str, velocity: Velocity, states: torch.Tensor, sigmas: torch.Tensor, cond: Any, max_batch: int,
+    through: int | None = None,
+) -> Completion:
     """Complete every state of every trajectory with `method` (module doc).
 
     Args:
@@ -172,6 +185,8 @@ def complete(method: str, velocity: Velocity, states: torch.Tensor, sigmas: torc
         sigmas: `[T+1]` the grid the states were sampled on.
         cond: conditioning pytree with leading dim `B`.
         max_batch: the most rows per `velocity` call.
+        through: complete only `x_0 .. x_{through-1}`; states from `through` on evolve
+            deterministically (the end of the SDE window) and get `x_T`. None: `T`, every state.
 
     Returns `Completion(latents [B, T+1, C, H, W], nfe)`.
     """
@@ -183,4 +198,10 @@ def complete(method: str, velocity: Velocity, states: torch.Tensor, sigmas: torc
         raise ValueError(f"states hold {states.shape[1]} states but sigmas has {s.shape[0]} levels (T + 1 each)")
     if not isinstance(max_batch, int) or max_batch < 1:
         raise ValueError(f"max_batch must be a positive int; got {max_batch!r}")
-    return COMPLETIONS.get(name)(velocity, states, s, cond, max_batch, arg)
+    num_steps = s.shape[0] - 1
+    through = num_steps if through is None else through
+    if not isinstance(through, int) or not 0 <= through <= num_steps:
+        raise ValueError(f"through must be an int in [0, T = {num_steps}]; got {through!r}")
+    out = COMPLETIONS.get(name)(velocity, states, s, cond, max_batch, arg, through)
+    out.latents[:, through:] = states[:, -1:]  # deterministic from `through` on: the sample itself
+    return out

@@ -65,12 +65,19 @@ class Groups:
         in exact arithmetic, but a constant group then centers to exactly 0 (the mean of equal
         floats need not equal them), so it is recognized as zero-variance and dropped.
         """
+        centered, std = self._moments(x)
+        return centered / (std[self.index] + STD_EPS)
+
+    def std(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-group population std of the rows: `[B, ...]` -> `[n, ...]` (0 for a constant group)."""
+        return self._moments(x)[1]
+
+    def _moments(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shifted = x - x[self.first][self.index]
         size = self.sizes.reshape(-1, *([1] * (x.dim() - 1)))
         mean = self.sum(shifted) / size
         centered = shifted - mean[self.index]
-        std = torch.sqrt(self.sum(centered**2) / size)
-        return centered / (std[self.index] + STD_EPS)
+        return centered, torch.sqrt(self.sum(centered**2) / size)
 
 
 Scheme = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (rewards, gains, groups, **opts) -> (A, turning mask)

@@ -15,12 +15,15 @@ Sources: `flow` is Flow-GRPO's SDE (Euler-Maruyama of the reverse SDE that keeps
 marginals), `cps` its "coefficients-preserving" sampler, `ddim` Stepwise-Flow-GRPO's DDIM-like
 SDE, `psi` DenseGRPO's per-step calibrated noise.
 
-`s = 1` for `flow`: `a sqrt(s / (1 - s))` is infinite at pure noise; Flow-GRPO uses `sigmas[1]`
-in its place. A kernel only sees `s` and `s'`, and `s = 1` only happens at step 0, where
-`s' = sigmas[1]`; so every `s >= 1` is replaced by `s'` in `eps_t` (both the numerator and the
-denominator, as METHODS.md writes it; Flow-GRPO's code replaces only the denominator, which
-differs by a factor `sqrt(sigmas[1])`, under 1% on SD3's grids). The mean keeps the true `s` in
-`1 / (2 s)` and `(1 - s)`. `psi` needs no substitution: the table value is finite.
+`s = 1` for `flow`: `a sqrt(s / (1 - s))` is infinite at pure noise. Flow-GRPO's
+`sde_step_with_logprob` substitutes `sigmas[1]` for `s` in the denominator only:
+`eps_t = a sqrt(s / (1 - s_d))`, `s_d = sigmas[1]` when `s = 1`. A kernel only sees `s` and `s'`,
+and `s = 1` only happens at step 0, where `s' = sigmas[1]`; so `s_d = s'` whenever `s >= 1`. The
+mean keeps the true `s` everywhere. `psi` needs no substitution: the table value is finite.
+
+The diffusion coefficient (`diffusion_coefficient`) is the step's std without the `sqrt(-dt)`
+factor of the Euler-Maruyama kernels (`flow`, `psi`); for the others it is the std itself. It is
+what Flow-GRPO's KL divides by (`loss.grpo_loss`, `kl_form`).
 
 Shapes: `x, v: [B, C, H, W]`; `sigma, sigma_next, noise`: python floats, 0-d or `[B]` tensors.
 `mean: [B, C, H, W]` fp32, `std: [B, 1, 1, 1]` fp32. All math in fp32: bf16 steps lose the small
@@ -50,12 +53,12 @@ LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 
 
 def flow_scale(sigma: torch.Tensor, sigma_next: torch.Tensor, a) -> torch.Tensor:
-    """Flow-GRPO's diffusion coefficient `eps_t = a sqrt(s / (1 - s))`, with `s = 1` -> `s'`.
+    """Flow-GRPO's diffusion coefficient `eps_t = a sqrt(s / (1 - s_d))`, `s_d = s'` at `s = 1`, else `s`.
 
     Shapes broadcast. Also the initial DenseGRPO `psi` table (`calibration.initial_psi`).
     """
-    s = torch.where(sigma >= 1.0, sigma_next, sigma)
-    return a * torch.sqrt(s / (1.0 - s))
+    s_d = torch.where(sigma >= 1.0, sigma_next, sigma)
+    return a * torch.sqrt(sigma / (1.0 - s_d))
 
 
 def _sde_moments(x, v, sigma, sigma_next, eps_t):
@@ -109,6 +112,23 @@ def ddim(x, v, sigma, sigma_next, noise):
     """
     std = noise * sigma_next * torch.sqrt((1.0 - sigma).clamp_min(0.0))
     return _preserving_mean(x, v, sigma, sigma_next, std), std
+
+
+# Kernels whose std is `eps_t sqrt(-dt)` (Euler-Maruyama): their diffusion coefficient is std / sqrt(-dt).
+EULER_MARUYAMA = frozenset({"flow", "psi"})
+
+
+def diffusion_coefficient(kind: str, std: torch.Tensor, sigma, sigma_next) -> torch.Tensor:
+    """The step's diffusion coefficient: `std / sqrt(-dt)` for `flow` / `psi`, `std` otherwise.
+
+    `std: [B, 1, 1, 1]` from `step_moments`; `sigma, sigma_next` as there. Returns `[B, 1, 1, 1]` fp32.
+    """
+    KERNELS.validate(kind)
+    if kind not in EULER_MARUYAMA:
+        return std.float()
+    batch, device = std.shape[0], std.device
+    dt = _as_column(sigma_next, batch, device, "sigma_next") - _as_column(sigma, batch, device, "sigma")
+    return std.float() / torch.sqrt(-dt)
 
 
 # What `noise` means per kernel and its valid range; checked once in `step_moments` so every

@@ -5,16 +5,20 @@ METHODS.md, "The policy loss". For each trained step (rows of one call):
     ratio = exp(logp_new - logp_old)
     A     = clip(advantages, -adv_clip, adv_clip)
     loss  = mean(max(-A ratio, -A clip(ratio, 1 - clip_range, 1 + clip_range))) + kl_beta KL
-    KL    = mean_B( mean_CHW((mean - ref_mean)^2) / (2 std^2) )
+    KL    = mean_B( mean_CHW((mean - ref_mean)^2) / (2 kl_std^2) )
 
-KL is the closed form between two Gaussians with the same std (the step's actual std), the
-reference being the same model with the LoRA adapter disabled (Flow-GRPO).
-Diagnostics: `clip_frac` (fraction with |ratio - 1| > clip_range), `approx_kl`
-(`0.5 mean((logp_new - logp_old)^2)`, Flow-GRPO's estimate), and the ratio's mean / min / max,
-which must be exactly 1 at the first inner step on-policy (a classic bug detector).
+The reference is the same model with the LoRA adapter disabled (Flow-GRPO). `kl_std` decides the
+form: the kernel's diffusion coefficient `eps_t` (`kernels.diffusion_coefficient`, Flow-GRPO's
+code, no `sqrt(-dt)`: the form its published betas assume) or the step's actual std (the exact
+KL between the two step Gaussians; `beta_exact = beta |dt|` gives the same penalty for `flow`).
+Diagnostics: `clip_frac` (fraction with |ratio - 1| > clip_range), `zero_grad_frac` (fraction the
+clip gives zero gradient: ratio above `1 + clip_range` with A > 0, or below `1 - clip_range` with
+A < 0), `approx_kl` (`0.5 mean((logp_new - logp_old)^2)`, Flow-GRPO's estimate), and the ratio's
+mean / std / min / max, which must be exactly 1 / 0 at the first inner step on-policy (a classic
+bug detector).
 
 Shapes: `log_prob, old_log_prob, advantages: [B]` (any common shape works); `mean, ref_mean:
-[B, C, H, W]`; `std: [B, 1, 1, 1]`.
+[B, C, H, W]`; `kl_std: [B, 1, 1, 1]`.
 """
 
 from __future__ import annotations
@@ -29,8 +33,10 @@ class LossOutput(NamedTuple):
     policy_loss: torch.Tensor  # scalar, detached: the PPO-clip term
     kl: torch.Tensor  # scalar, detached: KL to the reference (0 when kl_beta == 0 and no means)
     clip_frac: float
+    zero_grad_frac: float
     approx_kl: float
     ratio_mean: float
+    ratio_std: float
     ratio_min: float
     ratio_max: float
 
@@ -44,7 +50,7 @@ def grpo_loss(
     kl_beta: float = 0.0,
     mean: torch.Tensor | None = None,
     ref_mean: torch.Tensor | None = None,
-    std: torch.Tensor | None = None,
+    kl_std: torch.Tensor | None = None,
 ) -> LossOutput:
     """PPO-clip GRPO loss with advantage clipping and the reference KL (module doc)."""
     if log_prob.shape != old_log_prob.shape or log_prob.shape != advantages.shape:
@@ -64,22 +70,26 @@ def grpo_loss(
 
     has_means = mean is not None or ref_mean is not None
     if kl_beta > 0 or has_means:
-        if mean is None or ref_mean is None or std is None:
-            raise ValueError("the KL term needs mean, ref_mean and std (from step_log_prob with the policy and the reference)")
+        if mean is None or ref_mean is None or kl_std is None:
+            raise ValueError("the KL term needs mean, ref_mean and kl_std (from step_log_prob with the policy and the reference)")
         if mean.shape != ref_mean.shape:
             raise ValueError(f"mean and ref_mean must share a shape; got {tuple(mean.shape)} and {tuple(ref_mean.shape)}")
         sq = ((mean.float() - ref_mean.float().detach()) ** 2).mean(dim=tuple(range(1, mean.dim())))  # [B]
-        kl = (sq / (2.0 * std.float().detach().reshape(-1) ** 2)).mean()
+        kl = (sq / (2.0 * kl_std.float().detach().reshape(-1) ** 2)).mean()
     else:
         kl = torch.zeros((), device=log_prob.device)
     loss = policy_loss + kl_beta * kl
 
     with torch.no_grad():
         r = ratio.detach()
+        # The max picks the clipped (constant) term: ratio beyond the clip on the side A pushes it.
+        zero_grad = ((adv > 0) & (r > 1.0 + clip_range)) | ((adv < 0) & (r < 1.0 - clip_range))
         stats = dict(
             clip_frac=float(((r - 1.0).abs() > clip_range).float().mean()),
+            zero_grad_frac=float(zero_grad.float().mean()),
             approx_kl=float(0.5 * (log_ratio.detach() ** 2).mean()),
             ratio_mean=float(r.mean()),
+            ratio_std=float(r.std(unbiased=False)),
             ratio_min=float(r.min()),
             ratio_max=float(r.max()),
         )

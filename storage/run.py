@@ -119,6 +119,7 @@ class RolloutData:
     states: np.ndarray  # [n, T+1, C, H, W] float16 or float32 (bf16 runs: float32)
     log_probs: np.ndarray  # [n, T] float32, NaN outside the SDE window
     stds: np.ndarray  # [n, T] float32
+    ode_final: np.ndarray  # [n, C, H, W] the ODE sample from each trajectory's x_0 (shared by its group)
     sigmas: np.ndarray  # [T+1] float32
     seeds: np.ndarray  # [n] int64
     prompt_ids: np.ndarray  # [n] int64
@@ -406,7 +407,7 @@ class Run:
         attrs: Mapping[str, Any] | None = None,
     ) -> StageWriter:
         """Begin the rollout of `iteration`: the plan (`sigmas [T+1]`, `seeds, prompt_ids, group_ids [B]`)
-        is written now; `states`, `log_probs`, `stds` are written per trajectory with `writer.write`.
+        is written now; `states`, `log_probs`, `stds`, `ode_final` are written per trajectory with `writer.write`.
 
         `latent_shape` is `(C, H, W)`; `latent_dtype` the compute dtype ("float16", "float32",
         "bfloat16" -> stored as float32). Raises StageLockedError if another writer holds the stage.
@@ -509,6 +510,7 @@ class Run:
             states=store.read("states", trajectories),
             log_probs=store.read("log_probs", trajectories),
             stds=store.read("stds", trajectories),
+            ode_final=store.read("ode_final", trajectories),
             sigmas=store.read("sigmas"),
             seeds=store.read("seeds")[rows],
             prompt_ids=store.read("prompt_ids")[rows],

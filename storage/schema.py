@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: rollout.ode_final
 
 # Latent storage dtype for each compute dtype; bf16 -> float32 (no NumPy bf16, float32 is exact).
 LATENT_STORAGE_DTYPES: dict[str, str] = {
@@ -97,6 +97,9 @@ ROLLOUT = StoreSpec(
         ArraySpec("log_probs", ("B", "T"), "float32", True,
                   "log-prob of step k under the sampling kernel; NaN outside the SDE window"),
         ArraySpec("stds", ("B", "T"), "float32", True, "the kernel's std at step k"),
+        ArraySpec("ode_final", ("B", "C", "H", "W"), "latent", True,
+                  "the ODE sample (every step `ode`, same grid) from the trajectory's x_0: the clean "
+                  "latent of R_0, the same for every member of a group"),
         ArraySpec("sigmas", ("T+1",), "float32", False, "the grid, sigmas[0] = 1 > ... > sigmas[T] = 0"),
         ArraySpec("seeds", ("B",), "int64", False, "the seed of each trajectory"),
         ArraySpec("prompt_ids", ("B",), "int64", False, "row of the prompts table"),

@@ -15,8 +15,9 @@ SIGMAS = torch.tensor([1.0, 0.9, 0.6, 0.3, 0.0])
 
 def test_initial_psi_is_the_flow_scale():
     psi = initial_psi(SIGMAS, a=0.7)
-    # a sqrt(s / (1 - s)) per step, with sigmas[1] = 0.9 standing in for s = 1 at step 0
-    expected = [0.7 * math.sqrt(s / (1 - s)) for s in (0.9, 0.9, 0.6, 0.3)]
+    # a sqrt(s / (1 - s)) per step; at s = 1 (step 0) sigmas[1] = 0.9 stands in for s in the
+    # denominator only (Flow-GRPO): a sqrt(1 / 0.1)
+    expected = [0.7 * math.sqrt(1 / 0.1)] + [0.7 * math.sqrt(s / (1 - s)) for s in (0.9, 0.6, 0.3)]
     assert psi.shape == (4,)
     torch.testing.assert_close(psi, torch.tensor(expected))
 

@@ -136,3 +136,26 @@ def test_invalid_inputs():
     with pytest.raises(ValueError, match="levels"):
         complete("tweedie", Counting(), states[:, :3], SIGMAS, cond, max_batch=4)
     assert validate_method("substeps:5") == "substeps:5"
+
+
+@pytest.mark.parametrize("method, nfe_per_traj", [("remaining", 5 + 4), ("substeps:3", 3 * 2), ("tweedie", 2)])
+def test_states_after_the_sde_window_are_the_sample_and_cost_nothing(method, nfe_per_traj):
+    # Window (0, 2): steps 2..4 are ODE, so x_2..x_5 lead to x_T on the rollout's own grid.
+    g = torch.Generator().manual_seed(3)
+    x0 = torch.randn(3, 2, 3, 3, generator=g)
+    cond = {"scale": torch.linspace(0.5, 1.5, 3)}
+    states = rollout(Counting(), x0, SIGMAS, cond, kernel="flow", noise=0.7, window=(0, 2), generator=g).states
+    full = complete(method, Counting(), states, SIGMAS, cond, max_batch=4)
+    short = complete(method, Counting(), states, SIGMAS, cond, max_batch=4, through=2)
+    assert short.nfe == 3 * nfe_per_traj  # remaining: (T - 0) + (T - 1) per trajectory
+    torch.testing.assert_close(short.latents[:, :2], full.latents[:, :2], rtol=0, atol=1e-6)
+    for k in range(2, T + 1):
+        torch.testing.assert_close(short.latents[:, k], states[:, -1], rtol=0, atol=0)
+    if method == "remaining":  # exactly what recomputing gives: the same Euler steps as the rollout
+        torch.testing.assert_close(short.latents, full.latents, rtol=0, atol=1e-5)
+
+
+def test_through_is_checked():
+    states, cond = make()
+    with pytest.raises(ValueError, match="through must be an int in"):
+        complete("tweedie", Counting(), states, SIGMAS, cond, max_batch=4, through=T + 1)

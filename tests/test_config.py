@@ -9,7 +9,8 @@ import pytest
 from stepgrpo.config import STAGE_FIELDS, Config, ConfigError, load_config, stage_fields
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-SHIPPED = ["demo", "flow_grpo_pickscore", "densegrpo_geneval", "tpgrpo_pickscore", "stepwise_pickscore"]
+SHIPPED = ["demo", "flow_grpo_pickscore", "densegrpo_geneval", "tpgrpo_pickscore", "stepwise_pickscore",
+           "shapes_outcome", "shapes_stepwise", "shapes_dense", "shapes_turning_point"]
 
 
 @pytest.mark.parametrize("name", SHIPPED)
@@ -104,3 +105,47 @@ def test_scheme_options_and_step_rewards_are_checked():
         load_config(None, ["credit.scheme=turning_point", "credit.options={wobble: true}"])
     with pytest.raises(ConfigError, match="needs step rewards"):
         load_config(None, ["credit.scheme=dense", "completion.method=null"])
+
+
+def test_the_final_step_is_not_trained_by_default():
+    assert load_config(None, []).trained_steps() == list(range(9))  # T = 10: steps 0..8, as Flow-GRPO
+    assert load_config(None, ["optim.train_final_step=true"]).trained_steps() == list(range(10))
+    assert load_config(None, ["sampler.sde_window_start=7"]).trained_steps() == [7, 8]
+    assert load_config(None, ["optim.train_steps=[9]"]).trained_steps() == [9]  # named explicitly
+    with pytest.raises(ConfigError, match="train_final_step"):
+        load_config(None, ["sampler.sde_window_start=9"])
+
+
+def test_optimizer_steps_must_fit_the_batch():
+    cfg = load_config(None, ["optim.optimizer_steps=16"])  # 4 prompts x 4 samples
+    assert cfg.optim.optimizer_steps == 16
+    with pytest.raises(ConfigError, match="optim.optimizer_steps=17 exceeds the 16 trajectories"):
+        load_config(None, ["optim.optimizer_steps=17"])
+    with pytest.raises(ConfigError, match="grad_accum: unknown field"):
+        load_config(None, ["optim.grad_accum=2"])
+
+
+def test_a_config_starts_from_its_base(tmp_path):
+    outcome = load_config(CONFIGS / "shapes_outcome.yaml")
+    stepwise = load_config(CONFIGS / "shapes_stepwise.yaml")
+    assert (stepwise.credit.scheme, stepwise.completion.method) == ("stepwise", "substeps:5")
+    assert stepwise.optim == outcome.optim and stepwise.sampler == outcome.sampler
+    assert stepwise.run.name == "shapes_stepwise" and stepwise.run.iterations == outcome.run.iterations
+    (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    with pytest.raises(ConfigError, match="is its own base"):
+        load_config(tmp_path / "a.yaml")
+    (tmp_path / "c.yaml").write_text("base: missing.yaml\n")
+    with pytest.raises(ConfigError, match="missing.yaml.*does not exist"):
+        load_config(tmp_path / "c.yaml")
+
+
+def test_shapes_recipes_share_the_outcome_base():
+    base = load_config(CONFIGS / "shapes_outcome.yaml")
+    assert (base.reward.name, base.model.guidance_scale, base.sampler.window()) == ("shapes", 1.0, (0, 3))
+    assert (base.optim.optimizer_steps, base.optim.kl_beta, base.run.eval_prompts, base.run.eval_seeds) == (1, 0.0, 126, 2)
+    for name, scheme in [("stepwise", "stepwise"), ("dense", "dense"), ("turning_point", "turning_point")]:
+        cfg = load_config(CONFIGS / f"shapes_{name}.yaml")
+        assert cfg.credit.scheme == scheme and cfg.optim == base.optim and cfg.model == base.model
+    demo = load_config(CONFIGS / "demo.yaml")
+    assert demo.optim == base.optim and demo.sampler == base.sampler and demo.run.iterations < base.run.iterations

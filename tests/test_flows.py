@@ -90,11 +90,28 @@ def test_train_runs_every_stage_and_tracks_it(trained):
     (mlrun,) = client.search_runs([exp.experiment_id])
     assert mlrun.data.params["credit.scheme"] == "stepwise"
     for metric in ("reward/mean", "clip_frac", "approx_kl", "ratio/mean", "zero_std_ratio", "gain/step_0",
-                   "nfe/complete", "seconds/update", "eval/mean"):
+                   "nfe/complete", "seconds/update", "eval/mean",
+                   # the learning diagnostics
+                   "reward/ode_mean", "reward/group_std", "reward/zero_std_groups", "clip_frac/first",
+                   "zero_grad_frac/first", "ratio/std", "signal_cosine", "lora/distance", "lora/update_norm",
+                   "grad_energy_share/step_0", "grad_energy_share/step_2", "nfe/ode_reference"):
         assert metric in mlrun.data.metrics, metric
     assert len(client.get_metric_history(mlrun.info.run_id, "reward/mean")) == 2
     artifacts = {a.path for a in client.list_artifacts(mlrun.info.run_id)}
     assert {"lora", "eval"} <= artifacts
+
+
+def test_inspect_shows_the_learning_diagnostics(trained):
+    from typer.testing import CliRunner
+
+    from stepgrpo.cli import app
+
+    result = CliRunner().invoke(app, ["inspect", trained["run_dir"]])
+    assert result.exit_code == 0, result.output
+    assert "learning diagnostics" in result.output
+    for column in ("R SDE", "R ODE", "grp std", "clip 1st/later", "signal", "grad energy k:share", "|LoRA-init|"):
+        assert column in result.output, column
+    assert "0:" in result.output and "2:" in result.output  # the energy share of trained steps 0..2
 
 
 def test_rerunning_the_same_run_computes_nothing(trained, tiny, calls):
@@ -242,15 +259,69 @@ def test_outcome_without_completion_scores_final_samples_only(harness, tiny, tmp
     from storage.run import Run
 
     out = train(overrides=[*tiny, "completion.method=null", "credit.scheme=outcome", "run.iterations=1",
-                           "optim.ema_decay=0.5", "optim.grad_accum=2", "sampler.sde_window_start=1",
+                           "optim.ema_decay=0.5", "optim.optimizer_steps=2", "sampler.sde_window_start=1",
                            "sampler.sde_window_size=2"], run_dir=str(tmp_path / "outcome"))
     run = Run.open(out["run_dir"])
-    assert set(run.read_rewards(0).column("k").to_pylist()) == {4}
+    assert set(run.read_rewards(0).column("k").to_pylist()) == {0, 4}  # R_0: the ODE sample of x_0
     assert not (Path(out["run_dir"]) / "iter_0" / "completions").exists()
-    assert list(run.read_images(0, "rollout").k) == [4]  # the final images only
+    assert list(run.read_images(0, "rollout").k) == [0, 4]  # the ODE and the SDE final images only
     ckpt = run.load_checkpoint(0)
-    assert set(ckpt.tensors) == {"lora", "optimizer", "ema", "rng"}
+    assert set(ckpt.tensors) == {"lora", "optimizer", "ema", "rng", "signal"}  # signal: the summed half-gradients
     assert ckpt.state["update"]["trained_steps"] == 2.0
+
+
+def test_states_after_the_sde_window_are_not_recomputed(harness, tiny, tmp_path):
+    from flows.train import train
+    from stepgrpo.images import dequantize
+    from stepgrpo_core.completions import complete
+    from storage.run import Run
+
+    out = train(overrides=[*tiny, "completion.method=remaining", "run.iterations=1", "sampler.sde_window_size=2"],
+                run_dir=str(tmp_path / "window"))
+    run = Run.open(out["run_dir"])
+    m = run.stage_manifest(0, "completions/remaining")
+    assert m["attrs"]["nfe"] == 6 * (4 + 3)  # B = 6; x_0 and x_1 need T - k steps, x_2.. x_4 are x_T
+    grid = run.reward_grid(0, "jpeg_compressibility")
+    assert grid.shape == (6, 5) and bool(torch.isfinite(grid).all())  # every k has its row
+    for k in (2, 3):
+        assert torch.equal(grid[:, k], grid[:, 4])
+    # the same as recomputing every state's completion
+    cfg = load_config(None, [*tiny, "completion.method=remaining", "run.iterations=1", "sampler.sde_window_size=2"])
+    pol = stages.policy_at(run, cfg, 0)
+    data = run.read_rollout(0)
+    texts, _, meta = stages._prompt_rows(run)
+    with torch.no_grad():
+        full = complete("remaining", pol.velocity, torch.from_numpy(data.states), torch.from_numpy(data.sigmas),
+                        stages._encode(pol, texts, data.prompt_ids), 64)
+    stored = run.read_completion(0, "remaining").latents
+    torch.testing.assert_close(full.latents, torch.from_numpy(stored), rtol=0, atol=1e-5)
+    reward = workspace.reward(cfg.reward)
+    images = dequantize(pol.decoder.decode_uint8(full.latents.reshape(30, *full.latents.shape[2:])))
+    rows = data.prompt_ids.repeat(5)
+    again = reward(images, [texts[int(p)] for p in rows], [meta[int(p)] for p in rows]).scores.reshape(6, 5)
+    torch.testing.assert_close(again.double(), grid.double(), rtol=0, atol=1e-6)
+
+
+def test_outcome_runs_store_the_ode_sample_of_each_group(harness, tiny, tmp_path):
+    from flows.train import train
+    from stepgrpo_core.rollout import rollout
+    from storage.run import Run
+
+    overrides = [*tiny, "completion.method=null", "credit.scheme=outcome", "run.iterations=1"]
+    out = train(overrides=overrides, run_dir=str(tmp_path / "ode"))
+    run = Run.open(out["run_dir"])
+    assert run.stage_manifest(0, "rollout")["inputs"]["nfe_ode"] == 2 * 4  # one ODE sample per group, T = 4
+    data = run.read_rollout(0)
+    ode_final = torch.from_numpy(run.read_array(0, "rollout", "ode_final"))
+    cfg = load_config(None, overrides)
+    pol = stages.policy_at(run, cfg, 0)
+    texts, _, _ = stages._prompt_rows(run)
+    ode = rollout(pol.velocity, torch.from_numpy(data.states[:, 0]), torch.from_numpy(data.sigmas),
+                  stages._encode(pol, texts, data.prompt_ids), kernel="ode").states[:, -1]
+    torch.testing.assert_close(ode_final, ode, rtol=0, atol=1e-5)
+    grid = run.reward_grid(0, "jpeg_compressibility")
+    assert bool(torch.isfinite(grid[:, 0]).all()) and bool(torch.isfinite(grid[:, -1]).all())
+    assert torch.equal(grid[0:3, 0], grid[0:1, 0].expand(3))  # shared within a group
 
 
 def _stored_overrides(trained: dict) -> list[str]:

@@ -81,10 +81,11 @@ def test_table_values():
     assert std.item() == pytest.approx(1.0 * 0.25 * math.sqrt(0.5))
     _, std = step_moments("psi", x, x, 0.5, 0.25, 0.3)
     assert std.item() == pytest.approx(0.3 * 0.5)
-    # flow at s = 1: s is replaced by sigma_next (= sigmas[1] at step 0), finite std.
+    # flow at s = 1: sigma_next (= sigmas[1] at step 0) replaces s in the denominator only:
+    # eps_t = 0.7 sqrt(1 / (1 - 0.9)), std = eps_t sqrt(0.1) = 0.7.
     _, std = step_moments("flow", x, x, 1.0, 0.9, 0.7)
-    assert std.item() == pytest.approx(0.7 * math.sqrt(0.9 / 0.1) * math.sqrt(0.1))
-    assert flow_scale(torch.tensor(1.0), torch.tensor(0.9), 0.7).item() == pytest.approx(0.7 * 3.0)
+    assert std.item() == pytest.approx(0.7 * math.sqrt(1.0 / 0.1) * math.sqrt(0.1))
+    assert flow_scale(torch.tensor(1.0), torch.tensor(0.9), 0.7).item() == pytest.approx(0.7 * math.sqrt(10.0))
     # ddim at s = 1 is deterministic (sqrt(1 - s) = 0).
     _, std = step_moments("ddim", x, x, 1.0, 0.9, 1.0)
     assert std.item() == 0.0
@@ -239,3 +240,43 @@ def test_flow_sde_monte_carlo_agrees_with_exact_moments():
         x = out.states[:, k + 1].transpose(0, 1).reshape(2, -1)
         assert ((x.mean(1) - m.reshape(2)).abs() < 5 * sd.reshape(2) / math.sqrt(n) + 1e-6).all(), k
         assert ((x.std(1) - sd.reshape(2)).abs() < 5 * sd.reshape(2) / math.sqrt(2 * n) + 1e-6).all(), k
+
+
+def _flow_grpo_sde_step(x, v, sigmas, k, a, x_next):
+    """Flow-GRPO's `sde_step_with_logprob` (their `sde` type), transcribed with the grid indexed by k:
+    `std_dev_t = sqrt(sigma / (1 - where(sigma == 1, sigmas[1], sigma))) * a`."""
+    sigma, sigma_prev, sigma_max = sigmas[k], sigmas[k + 1], sigmas[1]
+    dt = sigma_prev - sigma
+    std_dev_t = torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_max, sigma))) * a
+    mean = x * (1 + std_dev_t**2 / (2 * sigma) * dt) + v * (1 + std_dev_t**2 * (1 - sigma) / (2 * sigma)) * dt
+    std = std_dev_t * torch.sqrt(-dt)
+    logp = -((x_next - mean) ** 2) / (2 * std**2) - torch.log(std) - math.log(math.sqrt(2 * math.pi))
+    return mean, std, std_dev_t, logp.mean(dim=(1, 2, 3))
+
+
+def test_flow_kernel_is_flow_grpo_sde_step_at_every_step():
+    from stepgrpo_core.kernels import diffusion_coefficient, log_prob
+
+    # SD3's shifted 10-step grid (shift 3), step 0 (s = 1) included.
+    t = torch.linspace(1.0, 0.0, 11)
+    sigmas = 3 * t / (1 + 2 * t)
+    g = torch.Generator().manual_seed(0)
+    for k in range(10):
+        x, v, x_next = (torch.randn(2, 4, 8, 8, generator=g, dtype=torch.float64) for _ in range(3))
+        mean, std = step_moments("flow", x, v, float(sigmas[k]), float(sigmas[k + 1]), 0.7)
+        ref_mean, ref_std, ref_eps, ref_logp = _flow_grpo_sde_step(x, v, sigmas.double(), k, 0.7, x_next)
+        torch.testing.assert_close(std[0].reshape(()).double(), ref_std, rtol=1e-6, atol=0)
+        torch.testing.assert_close(mean.double(), ref_mean, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(log_prob(x_next.float(), mean, std).double(), ref_logp, rtol=1e-5, atol=1e-5)
+        eps = diffusion_coefficient("flow", std, float(sigmas[k]), float(sigmas[k + 1]))
+        torch.testing.assert_close(eps[0].reshape(()).double(), ref_eps, rtol=1e-6, atol=0)
+
+
+def test_diffusion_coefficient_is_the_std_for_kernels_without_sqrt_dt():
+    from stepgrpo_core.kernels import diffusion_coefficient
+
+    x = torch.zeros(1, 1, 1, 1)
+    _, std = step_moments("cps", x, x, 0.5, 0.25, 0.7)
+    assert diffusion_coefficient("cps", std, 0.5, 0.25).item() == std.item()
+    _, std = step_moments("psi", x, x, 0.5, 0.25, 0.3)
+    assert diffusion_coefficient("psi", std, 0.5, 0.25).item() == pytest.approx(0.3)

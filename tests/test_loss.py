@@ -35,12 +35,12 @@ def test_kl_term_worked_example():
     ref = torch.zeros(2, 1, 2, 2)
     std = torch.full((2, 1, 1, 1), 0.1)
     zeros = torch.zeros(2)
-    out = grpo_loss(zeros, zeros, zeros, kl_beta=0.5, mean=mean, ref_mean=ref, std=std)
+    out = grpo_loss(zeros, zeros, zeros, kl_beta=0.5, mean=mean, ref_mean=ref, kl_std=std)
     assert out.kl.item() == pytest.approx(2.0)
     assert out.loss.item() == pytest.approx(0.5 * 2.0)  # the policy term is 0 with A = 0
     out.loss.backward()
     assert mean.grad is not None and (mean.grad > 0).all()
-    same = grpo_loss(zeros, zeros, zeros, kl_beta=0.5, mean=ref, ref_mean=ref, std=std)
+    same = grpo_loss(zeros, zeros, zeros, kl_beta=0.5, mean=ref, ref_mean=ref, kl_std=std)
     assert same.kl.item() == 0.0
 
 
@@ -60,7 +60,7 @@ def test_ratio_exactly_one_on_policy():
     adv = torch.tensor([1.0, -0.5, 2.0])
     for k in (1, 2):
         new = step_log_prob(velocity, out.states, sigmas, cond, k, "flow", 0.7)
-        loss = grpo_loss(new.log_prob, out.log_probs[:, k], adv, mean=new.mean, ref_mean=new.mean.detach(), std=new.std, kl_beta=0.04)
+        loss = grpo_loss(new.log_prob, out.log_probs[:, k], adv, mean=new.mean, ref_mean=new.mean.detach(), kl_std=new.std, kl_beta=0.04)
         assert loss.ratio_mean == 1.0 and loss.ratio_min == 1.0 and loss.ratio_max == 1.0
         assert loss.clip_frac == 0.0 and loss.approx_kl == 0.0 and loss.kl.item() == 0.0
         assert loss.loss.item() == pytest.approx(-adv.mean().item())
@@ -73,7 +73,39 @@ def test_invalid_inputs():
     z = torch.zeros(3)
     with pytest.raises(ValueError, match="share a shape"):
         grpo_loss(z, torch.zeros(2), z)
-    with pytest.raises(ValueError, match="needs mean, ref_mean and std"):
+    with pytest.raises(ValueError, match="needs mean, ref_mean and kl_std"):
         grpo_loss(z, z, z, kl_beta=0.04)
     with pytest.raises(ValueError, match="clip_range > 0"):
         grpo_loss(z, z, z, clip_range=0.0)
+
+
+def test_zero_gradient_fraction_counts_the_clipped_side_only():
+    # ratios e^0.3 (above 1 + 0.2), e^-0.3 (below 1 - 0.2), 1; advantages +, -, +, and + with low ratio.
+    new = torch.tensor([0.3, -0.3, 0.0, -0.3])
+    adv = torch.tensor([1.0, -1.0, 1.0, 1.0])
+    out = grpo_loss(new, torch.zeros(4), adv, clip_range=0.2)
+    # rows 0 (A > 0, ratio high) and 1 (A < 0, ratio low) get no gradient; row 3 is clipped but
+    # the unclipped term is the max there (A > 0, ratio low), so it still has a gradient.
+    assert out.zero_grad_frac == pytest.approx(2 / 4)
+    assert out.clip_frac == pytest.approx(3 / 4)
+    new.requires_grad_(True)
+    grpo_loss(new, torch.zeros(4), adv, clip_range=0.2).loss.backward()
+    assert [bool(g != 0) for g in new.grad] == [False, False, True, True]
+
+
+def test_flow_grpo_kl_form_is_the_exact_kl_with_beta_times_dt():
+    from stepgrpo_core.kernels import diffusion_coefficient, step_moments
+
+    g = torch.Generator().manual_seed(0)
+    x, v, dv = (torch.randn(2, 3, 4, 4, generator=g) for _ in range(3))
+    sigma, sigma_next = 0.6, 0.45
+    mean, std = step_moments("flow", x, v, sigma, sigma_next, 0.7)
+    ref_mean, _ = step_moments("flow", x, v + 0.1 * dv, sigma, sigma_next, 0.7)
+    zeros = torch.zeros(2)
+    eps = diffusion_coefficient("flow", std, sigma, sigma_next)
+    flow_grpo = grpo_loss(zeros, zeros, zeros, kl_beta=0.04, mean=mean, ref_mean=ref_mean, kl_std=eps)
+    exact = grpo_loss(zeros, zeros, zeros, kl_beta=0.04 * (sigma - sigma_next), mean=mean, ref_mean=ref_mean, kl_std=std)
+    # Flow-GRPO's expression, written out: mean_CHW((mu - mu_ref)^2) / (2 eps_t^2), eps_t = 0.7 sqrt(s / (1 - s))
+    by_hand = (((mean - ref_mean) ** 2).mean(dim=(1, 2, 3)) / (2 * (0.7**2 * sigma / (1 - sigma)))).mean()
+    torch.testing.assert_close(flow_grpo.kl, by_hand, rtol=1e-5, atol=0)
+    torch.testing.assert_close(flow_grpo.loss, exact.loss, rtol=1e-5, atol=0)

@@ -209,3 +209,22 @@ def test_shipped_model_loads_and_samples():
         final = rollout(policy.velocity, x0, policy.sigmas(4), policy.encode(PROMPTS[:2]), kernel="ode").states[:, -1]
     images = policy.decode(final)
     assert images.shape[:2] == (2, 3) and torch.isfinite(images).all()
+
+
+def test_detached_uncond_trains_through_the_conditional_branch_only(base_dir):
+    cfg_policy = SD3Policy.from_pretrained(base_dir, guidance_scale=3.0, lora=LORA)
+    cond_policy = SD3Policy.from_pretrained(base_dir, guidance_scale=1.0, lora=LORA)
+    perturb_lora(cfg_policy)
+    perturb_lora(cond_policy)
+    cond, x, sigma = cfg_policy.encode(PROMPTS), noise(cfg_policy, 3), torch.tensor([0.9, 0.5, 0.2])
+    with torch.no_grad():
+        plain = cfg_policy.velocity(x, sigma, cond)
+    with cfg_policy.detached_uncond():
+        v = cfg_policy.velocity(x, sigma, cond)
+    torch.testing.assert_close(v.detach(), plain)  # the same values
+    v.sum().backward()
+    # v = v_u + s (v_c - v_u) with v_u detached: the gradient is s times that of v_c alone
+    cond_policy.velocity(x, sigma, cond_policy.encode(PROMPTS)).sum().backward()
+    for a, b in zip(cfg_policy.trainable_parameters(), cond_policy.trainable_parameters()):
+        torch.testing.assert_close(a.grad, 3.0 * b.grad, rtol=1e-4, atol=1e-6)
+    assert not cfg_policy._detach_uncond  # restored after the block

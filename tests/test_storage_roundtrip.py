@@ -31,6 +31,7 @@ def rollout_inputs(seed: int = 0, dtype: torch.dtype = torch.float16) -> dict:
         "states": torch.randn(B, T + 1, C, H, W, generator=g).to(dtype),
         "log_probs": log_probs,
         "stds": torch.rand(B, T, generator=g),
+        "ode_final": torch.randn(B, C, H, W, generator=g).to(dtype),
         "sigmas": torch.linspace(1, 0, T + 1),
         "seeds": torch.arange(B) + 1000,
         "prompt_ids": torch.tensor([7, 7, 3, 3]),
@@ -45,7 +46,7 @@ def write_rollout(run: Run, iteration: int, x: dict, dtype: str = "float16", ord
     ) as w:
         for start in order:  # two slices of two trajectories, in the given order
             sl = slice(start, start + 2)
-            w.write(start, states=x["states"][sl], log_probs=x["log_probs"][sl], stds=x["stds"][sl])
+            w.write(start, states=x["states"][sl], log_probs=x["log_probs"][sl], stds=x["stds"][sl], ode_final=x["ode_final"][sl])
         return w.publish(inputs={"seed": 0})
 
 
@@ -158,12 +159,12 @@ def test_publish_rules(tmp_path):
         0, sigmas=x["sigmas"], seeds=x["seeds"], prompt_ids=x["prompt_ids"], group_ids=x["group_ids"],
         latent_shape=(C, H, W), latent_dtype="float16", kernel="sde", kernel_params={},
     ) as w:
-        w.write(0, states=x["states"][:3], log_probs=x["log_probs"][:3], stds=x["stds"][:3])
+        w.write(0, states=x["states"][:3], log_probs=x["log_probs"][:3], stds=x["stds"][:3], ode_final=x["ode_final"][:3])
         with pytest.raises(IncompleteStageError, match=r"states: \[3\]"):
             w.publish()
         with pytest.raises(ValueError, match="expected shape"):
             w.write(3, states=x["states"][3:, :2])
-        w.write(3, states=x["states"][3:], log_probs=x["log_probs"][3:], stds=x["stds"][3:])
+        w.write(3, states=x["states"][3:], log_probs=x["log_probs"][3:], stds=x["stds"][3:], ode_final=x["ode_final"][3:])
         w.publish()
     assert run.stage_manifest(0, "rollout") is not None
     with pytest.raises(AlreadyPublishedError):

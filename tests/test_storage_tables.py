@@ -21,7 +21,8 @@ def run(tmp_path) -> Run:
         0, sigmas=np.linspace(1, 0, T + 1), seeds=np.arange(B), prompt_ids=np.zeros(B), group_ids=[0, 0, 1, 1],
         latent_shape=(1, 2, 2), latent_dtype="float32", kernel="sde", kernel_params={},
     ) as w:
-        w.write(0, states=np.zeros((B, T + 1, 1, 2, 2)), log_probs=np.zeros((B, T)), stds=np.zeros((B, T)))
+        w.write(0, states=np.zeros((B, T + 1, 1, 2, 2)), log_probs=np.zeros((B, T)), stds=np.zeros((B, T)),
+                ode_final=np.zeros((B, 1, 2, 2)))
         w.publish()
     return run
 

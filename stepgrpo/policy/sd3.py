@@ -136,6 +136,7 @@ class SD3Policy:
         self.decoder = ImageDecoder(pipe.vae, dtype, device, max_batch)
         self.dtype, self.device = dtype, device
         self.guidance_scale = float(guidance_scale)
+        self._detach_uncond = False  # see `detached_uncond`
         self.max_batch = max_batch
         self.negative_prompt = negative_prompt
         # without a T5 encoder the pipeline would append this many zero rows to the context
@@ -292,6 +293,8 @@ class SD3Policy:
         )[0]
         if self.do_cfg:
             v_uncond, v_cond = v.chunk(2)
+            if self._detach_uncond:
+                v_uncond = v_uncond.detach()
             v = v_uncond + self.guidance_scale * (v_cond - v_uncond)
         return v
 
@@ -355,6 +358,16 @@ class SD3Policy:
             yield self
         finally:
             self.transformer.enable_adapters()
+
+    @contextlib.contextmanager
+    def detached_uncond(self, enabled: bool = True) -> Iterator[SD3Policy]:
+        """Inside the block, CFG's unconditional prediction carries no gradient (Flow-GRPO's update):
+        the policy is trained through its conditional branch only. Same values as outside."""
+        before, self._detach_uncond = self._detach_uncond, enabled
+        try:
+            yield self
+        finally:
+            self._detach_uncond = before
 
     def save_lora(self, directory: str | Path) -> Path:
         """Write the adapter as `directory/pytorch_lora_weights.safetensors`, loadable with

@@ -1,0 +1,35 @@
+"""What the runs report: paired held-out gains with their interval, the training-reward summary."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from stepgrpo.report import paired_gain
+from stepgrpo.stages import reward_summary
+
+
+def test_paired_gain_is_the_mean_difference_with_a_t_interval():
+    before = {"scores": [0.5, 0.5, 0.5], "prompts": 3, "seeds": 1}
+    after = {"scores": [0.6, 0.7, 0.5], "prompts": 3, "seeds": 1}
+    mean, lo, hi = paired_gain(before, after)
+    # differences 0.1, 0.2, 0.0: mean 0.1, sample sd 0.1, t(0.975, 2) = 4.303
+    half = 4.302653 * 0.1 / math.sqrt(3)
+    assert mean == pytest.approx(0.1) and lo == pytest.approx(0.1 - half, abs=1e-6) and hi == pytest.approx(0.1 + half, abs=1e-6)
+    assert paired_gain(before, {**after, "seeds": 2}) is None  # not the same samples
+    assert paired_gain({"prompts": 3, "seeds": 1}, after) is None  # an old record without scores
+
+
+def test_reward_summary_reads_the_sde_the_ode_reference_and_the_groups():
+    nan = float("nan")
+    # two groups of two; R_0 (the ODE sample) is shared within a group; the middle state unscored
+    grid = torch.tensor([[0.5, nan, 1.0], [0.5, nan, 1.0], [0.0, nan, 0.0], [0.0, nan, 1.0]])
+    strict = torch.tensor([[1.0, nan, 1.0], [1.0, nan, 1.0], [0.0, nan, 0.0], [0.0, nan, 1.0]])
+    s = reward_summary(grid, strict, torch.tensor([0, 0, 1, 1]))
+    assert s["reward_mean"] == pytest.approx(0.75) and s["reward_strict"] == pytest.approx(0.75)
+    assert s["ode_reward_mean"] == pytest.approx(0.25) and s["ode_reward_strict"] == pytest.approx(0.5)
+    assert s["group_reward_std"] == pytest.approx(0.25)  # stds 0 and 0.5
+    assert s["zero_std_groups"] == pytest.approx(0.5)
+    assert "reward_per_state" not in s  # not every state has a reward

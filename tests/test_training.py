@@ -1,0 +1,156 @@
+"""The policy update loop: optimizer steps per iteration, trained steps, micro-batches, diagnostics."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from stepgrpo import training
+from stepgrpo.config import load_config
+from stepgrpo_core.rollout import rollout
+
+T, GROUPS, G = 4, 4, 4
+SIGMAS = torch.linspace(1, 0, T + 1)
+
+
+class LinearField(torch.nn.Module):
+    """`v = W x + b(sigma)`: a tiny trainable velocity with gradients for every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.eye(2) * 0.1)
+        self.b = torch.nn.Parameter(torch.zeros(2))
+
+    def forward(self, x, sigma, cond=None):
+        return torch.einsum("ij,bjhw->bihw", self.w, x) + (self.b * sigma.reshape(-1, 1)).reshape(-1, 2, 1, 1)
+
+
+class Policy:
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.transformer = LinearField()
+        self.velocity = self.transformer
+        self.steps_seen: list[int] = []
+
+    def trainable_parameters(self):
+        return list(self.transformer.parameters())
+
+    @contextlib.contextmanager
+    def reference(self):
+        yield
+
+
+def batch(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x0 = torch.randn(GROUPS, 2, 1, 1, generator=g).repeat_interleave(G, 0)
+    pol = Policy()
+    with torch.no_grad():
+        out = rollout(pol.velocity, x0, SIGMAS, None, kernel="flow", noise=0.7, generator=g)
+    advantages = torch.randn(GROUPS * G, T, generator=g)
+    return out, advantages, torch.arange(GROUPS).repeat_interleave(G)
+
+
+def run_update(overrides, seed=0):
+    cfg = load_config(None, [f"sampler.steps={T}", f"run.prompts_per_iteration={GROUPS}", f"run.group_size={G}",
+                             "optim.kl_beta=0", "optim.clip_range=0.2", *overrides])
+    out, adv, groups = batch(seed)
+    pol = Policy()
+    opt = training.make_optimizer(pol.trainable_parameters(), cfg)
+    start = {n: p.detach().clone() for n, p in pol.transformer.named_parameters()}
+    summary = training.update(pol, opt, cfg, out.states, out.log_probs, adv, groups, None, SIGMAS, "flow", 0.7,
+                              torch.Generator().manual_seed(1), initial=start)
+    return pol, opt, summary
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3])
+def test_optimizer_steps_per_iteration_is_its_own_option(steps):
+    _, opt, summary = run_update([f"optim.optimizer_steps={steps}", "optim.micro_batch=2"])
+    assert summary["optimizer_steps"] == steps
+    assert len(summary["update_norms"]) == steps
+    assert all(int(s["step"]) == steps for s in opt.state.values())
+
+
+def test_micro_batch_only_bounds_memory():
+    a, _, sa = run_update(["optim.optimizer_steps=2", "optim.micro_batch=1", "optim.diagnostics=false"])
+    b, _, sb = run_update(["optim.optimizer_steps=2", "optim.micro_batch=16", "optim.diagnostics=false"])
+    for pa, pb in zip(a.trainable_parameters(), b.trainable_parameters()):
+        torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-7)
+    assert sa["optimizer_steps"] == sb["optimizer_steps"] == 2
+
+
+def test_the_final_step_is_trained_only_when_asked():
+    _, _, default = run_update([])
+    assert default["trained_step_ids"] == [0, 1, 2]
+    _, _, final = run_update(["optim.train_final_step=true"])
+    assert final["trained_step_ids"] == [0, 1, 2, 3]
+
+
+def test_diagnostics_of_an_on_policy_first_step():
+    _, _, s = run_update(["optim.optimizer_steps=2", "optim.micro_batch=3"])
+    # first optimizer step: on-policy, the ratio is exactly 1 and nothing is clipped
+    assert s["clip_frac_first"] == 0.0 and s["zero_grad_frac_first"] == 0.0
+    assert s["clip_frac_first_by_step"] == [0.0, 0.0, 0.0]
+    assert len(s["clip_frac_later_by_step"]) == 3
+    shares = s["grad_energy_share"]
+    assert len(shares) == 3 and sum(shares) == pytest.approx(1.0) and all(v > 0 for v in shares)
+    assert -1.0 <= s["signal_cosine"] <= 1.0
+    assert s["lora_distance"] == pytest.approx(s["update_norm"])  # started from `initial`
+    assert s["update_norm"] > 0 and s["ratio_std"] >= 0
+
+
+def test_signal_cosine_is_the_cosine_of_the_two_halves_gradients():
+    # One optimizer step, diagnostics on: recompute the two halves' gradients by hand.
+    cfg_over = ["optim.optimizer_steps=1", "optim.micro_batch=16"]
+    _, _, s = run_update(cfg_over)
+    cfg = load_config(None, [f"sampler.steps={T}", f"run.prompts_per_iteration={GROUPS}", f"run.group_size={G}",
+                             "optim.kl_beta=0", "optim.clip_range=0.2", *cfg_over])
+    out, adv, groups = batch(0)
+    order = torch.arange(GROUPS * G)[torch.randperm(GROUPS * G, generator=torch.Generator().manual_seed(1))]
+    seen = list(dict.fromkeys(groups[order].tolist()))
+    halves = [order[torch.isin(groups[order], torch.tensor(seen[:2]))], order[torch.isin(groups[order], torch.tensor(seen[2:]))]]
+    grads = []
+    from stepgrpo_core.loss import grpo_loss
+    from stepgrpo_core.rollout import step_log_prob
+
+    for half in halves:
+        pol = Policy()
+        loss = sum(grpo_loss(step_log_prob(pol.velocity, out.states[half], SIGMAS, None, k, "flow", 0.7).log_prob,
+                             out.log_probs[half, k], adv[half, k], clip_range=0.2).loss for k in cfg.trained_steps())
+        loss.backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in pol.trainable_parameters()]))
+    expected = float(torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0))
+    assert s["signal_cosine"] == pytest.approx(expected, abs=1e-5)
+
+
+def test_checkpoint_state_keeps_lists_and_drops_nan():
+    state = training.checkpoint_state(3, {"a": 1.0, "b": float("nan"), "c": [0.5, float("nan")], "d": "x"})
+    assert state == {"iteration": 3, "update": {"a": 1.0, "c": [0.5, None]}}
+
+
+def test_the_signal_watch_speaks_once_when_the_summed_cosine_reads_noise():
+    from stepgrpo.report import NOISE_COSINE, NOISE_WINDOW, SignalWatch
+
+    watch = SignalWatch()
+    assert watch.see(3, {"signal_cosine_window": 0.0, "signal_iterations": 3.0}) is None  # too few iterations yet
+    assert watch.see(30, {"signal_cosine_window": NOISE_COSINE + 0.1, "signal_iterations": 30.0}) is None
+    line = watch.see(31, {"signal_cosine_window": NOISE_COSINE / 2, "signal_iterations": float(NOISE_WINDOW)})
+    assert line is not None and "following noise" in line and line.count("\n") == 0
+    assert watch.see(32, {"signal_cosine_window": 0.0, "signal_iterations": 32.0}) is None  # said once
+
+
+def test_summed_halves_show_a_weak_shared_direction_that_one_iteration_hides():
+    g = torch.Generator().manual_seed(0)
+    shared = torch.randn(5000, generator=g)
+    signal: dict = {}
+    first = None
+    for _ in range(60):  # per half: a shared direction 10x weaker than its noise (|s|^2 / |noise|^2 = 0.01)
+        a, b = (0.1 * shared + torch.randn(5000, generator=g) for _ in range(2))
+        out = training.accumulate_signal(signal, a, b)
+        first = first if first is not None else float(torch.nn.functional.cosine_similarity(a, b, dim=0))
+    assert abs(first) < 0.05 and out["signal_cosine_window"] > 0.15 and out["signal_iterations"] == 60
+    noise: dict = {}
+    for _ in range(60):
+        out = training.accumulate_signal(noise, torch.randn(5000, generator=g), torch.randn(5000, generator=g))
+    assert abs(out["signal_cosine_window"]) < 0.05
