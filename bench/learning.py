@@ -9,11 +9,12 @@ Printed per seed: base and final held-out reward, the paired gain with its 95 % 
 252 pairs, the wall time of the whole run and per iteration. Across seeds: the mean gain with a
 95 % t-interval over the seeds (what the target is about: the spread of training itself), and the
 same at every evaluation. Writes `OUT/learning.csv`, `OUT/learning.json` and
-`OUT/reward_vs_iteration.png` (held-out reward per evaluation: each seed, and the seeds' mean with
-its interval).
+`OUT/reward_vs_iteration.png` (held-out reward and paired gain per evaluation: each seed, and the
+seeds' mean with its interval).
 
 Runs are resumable: rerunning the script with the same `--out` resumes each seed's run directory
-(a finished run costs seconds). Run with nothing else on the machine for the wall times to mean
+(a finished run costs seconds, and its recorded training time is kept; a run that was interrupted
+and resumed reports the time of the part that finished it). Run with nothing else on the machine for the wall times to mean
 anything; `--jobs 2` runs two seeds at once (one core each).
 
     .venv/bin/python bench/learning.py                       # 3 seeds x 300 iterations
@@ -44,6 +45,12 @@ def run_seed(config: str, seed: int, overrides: list[str], out: Path) -> dict[st
     """One training run as a user runs it; returns its run directory and wall seconds."""
     run_dir = out / f"seed_{seed}"
     log = out / f"seed_{seed}.log"
+    timing = out / f"seed_{seed}.seconds.json"  # the wall time of the run that trained it
+    if timing.is_file():  # trained already: the command below only re-reads it (a few seconds)
+        recorded = json.loads(timing.read_text())
+        if recorded.get("argv") == [config, *overrides]:
+            print(f"seed {seed}: trained earlier in {recorded['seconds'] / 60:.1f} min ({relative(timing)})", flush=True)
+            log = out / f"seed_{seed}.reread.log"
     env = dict(os.environ, STEPGRPO_THREADS="1", STEPGRPO_PROGRESS="0", PREFECT_HOME=str(out / f"prefect-home-{seed}"),
                PREFECT_SERVER_ANALYTICS_ENABLED="false", MLFLOW_DISABLE_TELEMETRY="true",
                PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180")
@@ -55,6 +62,9 @@ def run_seed(config: str, seed: int, overrides: list[str], out: Path) -> dict[st
     seconds = time.perf_counter() - t0
     if rc != 0:
         raise SystemExit(f"seed {seed}: `stepgrpo train` exited {rc}; see {relative(log)}")
+    if timing.is_file() and json.loads(timing.read_text()).get("argv") == [config, *overrides]:
+        return {"seed": seed, "run_dir": run_dir, "seconds": json.loads(timing.read_text())["seconds"]}
+    write_json(timing, {"argv": [config, *overrides], "seconds": seconds})
     print(f"seed {seed}: done in {seconds / 60:.1f} min ({relative(log)})", flush=True)
     return {"seed": seed, "run_dir": run_dir, "seconds": seconds}
 
@@ -82,25 +92,29 @@ def read_seed(done: dict[str, Any]) -> dict[str, Any]:
 
 
 def plot(seeds: list[dict[str, Any]], curve: list[dict[str, Any]], title: str, path: Path) -> None:
+    """Held-out reward (left) and its paired gain over the base (right) per evaluation: each seed,
+    and the seeds' mean with its 95 % interval."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for s in seeds:
-        ax.plot([p["iteration"] for p in s["points"]], [p["reward"] for p in s["points"]], lw=0.8, alpha=0.5,
-                marker=".", label=f"seed {s['seed']}")
-    its = [c["iteration"] for c in curve]
-    mean = [c["reward"] for c in curve]
-    if len(seeds) > 1:
-        err = [[c["reward"] - c["reward_lo"] for c in curve], [c["reward_hi"] - c["reward"] for c in curve]]
-        ax.errorbar(its, mean, yerr=err, color="black", lw=1.8, capsize=3, marker="o", label="mean, 95 % interval over seeds")
-    ax.set_xlabel("iteration (8 prompts x 8 samples each)")
-    ax.set_ylabel("held-out reward (126 prompts x 2 seeds)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key, label in ((axes[0], "reward", "held-out reward (126 prompts x 2 seeds)"),
+                           (axes[1], "gain", "paired gain over the base model")):
+        for s in seeds:
+            ax.plot([p["iteration"] for p in s["points"]], [p[key] for p in s["points"]], lw=0.8, alpha=0.5,
+                    marker=".", label=f"seed {s['seed']}")
+        if len(seeds) > 1:
+            err = [[c[key] - c[f"{key}_lo"] for c in curve], [c[f"{key}_hi"] - c[key] for c in curve]]
+            ax.errorbar([c["iteration"] for c in curve], [c[key] for c in curve], yerr=err, color="black", lw=1.8,
+                        capsize=3, marker="o", label="mean, 95 % interval over seeds")
+        ax.set_xlabel("iteration (8 prompts x 8 samples each)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[1].axhline(0.0, color="grey", lw=0.8)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

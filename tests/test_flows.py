@@ -193,7 +193,9 @@ def test_rescore_without_stored_images_loads_only_the_vae(trained, tmp_path, mon
     out = rescore(str(copy), "shapes")
     assert [s["images"] for s in out["scores"]] == ["decoded+stored"] * 2
     assert workspace._policies == {} and len(workspace._decoders) == 1  # the VAE alone was loaded
-    assert decodes["rows"] == 2 * 6 * 5  # 2 iterations x 6 trajectories x 5 states
+    # 2 iterations x 6 trajectories x 5 states, each distinct latent decoded once: a group's 3
+    # trajectories share x_0 and so the completion of x_0 (2 groups x 2 repeats fewer)
+    assert decodes["rows"] == 2 * (6 * 5 - 2 * 2)
     # decoding again gives the bytes the training run stored, so the rewards are the same
     ours, theirs = Run.open(copy), Run.open(trained["run_dir"])
     for i in (0, 1):
@@ -201,7 +203,7 @@ def test_rescore_without_stored_images_loads_only_the_vae(trained, tmp_path, mon
             theirs.read_images(i, "completions/remaining").images.tobytes()
         assert torch.equal(ours.reward_grid(i, "jpeg_compressibility"), theirs.reward_grid(i, "jpeg_compressibility"))
     again = rescore(str(copy), "shapes", iterations=[0])  # cached task
-    assert again["scores"][0] == out["scores"][0] and decodes["rows"] == 60
+    assert again["scores"][0] == out["scores"][0] and decodes["rows"] == 52
 
 
 def test_credit_recomputes_advantages_from_stored_rewards(trained, calls):
@@ -299,7 +301,9 @@ def test_states_after_the_sde_window_are_not_recomputed(harness, tiny, tmp_path)
     images = dequantize(pol.decoder.decode_uint8(full.latents.reshape(30, *full.latents.shape[2:])))
     rows = data.prompt_ids.repeat(5)
     again = reward(images, [texts[int(p)] for p in rows], [meta[int(p)] for p in rows]).scores.reshape(6, 5)
-    torch.testing.assert_close(again.double(), grid.double(), rtol=0, atol=1e-6)
+    # latents equal to 1e-5 can still round to another 8-bit level in a pixel or two, which moves
+    # the JPEG size (the reward, in kB) by a byte or so
+    torch.testing.assert_close(again.double(), grid.double(), rtol=0, atol=3e-3)
 
 
 def test_outcome_runs_store_the_ode_sample_of_each_group(harness, tiny, tmp_path):
@@ -347,4 +351,5 @@ def test_end_to_end_on_the_shipped_shapes_model(harness, tmp_path):
     for e in out["evaluations"]:
         assert 0.0 <= e["reward_mean"] <= 1.0 and 0.0 <= e["reward_strict"] <= 1.0
     grid = Run.open(out["run_dir"]).reward_grid(1, "shapes")
-    assert grid.shape == (8, 5) and bool(torch.isfinite(grid).all())
+    # the demo is outcome credit: R_0 (the ODE sample of each group's noise) and R_T are scored
+    assert grid.shape == (8, 5) and bool(torch.isfinite(grid[:, [0, 4]]).all()) and bool(grid[:, 1:4].isnan().all())

@@ -136,7 +136,7 @@ def test_the_signal_watch_speaks_once_when_the_summed_cosine_reads_noise():
     assert watch.see(3, {"signal_cosine_window": 0.0, "signal_iterations": 3.0}) is None  # too few iterations yet
     assert watch.see(30, {"signal_cosine_window": NOISE_COSINE + 0.1, "signal_iterations": 30.0}) is None
     line = watch.see(31, {"signal_cosine_window": NOISE_COSINE / 2, "signal_iterations": float(NOISE_WINDOW)})
-    assert line is not None and "following noise" in line and line.count("\n") == 0
+    assert line is not None and "reads noise" in line and line.count("\n") == 0
     assert watch.see(32, {"signal_cosine_window": 0.0, "signal_iterations": 32.0}) is None  # said once
 
 
