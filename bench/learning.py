@@ -172,7 +172,7 @@ def main() -> None:
     (out / "learning.csv").write_text(",".join(keys) + "\n" + "\n".join(",".join(str(p.get(k, "")) for k in keys) for p in rows) + "\n")
     write_json(out / "learning.json", {
         "config": a.config, "overrides": a.overrides, "machine": started, "curve": curve,
-        "seeds": [{k: (str(v) if isinstance(v, Path) else v) for k, v in s.items() if k != "points"} for s in seeds],
+        "seeds": [{k: (relative(v) if isinstance(v, Path) else v) for k, v in s.items() if k != "points"} for s in seeds],
     })
     plot(seeds, curve, f"{a.config} ({len(seeds)} seed{'s' * (len(seeds) > 1)})", out / "reward_vs_iteration.png")
     print(f"\nwrote {relative(out / 'learning.csv')}, {relative(out / 'learning.json')}, {relative(out / 'reward_vs_iteration.png')}")
