@@ -89,7 +89,7 @@ def update(
         advantages: `[B, T]` (NaN: no credit); group_ids: `[B]`; cond: conditioning pytree with leading dim `B`.
         sigmas: `[T+1]`; kernel, noise: the rollout's kernel and its noise (a float or the psi table).
         initial: the LoRA weights before training (for the distance travelled); None skips it.
-        signal: the running sums of the two halves' gradients over past iterations (`signal_state`),
+        signal: the running sums of the two halves' gradients over past iterations (`accumulate_signal`),
             updated in place; empty or None starts them.
 
     Per inner epoch the trajectories are shuffled and split into `optim.optimizer_steps` parts; each
@@ -117,17 +117,8 @@ def update(
             for k in steps:
                 for half in halves:
                     for idx in half.split(o.micro_batch):
-                        sub_cond = take(cond, idx)
-                        out = step_log_prob(velocity, states[idx], sigmas, sub_cond, k, kernel, noise)
-                        ref_mean = kl_std = None
-                        if o.kl_beta > 0:
-                            with torch.no_grad(), pol.reference():
-                                ref_mean = step_log_prob(pol.velocity, states[idx], sigmas, sub_cond, k, kernel, noise).mean
-                            kl_std = out.std if o.kl_form == "exact" else diffusion_coefficient(kernel, out.std, sigmas[k], sigmas[k + 1])
-                        loss = grpo_loss(
-                            out.log_prob, old_log_probs[idx, k], adv[idx, k], clip_range=o.clip_range, adv_clip=o.adv_clip,
-                            kl_beta=o.kl_beta, mean=out.mean if ref_mean is not None else None, ref_mean=ref_mean, kl_std=kl_std,
-                        )
+                        loss = _step_loss(pol, velocity, cfg, states[idx], old_log_probs[idx, k], adv[idx, k],
+                                          take(cond, idx), sigmas, k, kernel, noise)
                         # the mean over the part's trajectories and the trained steps, whatever the micro-batches
                         (loss.loss * (len(idx) / (len(part) * len(steps)))).backward()
                         diag.add_loss(k, first, len(idx), loss)
@@ -167,6 +158,21 @@ def accumulate_signal(signal: dict[str, torch.Tensor], a: torch.Tensor, b: torch
         signal[name] = g.float().cpu() if prev is None else prev.mul(SIGNAL_DECAY).add(g.float().cpu())
     signal["n"] = signal.get("n", torch.zeros((), dtype=torch.int64)) + 1
     return {"signal_cosine_window": _cosine(signal["a"], signal["b"]), "signal_iterations": float(signal["n"])}
+
+
+def _step_loss(pol: Any, velocity: Any, cfg: Config, states: torch.Tensor, old_log_prob: torch.Tensor,
+               advantages: torch.Tensor, cond: Any, sigmas: torch.Tensor, k: int, kernel: str, noise: Any) -> Any:
+    """The GRPO loss of step `k` on some trajectories (`states [n, T+1, C, H, W]`, the rest `[n]`)."""
+    o = cfg.optim
+    out = step_log_prob(velocity, states, sigmas, cond, k, kernel, noise)
+    ref_mean = kl_std = None
+    if o.kl_beta > 0:
+        with torch.no_grad(), pol.reference():
+            ref_mean = step_log_prob(pol.velocity, states, sigmas, cond, k, kernel, noise).mean
+        # Flow-GRPO's form divides by the diffusion coefficient, the exact KL by the step's std
+        kl_std = out.std if o.kl_form == "exact" else diffusion_coefficient(kernel, out.std, sigmas[k], sigmas[k + 1])
+    return grpo_loss(out.log_prob, old_log_prob, advantages, clip_range=o.clip_range, adv_clip=o.adv_clip,
+                     kl_beta=o.kl_beta, mean=out.mean if ref_mean is not None else None, ref_mean=ref_mean, kl_std=kl_std)
 
 
 def _velocity(pol: Any, detach_uncond: bool):

@@ -22,9 +22,11 @@ class LinearField(torch.nn.Module):
         super().__init__()
         self.w = torch.nn.Parameter(torch.eye(2) * 0.1)
         self.b = torch.nn.Parameter(torch.zeros(2))
+        self.reference = False  # True: the initial weights (the KL reference)
 
     def forward(self, x, sigma, cond=None):
-        return torch.einsum("ij,bjhw->bihw", self.w, x) + (self.b * sigma.reshape(-1, 1)).reshape(-1, 2, 1, 1)
+        w, b = (torch.eye(2) * 0.1, torch.zeros(2)) if self.reference else (self.w, self.b)
+        return torch.einsum("ij,bjhw->bihw", w, x) + (b * sigma.reshape(-1, 1)).reshape(-1, 2, 1, 1)
 
 
 class Policy:
@@ -39,7 +41,12 @@ class Policy:
 
     @contextlib.contextmanager
     def reference(self):
-        yield
+        """The weights the field started with (as a LoRA adapter switched off)."""
+        self.transformer.reference = True
+        try:
+            yield
+        finally:
+            self.transformer.reference = False
 
 
 def batch(seed: int = 0):
@@ -154,3 +161,14 @@ def test_summed_halves_show_a_weak_shared_direction_that_one_iteration_hides():
     for _ in range(60):
         out = training.accumulate_signal(noise, torch.randn(5000, generator=g), torch.randn(5000, generator=g))
     assert abs(out["signal_cosine_window"]) < 0.05
+
+
+def test_flow_grpo_kl_form_is_the_exact_kl_over_dt():
+    # Two optimizer steps: the first is at the reference (KL 0 either way, same step), the second
+    # sees KL > 0. Flow-GRPO's form divides by eps_t^2, the exact KL by the step's variance
+    # eps_t^2 |dt|; on this uniform grid |dt| = 1/4 at every step, so it reads a quarter of the exact.
+    over = ["optim.optimizer_steps=2", "optim.kl_beta=0.04", "optim.diagnostics=false"]
+    _, _, fg = run_update([*over, "optim.kl_form=flow_grpo"])
+    _, _, exact = run_update([*over, "optim.kl_form=exact"])
+    assert exact["kl"] > 0
+    assert fg["kl"] == pytest.approx(exact["kl"] / 4, rel=1e-4)
