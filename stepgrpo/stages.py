@@ -436,6 +436,20 @@ def reward_images(decoder: Any, latents: torch.Tensor) -> tuple[torch.Tensor, to
     return u8, dequantize(u8.to(decoder.device))
 
 
+def _distinct_rows(rows: np.ndarray) -> tuple[list[int], np.ndarray]:
+    """The first index of each distinct row of `rows [N, ...]` and, per row, which distinct row it
+    is (`inverse [N]`). Rows are matched by a digest of their bytes: cheap at any latent size,
+    unlike sorting them."""
+    seen: dict[bytes, int] = {}
+    first, inverse = [], np.empty(len(rows), np.int64)
+    for i, row in enumerate(rows):
+        index = seen.setdefault(hashlib.blake2b(row.tobytes(), digest_size=16).digest(), len(first))
+        if index == len(first):
+            first.append(i)
+        inverse[i] = index
+    return first, inverse
+
+
 def _images(run: Any, cfg: Config, iteration: int) -> tuple[np.ndarray, np.ndarray, str]:
     """`[B, K, 3, Y, X]` uint8 images of the clean latents, their state indices `k [K]`, and where
     they came from ("stored", "decoded" or "decoded+stored"). Decodes (VAE only) when the iteration
@@ -450,7 +464,7 @@ def _images(run: Any, cfg: Config, iteration: int) -> tuple[np.ndarray, np.ndarr
     B, K = latents.shape[:2]
     flat = latents.reshape(B * K, *latents.shape[2:])
     # Equal latents decode to equal images: decode each once (a group's ODE sample of x_0 is shared).
-    _, first, inverse = np.unique(flat.reshape(B * K, -1), axis=0, return_index=True, return_inverse=True)
+    first, inverse = _distinct_rows(flat)
     unique = flat[first]
     chunk = max(1, cfg.model.max_batch)
     parts = [reward_images(dec, torch.from_numpy(unique[c0 : c0 + chunk]))[0]
