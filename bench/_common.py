@@ -9,7 +9,6 @@ that folder and puts the repository root there instead.
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
 import sys
@@ -327,18 +326,16 @@ def bare_loop(cfg: Any, iterations: int, on_iteration: Callable[[int, dict[str, 
 
 
 def mean_ci(values: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:
-    """Mean and a Student-t confidence interval over independent runs (seeds); NaN for n < 2."""
-    from scipy import stats
+    """Mean and a Student-t confidence interval over independent runs (seeds), NaN skipped; the
+    interval is NaN for n < 2 (`stepgrpo.report.mean_interval` does the arithmetic)."""
+    from stepgrpo.report import mean_interval
 
     v = [x for x in values if x == x]
     if not v:
         return float("nan"), float("nan"), float("nan")
-    m = sum(v) / len(v)
     if len(v) < 2:
-        return m, float("nan"), float("nan")
-    sd = math.sqrt(sum((x - m) ** 2 for x in v) / (len(v) - 1))
-    half = stats.t.ppf(0.5 + level / 2, len(v) - 1) * sd / math.sqrt(len(v))
-    return m, m - half, m + half
+        return v[0], float("nan"), float("nan")
+    return mean_interval(v, level)
 
 
 def moving_average(values: Sequence[float], window: int) -> list[float]:
