@@ -425,8 +425,8 @@ def scored_states(run: Any, cfg_method: str | None, iteration: int) -> tuple[np.
 def _clean_latents(run: Any, cfg_method: str | None, iteration: int, k: np.ndarray) -> np.ndarray:
     """Latents of the scored states `k` `[B, K, C, H, W]`: completions, or `ode_final` and `x_T`."""
     if cfg_method is None:
-        data = run.read_rollout(iteration)
-        return np.stack([data.ode_final, data.states[:, -1]], axis=1)
+        final = run.read_array(iteration, "rollout", "states")[:, -1]  # a trajectory's states are one chunk
+        return np.stack([run.read_array(iteration, "rollout", "ode_final"), final], axis=1)
     return run.read_completion(iteration, method_dir(cfg_method)).latents[:, k]
 
 
