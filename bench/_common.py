@@ -170,6 +170,7 @@ def read_run(run_dir: Path) -> RunRecord:
     import numpy as np
 
     from stepgrpo.config import validate_config
+    from stepgrpo.results import EvaluateResult
     from storage import Run
 
     run = Run.open(run_dir)
@@ -223,7 +224,8 @@ def read_run(run_dir: Path) -> RunRecord:
     for label, e in evals.items():
         it = 0 if label == "base" else int(label.removeprefix("iter_")) + 1
         heldout.append({"iteration": it, "reward": e["reward_mean"], "strict": e.get("reward_strict", float("nan")),
-                        **{k: v for k, v in e.items() if k.startswith("sub_")}, "seconds": e["seconds"], "nfe": e["nfe"]})
+                        **{f"sub_{k}": v for k, v in EvaluateResult.model_validate(e).sub.items()},
+                        "seconds": e["seconds"], "nfe": e["nfe"]})
     heldout.sort(key=lambda h: h["iteration"])
     return RunRecord(rewards, stricts, secs, stage_secs, nfes, gains, heldout, setup, {"turning_points": turning})
 
@@ -243,11 +245,11 @@ def bare_loop(cfg: Any, iterations: int, on_iteration: Callable[[int, dict[str, 
     import numpy as np
     import torch
 
-    from stepgrpo import stages, training, workspace
-    from stepgrpo_core.completions import complete
-    from stepgrpo_core.conditioning import take
+    from stepgrpo import training, workspace
+    from stepgrpo.prompts import prompt_source
+    from stepgrpo.sampling import complete_chunks, encode, generator, iteration_plan, sample_iteration
+    from stepgrpo.scoring import reward_images, score_images
     from stepgrpo_core.credit import assign
-    from stepgrpo_core.rollout import rollout
 
     if cfg.sampler.kernel == "psi":
         raise ValueError("the bare loop has no psi calibration; benchmark a kernel with a fixed noise")
@@ -255,63 +257,46 @@ def bare_loop(cfg: Any, iterations: int, on_iteration: Callable[[int, dict[str, 
     workspace.set_lora(pol, workspace.initial_lora(cfg))
     reward = workspace.reward(cfg.reward)
     opt = training.make_optimizer(pol.trainable_parameters(), cfg)
-    texts, splits, meta = stages.prompt_source(cfg)
-    P, G, T, mb = cfg.run.prompts_per_iteration, cfg.run.group_size, cfg.sampler.steps, cfg.model.max_batch
-    start, end = cfg.sampler.window()
+    prompts = prompt_source(cfg)
+    T, mb = cfg.sampler.steps, cfg.model.max_batch
+    _, end = cfg.sampler.window()
     method, noise = cfg.completion.method, cfg.sampler.noise
     ema = workspace.lora_state(pol) if cfg.optim.ema_decay is not None else None
     records = []
     for it in range(iterations):
         t0 = time.perf_counter()
         nfe0 = pol.nfe
-        prompt_ids, group_ids, seeds = stages.iteration_plan(cfg, splits, it)
+        plan = iteration_plan(cfg, prompts.splits, it)
         sigmas = pol.sigmas(T)
-        parts, refs = [], []
-        per_chunk = max(1, mb // G)
-        for c0 in range(0, P, per_chunk):
-            groups = range(c0, min(P, c0 + per_chunk))
-            x0 = torch.cat([pol.initial_noise(1, stages.generator(int(seeds[g]), device=pol.device)).expand(G, -1, -1, -1) for g in groups])
-            rows = np.arange(c0 * G, (groups[-1] + 1) * G)
-            cond = stages._encode(pol, texts, prompt_ids[rows])
-            parts.append(rollout(pol.velocity, x0, sigmas, cond, kernel=cfg.sampler.kernel, noise=noise, window=(start, end - start),
-                                 generator=stages.generator(cfg.run.seed, "sde", it, c0, device=pol.device)))
-            # the ODE reference of each group, as the rollout stage samples it
-            refs.append(rollout(pol.velocity, x0[::G], sigmas, take(cond, torch.arange(0, len(rows), G)), kernel="ode").states[:, -1])
-        states = torch.cat([p.states for p in parts])
-        ode_final = torch.cat(refs).repeat_interleave(G, dim=0)
-        log_probs = torch.cat([p.log_probs for p in parts])
+        chunks = list(sample_iteration(pol, cfg, prompts.texts, plan, it, noise))  # as the rollout stage samples
+        states = torch.cat([c.sde.states for c in chunks])
+        ode_final = torch.cat([c.ode_final for c in chunks])
+        log_probs = torch.cat([c.sde.log_probs for c in chunks])
         t1 = time.perf_counter()
         nfe_rollout = pol.nfe - nfe0
-        if method:
-            done = []
-            for c0 in range(0, len(group_ids), mb):
-                rows = slice(c0, c0 + mb)
-                chunk_cond = stages._encode(pol, texts, prompt_ids[rows])  # as the complete stage encodes
-                done.append(complete(method, pol.velocity, states[rows], sigmas, chunk_cond, mb, through=end).latents)
-            clean = torch.cat(done)[:, [*range(end), T]]  # the states after the window are x_T: scored once
+        if method:  # as the complete stage completes (the states after the window are x_T: scored once)
+            done = [out.latents for _, out in complete_chunks(pol, method, states.numpy(), sigmas, prompts.texts,
+                                                              plan.prompt_ids, mb, end)]
+            clean = torch.cat(done)[:, [*range(end), T]]
         else:
             clean = torch.stack([ode_final, states[:, -1]], dim=1)
         t2 = time.perf_counter()
         nfe_complete = pol.nfe - nfe0 - nfe_rollout
         B, K = clean.shape[:2]
         flat = clean.reshape(B * K, *clean.shape[2:])
-        pids = np.repeat(prompt_ids, K)
-        scores = []
-        for c0 in range(0, len(pids), mb):
-            rows = slice(c0, c0 + mb)
-            images = stages.reward_images(pol.decoder, flat[rows])[1]  # 8-bit, as the score stage
-            scores.append(reward(images, [texts[int(p)] for p in pids[rows]], [meta[int(p)] for p in pids[rows]]).scores.float())
-        scored = torch.cat(scores).reshape(B, K)
+        pids = np.repeat(plan.prompt_ids, K)
+        images = torch.cat([reward_images(pol.decoder, flat[c0 : c0 + mb])[0] for c0 in range(0, len(flat), mb)])
+        scored = score_images(reward, images, prompts.texts_of(pids), prompts.metadata_of(pids), chunk=mb).scores.reshape(B, K)
         t3 = time.perf_counter()
         if method:  # R_k = R_T after the window
             grid = torch.cat([scored[:, :end], scored[:, -1:].expand(B, T + 1 - end)], dim=1)
         else:
             grid = scored[:, -1:].expand(B, T + 1).clone()  # outcome reads R_T only
-        credit = assign(cfg.credit.scheme, grid, torch.from_numpy(group_ids).long(), **cfg.credit.options)
+        credit = assign(cfg.credit.scheme, grid, torch.from_numpy(plan.group_ids).long(), **cfg.credit.options)
         t4 = time.perf_counter()
-        cond = stages._encode(pol, texts, prompt_ids)
-        summary = training.update(pol, opt, cfg, states, log_probs, credit.advantages, torch.from_numpy(group_ids), cond, sigmas,
-                                  cfg.sampler.kernel, noise, stages.generator(cfg.run.seed, "update", it), ema=ema)
+        batch = training.Batch(states, log_probs, credit.advantages, torch.from_numpy(plan.group_ids),
+                               encode(pol, prompts.texts, plan.prompt_ids), sigmas, cfg.sampler.kernel, noise)
+        summary = training.update(pol, opt, cfg, batch, generator(cfg.run.seed, "update", it), ema=ema)
         t5 = time.perf_counter()
         rec = {"iteration": it, "reward_mean": float(grid[:, -1].mean()), "seconds": t5 - t0,
                "rollout": t1 - t0, "complete": t2 - t1, "score": t3 - t2, "credit": t4 - t3, "update": t5 - t4,

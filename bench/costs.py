@@ -59,22 +59,24 @@ def nfe_table(cfg: Any) -> dict[str, Any]:
     import numpy as np
     import torch
 
-    from stepgrpo import stages, workspace
+    from stepgrpo import workspace
+    from stepgrpo.prompts import prompt_source
+    from stepgrpo.sampling import encode, generator
     from stepgrpo_core.completions import complete
     from stepgrpo_core.rollout import rollout
 
     pol = workspace.policy(cfg)
     workspace.set_lora(pol, workspace.initial_lora(cfg))
-    texts, splits, _ = stages.prompt_source(cfg)
+    texts, splits, _ = prompt_source(cfg)
     train_ids = [i for i, s in enumerate(splits) if s == "train"]
     P, G, T = cfg.run.prompts_per_iteration, cfg.run.group_size, cfg.sampler.steps
     B = P * G
     pids = np.repeat(np.array(train_ids[:P]), G)
-    cond = stages._encode(pol, texts, pids)
+    cond = encode(pol, texts, pids)
     sigmas = pol.sigmas(T)
-    x0 = torch.cat([pol.initial_noise(1, stages.generator(0, "x0", g)).expand(G, -1, -1, -1) for g in range(P)])
+    x0 = torch.cat([pol.initial_noise(1, generator(0, "x0", g)).expand(G, -1, -1, -1) for g in range(P)])
     n0, t0 = pol.nfe, time.perf_counter()
-    out = rollout(pol.velocity, x0, sigmas, cond, kernel="flow", noise=cfg.sampler.noise, generator=stages.generator(0, "sde"))
+    out = rollout(pol.velocity, x0, sigmas, cond, kernel="flow", noise=cfg.sampler.noise, generator=generator(0, "sde"))
     rollout_nfe, rollout_s = pol.nfe - n0, time.perf_counter() - t0
     rows: dict[str, dict[str, float]] = {}
     formulas = {None: 0, "remaining": B * T * (T + 1) // 2, "substeps:2": B * T * 2, "tweedie": B * T}
@@ -91,19 +93,20 @@ def nfe_table(cfg: Any) -> dict[str, Any]:
 
 def calibration_cost(a: argparse.Namespace, out: Path) -> dict[str, Any]:
     """DenseGRPO psi calibration, once, as the calibrate stage runs it (its own temporary run)."""
-    from stepgrpo import stages, workspace
+    from stepgrpo import workspace
     from stepgrpo.config import load_config
     from storage import Run
+    from tasks import calibrate, prompts
 
     cfg = load_config(None, overrides(a, out / "runs", **{"sampler.kernel": "psi"}))
     root = out / "runs"
     run = Run.create(root, "calibration", cfg.model_dump(mode="json"), exist_ok=True)
-    stages.prompts(run, cfg)
+    prompts.execute(run, cfg)
     pol = workspace.policy(cfg)
     n0 = pol.nfe
-    res = stages.calibrate(run, cfg, key=f"bench-{time.time()}")
+    res = calibrate.execute(run, cfg, key=f"bench-{time.time()}")
     c = cfg.calibration
-    return {"seconds": res["seconds"], "nfe": pol.nfe - n0, "rounds": c.rounds, "trajectories_per_round": c.prompts * cfg.run.group_size}
+    return {"seconds": res.seconds, "nfe": pol.nfe - n0, "rounds": c.rounds, "trajectories_per_round": c.prompts * cfg.run.group_size}
 
 
 # --------------------------------------------------------------------------- 2-3. pipeline
@@ -156,35 +159,32 @@ def regenerate(run_dir: Path, reward_name: str) -> dict[str, Any]:
     import numpy as np
     import torch
 
-    from stepgrpo import stages, workspace
+    from stepgrpo import workspace
     from stepgrpo.config import RewardConfig, validate_config
-    from stepgrpo_core.completions import complete
-    from stepgrpo_core.rollout import rollout
+    from stepgrpo.prompts import stored_prompts
+    from stepgrpo.sampling import complete_chunks, iteration_plan, sample_iteration
+    from stepgrpo.scoring import reward_images, score_images
     from storage import Run
 
     run = Run.open(run_dir)
     cfg = validate_config(run.config)
     reward = workspace.reward(RewardConfig(name=reward_name))
-    texts, _, meta = stages._prompt_rows(run)
+    prompts = stored_prompts(run)
+    mb = cfg.model.max_batch
     t0 = time.perf_counter()
     nfe = 0
     for i in run.iterations("rollout"):
-        pol = stages.policy_at(run, cfg, i)
+        pol = workspace.policy_at(run, cfg, i)
         n0 = pol.nfe
-        data = run.read_rollout(i)  # only its seeds, prompts and grid: the states are regenerated
-        cond = stages._encode(pol, texts, data.prompt_ids)
-        sigmas = torch.from_numpy(data.sigmas)
-        G = cfg.run.group_size
-        x0 = torch.cat([pol.initial_noise(1, stages.generator(int(s), device=pol.device)).expand(G, -1, -1, -1)
-                        for s in data.seeds[::G]])
-        out = rollout(pol.velocity, x0, sigmas, cond, kernel=cfg.sampler.kernel, noise=cfg.sampler.noise,
-                      generator=stages.generator(cfg.run.seed, "sde", i, 0))
-        lat = complete(cfg.completion.method, pol.velocity, out.states, sigmas, cond, cfg.model.max_batch).latents
+        # the stage loops on the iteration's plan: the states are regenerated, not read
+        plan = iteration_plan(cfg, prompts.splits, i)
+        states = np.concatenate([c.sde.states.numpy() for c in sample_iteration(pol, cfg, prompts.texts, plan, i, cfg.sampler.noise)])
+        lat = torch.cat([out.latents for _, out in complete_chunks(pol, cfg.completion.method, states, pol.sigmas(cfg.sampler.steps),
+                                                                    prompts.texts, plan.prompt_ids, mb, cfg.sampler.steps)])
         flat = lat.reshape(-1, *lat.shape[2:])
-        pids = np.repeat(data.prompt_ids, lat.shape[1])
-        for c0 in range(0, len(flat), cfg.model.max_batch):
-            rows = slice(c0, c0 + cfg.model.max_batch)
-            reward(stages.reward_images(pol.decoder, flat[rows])[1], [texts[int(p)] for p in pids[rows]], [meta[int(p)] for p in pids[rows]])
+        pids = np.repeat(plan.prompt_ids, lat.shape[1])
+        images = torch.cat([reward_images(pol.decoder, flat[c0 : c0 + mb])[0] for c0 in range(0, len(flat), mb)])
+        score_images(reward, images, prompts.texts_of(pids), prompts.metadata_of(pids), chunk=mb)
         nfe += pol.nfe - n0
     return {"seconds": time.perf_counter() - t0, "nfe": nfe}
 

@@ -6,9 +6,9 @@ from typing import Any
 
 from prefect import flow
 
-from stepgrpo import report, stages
 from stepgrpo.config import load_config
-from tasks.stages import bind
+from stepgrpo.runs import open_run, resolve_run_dir
+from tasks import bind
 
 
 @flow(name="calibrate", log_prints=True)
@@ -16,10 +16,8 @@ def calibrate(config_path: str | None = None, overrides: list[str] | None = None
               run_id: str | None = None) -> dict[str, Any]:
     """Calibrate `psi` into the run (created if new); `stepgrpo train` with the same run then uses it."""
     cfg = load_config(config_path, overrides or [])
-    path = report.resolve_run_dir(cfg, run_dir, run_id)
-    stages.open_run(cfg, path)
-    conf, where, t = cfg.model_dump(mode="json"), str(path), bind(path)
-    prompts = t.prompts(where, conf, 0, {})
-    result = t.calibrate(where, conf, 0, {"prompts": prompts["digest"]})
-    print(f"psi after {len(result['rounds'])} rounds: {[round(p, 4) for p in result['psi']]}")
-    return {"run_dir": where, **result}
+    run = open_run(cfg, resolve_run_dir(cfg, run_dir, run_id))
+    stage = bind(run)
+    result = stage.calibrate(run, cfg, stage.prompts(run, cfg))
+    print(f"psi after {len(result.rounds)} rounds: {[round(p, 4) for p in result.psi]}")
+    return {"run_dir": str(run.path), **result.record()}

@@ -1,4 +1,4 @@
-"""Recompute advantages of a run with another credit scheme, from stored rewards only."""
+"""Recompute advantages of a run with another credit scheme, from stored rewards only (no model)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ from typing import Any
 
 from prefect import flow
 
-from stepgrpo import stages
-from tasks.stages import bind
+from stepgrpo.config import validate_config
+from stepgrpo.runs import open_stored, stored_iterations
+from tasks import bind, score
 
 
 @flow(name="credit", log_prints=True)
@@ -15,13 +16,18 @@ def credit(run: str, scheme: str, options: dict[str, Any] | None = None, reward:
            iterations: list[int] | None = None) -> dict[str, Any]:
     """Advantages under `scheme` for every stored iteration, from the rewards of `reward`
     (default: the run's training reward)."""
-    path, stored = stages.run_path(run)
-    cfg = stages.validate(stored.model_dump(mode="json") | {"credit": {"scheme": scheme, "options": options or {}}})
-    conf, where, t = cfg.model_dump(mode="json"), str(path), bind(path)
-    done = []
-    for i in iterations if iterations is not None else stages.stored_iterations(path):
-        rewards = stages.stored_reward(path, cfg, i, reward)
-        done.append(t.credit(where, conf, i, {"rewards": rewards["digest"], "reward": [rewards["name"], rewards["version"]]}))
-        print(f"iteration {i}: {scheme} advantages std {done[-1]['adv_std']:.4f}, "
-              f"zero-std groups {done[-1]['zero_std_ratio']:.2f}")
-    return {"run_dir": where, "advantages": done}
+    stored, cfg = open_stored(run)
+    cfg = validate_config(cfg.model_dump(mode="json") | {"credit": {"scheme": scheme, "options": options or {}}})
+    name = reward or _training_reward(cfg)
+    stage, done = bind(stored), []
+    for i in iterations if iterations is not None else stored_iterations(stored):
+        done.append(stage.credit(stored, cfg, i, score.stored(stored, i, name)))
+        print(f"iteration {i}: {scheme} advantages std {done[-1].adv_std:.4f}, "
+              f"zero-std groups {done[-1].zero_std_ratio:.2f}")
+    return {"run_dir": str(stored.path), "advantages": [a.record() for a in done]}
+
+
+def _training_reward(cfg: Any) -> str:
+    from stepgrpo.workspace import reward_identity
+
+    return reward_identity(cfg.reward)["name"]

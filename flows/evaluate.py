@@ -6,8 +6,9 @@ from typing import Any
 
 from prefect import flow
 
-from stepgrpo import stages
-from tasks.stages import bind
+from flows.progress import evaluation_record
+from stepgrpo.runs import latest_checkpoint, open_stored
+from tasks import bind, update
 
 
 @flow(name="evaluate", log_prints=True)
@@ -16,12 +17,12 @@ def evaluate(run: str, iteration: int | None = None, overrides: list[str] | None
 
     `overrides` (`key=value`) may change evaluation settings such as `run.eval_prompts` or `reward.name`.
     """
-    path, stored = stages.run_path(run, overrides)
-    conf, where, t = stored.model_dump(mode="json"), str(path), bind(path)
-    prompts = t.prompts(where, conf, 0, {})
+    stored, cfg = open_stored(run, overrides or [])
+    stage = bind(stored)
+    prompts = stage.prompts(stored, cfg)
     if iteration is None:
-        iteration = stages.latest_checkpoint(path)
-    checkpoint = "init" if iteration < 0 else stages.checkpoint_digest(path, iteration)
-    result = t.evaluate(where, conf, iteration, {"prompts": prompts["digest"], "checkpoint": checkpoint})
+        iteration = latest_checkpoint(stored)
+    checkpoint = None if iteration < 0 else update.stored(stored, iteration)
+    result = evaluation_record(stored, stage.evaluate(stored, cfg, iteration, prompts, checkpoint))
     print(f"held-out {result['reward_name']} after {result['label']}: {result['reward_mean']:.4f}; grid {result['grid']}")
     return result

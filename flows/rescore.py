@@ -12,21 +12,22 @@ from typing import Any
 
 from prefect import flow
 
-from stepgrpo import stages
-from tasks.stages import bind
+from stepgrpo.config import validate_config
+from stepgrpo.runs import open_stored, stored_iterations
+from tasks import bind, complete, rollout
 
 
 @flow(name="rescore", log_prints=True)
 def rescore(run: str, reward: str, reward_options: dict[str, Any] | None = None,
             iterations: list[int] | None = None) -> dict[str, Any]:
     """Score every stored iteration (or `iterations`) of `run` with `reward`."""
-    path, stored = stages.run_path(run)
-    cfg = stages.validate(stored.model_dump(mode="json") | {"reward": {"name": reward, "options": reward_options or {}}})
-    conf, where, t = cfg.model_dump(mode="json"), str(path), bind(path)
-    done = []
-    for i in iterations if iterations is not None else stages.stored_iterations(path):
-        clean = stages.clean_ref(path, cfg, i)
-        done.append(t.score(where, conf, i, {"clean": clean["digest"], "rollout": clean["rollout"]}))
-        print(f"iteration {i}: {done[-1]['reward_name']} mean {done[-1]['reward_mean']:.4f} "
-              f"(images {done[-1]['images']})")
-    return {"run_dir": where, "scores": done}
+    stored, cfg = open_stored(run)
+    cfg = validate_config(cfg.model_dump(mode="json") | {"reward": {"name": reward, "options": reward_options or {}}})
+    stage, done = bind(stored), []
+    method = cfg.completion.method
+    for i in iterations if iterations is not None else stored_iterations(stored):
+        sampled = rollout.stored(stored, i)
+        clean = complete.stored(stored, method, i) if method else sampled
+        done.append(stage.score(stored, cfg, i, clean, sampled))
+        print(f"iteration {i}: {done[-1].reward_name} mean {done[-1].reward_mean:.4f} (images {done[-1].images})")
+    return {"run_dir": str(stored.path), "scores": [s.record() for s in done]}

@@ -13,6 +13,7 @@ a rollout and changing the credit scheme never invalidates a score.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
@@ -22,11 +23,13 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from stepgrpo.paths import SHIPPED_MODEL
+
 # Bumped whenever code changes what a stage computes from the same inputs: it is part of every
 # cache key, so results written by older code are never reused by newer code.
 CODE_SALT = "stepgrpo-stages-3"  # 2: rewards see 8-bit images; 3: flow eps_t at s = 1, ODE reference, Flow-GRPO KL
 
-DEFAULT_MODEL = "models/shapes"
+DEFAULT_MODEL = SHIPPED_MODEL
 
 
 class ConfigError(ValueError):
@@ -237,6 +240,11 @@ class RunConfig(_Section):
     runs_root: str = "runs"
     """Directory that holds run directories `<runs_root>/<run_id>/`."""
 
+    def evaluates_after(self, iteration: int) -> bool:
+        """Whether a held-out evaluation follows iteration `iteration` (every `eval_every`, and the last)."""
+        done = iteration + 1
+        return done == self.iterations or bool(self.eval_every and done % self.eval_every == 0)
+
 
 class StorageConfig(_Section):
     images: bool = True
@@ -258,10 +266,13 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _steps_in_grid(self) -> Config:
-        if self.completion.method is None and self.credit.scheme != "outcome":
+        from stepgrpo_core.credit import SCHEMES
+
+        if self.completion.method is None and SCHEMES.facts(self.credit.scheme)["step_rewards"]:
+            final_only = [s for s in SCHEMES.names() if not SCHEMES.facts(s)["step_rewards"]]
             raise ValueError(
                 f"credit.scheme {self.credit.scheme!r} needs step rewards: set completion.method "
-                "(remaining, substeps:N, tweedie); only 'outcome' works with completion.method null"
+                f"(remaining, substeps:N, tweedie); only {', '.join(map(repr, final_only))} works with completion.method null"
             )
         start, end = self.sampler.window()
         for k in self.optim.train_steps or ():
@@ -358,12 +369,18 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     `completion.method=null`). Raises `ConfigError` naming every bad field.
     """
     data = _read_config_file(Path(path)) if path is not None else {}
-    for item in overrides:
+    return validate_config(apply_overrides(data, overrides))
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """A copy of the config mapping `data` with `key=value` overrides (YAML values) applied."""
+    out = copy.deepcopy(dict(data))
+    for item in overrides or ():
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"--set {item!r}: expected key=value, e.g. optim.lr=1e-4")
-        _set_dotted(data, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
-    return validate_config(data)
+        _set_dotted(out, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+    return out
 
 
 BASE_KEY = "base"  # a config file may start from another one: `base: shapes_outcome.yaml`

@@ -1,14 +1,11 @@
-"""What the flows tell people: run directories, MLflow metrics, Prefect artifacts, the console.
-
-Kept out of `flows/` so that a flow reads like the algorithm.
-"""
+"""What the pipeline tells people: progress bars, the signal check, paired gains, Prefect
+artifacts, image grids and the end-of-run summary (`flows.progress` logs a training flow)."""
 
 from __future__ import annotations
 
 import math
 import re
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,47 +23,6 @@ def track(items: Sequence[Any] | range, description: str) -> Any:
     from rich.progress import track as rich_track
 
     return rich_track(items, description=description, transient=True, console=Console(stderr=True))
-
-
-def resolve_run_dir(cfg: Config, run_dir: str | None = None, run_id: str | None = None) -> Path:
-    """`--run-dir` as given; else `<runs_root>/<run_id>`; else a new id `<name>-<UTC time>`."""
-    if run_dir:
-        return Path(run_dir).resolve()
-    if not run_id:
-        run_id = f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
-    return (Path(cfg.run.runs_root) / run_id).resolve()
-
-
-def iteration_metrics(refs: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
-    """MLflow metrics of one iteration from its stage references."""
-    r, c, u = refs["score"], refs["credit"], refs["update"]
-    out: dict[str, float] = {
-        "reward/mean": r.get("reward_mean"), "reward/std": r.get("reward_std"), "reward/strict": r.get("reward_strict"),
-        "advantage/mean": c.get("adv_mean"), "advantage/std": c.get("adv_std"), "advantage/abs_max": c.get("adv_abs_max"),
-        "zero_std_ratio": c.get("zero_std_ratio"), "turning_points": c.get("turning_points"),
-        "reward/ode_mean": r.get("ode_reward_mean"), "reward/group_std": r.get("group_reward_std"),
-        "reward/zero_std_groups": r.get("zero_std_groups"),
-        "clip_frac": u.get("clip_frac"), "approx_kl": u.get("approx_kl"), "kl": u.get("kl"), "loss": u.get("loss"),
-        "ratio/mean": u.get("ratio_mean"), "ratio/std": u.get("ratio_std"), "ratio/min": u.get("ratio_min"),
-        "ratio/max": u.get("ratio_max"), "grad_norm": u.get("grad_norm"),
-        "signal_cosine": u.get("signal_cosine"), "signal_cosine_window": u.get("signal_cosine_window"),
-        "lora/distance": u.get("lora_distance"), "lora/update_norm": u.get("update_norm"),
-        "nfe/rollout": refs["rollout"].get("nfe"), "nfe/ode_reference": refs["rollout"].get("nfe_ode"),
-        "nfe/complete": refs.get("complete", {}).get("nfe", 0),
-    }
-    for phase in ("first", "later"):
-        out[f"clip_frac/{phase}"] = u.get(f"clip_frac_{phase}")
-        out[f"zero_grad_frac/{phase}"] = u.get(f"zero_grad_frac_{phase}")
-    steps = u.get("trained_step_ids") or []
-    for name in ("grad_energy_share", "clip_frac_later_by_step", "zero_grad_frac_later_by_step"):
-        for k, v in zip(steps, u.get(name) or []):
-            out[f"{name.removesuffix('_by_step')}/step_{k}"] = v
-    for k, g in enumerate(c.get("gain_mean") or []):
-        out[f"gain/step_{k}"] = g
-    for stage, ref in refs.items():
-        if "seconds" in ref:
-            out[f"seconds/{stage}"] = ref["seconds"]
-    return {k: float(v) for k, v in out.items() if isinstance(v, int | float) and math.isfinite(float(v))}
 
 
 # The signal check (`training.Diagnostics`, `training.accumulate_signal`): the cosine between the
@@ -119,15 +75,6 @@ def mean_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, 
     return m, m - half, m + half
 
 
-def iteration_row(iteration: int, score: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
-    """One row of the run's reward table (console, Prefect artifact)."""
-    return {"iteration": iteration, "reward_mean": score["reward_mean"], "reward_strict": score.get("reward_strict"),
-            "ode_reward_mean": score.get("ode_reward_mean"), "group_reward_std": score.get("group_reward_std"),
-            "clip_frac": update.get("clip_frac"), "approx_kl": update.get("approx_kl"),
-            "signal_cosine": update.get("signal_cosine"), "signal_cosine_window": update.get("signal_cosine_window"),
-            "lora_distance": update.get("lora_distance")}
-
-
 def iteration_line(row: Mapping[str, Any]) -> str:
     """`iteration 3: reward 0.7012 (ODE 0.7101), clip_frac 0.004, signal cos +0.081 (20 it. +0.210), LoRA moved 0.0123`."""
     def num(key: str, fmt: str) -> str:
@@ -138,11 +85,6 @@ def iteration_line(row: Mapping[str, Any]) -> str:
             f"clip_frac {num('clip_frac', '.3f')}, signal cos {num('signal_cosine', '+.3f')} "
             f"(20 it. {num('signal_cosine_window', '+.3f')}), "
             f"LoRA moved {num('lora_distance', '.4f')}")
-
-
-def eval_metrics(result: Mapping[str, Any]) -> dict[str, float]:
-    keys = ["reward_mean", "reward_std", "reward_strict"] + [k for k in result if k.startswith("sub_")]
-    return {f"eval/{k.removeprefix('reward_')}": float(result[k]) for k in keys if k in result}
 
 
 def _artifact_key(text: str) -> str:
@@ -176,7 +118,7 @@ def print_summary(run_dir: Path, tracking_uri: str, evals: Sequence[Mapping[str,
         strict = f", strict {e['reward_strict']:.3f}" if "reward_strict" in e else ""
         name = "base model" if e["label"] == "base" else f"trained (iteration {int(e['label'].removeprefix('iter_')) + 1})"
         reward = f" ({e['reward_name']})" if "reward_name" in e else ""
-        subs = ", ".join(f"{k.removeprefix('sub_')} {v:.3f}" for k, v in sorted(e.items()) if k.startswith("sub_"))
+        subs = ", ".join(f"{k} {v:.3f}" for k, v in sorted((e.get("sub") or {}).items()))
         print(f"held-out reward{reward}, {name}: {e['reward_mean']:.4f}{strict}" + (f" ({subs})" if subs else ""), file=out)
     if len(evals) > 1:
         gain = paired_gain(evals[0], evals[-1])
@@ -188,3 +130,16 @@ def print_summary(run_dir: Path, tracking_uri: str, evals: Sequence[Mapping[str,
     print(f"run directory: {run_dir}", file=out)
     print(f"MLflow store:  {tracking_uri}", file=out)
     print(f"images:        {run_dir / 'eval'}", file=out)
+
+
+def write_grid(path: Path, images: Any, ncols: int = 8) -> None:
+    """Tile `images [N, 3, H, W]` (in [0, 1]) into one PNG at `path`, written atomically."""
+    import io
+
+    from stepgrpo.images import grid
+    from storage.publish import write_file_atomic
+
+    buf = io.BytesIO()
+    grid(images, ncols=ncols).save(buf, format="PNG")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_file_atomic(path, buf.getvalue())

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -65,29 +66,40 @@ def rng_tensor() -> torch.Tensor:
     return torch.random.get_rng_state().clone()
 
 
+@dataclass(frozen=True)
+class Batch:
+    """An iteration's stored trajectories, as the update reads them.
+
+    states: `[B, T+1, C, H, W]`; old_log_probs: `[B, T]` (NaN: not trainable); advantages: `[B, T]`
+    (NaN: no credit); group_ids: `[B]`; cond: conditioning pytree with leading dim `B`;
+    sigmas: `[T+1]`; kernel, noise: the rollout's kernel and its noise (a float or the psi table).
+    """
+
+    states: torch.Tensor
+    old_log_probs: torch.Tensor
+    advantages: torch.Tensor
+    group_ids: torch.Tensor
+    cond: Any
+    sigmas: torch.Tensor
+    kernel: str
+    noise: float | torch.Tensor
+
+
 def update(
     pol: Any,
     opt: torch.optim.Optimizer,
     cfg: Config,
-    states: torch.Tensor,
-    old_log_probs: torch.Tensor,
-    advantages: torch.Tensor,
-    group_ids: torch.Tensor,
-    cond: Any,
-    sigmas: torch.Tensor,
-    kernel: str,
-    noise: float | torch.Tensor,
+    batch: Batch,
     generator: torch.Generator,
     ema: dict[str, torch.Tensor] | None = None,
     initial: Mapping[str, torch.Tensor] | None = None,
     signal: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
-    """One iteration's policy update; returns its diagnostics (`Diagnostics.summary`).
+    """One iteration's policy update on `batch`; returns its diagnostics (`Diagnostics.summary`).
 
     Args:
-        states: `[B, T+1, C, H, W]` stored rollout states; old_log_probs: `[B, T]` (NaN: not trainable).
-        advantages: `[B, T]` (NaN: no credit); group_ids: `[B]`; cond: conditioning pytree with leading dim `B`.
-        sigmas: `[T+1]`; kernel, noise: the rollout's kernel and its noise (a float or the psi table).
+        generator: shuffles the trajectories (seeded from the run seed and the iteration).
+        ema: the EMA of the LoRA weights, updated in place after every optimizer step.
         initial: the LoRA weights before training (for the distance travelled); None skips it.
         signal: the running sums of the two halves' gradients over past iterations (`accumulate_signal`),
             updated in place; empty or None starts them.
@@ -96,6 +108,9 @@ def update(
     AdamW step takes the mean gradient over one part's trajectories and the trained steps
     (Flow-GRPO). Trajectories whose advantages are all zero (dropped groups) are skipped.
     """
+    states, old_log_probs, group_ids, cond = batch.states, batch.old_log_probs, batch.group_ids, batch.cond
+    sigmas, kernel, noise = batch.sigmas, batch.kernel, batch.noise
+    advantages = batch.advantages
     o = cfg.optim
     steps = [k for k in cfg.trained_steps() if bool(torch.isfinite(old_log_probs[:, k]).all())]
     adv = torch.nan_to_num(advantages.float(), nan=0.0)

@@ -19,10 +19,9 @@ from typing import Any
 
 import torch
 
-import stepgrpo
 from stepgrpo.config import Config, ModelConfig, RewardConfig, digest_of
+from stepgrpo.paths import REPO_ROOT
 
-REPO_ROOT = Path(stepgrpo.__file__).resolve().parents[1]
 HASH_LIMIT = 256 * 2**20  # files up to this size are content-hashed for the model identity
 
 _lock = threading.Lock()  # tasks may run in threads; model loading is not re-entrant
@@ -51,7 +50,10 @@ def resolve_model_path(path: str) -> str:
 
 @lru_cache(maxsize=16)
 def model_identity(path: str) -> str:
-    """A digest naming the model's exact weights: file contents (size + mtime above HASH_LIMIT)."""
+    """A digest naming the model's exact weights: file contents (size + mtime above HASH_LIMIT).
+
+    Computed once per run and recorded in its manifest (`stepgrpo.runs.open_run`); cache keys read
+    it from there, never from the model files."""
     resolved = resolve_model_path(path)
     root = Path(resolved)
     if not root.is_dir():
@@ -155,20 +157,59 @@ _rewards: dict[str, Any] = {}
 
 
 def reward(cfg: RewardConfig) -> Any:
-    """The built reward of `cfg` (once per process)."""
+    """The built reward of `cfg` (once per process); it must carry the identity its registry entry
+    declares (`reward_identity`), since stored rows and cache keys are named by that."""
     key = json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
     with _lock:
         if key not in _rewards:
             from stepgrpo.rewards import build_reward
 
-            _rewards[key] = build_reward({"name": cfg.name, "options": dict(cfg.options)})
+            built = build_reward({"name": cfg.name, "options": dict(cfg.options)})
+            declared = reward_identity(cfg)
+            if (str(built.name), str(built.version)) != (declared["name"], declared["version"]):
+                raise ValueError(
+                    f"reward {cfg.name!r} declares the identity {declared['name']} v{declared['version']} but builds "
+                    f"{built.name} v{built.version}; make its registered identity compute the factory's name and version"
+                )
+            _rewards[key] = built
         return _rewards[key]
 
 
 def reward_identity(cfg: RewardConfig) -> dict[str, Any]:
-    """`{"name", "version", "options"}`: what identifies a reward's numbers."""
-    r = reward(cfg)
-    return {"name": str(r.name), "version": str(r.version), "options": dict(cfg.options)}
+    """`{"name", "version", "options"}`: what identifies a reward's numbers, from the registry
+    entry's declared identity (no model is loaded)."""
+    from stepgrpo.rewards import reward_identity as identity
+
+    name, version = identity({"name": cfg.name, "options": dict(cfg.options)})
+    return {"name": str(name), "version": str(version), "options": dict(cfg.options)}
+
+
+# ------------------------------------------------------------------ a run's policy
+
+
+def lora_before(run: Any, cfg: Config, iteration: int) -> dict[str, torch.Tensor]:
+    """The LoRA weights the policy has when iteration `iteration` starts."""
+    if iteration == 0:
+        return initial_lora(cfg)
+    return run.load_checkpoint(iteration - 1).tensors["lora"]
+
+
+def policy_at(run: Any, cfg: Config, iteration: int) -> Any:
+    """The policy with the weights it has when `iteration` of `run` starts."""
+    pol = policy(cfg)
+    set_lora(pol, lora_before(run, cfg, iteration))
+    return pol
+
+
+def policy_after(run: Any, cfg: Config, iteration: int | None) -> Any:
+    """The policy a user gets after `iteration` (its EMA when enabled; None: the base model)."""
+    pol = policy(cfg)
+    if iteration is None:
+        set_lora(pol, initial_lora(cfg))
+    else:
+        ckpt = run.load_checkpoint(iteration)
+        set_lora(pol, ckpt.tensors.get("ema", ckpt.tensors["lora"]))
+    return pol
 
 
 def set_threads() -> None:

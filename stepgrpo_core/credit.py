@@ -81,14 +81,16 @@ class Groups:
 
 
 Scheme = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (rewards, gains, groups, **opts) -> (A, turning mask)
-SCHEMES: Registry[Scheme] = Registry("credit scheme")
+# Fact `step_rewards`: the scheme reads a reward for every state (needs a completion method);
+# False: it reads only R_T, the final sample's.
+SCHEMES: Registry[Scheme] = Registry("credit scheme", step_rewards=True)
 
 
 def _no_turning(gains: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(gains, dtype=torch.bool)
 
 
-@SCHEMES.register("outcome")
+@SCHEMES.register("outcome", step_rewards=False)
 def outcome(rewards, gains, groups: Groups, global_std: bool = True):
     """Flow-GRPO: the sample's group-relative reward for every step."""
     final = rewards[:, -1:]  # [B, 1]

@@ -47,7 +47,9 @@ Kernel = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     tuple[torch.Tensor, torch.Tensor],
 ]
-KERNELS: Registry[Kernel] = Registry("kernel")
+# Facts: `calibrated` (the noise is a per-step table calibrated on the run's base policy, not a
+# number of the config) and `calibrate_with` (the credit scheme whose step gains calibration reads).
+KERNELS: Registry[Kernel] = Registry("kernel", calibrated=False, calibrate_with=None)
 
 LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 
@@ -91,7 +93,7 @@ def flow(x, v, sigma, sigma_next, noise):
     return _sde_moments(x, v, sigma, sigma_next, flow_scale(sigma, sigma_next, noise))
 
 
-@KERNELS.register("psi")
+@KERNELS.register("psi", calibrated=True, calibrate_with="dense")
 def psi(x, v, sigma, sigma_next, noise):
     """DenseGRPO step: the `flow` SDE with `eps_t = psi[k]` (`noise` is the table entry)."""
     return _sde_moments(x, v, sigma, sigma_next, noise)

@@ -2,12 +2,17 @@
 
 Every variant family is a registry of same-signature functions. Names are validated when a
 config is built, with an error that lists the known names, so a typo never reaches a run.
+
+An entry may declare facts about itself when it registers (`KERNELS.register("psi",
+calibrated=True)`): what the pipeline must do for that variant is read from `facts(name)`, so no
+flow or stage tests a variant's name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+from collections.abc import Callable, Iterator, Mapping
+from types import MappingProxyType
+from typing import Any, Generic, TypeVar
 
 F = TypeVar("F", bound=Callable)
 
@@ -28,18 +33,31 @@ class Registry(Generic[F]):
     >>> KERNELS.get("ode")
     """
 
-    def __init__(self, family: str) -> None:
+    def __init__(self, family: str, **defaults: Any) -> None:
         self.family = family
+        self.defaults = dict(defaults)  # the facts of an entry that declares none
         self._items: dict[str, F] = {}
+        self._facts: dict[str, Mapping[str, Any]] = {}
 
-    def register(self, name: str) -> Callable[[F], F]:
+    def register(self, name: str, **facts: Any) -> Callable[[F], F]:
+        """Register `fn` under `name`; `facts` override the registry's defaults for this entry."""
+        unknown = sorted(set(facts) - set(self.defaults))
+        if unknown:
+            raise ValueError(f"{self.family} {name!r}: unknown facts {unknown}; this registry knows {sorted(self.defaults)}")
+
         def decorator(fn: F) -> F:
             if name in self._items:
                 raise ValueError(f"{self.family} {name!r} is registered twice")
             self._items[name] = fn
+            self._facts[name] = MappingProxyType({**self.defaults, **facts})
             return fn
 
         return decorator
+
+    def facts(self, name: str) -> Mapping[str, Any]:
+        """What the entry declared about itself (read-only), with the registry's defaults."""
+        self.get(name)
+        return self._facts[name]
 
     def get(self, name: str) -> F:
         try:

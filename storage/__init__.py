@@ -68,7 +68,7 @@ from storage.errors import (
     StorageError,
 )
 from storage.publish import options_digest
-from storage.run import Checkpoint, CompletionData, RolloutData, Run, StageWriter
+from storage.run import Checkpoint, CompletionData, RolloutData, Run, StageWriter, find_run
 from storage.schema import SCHEMA_VERSION
 
 __all__ = [
@@ -84,6 +84,7 @@ __all__ = [
     "SchemaVersionError",
     "StageLockedError",
     "StageWriter",
+    "find_run",
     "StorageError",
     "options_digest",
 ]

@@ -41,6 +41,7 @@ Parquet tables (long format, append-only; one immutable file per append, read as
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -207,3 +208,13 @@ def latent_storage_dtype(dtype: str) -> str:
     except KeyError:
         allowed = ", ".join(LATENT_STORAGE_DTYPES)
         raise ValueError(f"latent dtype {dtype!r} is not storable; use one of: {allowed}") from None
+
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # run ids, method names, tensor groups: one path component
+
+
+def check_name(name: str, what: str) -> str:
+    """`name` if it is one safe path component, else a ValueError naming the rule."""
+    if not NAME_RE.match(name):
+        raise ValueError(f"{what} {name!r} must match {NAME_RE.pattern} (letters, digits, _ . -)")
+    return name

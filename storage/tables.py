@@ -26,10 +26,8 @@ import pyarrow.parquet as pq
 
 from storage.publish import acquire_lock, canonical_json, check_json, release_lock
 from storage.schema import (
-    ADVANTAGES_KEY,
     ADVANTAGES_SCHEMA,
     PROMPTS_SCHEMA,
-    REWARDS_KEY,
     REWARDS_SCHEMA,
     SCHEMA_VERSION,
 )

@@ -11,7 +11,7 @@ import prefect  # noqa: F401  (Prefect binds its log handlers at import: not ins
 import pytest
 from typer.testing import CliRunner
 
-from stepgrpo.cli import app
+from stepgrpo_cli import app
 
 runner = CliRunner()
 COMMANDS = ["train", "rescore", "credit", "calibrate", "evaluate", "pretrain", "runs", "inspect"]

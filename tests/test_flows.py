@@ -13,7 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from stepgrpo import stages, workspace
+from stepgrpo import workspace
+from stepgrpo.errors import StageError
+from stepgrpo.prompts import stored_prompts
+from stepgrpo.sampling import encode
 from stepgrpo.config import load_config
 from stepgrpo.rewards.base import RewardOutput
 
@@ -51,16 +54,19 @@ def tiny(tiny_model) -> list[str]:
 
 @pytest.fixture
 def calls(monkeypatch) -> collections.Counter:
-    """Counts executions of each stage body."""
+    """Counts executions of each stage body (`tasks.<stage>.execute`)."""
+    import importlib
+
     counter: collections.Counter = collections.Counter()
     for name in STAGES:
-        original = getattr(stages, name)
+        module = importlib.import_module(f"tasks.{name}")
+        original = module.execute
 
         def wrapped(*args, _name=name, _original=original, **kwargs):
             counter[_name] += 1
             return _original(*args, **kwargs)
 
-        monkeypatch.setattr(stages, name, wrapped)
+        monkeypatch.setattr(module, "execute", wrapped)
     return counter
 
 
@@ -104,7 +110,7 @@ def test_train_runs_every_stage_and_tracks_it(trained):
 def test_inspect_shows_the_learning_diagnostics(trained):
     from typer.testing import CliRunner
 
-    from stepgrpo.cli import app
+    from stepgrpo_cli import app
 
     result = CliRunner().invoke(app, ["inspect", trained["run_dir"]])
     assert result.exit_code == 0, result.output
@@ -125,18 +131,20 @@ def test_rerunning_the_same_run_computes_nothing(trained, tiny, calls):
 def test_a_run_refuses_another_config(trained, tiny):
     from flows.train import train
 
-    with pytest.raises(stages.StageError, match="changed: optim.lr"):
+    with pytest.raises(StageError, match="changed: optim.lr"):
         train(overrides=[*tiny, "optim.lr=0.5"], run_dir=trained["run_dir"])
 
 
 def test_cache_keys_follow_the_contract(trained, tiny):
+    from storage.run import Run
     from tasks.keys import stage_key
 
-    base = load_config(None, tiny).model_dump(mode="json")
-    new_reward = load_config(None, [*tiny, "reward.name=jpeg_incompressibility"]).model_dump(mode="json")
-    new_scheme = load_config(None, [*tiny, "credit.scheme=dense"]).model_dump(mode="json")
+    base = load_config(None, tiny)
+    new_reward = load_config(None, [*tiny, "reward.name=jpeg_incompressibility"])
+    new_scheme = load_config(None, [*tiny, "credit.scheme=dense"])
     inputs = {"rollout": "r", "checkpoint": "c"}
-    key = lambda stage, conf: stage_key(stage, trained["run_dir"], conf, 0, inputs)  # noqa: E731
+    run = Run.open(trained["run_dir"])
+    key = lambda stage, conf: stage_key(stage, run, conf, 0, inputs)  # noqa: E731
     for stage in ("rollout", "complete"):
         assert key(stage, base) == key(stage, new_reward) == key(stage, new_scheme)
     assert key("score", base) != key("score", new_reward)
@@ -223,6 +231,8 @@ def test_nan_rewards_fail_the_stage_naming_the_rows(trained, monkeypatch):
     from flows.rescore import rescore
     from storage.run import Run
 
+    from stepgrpo.rewards import REWARDS
+
     class NanReward:
         name, version = "nan_test", "1"
 
@@ -231,9 +241,11 @@ def test_nan_rewards_fail_the_stage_naming_the_rows(trained, monkeypatch):
             scores[1] = float("nan")
             return RewardOutput(scores=scores)
 
-    monkeypatch.setattr(workspace, "reward", lambda cfg: NanReward())
-    with pytest.raises(stages.StageError, match=r"NaN/inf .*\(traj 0, k 1\)"):
-        rescore(trained["run_dir"], "jpeg_incompressibility", iterations=[0])
+    # a reward registered as a plugin would be
+    monkeypatch.setitem(REWARDS._items, "nan_test", NanReward)
+    monkeypatch.setitem(REWARDS._facts, "nan_test", {"identity": lambda: ("nan_test", "1")})
+    with pytest.raises(StageError, match=r"NaN/inf .*\(traj 0, k 1\)"):
+        rescore(trained["run_dir"], "nan_test", iterations=[0])
     assert Run.open(trained["run_dir"]).read_rewards(0, "nan_test").num_rows == 0
 
 
@@ -289,12 +301,12 @@ def test_states_after_the_sde_window_are_not_recomputed(harness, tiny, tmp_path)
         assert torch.equal(grid[:, k], grid[:, 4])
     # the same as recomputing every state's completion
     cfg = load_config(None, [*tiny, "completion.method=remaining", "run.iterations=1", "sampler.sde_window_size=2"])
-    pol = stages.policy_at(run, cfg, 0)
+    pol = workspace.policy_at(run, cfg, 0)
     data = run.read_rollout(0)
-    texts, _, meta = stages._prompt_rows(run)
+    texts, _, meta = stored_prompts(run)
     with torch.no_grad():
         full = complete("remaining", pol.velocity, torch.from_numpy(data.states), torch.from_numpy(data.sigmas),
-                        stages._encode(pol, texts, data.prompt_ids), 64)
+                        encode(pol, texts, data.prompt_ids), 64)
     stored = run.read_completion(0, "remaining").latents
     torch.testing.assert_close(full.latents, torch.from_numpy(stored), rtol=0, atol=1e-5)
     reward = workspace.reward(cfg.reward)
@@ -318,10 +330,10 @@ def test_outcome_runs_store_the_ode_sample_of_each_group(harness, tiny, tmp_path
     data = run.read_rollout(0)
     ode_final = torch.from_numpy(run.read_array(0, "rollout", "ode_final"))
     cfg = load_config(None, overrides)
-    pol = stages.policy_at(run, cfg, 0)
-    texts, _, _ = stages._prompt_rows(run)
+    pol = workspace.policy_at(run, cfg, 0)
+    texts, _, _ = stored_prompts(run)
     ode = rollout(pol.velocity, torch.from_numpy(data.states[:, 0]), torch.from_numpy(data.sigmas),
-                  stages._encode(pol, texts, data.prompt_ids), kernel="ode").states[:, -1]
+                  encode(pol, texts, data.prompt_ids), kernel="ode").states[:, -1]
     torch.testing.assert_close(ode_final, ode, rtol=0, atol=1e-5)
     grid = run.reward_grid(0, "jpeg_compressibility")
     assert bool(torch.isfinite(grid[:, 0]).all()) and bool(torch.isfinite(grid[:, -1]).all())

@@ -1,6 +1,6 @@
 """Restart: `kill -9` a training run mid-iteration, rerun the same command, get the same LoRA.
 
-Subprocesses run the real console script (`python -m stepgrpo.cli train ...`) on a tiny
+Subprocesses run the real console script (`python -m stepgrpo_cli train ...`) on a tiny
 random-weight SD3 pipeline, on the CPU with fixed seeds.
 """
 
@@ -42,7 +42,7 @@ def setup(tmp_path_factory):
 
 
 def command(run_dir: Path, overrides: list[str]) -> list[str]:
-    cmd = [sys.executable, "-m", "stepgrpo.cli", "train", "--run-dir", str(run_dir)]
+    cmd = [sys.executable, "-m", "stepgrpo_cli", "train", "--run-dir", str(run_dir)]
     for o in overrides:
         cmd += ["--set", o]
     return cmd

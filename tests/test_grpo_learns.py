@@ -82,7 +82,7 @@ def test_grpo_moves_the_policy_towards_the_reward(scheme):
                 rewards = reward(complete("remaining", pol.velocity, out.states, sigmas, None, 64).latents)
         means.append(float(rewards[:, -1].mean()))
         credit = assign(scheme, rewards, group_ids)
-        training.update(pol, opt, cfg, out.states, out.log_probs, credit.advantages, group_ids, None, sigmas, "flow", 0.7,
+        training.update(pol, opt, cfg, training.Batch(out.states, out.log_probs, credit.advantages, group_ids, None, sigmas, "flow", 0.7),
                         torch.Generator().manual_seed(it))
     start = float(((torch.zeros(2, 1, 1) - TARGET) ** 2).sum().sqrt())
     end = float(((pol.transformer.mu.detach() - TARGET) ** 2).sum().sqrt())

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from stepgrpo.config import load_config
-from stepgrpo.stages import StageError, prompt_source
+from stepgrpo.errors import StageError
+from stepgrpo.prompts import prompt_source
 
 GENEVAL_ROW = {"tag": "counting", "include": [{"class": "dog", "count": 2}], "prompt": "a photo of two dogs"}
 
@@ -41,7 +42,7 @@ def test_missing_prompt_file_is_named(tmp_path):
 
 
 def test_iteration_plan_fills_every_group_even_from_few_prompts(tmp_path):
-    from stepgrpo.stages import iteration_plan
+    from stepgrpo.sampling import iteration_plan
 
     few = tmp_path / "few.txt"
     few.write_text("a\nb\nc\n")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from stepgrpo.report import paired_gain
-from stepgrpo.stages import reward_summary
+from stepgrpo.scoring import reward_summary
 
 
 def test_paired_gain_is_the_mean_difference_with_a_t_interval():

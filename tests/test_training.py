@@ -66,7 +66,7 @@ def run_update(overrides, seed=0):
     pol = Policy()
     opt = training.make_optimizer(pol.trainable_parameters(), cfg)
     start = {n: p.detach().clone() for n, p in pol.transformer.named_parameters()}
-    summary = training.update(pol, opt, cfg, out.states, out.log_probs, adv, groups, None, SIGMAS, "flow", 0.7,
+    summary = training.update(pol, opt, cfg, training.Batch(out.states, out.log_probs, adv, groups, None, SIGMAS, "flow", 0.7),
                               torch.Generator().manual_seed(1), initial=start)
     return pol, opt, summary
 

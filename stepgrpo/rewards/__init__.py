@@ -18,6 +18,7 @@ Spec forms accepted by `build_reward`:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -25,7 +26,7 @@ from stepgrpo.rewards import clip_models, geneval, jpeg, ocr, shapes  # noqa: F4
 from stepgrpo.rewards.base import REWARDS, Reward, RewardOutput
 from stepgrpo.rewards.combine import WeightedSum
 
-__all__ = ["REWARDS", "Reward", "RewardOutput", "WeightedSum", "build_reward", "parse_weights"]
+__all__ = ["REWARDS", "Reward", "RewardOutput", "WeightedSum", "build_reward", "parse_weights", "reward_identity"]
 
 Spec = str | Mapping[str, Any]
 
@@ -60,12 +61,54 @@ def build_reward(spec: Spec) -> Reward:
     raise TypeError(f"a reward spec is a string or a mapping, got {type(spec).__name__}")
 
 
+def reward_identity(spec: Spec) -> tuple[str, str]:
+    """`(name, version)` of the reward `build_reward(spec)` would build, from the registry's
+    declared identities: no model is loaded. Bad options fail as the factory would fail."""
+    if isinstance(spec, str):
+        if "," in spec or ":" in spec:
+            return _weighted_identity([(_identity(name, {}), w) for name, w in parse_weights(spec)])
+        return _identity(spec, {})
+    if isinstance(spec, Mapping):
+        unknown = set(spec) - {"name", "options"}
+        if unknown or "name" not in spec:
+            raise ValueError(f"a reward spec mapping has keys 'name' and optional 'options', got {sorted(spec)}")
+        return _identity(spec["name"], dict(spec.get("options") or {}))
+    raise TypeError(f"a reward spec is a string or a mapping, got {type(spec).__name__}")
+
+
+def _identity(name: str, options: Mapping[str, Any]) -> tuple[str, str]:
+    factory = REWARDS.get(name)
+    try:
+        bound = inspect.signature(factory).bind(**options)
+    except TypeError as err:
+        raise TypeError(f"reward {name!r}: {err}") from None
+    bound.apply_defaults()
+    identity = REWARDS.facts(name)["identity"]
+    if identity is None:
+        raise TypeError(f"reward {name!r} declares no identity: register it with identity=... (stepgrpo.rewards.base)")
+    return identity(**bound.arguments)
+
+
+def _weighted_identity(parts: Sequence[tuple[tuple[str, str], float]]) -> tuple[str, str]:
+    """What `WeightedSum` names itself from its parts' identities and weights."""
+    return ",".join(f"{n}:{float(w):g}" for (n, _), w in parts), ",".join(f"{n}={v}" for (n, v), _ in parts)
+
+
+def _weighted_parts_identity(parts: str | Mapping[str, float] | Sequence[Mapping[str, Any]]) -> tuple[str, str]:
+    if isinstance(parts, str):
+        return reward_identity(parts)
+    if isinstance(parts, Mapping):
+        return _weighted_identity([(reward_identity(name), w) for name, w in parts.items()])
+    return _weighted_identity([(reward_identity({"name": p["name"], "options": p.get("options") or {}}),
+                                p.get("weight", 1.0)) for p in parts])
+
+
 def _weighted_defaults(spec: str) -> WeightedSum:
     """A weighted sum of rewards built with their default options."""
     return WeightedSum([(REWARDS.get(name)(), w) for name, w in parse_weights(spec)])
 
 
-@REWARDS.register("weighted")
+@REWARDS.register("weighted", identity=_weighted_parts_identity)
 def weighted(parts: str | Mapping[str, float] | Sequence[Mapping[str, Any]]) -> WeightedSum:
     """A weighted sum. parts: `"a:1,b:0.1"`, `{"a": 1, "b": 0.1}`, or a list of
     `{"name", "weight" (default 1), "options" (default none)}` mappings."""

@@ -40,5 +40,7 @@ class Reward(Protocol):
     ) -> RewardOutput: ...
 
 
-# name -> factory(**options) -> Reward
-REWARDS: Registry = Registry("reward")
+# name -> factory(**options) -> Reward. Fact `identity(**options) -> (name, version)`: the name and
+# version the built reward would carry, computed from the options alone (no model is loaded), so
+# a stage's cache key can name the reward without building it (`stepgrpo.rewards.reward_identity`).
+REWARDS: Registry = Registry("reward", identity=None)

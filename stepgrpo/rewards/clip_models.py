@@ -138,7 +138,11 @@ class PickScore:
         return RewardOutput(scores=scores)
 
 
-@REWARDS.register("pickscore")
+def _pickscore_identity(model: str, scale: float, **_: Any) -> tuple[str, str]:
+    return "pickscore", "1" + _tag(model, PICKSCORE_MODEL) + ("" if scale == PICKSCORE_SCALE else f"+x{scale:g}")
+
+
+@REWARDS.register("pickscore", identity=_pickscore_identity)
 def pickscore(
     model: str = PICKSCORE_MODEL,
     processor: str = PICKSCORE_PROCESSOR,
@@ -148,7 +152,7 @@ def pickscore(
     batch_size: int = BATCH_SIZE,
 ) -> PickScore:
     """PickScore / 26 (Flow-GRPO); `scale=1` gives the number papers report."""
-    version = "1" + _tag(model, PICKSCORE_MODEL) + ("" if scale == PICKSCORE_SCALE else f"+x{scale:g}")
+    _, version = _pickscore_identity(model, scale)
     return PickScore(ClipEmbedder(model, processor, device, dtype, batch_size), scale, version)
 
 
@@ -170,7 +174,12 @@ class ClipScore:
         return RewardOutput(scores=self.weight * (cos.clamp(min=0) if self.clip_at_zero else cos))
 
 
-@REWARDS.register("clipscore")
+def _clipscore_identity(model: str, weight: float, clip_at_zero: bool, **_: Any) -> tuple[str, str]:
+    options = "" if (weight, clip_at_zero) == (CLIPSCORE_WEIGHT, True) else f"+w{weight:g}{'c' if clip_at_zero else ''}"
+    return "clipscore", "1" + _tag(model, CLIPSCORE_MODEL) + options
+
+
+@REWARDS.register("clipscore", identity=_clipscore_identity)
 def clipscore(
     model: str = CLIPSCORE_MODEL,
     processor: str | None = None,
@@ -181,8 +190,7 @@ def clipscore(
     batch_size: int = BATCH_SIZE,
 ) -> ClipScore:
     """CLIP-S of Hessel et al. with the ViT-L/14 CLIP by default."""
-    options = "" if (weight, clip_at_zero) == (CLIPSCORE_WEIGHT, True) else f"+w{weight:g}{'c' if clip_at_zero else ''}"
-    version = "1" + _tag(model, CLIPSCORE_MODEL) + options
+    _, version = _clipscore_identity(model, weight, clip_at_zero)
     return ClipScore(ClipEmbedder(model, processor, device, dtype, batch_size), weight, clip_at_zero, version)
 
 
@@ -246,7 +254,11 @@ class Aesthetic:
         return RewardOutput(scores=self.head(embeds).squeeze(-1).cpu())
 
 
-@REWARDS.register("aesthetic")
+def _aesthetic_identity(model: str, head: str, **_: Any) -> tuple[str, str]:
+    return "aesthetic", "1" + _tag(model, AESTHETIC_CLIP) + _tag(head, AESTHETIC_HEAD)
+
+
+@REWARDS.register("aesthetic", identity=_aesthetic_identity)
 def aesthetic(
     model: str = AESTHETIC_CLIP,
     processor: str | None = None,
@@ -259,5 +271,5 @@ def aesthetic(
     """The DDPO aesthetic score (LAION predictor v2 on CLIP ViT-L/14)."""
     embedder = ClipEmbedder(model, processor, device, dtype, batch_size)
     in_dim = embedder.model.config.projection_dim
-    version = "1" + _tag(model, AESTHETIC_CLIP) + _tag(head, AESTHETIC_HEAD)
+    _, version = _aesthetic_identity(model, head)
     return Aesthetic(embedder, load_aesthetic_head(head, head_file, in_dim), version)

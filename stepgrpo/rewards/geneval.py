@@ -437,7 +437,16 @@ class GenEval:
         return aggregate([check(s, d, r.position_threshold) for s, d in zip(specs, kept)])
 
 
-@REWARDS.register("geneval")
+def _identity(detector: str, clip: str, threshold: float, counting_threshold: float, max_objects: int,
+              max_overlap: float, position_threshold: float, **_: Any) -> tuple[str, str]:
+    rules = Rules(threshold, counting_threshold, max_objects, max_overlap, position_threshold)
+    options = "" if rules == Rules() else (
+        f"+t{threshold:g},c{counting_threshold:g},m{max_objects},o{max_overlap:g},p{position_threshold:g}"
+    )
+    return "geneval", "1" + _tag(detector, DETECTOR) + _tag(clip, CLIP_MODEL) + options
+
+
+@REWARDS.register("geneval", identity=_identity)
 def geneval(
     detector: str = DETECTOR,
     detector_processor: str | None = None,
@@ -454,10 +463,7 @@ def geneval(
 ) -> GenEval:
     """GenEval: Mask2Former (COCO) detections + CLIP ViT-L/14 colours + GenEval's rules."""
     rules = Rules(threshold, counting_threshold, max_objects, max_overlap, position_threshold)
-    options = "" if rules == Rules() else (
-        f"+t{threshold:g},c{counting_threshold:g},m{max_objects},o{max_overlap:g},p{position_threshold:g}"
-    )
-    version = "1" + _tag(detector, DETECTOR) + _tag(clip, CLIP_MODEL) + options
+    _, version = _identity(detector, clip, threshold, counting_threshold, max_objects, max_overlap, position_threshold)
     embedder = ClipEmbedder(clip, clip_processor, device, dtype, batch_size)
     detect = Detector(detector, detector_processor, device, dtype, batch_size)
     return GenEval(detect, ColourClassifier(embedder), rules, version)

@@ -32,10 +32,12 @@ def jpeg_size_kb(images: torch.Tensor, quality: int = QUALITY) -> torch.Tensor:
     return torch.tensor(sizes, dtype=torch.float32)
 
 
+def _version(quality: int) -> str:
+    return "1" if quality == QUALITY else f"1+q{quality}"  # a different quality gives different numbers
+
+
 class JpegSize:
     """JPEG size in kB times `sign` (+1: incompressibility, -1: compressibility)."""
-
-    version = "1"
 
     def __init__(self, name: str, sign: float, quality: int = QUALITY) -> None:
         if not 1 <= quality <= 100:
@@ -43,8 +45,7 @@ class JpegSize:
         self.name = name
         self.sign = sign
         self.quality = quality
-        if quality != QUALITY:  # a different quality gives different numbers
-            self.version = f"{self.version}+q{quality}"
+        self.version = _version(quality)
 
     def __call__(
         self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
@@ -52,13 +53,13 @@ class JpegSize:
         return RewardOutput(scores=self.sign * jpeg_size_kb(images, self.quality))
 
 
-@REWARDS.register("jpeg_incompressibility")
+@REWARDS.register("jpeg_incompressibility", identity=lambda quality: ("jpeg_incompressibility", _version(quality)))
 def jpeg_incompressibility(quality: int = QUALITY) -> JpegSize:
     """Reward = JPEG size in kB (larger files score higher)."""
     return JpegSize("jpeg_incompressibility", +1.0, quality)
 
 
-@REWARDS.register("jpeg_compressibility")
+@REWARDS.register("jpeg_compressibility", identity=lambda quality: ("jpeg_compressibility", _version(quality)))
 def jpeg_compressibility(quality: int = QUALITY) -> JpegSize:
     """Reward = minus the JPEG size in kB (smaller files score higher)."""
     return JpegSize("jpeg_compressibility", -1.0, quality)

@@ -89,7 +89,7 @@ class OcrReward:
         return RewardOutput(scores=torch.tensor(scores, dtype=torch.float32))
 
 
-@REWARDS.register("ocr")
+@REWARDS.register("ocr", identity=lambda: (OcrReward.name, OcrReward.version))
 def ocr() -> OcrReward:
     """Flow-GRPO's OCR reward in [0, 1]."""
     return OcrReward()

@@ -157,7 +157,7 @@ class ShapesReward:
         return RewardOutput(scores=scores, strict=strict, sub=sub)
 
 
-@REWARDS.register("shapes")
+@REWARDS.register("shapes", identity=lambda: (ShapesReward.name, ShapesReward.version))
 def shapes_reward() -> ShapesReward:
     """Factory: the `shapes` scorer takes no options."""
     return ShapesReward()

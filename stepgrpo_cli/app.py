@@ -45,7 +45,7 @@ RunArg = Annotated[str, typer.Argument(help="A run directory or a run id under r
 
 def _expected_errors() -> tuple[type[BaseException], ...]:
     from stepgrpo.config import ConfigError
-    from stepgrpo.stages import StageError
+    from stepgrpo.errors import StageError
     from stepgrpo_core.registry import UnknownNameError
     from storage.errors import StorageError
 
@@ -69,19 +69,22 @@ def _run(fn: Any, *args: Any, **kwargs: Any) -> Any:
         raise typer.Exit(1) from None
 
 
-def _check_config(config: Path | None, overrides: list[str] | None) -> None:
+def _check_config(config: Path | None, overrides: list[str] | None, calibrated: bool = False) -> None:
     """Validate before any flow starts (and before a Prefect server is started)."""
     from stepgrpo.config import load_config
     from stepgrpo.workspace import resolve_model_path
 
     cfg = load_config(config, overrides or [])
     resolve_model_path(cfg.model.path)
+    if calibrated:
+        from tasks.calibrate import check_calibrated
+
+        check_calibrated(cfg)
 
 
 def _check_run(run: str, reward: str | None = None, scheme: str | None = None) -> None:
     """Open the run (schema version checked) and validate names before any flow starts."""
-    from stepgrpo.stages import find_run
-    from storage.run import Run
+    from storage.run import Run, find_run
 
     Run.open(find_run(run))
     if reward is not None:
@@ -145,7 +148,7 @@ def credit(run: RunArg, scheme: Annotated[str, typer.Option(help="Credit scheme 
 @app.command()
 def calibrate(config: ConfigOpt = None, set_: SetOpt = None, run_dir: RunDirOpt = None, run_id: RunIdOpt = None) -> None:
     """DenseGRPO psi calibration into a run (then `train` with the same config and run id)."""
-    _run(_check_config, config, set_)
+    _run(_check_config, config, set_, calibrated=True)
     from flows.calibrate import calibrate as calibrate_flow
 
     out = _run(calibrate_flow, config_path=str(config) if config else None, overrides=list(set_ or []),
@@ -204,8 +207,7 @@ def inspect(run: RunArg) -> None:
 
 
 def _inspect(run: str) -> None:
-    from stepgrpo.stages import find_run
-    from storage.run import Run
+    from storage.run import Run, find_run
 
     r = Run.open(find_run(run))
     rewards = r.read_rewards().to_pandas() if (r.path / "rewards").is_dir() else None
@@ -237,9 +239,11 @@ def _diagnostics(r: Any, iters: list[int]) -> None:
 
     from stepgrpo.config import validate_config
     from stepgrpo.report import SignalWatch
-    from stepgrpo.stages import reward_summary
+    from stepgrpo.scoring import reward_summary
 
-    reward = validate_config(r.config).reward.name
+    from stepgrpo.workspace import reward_identity
+
+    reward = reward_identity(validate_config(r.config).reward)["name"]
     table = Table("iter", "R SDE", "R ODE", "grp std", "0-std", "clip 1st/later", "0-grad", "ratio sd", "signal",
                   "signal 20 it.", "grad energy k:share", "|step|", "|LoRA-init|", title="learning diagnostics")
     watch, warning = SignalWatch(), None

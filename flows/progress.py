@@ -1,0 +1,120 @@
+"""What the training flow tells people, one call per event: MLflow metrics, Prefect artifacts, the console.
+
+`TrainingLog` opens one MLflow run for the flow run (parameters once), then logs each iteration's
+stage results and each evaluation; a cached stage still reports its numbers, since only the
+results are read. Kept out of `flows/train.py` so that the flow reads like the algorithm.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from stepgrpo import report
+from stepgrpo.config import Config
+from stepgrpo.results import CompleteResult, CreditResult, EvaluateResult, RolloutResult, ScoreResult, UpdateResult
+from stepgrpo.tracking import Tracker
+from storage.run import Run
+
+
+def evaluation_record(run: Run, ev: EvaluateResult) -> dict[str, Any]:
+    """An evaluation as a flow returns it: JSON, with the image grid's full path."""
+    return ev.record() | {"grid": str(Path(run.path) / ev.grid)}
+
+
+def eval_metrics(ev: EvaluateResult) -> dict[str, float]:
+    out = {"eval/mean": ev.reward_mean, "eval/std": ev.reward_std, "eval/strict": ev.reward_strict}
+    out |= {f"eval/sub_{k}": v for k, v in ev.sub.items()}
+    return {k: float(v) for k, v in out.items() if v is not None}
+
+
+def iteration_metrics(rollout: RolloutResult, clean: CompleteResult | RolloutResult, rewards: ScoreResult,
+                      credit: CreditResult, update: UpdateResult) -> dict[str, float]:
+    """MLflow metrics of one iteration from its stage results."""
+    r, c, u = rewards, credit, update.stats
+    out: dict[str, Any] = {
+        "reward/mean": r.reward_mean, "reward/std": r.reward_std, "reward/strict": r.reward_strict,
+        "advantage/mean": c.adv_mean, "advantage/std": c.adv_std, "advantage/abs_max": c.adv_abs_max,
+        "zero_std_ratio": c.zero_std_ratio, "turning_points": c.turning_points,
+        "reward/ode_mean": r.ode_reward_mean, "reward/group_std": r.group_reward_std,
+        "reward/zero_std_groups": r.zero_std_groups,
+        "nfe/rollout": rollout.nfe, "nfe/ode_reference": rollout.nfe_ode,
+        "nfe/complete": clean.nfe if isinstance(clean, CompleteResult) else 0,
+    }
+    for name in ("clip_frac", "approx_kl", "kl", "loss", "grad_norm", "signal_cosine", "signal_cosine_window"):
+        out[name] = u.get(name)
+    for name in ("mean", "std", "min", "max"):
+        out[f"ratio/{name}"] = u.get(f"ratio_{name}")
+    out["lora/distance"], out["lora/update_norm"] = u.get("lora_distance"), u.get("update_norm")
+    for phase in ("first", "later"):
+        out[f"clip_frac/{phase}"] = u.get(f"clip_frac_{phase}")
+        out[f"zero_grad_frac/{phase}"] = u.get(f"zero_grad_frac_{phase}")
+    steps = u.get("trained_step_ids") or []
+    for name in ("grad_energy_share", "clip_frac_later_by_step", "zero_grad_frac_later_by_step"):
+        for k, v in zip(steps, u.get(name) or []):
+            out[f"{name.removesuffix('_by_step')}/step_{k}"] = v
+    for k, g in enumerate(c.gain_mean):
+        out[f"gain/step_{k}"] = g
+    stages = {"rollout": rollout, "score": rewards, "credit": credit, "update": update}
+    stages |= {"complete": clean} if isinstance(clean, CompleteResult) else {}
+    out |= {f"seconds/{name}": result.seconds for name, result in stages.items()}
+    return {k: float(v) for k, v in out.items() if isinstance(v, int | float) and math.isfinite(float(v))}
+
+
+def iteration_row(iteration: int, rewards: ScoreResult, update: UpdateResult) -> dict[str, Any]:
+    """One row of the run's reward table (console, Prefect artifact)."""
+    u = update.stats
+    return {"iteration": iteration, "reward_mean": rewards.reward_mean, "reward_strict": rewards.reward_strict,
+            "ode_reward_mean": rewards.ode_reward_mean, "group_reward_std": rewards.group_reward_std,
+            **{k: u.get(k) for k in ("clip_frac", "approx_kl", "signal_cosine", "signal_cosine_window", "lora_distance")}}
+
+
+class TrainingLog:
+    """One MLflow run, the Prefect progress and summary artifacts, and the console lines of a training flow."""
+
+    def __init__(self, run: Run, cfg: Config) -> None:
+        self.run, self.cfg = run, cfg
+        self.rows: list[dict[str, Any]] = []
+        self.evaluations: list[dict[str, Any]] = []
+        self.watch = report.SignalWatch()
+
+    def __enter__(self) -> TrainingLog:
+        from prefect.artifacts import create_progress_artifact
+
+        where = str(self.run.path)
+        self.tracker = Tracker.start(self.run.path, self.cfg.run.name, self.run.run_id, {"run_dir": where, "run_id": self.run.run_id})
+        self.tracker.__enter__()
+        self.tracker.log_params(self.cfg.flat())
+        self.progress = create_progress_artifact(0.0, description=f"stepgrpo run {self.run.run_id}: iterations done")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.tracker.__exit__(*exc)
+
+    def evaluation(self, step: int, ev: EvaluateResult) -> None:
+        """A held-out evaluation, logged at `step` (iterations done)."""
+        self.evaluations.append(evaluation_record(self.run, ev))
+        self.tracker.log_metrics(eval_metrics(ev), step=step)
+        self.tracker.log_artifact(self.evaluations[-1]["grid"], "eval")
+
+    def iteration(self, i: int, rollout: RolloutResult, clean: CompleteResult | RolloutResult, rewards: ScoreResult,
+                  credit: CreditResult, update: UpdateResult) -> None:
+        """Iteration `i`'s stage results: metrics, its row and console line, the signal check."""
+        from prefect.artifacts import update_progress_artifact
+
+        self.tracker.log_metrics(iteration_metrics(rollout, clean, rewards, credit, update), step=i + 1)
+        self.rows.append(iteration_row(i, rewards, update))
+        print(report.iteration_line(self.rows[-1]))
+        if (warning := self.watch.see(i, update.stats)) is not None:
+            print(warning)
+        update_progress_artifact(self.progress, 100.0 * (i + 1) / self.cfg.run.iterations)
+
+    def finish(self, lora_dir: Path) -> dict[str, Any]:
+        """Log the exported LoRA, publish the run's summary artifacts; returns the flow's result."""
+        where = str(self.run.path)
+        self.tracker.log_dir(lora_dir, "lora")
+        report.publish_artifacts(self.run.run_id, self.cfg, self.rows, self.evaluations,
+                                 {"run directory": where, "MLflow": self.tracker.uri})
+        return {"run_id": self.run.run_id, "run_dir": where, "tracking_uri": self.tracker.uri,
+                "evaluations": self.evaluations, "iterations": self.rows}

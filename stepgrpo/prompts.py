@@ -1,0 +1,91 @@
+"""Prompts: the sources a config names, the files they come in, and a run's stored prompt table.
+
+A source is `shapes` (the shipped model's task, split into train and held-out prompts) or a file
+per split (`run.prompts`, `run.heldout_prompts`): `.txt` (one prompt a line) or `.jsonl`
+(GenEval / Flow-GRPO's `metadata.jsonl`: one object a line with a `prompt` field; the whole
+object is the prompt's metadata, which structured rewards such as `geneval` read).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from stepgrpo.config import Config
+from stepgrpo.errors import StageError
+from stepgrpo.paths import REPO_ROOT
+
+
+class Prompts(NamedTuple):
+    """Every prompt of a run, by prompt id: text, split ("train" / "test") and metadata."""
+
+    texts: list[str]
+    splits: list[str]
+    metadata: list[dict[str, Any]]
+
+    def ids(self, split: str) -> list[int]:
+        return [i for i, s in enumerate(self.splits) if s == split]
+
+    def texts_of(self, ids: Any) -> list[str]:
+        return [self.texts[int(p)] for p in ids]
+
+    def metadata_of(self, ids: Any) -> list[dict[str, Any]]:
+        return [self.metadata[int(p)] for p in ids]
+
+
+def prompt_source(cfg: Config) -> Prompts:
+    """All prompts of the config's source."""
+    if cfg.run.prompts == "shapes":
+        from stepgrpo.shapes.data import prompt_of, split
+
+        train, test = split(held_out=False), split(held_out=True)
+        specs = train + test
+        return Prompts([prompt_of(s) for s in specs], ["train"] * len(train) + ["test"] * len(test), specs)
+    texts, splits, metadata = [], [], []
+    for path, name in ((cfg.run.prompts, "train"), (cfg.run.heldout_prompts, "test")):
+        if path is None:
+            continue
+        file_texts, file_meta = read_prompt_file(find_prompt_file(path))
+        texts += file_texts
+        metadata += file_meta
+        splits += [name] * len(file_texts)
+    return Prompts(texts, splits, metadata)
+
+
+def find_prompt_file(path: str) -> Path:
+    """A prompt file relative to the working directory, else to the repository."""
+    p = Path(path)
+    if not p.exists() and (REPO_ROOT / path).exists():
+        p = REPO_ROOT / path
+    if not p.is_file():
+        raise StageError(f"run.prompts file {path!r} does not exist (.txt: one prompt a line; "
+                         ".jsonl: one JSON object a line with a 'prompt' field)")
+    return p
+
+
+def read_prompt_file(path: Path) -> tuple[list[str], list[dict[str, Any]]]:
+    """Prompts and metadata of a `.txt` or `.jsonl` file (module doc)."""
+    lines = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    if path.suffix != ".jsonl":
+        return lines, [{} for _ in lines]
+    texts, metadata = [], []
+    for number, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise StageError(f"{path}:{number} is not a JSON object ({err.msg}); a .jsonl prompt file "
+                             "holds one object a line") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise StageError(f"{path}:{number} has no 'prompt' string field; each line must look like "
+                             '{"prompt": "a photo of two dogs", "tag": "counting", "include": [...]}')
+        texts.append(row["prompt"])
+        metadata.append(row)
+    return texts, metadata
+
+
+def stored_prompts(run: Any) -> Prompts:
+    """The prompt table a run stored (its prompts stage), by prompt id."""
+    table = run.read_prompts().sort_by("prompt_id")
+    meta = [json.loads(m) for m in table.column("metadata").to_pylist()]
+    return Prompts(table.column("text").to_pylist(), table.column("split").to_pylist(), meta)

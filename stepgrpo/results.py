@@ -1,0 +1,155 @@
+"""What each pipeline stage returns: small typed records that round-trip through JSON.
+
+A stage's output lives in the run directory; its result names it (`digest`) and carries the
+counts, NFEs, seconds and summary numbers the flows track. A result is also what the downstream
+stages take: `tasks.keys` builds a stage's cache key from its upstream results'
+`key_inputs`, so the key names exactly the data a stage reads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+
+class Result(BaseModel):
+    """A stage's typed result (frozen; unknown fields are an error)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _untyped_record(cls, data: Any) -> Any:
+        """Records written as plain dicts (calibration and evaluation files of older runs) also
+        named their stage; the type says it now."""
+        if isinstance(data, dict) and "stage" in data:
+            data = {k: v for k, v in data.items() if k != "stage"}
+        return data
+
+    def to_json(self) -> str:
+        """The result as stored and returned by the flows: JSON, fields without a value left out."""
+        return self.model_dump_json(exclude_none=True)
+
+    def record(self) -> dict[str, Any]:
+        """`to_json`'s content as a dict (what a flow returns)."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Any:
+        return cls.model_validate_json(text)
+
+
+class StageResult(Result):
+    """A result that names published data by its content digest."""
+
+    digest: str
+
+    def key_inputs(self, name: str) -> dict[str, Any]:
+        """What a downstream stage's cache key records of this input, named `name` there."""
+        return {name: self.digest}
+
+
+class PromptsResult(StageResult):
+    rows: int
+
+
+class CalibrateResult(StageResult):
+    """DenseGRPO's `psi` table (one noise level per step) and the history of its rounds."""
+
+    key: str
+    psi: list[float]
+    rounds: list[dict[str, Any]]
+    seconds: float
+
+
+class RolloutResult(StageResult):
+    iteration: int
+    trajectories: int
+    nfe: int  # transformer rows of the SDE sampling
+    nfe_ode: int  # of the ODE reference of each group
+    seconds: float
+
+
+class CompleteResult(StageResult):
+    iteration: int
+    method: str
+    nfe: int
+    seconds: float
+
+
+class ScoreResult(StageResult):
+    """One reward's rows of an iteration (`stepgrpo.scoring.reward_summary` for the numbers)."""
+
+    iteration: int
+    reward_name: str
+    reward_version: str
+    images: str  # where the images came from: stored, decoded, decoded+stored, none (rows were stored)
+    seconds: float
+    reward_mean: float
+    reward_std: float
+    group_reward_std: float
+    zero_std_groups: float
+    reward_strict: float | None = None
+    ode_reward_mean: float | None = None
+    ode_reward_strict: float | None = None
+    reward_per_state: list[float] | None = None
+
+    def key_inputs(self, name: str) -> dict[str, Any]:
+        return {name: self.digest, "reward": [self.reward_name, self.reward_version]}
+
+
+class CreditResult(StageResult):
+    iteration: int
+    scheme: str
+    options_digest: str
+    seconds: float
+    adv_mean: float
+    adv_std: float
+    adv_abs_max: float
+    zero_std_ratio: float
+    turning_points: int
+    gain_mean: list[float]
+
+    def key_inputs(self, name: str) -> dict[str, Any]:
+        return {name: self.digest, "scheme": self.scheme, "options_digest": self.options_digest}
+
+
+class UpdateResult(StageResult):
+    """The checkpoint an update published (`digest`) and what the update measured (`stats`:
+    `stepgrpo.training.Diagnostics.summary`, lists with None where a value was not finite)."""
+
+    iteration: int
+    seconds: float
+    stats: dict[str, int | float | list[int | float | None]]
+
+
+class EvaluateResult(Result):
+    """Held-out reward of one policy: one score per (seed, prompt), seed-major, so two
+    evaluations of a run compare pair by pair (`stepgrpo.report.paired_gain`)."""
+
+    label: str  # "base" or "iter_<k>"
+    iteration: int | None = None  # None: the base model
+    key: str
+    reward_name: str
+    reward_version: str
+    prompts: int
+    seeds: int
+    reward_mean: float
+    reward_std: float
+    nfe: int
+    scores: list[float]
+    grid: str  # the image grid, relative to the run directory
+    seconds: float
+    reward_strict: float | None = None
+    strict_scores: list[float] | None = None
+    sub: dict[str, float] = {}  # each sub-score's mean
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_sub_scores(cls, data: Any) -> Any:
+        """Evaluations stored before `sub` kept each sub-score as a `sub_<name>` field."""
+        if isinstance(data, dict) and any(k.startswith("sub_") for k in data):
+            data = dict(data)
+            data["sub"] = {k.removeprefix("sub_"): data.pop(k) for k in list(data) if k.startswith("sub_")}
+        return data

@@ -1,0 +1,144 @@
+"""Seeds, conditioning, and the two sampling loops every stage and benchmark shares.
+
+Seeds: everything random in iteration `i` derives from `(run.seed, what, i, ...)` through
+`seed_for`, never from a global RNG, so a resumed run draws the same numbers as an uninterrupted
+one.
+
+`sample_groups` is the group rollout (GRPO's groups share a prompt and an initial noise): the
+rollout stage, the `psi` calibration and the benchmarks' bare loop all sample through it.
+`complete_chunks` is the ODE-completion loop of the complete stage and the bare loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from stepgrpo.config import Config
+from stepgrpo.errors import StageError
+from stepgrpo.report import track
+from stepgrpo_core.conditioning import take
+
+
+def seed_for(*parts: Any) -> int:
+    """A 63-bit seed from any JSON-able parts (`seed_for(run_seed, "noise", i, g)`)."""
+    return int.from_bytes(hashlib.sha256(json.dumps(parts).encode()).digest()[:8], "little") >> 1
+
+
+def generator(*parts: Any, device: str | torch.device = "cpu") -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed_for(*parts))
+
+
+def encode(pol: Any, texts: Sequence[str], prompt_ids: np.ndarray) -> Any:
+    """Conditioning for every trajectory `[len(prompt_ids)]`, encoding each distinct prompt once."""
+    unique, inverse = np.unique(prompt_ids, return_inverse=True)
+    cond = pol.encode([texts[int(p)] for p in unique])
+    return take(cond, torch.from_numpy(inverse.reshape(-1)).long())
+
+
+class Plan(NamedTuple):
+    """Who samples what in an iteration: trajectories of a group are adjacent."""
+
+    prompt_ids: np.ndarray  # [B] prompt row of each trajectory
+    group_ids: np.ndarray  # [B]
+    seeds: np.ndarray  # [P] one noise seed per group
+
+
+def iteration_plan(cfg: Config, splits: Sequence[str], iteration: int) -> Plan:
+    """The plan of `iteration`, derived from `(run.seed, iteration)` alone."""
+    train_ids = np.array([i for i, s in enumerate(splits) if s == "train"])
+    if len(train_ids) == 0:
+        raise StageError("the prompt source has no 'train' prompts to sample")
+    P, G = cfg.run.prompts_per_iteration, cfg.run.group_size
+    pick = torch.randperm(len(train_ids), generator=generator(cfg.run.seed, "prompts", iteration)).numpy()
+    chosen = train_ids[np.resize(pick, P)]  # more prompts than the split holds: the permutation repeats
+    seeds = np.array([seed_for(cfg.run.seed, "noise", iteration, g) for g in range(P)], np.int64)
+    return Plan(np.repeat(chosen, G), np.repeat(np.arange(P), G), seeds)
+
+
+@dataclass
+class GroupChunk:
+    """The trajectories of whole groups sampled in one call."""
+
+    rows: np.ndarray  # [n] trajectory indices (whole groups)
+    cond: Any  # conditioning of those rows
+    sde: Any  # `stepgrpo_core.rollout.Rollout` (states [n, T+1, ...], log_probs, stds)
+    ode_final: torch.Tensor | None  # [n, C, H, W] the ODE sample of each group's x_0, repeated per member
+    nfe_ode: int  # transformer rows the ODE reference cost
+
+
+def sample_groups(
+    pol: Any,
+    texts: Sequence[str],
+    prompt_ids: np.ndarray,
+    group_noise: Sequence[tuple[Any, ...]],
+    group_size: int,
+    sigmas: torch.Tensor,
+    *,
+    kernel: str,
+    noise: float | torch.Tensor,
+    sde_seed: Callable[[int], tuple[Any, ...]],
+    groups_per_call: int,
+    window: tuple[int, int] | None = None,
+    ode_reference: bool = False,
+    progress: str = "sample",
+) -> Iterator[GroupChunk]:
+    """Sample `len(group_noise)` groups of `group_size` trajectories, `groups_per_call` at a time.
+
+    Group `g` starts from the noise of `generator(*group_noise[g])`, shared by its members; the
+    call that starts at group `c0` draws its SDE noise from `generator(*sde_seed(c0))`. With
+    `ode_reference`, each group's `x_0` is also sampled by the ODE (one per group: its members
+    share prompt and noise).
+    """
+    from stepgrpo_core.rollout import rollout
+
+    G, P = group_size, len(group_noise)
+    for c0 in track(range(0, P, groups_per_call), progress):
+        groups = range(c0, min(P, c0 + groups_per_call))
+        x0 = torch.cat([pol.initial_noise(1, generator(*group_noise[g], device=pol.device)).expand(G, -1, -1, -1)
+                        for g in groups])
+        rows = np.arange(c0 * G, (groups[-1] + 1) * G)
+        cond = encode(pol, texts, prompt_ids[rows])
+        sde = rollout(pol.velocity, x0, sigmas, cond, kernel=kernel, noise=noise, window=window,
+                      generator=generator(*sde_seed(c0), device=pol.device))
+        ode_final, nfe_ode = None, 0
+        if ode_reference:
+            before = pol.nfe
+            firsts = torch.arange(0, len(rows), G)
+            ode = rollout(pol.velocity, x0[::G], sigmas, take(cond, firsts), kernel="ode")
+            ode_final, nfe_ode = ode.states[:, -1].repeat_interleave(G, dim=0), pol.nfe - before
+        yield GroupChunk(rows, cond, sde, ode_final, nfe_ode)
+
+
+def sample_iteration(pol: Any, cfg: Config, texts: Sequence[str], plan: Plan, iteration: int,
+                     noise: float | torch.Tensor) -> Iterator[GroupChunk]:
+    """The rollout of `iteration`: its plan's groups on the `cfg.sampler` grid, kernel and SDE
+    window, whole groups per call up to `model.max_batch` rows, with each group's ODE reference."""
+    G = cfg.run.group_size
+    start, end = cfg.sampler.window()
+    return sample_groups(
+        pol, texts, plan.prompt_ids, [(int(s),) for s in plan.seeds], G, pol.sigmas(cfg.sampler.steps),
+        kernel=cfg.sampler.kernel, noise=noise, window=(start, end - start),
+        sde_seed=lambda c0: (cfg.run.seed, "sde", iteration, c0), groups_per_call=max(1, cfg.model.max_batch // G),
+        ode_reference=True, progress=f"rollout {iteration}",
+    )
+
+
+def complete_chunks(pol: Any, method: str, states: np.ndarray, sigmas: torch.Tensor, texts: Sequence[str],
+                    prompt_ids: np.ndarray, max_batch: int, through: int,
+                    progress: str = "complete") -> Iterator[tuple[int, Any]]:
+    """ODE-complete `states [B, T+1, ...]` (numpy, as stored) `max_batch` trajectories at a time:
+    yields `(first row, Completion)`; states from `through` on are `x_T` (`stepgrpo_core.completions`)."""
+    from stepgrpo_core.completions import complete
+
+    for c0 in track(range(0, len(states), max_batch), progress):
+        rows = slice(c0, c0 + max_batch)
+        chunk = torch.from_numpy(states[rows]).to(pol.device, pol.dtype)
+        cond = encode(pol, texts, prompt_ids[rows])
+        yield c0, complete(method, pol.velocity, chunk, sigmas.to(pol.device), cond, max_batch, through)  # no_grad

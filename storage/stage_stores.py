@@ -1,0 +1,214 @@
+"""The Zarr stages of a run: rollouts, completions and decoded images (begin, write, read).
+
+`StageStores` is a part of `storage.run.Run`; see `storage` for the API.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from storage.arrays import StageStore
+from storage.errors import NotPublishedError
+from storage.schema import COMPLETION, IMAGES, ROLLOUT, StoreSpec, latent_storage_dtype
+from storage.writer import StageWriter, abort_on_error
+
+
+@dataclass(frozen=True)
+class RolloutData:
+    """A stored rollout (rows = the trajectories read)."""
+
+    states: np.ndarray  # [n, T+1, C, H, W] float16 or float32 (bf16 runs: float32)
+    log_probs: np.ndarray  # [n, T] float32, NaN outside the SDE window
+    stds: np.ndarray  # [n, T] float32
+    ode_final: np.ndarray  # [n, C, H, W] the ODE sample from each trajectory's x_0 (shared by its group)
+    sigmas: np.ndarray  # [T+1] float32
+    seeds: np.ndarray  # [n] int64
+    prompt_ids: np.ndarray  # [n] int64
+    group_ids: np.ndarray  # [n] int64
+    kernel: str  # kernel registry name
+    kernel_params: dict[str, Any]  # its options
+    manifest: dict[str, Any]  # the stage's _published.json (digest, counts, attrs)
+
+
+@dataclass(frozen=True)
+class CompletionData:
+    """A stored completion of one method."""
+
+    latents: np.ndarray  # [n, T+1, C, H, W], completion of every state
+    method: str
+    nfe: int  # transformer rows evaluated for the whole stage
+    manifest: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ImagesData:
+    """Stored decoded images of one source."""
+
+    images: np.ndarray  # [n, K, 3, Y, X] uint8
+    k: np.ndarray  # [K] int64: the state index of each image along K
+    source: str  # "rollout" (x_T only) or "completions/<method>"
+    source_digest: str  # digest of the stage the latents were read from
+    manifest: dict[str, Any]
+
+
+class StageStores:
+    """Rollout, completion and image stages (mixed into `Run`, which provides `stage_manifest`,
+    `stage_path`, `_begin` and `run_id`)."""
+
+    def begin_rollout(
+        self,
+        iteration: int,
+        *,
+        sigmas: Any,
+        seeds: Any,
+        prompt_ids: Any,
+        group_ids: Any,
+        latent_shape: Sequence[int],
+        latent_dtype: str,
+        kernel: str,
+        kernel_params: Mapping[str, Any],
+        attrs: Mapping[str, Any] | None = None,
+    ) -> StageWriter:
+        """Begin the rollout of `iteration`: the plan (`sigmas [T+1]`, `seeds, prompt_ids, group_ids [B]`)
+        is written now; `states`, `log_probs`, `stds`, `ode_final` are written per trajectory with `writer.write`.
+
+        `latent_shape` is `(C, H, W)`; `latent_dtype` the compute dtype ("float16", "float32",
+        "bfloat16" -> stored as float32). Raises StageLockedError if another writer holds the stage.
+        """
+        B, T = len(seeds), len(sigmas) - 1
+        C, H, W = (int(x) for x in latent_shape)
+        stage_attrs = {
+            **dict(attrs or {}),
+            "kernel": kernel,
+            "kernel_params": dict(kernel_params),
+            "B": B, "T": T, "C": C, "H": H, "W": W,
+            "latent_dtype": latent_storage_dtype(latent_dtype),
+            "source_dtype": latent_dtype,
+        }
+        writer = self._begin(iteration, "rollout", ROLLOUT)
+        with abort_on_error(writer):
+            StageStore(writer.path, ROLLOUT, stage_attrs).create(
+                {"sigmas": sigmas, "seeds": seeds, "prompt_ids": prompt_ids, "group_ids": group_ids}
+            )
+        return writer
+
+    def begin_completion(self, iteration: int, method: str, *, latent_dtype: str | None = None,
+                         attrs: Mapping[str, Any] | None = None) -> StageWriter:
+        """Begin the completion of `iteration`'s rollout by `method`; dims come from the published
+        rollout, `latent_dtype` defaults to the rollout's. Write `latents=[n,T+1,C,H,W]` per
+        trajectory, then `publish(attrs={"nfe": ...})`.
+        """
+        rollout = self.stage_manifest(iteration, "rollout")
+        if rollout is None:
+            raise NotPublishedError(f"run {self.run_id} iteration {iteration}: publish the rollout before completing it")
+        r = rollout["attrs"]
+        source = latent_dtype or r["source_dtype"]
+        stage_attrs = {
+            **dict(attrs or {}),
+            "method": method,
+            **{d: r[d] for d in ("B", "T", "C", "H", "W")},
+            "latent_dtype": latent_storage_dtype(source),
+            "source_dtype": source,
+            "rollout_digest": rollout["digest"],
+        }
+        writer = self._begin(iteration, f"completions/{method}", COMPLETION)
+        with abort_on_error(writer):
+            StageStore(writer.path, COMPLETION, stage_attrs).create({})
+        return writer
+
+    def begin_images(self, iteration: int, source: str, *, k: Any, image_shape: Sequence[int],
+                     attrs: Mapping[str, Any] | None = None) -> StageWriter:
+        """Begin storing decoded images of `iteration` under `images/<name>`.
+
+        `source` is the stage whose latents were decoded: `"rollout"` (its final states) or
+        `"completions/<method>"` (every completed state); it must be published, and its digest is
+        recorded. `k [K]` are the state indices decoded per trajectory, `image_shape` `(3, Y, X)`.
+        Write `images=[n, K, 3, Y, X]` uint8 per trajectory, then `publish()`.
+        """
+        manifest = self.stage_manifest(iteration, source)
+        if manifest is None:
+            raise NotPublishedError(f"run {self.run_id} iteration {iteration}: publish {source} before storing its images")
+        k = np.asarray(k, dtype=np.int64)
+        rgb, y, x = (int(v) for v in image_shape)
+        stage_attrs = {**dict(attrs or {}), "source": source, "source_digest": manifest["digest"],
+                       "B": int(manifest["attrs"]["B"]), "K": len(k), "RGB": rgb, "Y": y, "X": x}
+        writer = self._begin(iteration, self.images_stage(source), IMAGES)
+        with abort_on_error(writer):
+            StageStore(writer.path, IMAGES, stage_attrs).create({"k": k})
+        return writer
+
+    @staticmethod
+    def images_stage(source: str) -> str:
+        """The stage name of the images decoded from `source` ("rollout" -> "images/final")."""
+        if source == "rollout":
+            return "images/final"
+        if source.startswith("completions/"):
+            return "images/" + source.split("/", 1)[1]
+        raise ValueError(f"images are decoded from 'rollout' or 'completions/<method>', not {source!r}")
+
+    def _store(self, iteration: int, stage: str, spec: StoreSpec) -> tuple[StageStore, dict[str, Any]]:
+        manifest = self.stage_manifest(iteration, stage)
+        if manifest is None:
+            raise NotPublishedError(
+                f"run {self.run_id} iteration {iteration} stage {stage} is not published; run that stage first"
+            )
+        return StageStore(self.stage_path(iteration, stage), spec, manifest["attrs"]), manifest
+
+    def read_array(self, iteration: int, stage: str, name: str, trajectories: slice | Sequence[int] | None = None) -> np.ndarray:
+        """One array of a published Zarr stage (see `storage.schema`), optionally some trajectories."""
+        return self._store(iteration, stage, spec_of(stage))[0].read(name, trajectories)
+
+    def read_rollout(self, iteration: int, trajectories: slice | Sequence[int] | None = None) -> RolloutData:
+        """The published rollout of `iteration` (all trajectories, or those selected)."""
+        store, manifest = self._store(iteration, "rollout", ROLLOUT)
+        rows = np.arange(store.B)[trajectories] if trajectories is not None else slice(None)
+        return RolloutData(
+            states=store.read("states", trajectories),
+            log_probs=store.read("log_probs", trajectories),
+            stds=store.read("stds", trajectories),
+            ode_final=store.read("ode_final", trajectories),
+            sigmas=store.read("sigmas"),
+            seeds=store.read("seeds")[rows],
+            prompt_ids=store.read("prompt_ids")[rows],
+            group_ids=store.read("group_ids")[rows],
+            kernel=store.attrs["kernel"],
+            kernel_params=store.attrs["kernel_params"],
+            manifest=manifest,
+        )
+
+    def read_completion(self, iteration: int, method: str, trajectories: slice | Sequence[int] | None = None) -> CompletionData:
+        """The published completion of `iteration` by `method`."""
+        store, manifest = self._store(iteration, f"completions/{method}", COMPLETION)
+        return CompletionData(
+            latents=store.read("latents", trajectories),
+            method=store.attrs["method"],
+            nfe=int(store.attrs["nfe"]),
+            manifest=manifest,
+        )
+
+    def read_images(self, iteration: int, source: str, trajectories: slice | Sequence[int] | None = None) -> ImagesData | None:
+        """The images stored for `source`'s latents, or None if there are none or they were decoded
+        from other content than `source` now holds (then they are not used)."""
+        stage = self.images_stage(source)
+        if self.stage_manifest(iteration, stage) is None:
+            return None
+        store, manifest = self._store(iteration, stage, IMAGES)
+        source_manifest = self.stage_manifest(iteration, source)
+        if source_manifest is None or store.attrs["source_digest"] != source_manifest["digest"]:
+            return None
+        return ImagesData(images=store.read("images", trajectories), k=store.read("k"), source=source,
+                          source_digest=store.attrs["source_digest"], manifest=manifest)
+
+
+def spec_of(stage: str) -> StoreSpec:
+    if stage == "rollout":
+        return ROLLOUT
+    if stage.startswith("completions/"):
+        return COMPLETION
+    if stage.startswith("images/"):
+        return IMAGES
+    raise ValueError(f"stage {stage!r} is not a Zarr stage ('rollout', 'completions/<method>', 'images/<source>')")

@@ -1,0 +1,92 @@
+"""The calibrate stage: DenseGRPO's per-step exploration noise `psi` for a calibrated kernel.
+
+With the base policy, each round samples groups with the current table, completes and scores
+every state, and moves `psi[k]` by the sign of the step gains that the kernel's declared scheme
+(`calibrate_with`) reads (`stepgrpo_core.calibration`). The table is stored in the run as
+`calibration/psi.json`, with the rounds' history.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from stepgrpo import workspace
+from stepgrpo.config import Config, digest_of
+from stepgrpo.errors import StageError
+from stepgrpo.prompts import stored_prompts
+from stepgrpo.results import CalibrateResult, PromptsResult
+from stepgrpo.sampling import generator, sample_groups
+from stepgrpo.scoring import score_images
+from stepgrpo_core.kernels import KERNELS
+from storage.publish import write_file_atomic
+from storage.run import Run
+from tasks.base import stage_task
+from tasks.keys import stage_key
+
+CALIBRATION_FILE = "calibration/psi.json"
+
+
+@stage_task("calibrate")
+def calibrate(run: Run, cfg: Config, prompts: PromptsResult) -> CalibrateResult:
+    """Calibrate the run's `psi` table (once)."""
+    return execute(run, cfg, stage_key("calibrate", run, cfg, 0, {"prompts": prompts}))
+
+
+def check_calibrated(cfg: Config) -> None:
+    """The config's kernel must be one whose noise is calibrated (`psi`)."""
+    if not KERNELS.facts(cfg.sampler.kernel)["calibrated"]:
+        calibrated = [k for k in KERNELS.names() if KERNELS.facts(k)["calibrated"]]
+        raise StageError(f"sampler.kernel {cfg.sampler.kernel!r} has a fixed noise, nothing to calibrate; "
+                         f"calibration is for {', '.join(calibrated)} (set sampler.kernel)")
+    if cfg.completion.method is None:
+        raise StageError("calibration needs step rewards: set completion.method (DenseGRPO uses 'remaining')")
+
+
+def execute(run: Run, cfg: Config, key: str) -> CalibrateResult:
+    from stepgrpo_core.calibration import initial_psi, update_psi
+    from stepgrpo_core.completions import complete
+    from stepgrpo_core.credit import assign
+
+    path = Path(run.path) / CALIBRATION_FILE
+    if path.is_file() and json.loads(path.read_text()).get("key") == key:
+        return CalibrateResult.from_json(path.read_text())
+    check_calibrated(cfg)
+    t0 = time.perf_counter()
+    pol = workspace.policy_after(run, cfg, None)
+    reward = workspace.reward(cfg.reward)
+    prompts = stored_prompts(run)
+    train_ids = np.array(prompts.ids("train"))
+    c, G, T, seed = cfg.calibration, cfg.run.group_size, cfg.sampler.steps, cfg.run.seed
+    kernel = cfg.sampler.kernel
+    scheme = KERNELS.facts(kernel)["calibrate_with"]
+    sigmas = pol.sigmas(T)
+    psi = initial_psi(sigmas.cpu(), c.init_a)
+    history = []
+    for r in range(c.rounds):
+        pick = torch.randperm(len(train_ids), generator=generator(seed, "calibrate-prompts", r))[: c.prompts]
+        pids = np.repeat(train_ids[pick.numpy()], G)
+        (chunk,) = sample_groups(  # all groups in one call
+            pol, prompts.texts, pids, [(seed, "calibrate-noise", r, g) for g in range(len(pick))], G, sigmas,
+            kernel=kernel, noise=psi.to(pol.device), sde_seed=lambda c0, r=r: (seed, "calibrate-sde", r),
+            groups_per_call=len(pick), progress=f"calibrate {r}",
+        )
+        done = complete(cfg.completion.method, pol.velocity, chunk.sde.states, sigmas, chunk.cond, cfg.model.max_batch)
+        B, T1 = done.latents.shape[:2]
+        images = pol.decoder.decode_uint8(done.latents.reshape(B * T1, *done.latents.shape[2:]))
+        rows = np.repeat(pids, T1)
+        scored = score_images(reward, images, prompts.texts_of(rows), prompts.metadata_of(rows), chunk=max(1, len(images)),
+                              device=pol.decoder.device)
+        scores = scored.scores.float().reshape(B, T1)
+        gains = assign(scheme, scores, torch.from_numpy(np.repeat(np.arange(len(pick)), G))).gains
+        psi = update_psi(psi, gains.cpu(), c.eps1, c.eps2)
+        history.append({"round": r, "reward_mean": float(scores[:, -1].mean()), "psi": psi.tolist()})
+    result = CalibrateResult(key=key, psi=psi.tolist(), rounds=history, seconds=time.perf_counter() - t0,
+                             digest=digest_of(psi.tolist()))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_file_atomic(path, (result.model_dump_json(indent=1, exclude_none=True) + "\n").encode())
+    return result

@@ -1,0 +1,102 @@
+"""The complete stage: the clean image each stored state leads to, by ODE completion.
+
+Every state before the end of the SDE window is completed with `completion.method`
+(`stepgrpo_core.completions`); the states after it evolve deterministically, so their completion
+is the sample `x_T` itself and costs nothing. The clean latents and NFEs are stored.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from stepgrpo import workspace
+from stepgrpo.config import Config
+from stepgrpo.errors import StageError
+from stepgrpo.prompts import stored_prompts
+from stepgrpo.results import CompleteResult, RolloutResult, UpdateResult
+from stepgrpo.sampling import complete_chunks
+from storage.run import Run
+from tasks.base import published, stage_task
+from tasks.keys import stage_key
+
+# Completion attr: states k >= this evolve deterministically (after the SDE window); their
+# completion is x_T, so they are neither completed nor scored (their rewards are R_T's).
+DETERMINISTIC_FROM = "deterministic_from"
+
+
+def method_dir(method: str) -> str:
+    """Storage name of a completion method (`substeps:5` -> `substeps-5`)."""
+    return method.replace(":", "-")
+
+
+def clean_stage(method: str | None) -> str:
+    """The stage whose latents `score` reads: a completion, or the rollout (its x_T) for outcome."""
+    return "rollout" if method is None else f"completions/{method_dir(method)}"
+
+
+def window_end(kernel_params: dict[str, Any], num_steps: int) -> int:
+    """The first step after the rollout's SDE window (`kernel_params["window"] = [start, size]`)."""
+    start, size = kernel_params.get("window", [0, num_steps])
+    return int(start) + int(size)
+
+
+@stage_task("complete")
+def complete(run: Run, cfg: Config, iteration: int, rollout: RolloutResult, checkpoint: UpdateResult | None) -> CompleteResult:
+    """Complete the states of `rollout` with the policy it was sampled with (`checkpoint`)."""
+    return execute(run, cfg, iteration, stage_key("complete", run, cfg, iteration, {"rollout": rollout, "checkpoint": checkpoint}))
+
+
+def execute(run: Run, cfg: Config, iteration: int, key: str) -> CompleteResult:
+    method = cfg.completion.method
+    stage = clean_stage(method)
+    if not published(run.stage_manifest(iteration, stage), key, f"iteration {iteration} completion {method}"):
+        t0 = time.perf_counter()
+        pol = workspace.policy_at(run, cfg, iteration)
+        data = run.read_rollout(iteration)
+        prompts = stored_prompts(run)
+        through = window_end(data.kernel_params, len(data.sigmas) - 1)
+        writer = run.begin_completion(iteration, method_dir(method), latent_dtype=cfg.model.dtype,
+                                      attrs={"method_spec": method, DETERMINISTIC_FROM: through})
+        nfe = 0
+        with writer:
+            for c0, out in complete_chunks(pol, method, data.states, torch.from_numpy(data.sigmas), prompts.texts,
+                                           data.prompt_ids, max(1, cfg.model.max_batch), through, f"complete {iteration}"):
+                writer.write(c0, latents=out.latents.cpu())
+                nfe += out.nfe
+            writer.publish(attrs={"nfe": nfe}, inputs={"key": key, "seconds": time.perf_counter() - t0})
+    return stored(run, method, iteration)
+
+
+def stored(run: Run, method: str, iteration: int) -> CompleteResult:
+    """The result of the published completion of `iteration` by `method`."""
+    m = run.stage_manifest(iteration, clean_stage(method))
+    if m is None:
+        raise StageError(f"run {run.run_id} iteration {iteration} has no stored completion {method!r}")
+    return CompleteResult(digest=m["digest"], iteration=iteration, method=method, nfe=int(m["attrs"]["nfe"]),
+                          seconds=m["inputs"].get("seconds", 0.0))
+
+
+def scored_states(run: Run, method: str | None, iteration: int) -> tuple[np.ndarray, np.ndarray]:
+    """Which states `score` evaluates, `k [K]`, and which copy R_T, `copies [n]`.
+
+    With a completion: every `k < deterministic_from` and `T` are scored; the states after the SDE
+    window copy R_T. Without one (outcome credit): `k = 0` (the ODE sample of `x_0`) and `T`; the
+    states in between have no reward (NaN in `reward_grid`).
+    """
+    T = int(run.stage_manifest(iteration, "rollout")["attrs"]["T"])
+    if method is None:
+        return np.array([0, T]), np.zeros(0, np.int64)
+    through = int(run.stage_manifest(iteration, clean_stage(method))["attrs"].get(DETERMINISTIC_FROM, T))
+    return np.array([*range(through), T]), np.arange(through, T)
+
+
+def clean_latents(run: Run, method: str | None, iteration: int, k: np.ndarray) -> np.ndarray:
+    """Latents of the scored states `k` `[B, K, C, H, W]`: completions, or `ode_final` and `x_T`."""
+    if method is None:
+        final = run.read_array(iteration, "rollout", "states")[:, -1]  # a trajectory's states are one chunk
+        return np.stack([run.read_array(iteration, "rollout", "ode_final"), final], axis=1)
+    return run.read_completion(iteration, method_dir(method)).latents[:, k]

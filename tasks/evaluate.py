@@ -1,0 +1,97 @@
+"""The evaluate stage: the held-out reward of the policy after an iteration (or of the base model).
+
+ODE sampling of `run.eval_prompts` held-out prompts x `run.eval_seeds` seeds with the same noise
+for every evaluation of a run (so two evaluations compare pair by pair), scored, written as
+`eval/<label>.json` with an image grid `eval/<label>.png`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from stepgrpo import workspace
+from stepgrpo.config import Config
+from stepgrpo.errors import StageError
+from stepgrpo.images import dequantize
+from stepgrpo.prompts import stored_prompts
+from stepgrpo.report import write_grid
+from stepgrpo.results import EvaluateResult, PromptsResult, UpdateResult
+from stepgrpo.sampling import encode, generator
+from stepgrpo.scoring import cat_outputs, score_images
+from stepgrpo_core.rollout import rollout as sample
+from storage.publish import write_file_atomic
+from storage.run import Run
+from tasks.base import stage_task
+from tasks.keys import stage_key
+
+EVAL_DIR = "eval"
+GRID_IMAGES = 64
+
+
+@stage_task("evaluate")
+def evaluate(run: Run, cfg: Config, iteration: int, prompts: PromptsResult, checkpoint: UpdateResult | None) -> EvaluateResult:
+    """Evaluate the policy of `checkpoint` (after `iteration`; -1 and None: the base model)."""
+    key = stage_key("evaluate", run, cfg, iteration, {"prompts": prompts, "checkpoint": checkpoint})
+    return execute(run, cfg, None if iteration < 0 else iteration, key)
+
+
+def label(iteration: int | None) -> str:
+    return "base" if iteration is None else f"iter_{iteration}"
+
+
+def read(run: Run, name: str) -> EvaluateResult | None:
+    """The stored evaluation `eval/<name>.json`, or None."""
+    path = Path(run.path) / EVAL_DIR / f"{name}.json"
+    return EvaluateResult.model_validate(json.loads(path.read_text())) if path.is_file() else None
+
+
+def execute(run: Run, cfg: Config, iteration: int | None, key: str) -> EvaluateResult:
+    name = label(iteration)
+    stored = read(run, name)
+    if stored is not None and stored.key == key:
+        return stored
+    t0 = time.perf_counter()
+    pol = workspace.policy_after(run, cfg, iteration)
+    reward = workspace.reward(cfg.reward)
+    prompts = stored_prompts(run)
+    ids = np.array((prompts.ids("test") or prompts.ids("train"))[: cfg.run.eval_prompts])
+    sigmas = pol.sigmas(cfg.sampler.eval_steps)
+    outputs, first_images, nfe0 = [], None, pol.nfe
+    for s in range(cfg.run.eval_seeds):
+        for c0 in range(0, len(ids), cfg.model.max_batch):
+            rows = ids[c0 : c0 + cfg.model.max_batch]
+            x0 = torch.cat([pol.initial_noise(1, generator(cfg.run.seed, "eval", s, int(p), device=pol.device)) for p in rows])
+            out = sample(pol.velocity, x0, sigmas, encode(pol, prompts.texts, rows), kernel="ode")
+            images = pol.decoder.decode_uint8(out.states[:, -1])
+            outputs.append(score_images(reward, images, prompts.texts_of(rows), prompts.metadata_of(rows),
+                                        chunk=len(rows), device=pol.decoder.device))
+            if s == 0 and c0 == 0:
+                first_images = dequantize(images[:GRID_IMAGES])
+    scored = cat_outputs(outputs)
+    value = scored.scores
+    if not bool(torch.isfinite(value).all()):
+        bad = torch.nonzero(~torch.isfinite(value)).reshape(-1).tolist()[:10]
+        raise StageError(f"evaluation reward {reward.name!r} returned NaN/inf for held-out rows {bad}")
+    grid = Path(EVAL_DIR) / f"{name}.png"
+    if first_images is not None:
+        write_grid(Path(run.path) / grid, first_images)
+    sub = {}
+    for sub_name, v in scored.sub.items():
+        finite = v[torch.isfinite(v)]
+        if finite.numel():
+            sub[sub_name] = float(finite.mean())
+    result = EvaluateResult(
+        label=name, iteration=iteration, key=key, reward_name=reward.name, reward_version=str(reward.version),
+        prompts=len(ids), seeds=cfg.run.eval_seeds, reward_mean=float(value.mean()), reward_std=float(value.std(unbiased=False)),
+        nfe=pol.nfe - nfe0, scores=value.tolist(), grid=grid.as_posix(), seconds=time.perf_counter() - t0,
+        reward_strict=None if scored.strict is None else float(scored.strict.mean()),
+        strict_scores=None if scored.strict is None else scored.strict.tolist(), sub=sub,
+    )
+    (Path(run.path) / EVAL_DIR).mkdir(parents=True, exist_ok=True)
+    write_file_atomic(Path(run.path) / EVAL_DIR / f"{name}.json", (result.model_dump_json(indent=1, exclude_none=True) + "\n").encode())
+    return result

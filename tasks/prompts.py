@@ -1,0 +1,26 @@
+"""The prompts stage: the run's prompt table (train and held-out splits), written once."""
+
+from __future__ import annotations
+
+from stepgrpo.config import Config
+from stepgrpo.errors import StageError
+from stepgrpo.prompts import prompt_source
+from stepgrpo.results import PromptsResult
+from storage.run import Run
+from tasks.base import stage_task
+
+
+@stage_task("prompts")
+def prompts(run: Run, cfg: Config) -> PromptsResult:
+    """Write the run's prompt table from the config's source (once)."""
+    return execute(run, cfg)
+
+
+def execute(run: Run, cfg: Config) -> PromptsResult:
+    manifest = run.prompts_manifest()
+    if manifest is None:
+        source = prompt_source(cfg)
+        if "train" not in source.splits:
+            raise StageError(f"run.prompts {cfg.run.prompts!r} holds no training prompts")
+        manifest = run.write_prompts(list(range(len(source.texts))), source.texts, source.splits, source.metadata)
+    return PromptsResult(digest=manifest["digest"], rows=manifest["rows"])
