@@ -1,11 +1,11 @@
-# stepgrpo: make test (the suite), make demo (train the shipped model on this CPU).
+# stepgrpo: make test (lint and the suite), make demo (train the shipped model on this CPU).
 PYTHON ?= python3.11
 VENV ?= .venv
 # The CPU build of torch; a GPU user installs a CUDA build into the venv first (README).
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: install test demo clean
+.PHONY: install lint test demo clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,7 +16,11 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-test: install
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: install lint
 	PREFECT_SERVER_ANALYTICS_ENABLED=false MLFLOW_DISABLE_TELEMETRY=true \
 	PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120 \
 	$(PY) -m pytest -q tests

@@ -29,14 +29,28 @@ SHIPPED_MODEL = "models/shapes"
 # Shared by every configuration of bench/credit_schemes.py and bench/costs.py (the earlier CPU
 # recipe, CFG 2.5, every step stochastic; configs/shapes_*.yaml hold the recipe that learns, see
 # bench/learning.py). T = 10 and a = 0.7 are Flow-GRPO's; no KL term, so the update is one
-# forward + backward per trained step; 2 optimizer steps per iteration (the default). Short probes of `outcome` on an intermediate pretraining checkpoint: lr 1e-2
+# forward + backward per trained step; 2 optimizer steps per iteration (the default). Short probes
+# of `outcome` on an intermediate pretraining checkpoint: lr 1e-2
 # collapsed the held-out reward within 6 iterations; 3e-3 and 1e-3 moved it by +-0.02.
 COMMON = {
-    "model.dtype": "float32", "model.device": "cpu", "model.guidance_scale": 2.5, "model.lora_rank": 8,
-    "model.lora_alpha": 16, "model.max_batch": 128, "sampler.steps": 10, "sampler.noise": 0.7,
-    "sampler.eval_steps": 10, "reward.name": "shapes", "optim.lr": 1.0e-3, "optim.clip_range": 1.0e-3,
-    "optim.kl_beta": 0.0, "optim.micro_batch": 8, "run.eval_seeds": 1, "calibration.rounds": 3,
-    "calibration.prompts": 4, "run.name": "bench",
+    "model.dtype": "float32",
+    "model.device": "cpu",
+    "model.guidance_scale": 2.5,
+    "model.lora_rank": 8,
+    "model.lora_alpha": 16,
+    "model.max_batch": 128,
+    "sampler.steps": 10,
+    "sampler.noise": 0.7,
+    "sampler.eval_steps": 10,
+    "reward.name": "shapes",
+    "optim.lr": 1.0e-3,
+    "optim.clip_range": 1.0e-3,
+    "optim.kl_beta": 0.0,
+    "optim.micro_batch": 8,
+    "run.eval_seeds": 1,
+    "calibration.rounds": 3,
+    "calibration.prompts": 4,
+    "run.name": "bench",
 }
 
 
@@ -101,9 +115,15 @@ def machine() -> dict[str, Any]:
     except OSError:
         pass
     return {
-        "cpu": cpu, "cores": os.cpu_count(), "memory_gib": mem, "gpu": torch.cuda.is_available(),
-        "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-        "load_avg": list(os.getloadavg()), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": mem,
+        "gpu": torch.cuda.is_available(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "load_avg": list(os.getloadavg()),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
 
 
@@ -111,8 +131,10 @@ def model_path(requested: str | None = None) -> str:
     """The model to benchmark: `requested`, else the shipped `models/shapes` (must exist)."""
     path = requested or SHIPPED_MODEL
     if not (ROOT / path / "model_index.json").is_file() and not (Path(path) / "model_index.json").is_file():
-        raise SystemExit(f"no model at {path}: the shipped model is built by `stepgrpo pretrain`; "
-                         "pass --model DIR to benchmark another SD3 pipeline directory")
+        raise SystemExit(
+            f"no model at {path}: the shipped model is built by `stepgrpo pretrain`; "
+            "pass --model DIR to benchmark another SD3 pipeline directory"
+        )
     return path
 
 
@@ -185,7 +207,11 @@ def read_run(run_dir: Path) -> RunRecord:
     # Iteration 0 starts when its rollout stage started (published time minus its own seconds):
     # between the base evaluation and that, the flow does one-time set-up (the MLflow store).
     ro0 = run.stage_manifest(0, "rollout") if n else None
-    prev_end = (run.stage_path(0, "rollout") / "_published.json").stat().st_mtime - ro0["inputs"].get("seconds", 0.0) if n else 0.0
+    prev_end = (
+        (run.stage_path(0, "rollout") / "_published.json").stat().st_mtime - ro0["inputs"].get("seconds", 0.0)
+        if n
+        else 0.0
+    )
     calib = run_dir / "calibration" / "psi.json"
     setup = json.loads(calib.read_text())["seconds"] if calib.is_file() else 0.0
     method = cfg.completion.method
@@ -201,9 +227,13 @@ def read_run(run_dir: Path) -> RunRecord:
         ro = run.stage_manifest(i, "rollout")
         cm = run.stage_manifest(i, f"completions/{method.replace(':', '-')}") if method else None
         state = json.loads((run.stage_path(i, "checkpoint") / "state.json").read_text())
-        stage_secs.append({"rollout": ro["inputs"].get("seconds", float("nan")),
-                           "complete": cm["inputs"].get("seconds", float("nan")) if cm else 0.0,
-                           "update": state.get("seconds", float("nan"))})
+        stage_secs.append(
+            {
+                "rollout": ro["inputs"].get("seconds", float("nan")),
+                "complete": cm["inputs"].get("seconds", float("nan")) if cm else 0.0,
+                "update": state.get("seconds", float("nan")),
+            }
+        )
         nfes.append({"rollout": int(ro["inputs"].get("nfe", 0)), "complete": int(cm["attrs"]["nfe"]) if cm else 0})
         end = (run.stage_path(i, "checkpoint") / "_published.json").stat().st_mtime
         between = [e for e in evals.values() if e["label"] != "base" and prev_end < e["finished"] <= end]
@@ -223,9 +253,16 @@ def read_run(run_dir: Path) -> RunRecord:
     heldout = []
     for label, e in evals.items():
         it = 0 if label == "base" else int(label.removeprefix("iter_")) + 1
-        heldout.append({"iteration": it, "reward": e["reward_mean"], "strict": e.get("reward_strict", float("nan")),
-                        **{f"sub_{k}": v for k, v in EvaluateResult.model_validate(e).sub.items()},
-                        "seconds": e["seconds"], "nfe": e["nfe"]})
+        heldout.append(
+            {
+                "iteration": it,
+                "reward": e["reward_mean"],
+                "strict": e.get("reward_strict", float("nan")),
+                **{f"sub_{k}": v for k, v in EvaluateResult.model_validate(e).sub.items()},
+                "seconds": e["seconds"],
+                "nfe": e["nfe"],
+            }
+        )
     heldout.sort(key=lambda h: h["iteration"])
     return RunRecord(rewards, stricts, secs, stage_secs, nfes, gains, heldout, setup, {"turning_points": turning})
 
@@ -233,7 +270,9 @@ def read_run(run_dir: Path) -> RunRecord:
 # ------------------------------------------------------------------------- the bare loop
 
 
-def bare_loop(cfg: Any, iterations: int, on_iteration: Callable[[int, dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+def bare_loop(
+    cfg: Any, iterations: int, on_iteration: Callable[[int, dict[str, Any]], None] | None = None
+) -> list[dict[str, Any]]:
     """The training loop with no Prefect, no storage, no tracking: the same core functions and the
     same seeds as the pipeline's stages (prompts, noise, SDE noise, update order), on tensors in
     memory. Returns per-iteration records: seconds per phase, NFEs, the mean final reward.
@@ -250,9 +289,10 @@ def bare_loop(cfg: Any, iterations: int, on_iteration: Callable[[int, dict[str, 
     from stepgrpo.sampling import complete_chunks, encode, generator, iteration_plan, sample_iteration
     from stepgrpo.scoring import reward_images, score_images
     from stepgrpo_core.credit import assign
+    from stepgrpo_core.kernels import KERNELS
 
-    if cfg.sampler.kernel == "psi":
-        raise ValueError("the bare loop has no psi calibration; benchmark a kernel with a fixed noise")
+    if KERNELS.facts(cfg.sampler.kernel)["calibrated"]:
+        raise ValueError("the bare loop has no calibration stage; benchmark a kernel with a fixed noise")
     pol = workspace.policy(cfg)
     workspace.set_lora(pol, workspace.initial_lora(cfg))
     reward = workspace.reward(cfg.reward)
@@ -275,8 +315,12 @@ def bare_loop(cfg: Any, iterations: int, on_iteration: Callable[[int, dict[str, 
         t1 = time.perf_counter()
         nfe_rollout = pol.nfe - nfe0
         if method:  # as the complete stage completes (the states after the window are x_T: scored once)
-            done = [out.latents for _, out in complete_chunks(pol, method, states.numpy(), sigmas, prompts.texts,
-                                                              plan.prompt_ids, mb, end)]
+            done = [
+                out.latents
+                for _, out in complete_chunks(
+                    pol, method, states.numpy(), sigmas, prompts.texts, plan.prompt_ids, mb, end
+                )
+            ]
             clean = torch.cat(done)[:, [*range(end), T]]
         else:
             clean = torch.stack([ode_final, states[:, -1]], dim=1)
@@ -286,7 +330,9 @@ def bare_loop(cfg: Any, iterations: int, on_iteration: Callable[[int, dict[str, 
         flat = clean.reshape(B * K, *clean.shape[2:])
         pids = np.repeat(plan.prompt_ids, K)
         images = torch.cat([reward_images(pol.decoder, flat[c0 : c0 + mb])[0] for c0 in range(0, len(flat), mb)])
-        scored = score_images(reward, images, prompts.texts_of(pids), prompts.metadata_of(pids), chunk=mb).scores.reshape(B, K)
+        scored = score_images(
+            reward, images, prompts.texts_of(pids), prompts.metadata_of(pids), chunk=mb
+        ).scores.reshape(B, K)
         t3 = time.perf_counter()
         if method:  # R_k = R_T after the window
             grid = torch.cat([scored[:, :end], scored[:, -1:].expand(B, T + 1 - end)], dim=1)
@@ -294,13 +340,31 @@ def bare_loop(cfg: Any, iterations: int, on_iteration: Callable[[int, dict[str, 
             grid = scored[:, -1:].expand(B, T + 1).clone()  # outcome reads R_T only
         credit = assign(cfg.credit.scheme, grid, torch.from_numpy(plan.group_ids).long(), **cfg.credit.options)
         t4 = time.perf_counter()
-        batch = training.Batch(states, log_probs, credit.advantages, torch.from_numpy(plan.group_ids),
-                               encode(pol, prompts.texts, plan.prompt_ids), sigmas, cfg.sampler.kernel, noise)
+        batch = training.Batch(
+            states,
+            log_probs,
+            credit.advantages,
+            torch.from_numpy(plan.group_ids),
+            encode(pol, prompts.texts, plan.prompt_ids),
+            sigmas,
+            cfg.sampler.kernel,
+            noise,
+        )
         summary = training.update(pol, opt, cfg, batch, generator(cfg.run.seed, "update", it), ema=ema)
         t5 = time.perf_counter()
-        rec = {"iteration": it, "reward_mean": float(grid[:, -1].mean()), "seconds": t5 - t0,
-               "rollout": t1 - t0, "complete": t2 - t1, "score": t3 - t2, "credit": t4 - t3, "update": t5 - t4,
-               "nfe_rollout": nfe_rollout, "nfe_complete": nfe_complete, "clip_frac": summary.get("clip_frac")}
+        rec = {
+            "iteration": it,
+            "reward_mean": float(grid[:, -1].mean()),
+            "seconds": t5 - t0,
+            "rollout": t1 - t0,
+            "complete": t2 - t1,
+            "score": t3 - t2,
+            "credit": t4 - t3,
+            "update": t5 - t4,
+            "nfe_rollout": nfe_rollout,
+            "nfe_complete": nfe_complete,
+            "clip_frac": summary.get("clip_frac"),
+        }
         records.append(rec)
         if on_iteration:
             on_iteration(it, rec)

@@ -25,8 +25,6 @@ On the shipped `models/shapes` model (CPU unless `--device`), with the benchmark
 
 from __future__ import annotations
 
-import _common  # noqa: I001  (first: fixes sys.path, see its docstring)
-
 import argparse
 import statistics
 import subprocess
@@ -35,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _common  # noqa: I001  (first: fixes sys.path, see its docstring)
 from _common import COMMON, OUT_DIR, ROOT, write_json
 
 METHODS = (None, "remaining", "substeps:2", "tweedie")
@@ -42,12 +41,25 @@ SCHEMES = ("outcome", "stepwise", "dense", "turning_point")
 
 
 def overrides(a: argparse.Namespace, runs_root: Path, **extra: Any) -> list[str]:
-    values = dict(COMMON) | {
-        "model.path": a.model, "model.device": a.device, "sampler.kernel": "flow", "completion.method": "remaining",
-        "credit.scheme": "dense", "run.iterations": a.iterations, "run.prompts_per_iteration": a.prompts,
-        "run.group_size": a.group_size, "run.eval_prompts": a.eval_prompts, "run.eval_every": 0, "run.seed": 0,
-        "run.runs_root": str(runs_root), "run.name": "bench-costs",
-    } | extra
+    values = (
+        dict(COMMON)
+        | {
+            "model.path": a.model,
+            "model.device": a.device,
+            "sampler.kernel": "flow",
+            "completion.method": "remaining",
+            "credit.scheme": "dense",
+            "run.iterations": a.iterations,
+            "run.prompts_per_iteration": a.prompts,
+            "run.group_size": a.group_size,
+            "run.eval_prompts": a.eval_prompts,
+            "run.eval_every": 0,
+            "run.seed": 0,
+            "run.runs_root": str(runs_root),
+            "run.name": "bench-costs",
+        }
+        | extra
+    )
     return [f"{k}={'null' if v is None else v}" for k, v in values.items()]
 
 
@@ -86,9 +98,15 @@ def nfe_table(cfg: Any) -> dict[str, Any]:
             complete(method, pol.velocity, out.states, sigmas, cond, cfg.model.max_batch)
         rows[str(method)] = {"nfe": pol.nfe - n0, "formula": formulas[method], "seconds": time.perf_counter() - t0}
     # the update: one forward + backward per trained step and trajectory (no KL term: no reference pass)
-    return {"B": B, "T": T, "rollout_nfe": rollout_nfe, "rollout_seconds": rollout_s, "completion": rows,
-            "update_nfe": B * len(cfg.trained_steps()) * (2 if cfg.optim.kl_beta > 0 else 1),
-            "cfg_rows_per_nfe": 2 if pol.do_cfg else 1}
+    return {
+        "B": B,
+        "T": T,
+        "rollout_nfe": rollout_nfe,
+        "rollout_seconds": rollout_s,
+        "completion": rows,
+        "update_nfe": B * len(cfg.trained_steps()) * (2 if cfg.optim.kl_beta > 0 else 1),
+        "cfg_rows_per_nfe": 2 if pol.do_cfg else 1,
+    }
 
 
 def calibration_cost(a: argparse.Namespace, out: Path) -> dict[str, Any]:
@@ -106,7 +124,12 @@ def calibration_cost(a: argparse.Namespace, out: Path) -> dict[str, Any]:
     n0 = pol.nfe
     res = calibrate.execute(run, cfg, key=f"bench-{time.time()}")
     c = cfg.calibration
-    return {"seconds": res.seconds, "nfe": pol.nfe - n0, "rounds": c.rounds, "trajectories_per_round": c.prompts * cfg.run.group_size}
+    return {
+        "seconds": res.seconds,
+        "nfe": pol.nfe - n0,
+        "rounds": c.rounds,
+        "trajectories_per_round": c.prompts * cfg.run.group_size,
+    }
 
 
 # --------------------------------------------------------------------------- 2-3. pipeline
@@ -178,9 +201,24 @@ def regenerate(run_dir: Path, reward_name: str) -> dict[str, Any]:
         n0 = pol.nfe
         # the stage loops on the iteration's plan: the states are regenerated, not read
         plan = iteration_plan(cfg, prompts.splits, i)
-        states = np.concatenate([c.sde.states.numpy() for c in sample_iteration(pol, cfg, prompts.texts, plan, i, cfg.sampler.noise)])
-        lat = torch.cat([out.latents for _, out in complete_chunks(pol, cfg.completion.method, states, pol.sigmas(cfg.sampler.steps),
-                                                                    prompts.texts, plan.prompt_ids, mb, cfg.sampler.steps)])
+        states = np.concatenate(
+            [c.sde.states.numpy() for c in sample_iteration(pol, cfg, prompts.texts, plan, i, cfg.sampler.noise)]
+        )
+        lat = torch.cat(
+            [
+                out.latents
+                for _, out in complete_chunks(
+                    pol,
+                    cfg.completion.method,
+                    states,
+                    pol.sigmas(cfg.sampler.steps),
+                    prompts.texts,
+                    plan.prompt_ids,
+                    mb,
+                    cfg.sampler.steps,
+                )
+            ]
+        )
         flat = lat.reshape(-1, *lat.shape[2:])
         pids = np.repeat(plan.prompt_ids, lat.shape[1])
         images = torch.cat([reward_images(pol.decoder, flat[c0 : c0 + mb])[0] for c0 in range(0, len(flat), mb)])
@@ -196,7 +234,6 @@ def rescore_costs(run_dir: Path, reward_name: str, cfg: Any) -> dict[str, Any]:
     import shutil
 
     from flows.rescore import rescore
-
     from stepgrpo import workspace
 
     pol = workspace.policy(cfg)
@@ -212,8 +249,11 @@ def rescore_costs(run_dir: Path, reward_name: str, cfg: Any) -> dict[str, Any]:
         flow_s = time.perf_counter() - t0
         assert pol.nfe == n0, "re-scoring called the transformer"
         assert {s["images"] for s in rs["scores"]} == ({"stored"} if key == "stored" else {"decoded+stored"}), rs
-        out[key] = {"flow_seconds": flow_s, "score_seconds": sum(s["seconds"] for s in rs["scores"]),
-                    "means": [s["reward_mean"] for s in rs["scores"]]}
+        out[key] = {
+            "flow_seconds": flow_s,
+            "score_seconds": sum(s["seconds"] for s in rs["scores"]),
+            "means": [s["reward_mean"] for s in rs["scores"]],
+        }
     assert out["stored"]["means"] == out["decoded"]["means"], "stored images must score as a fresh decode"
     regen = regenerate(run_dir, reward_name)
     for key in ("stored", "decoded"):
@@ -248,16 +288,30 @@ def main() -> None:
 
     ov = overrides(a, out / "runs")
     cfg = load_config(None, ov)
-    res: dict[str, Any] = {"settings": {"iterations": a.iterations, "prompts": a.prompts, "group_size": a.group_size,
-                                        "model": a.model, "device": a.device}, "machine_start": _common.machine()}
+    res: dict[str, Any] = {
+        "settings": {
+            "iterations": a.iterations,
+            "prompts": a.prompts,
+            "group_size": a.group_size,
+            "model": a.model,
+            "device": a.device,
+        },
+        "machine_start": _common.machine(),
+    }
     T0 = time.perf_counter()
 
     # 1. NFEs per iteration
     nfe = nfe_table(cfg)
     res["nfe"] = nfe
     base = nfe["rollout_nfe"] + nfe["update_nfe"]
-    print(f"\n1. NFEs per iteration (B = {nfe['B']}, T = {nfe['T']}; with CFG one NFE = {nfe['cfg_rows_per_nfe']} transformer rows)")
-    print(f"{'scheme':14s} {'completion':11s} {'rollout':>8s} {'complete':>9s} {'update':>7s} {'total':>7s} {'x outcome':>9s} {'complete s':>10s}")
+    print(
+        f"\n1. NFEs per iteration (B = {nfe['B']}, T = {nfe['T']}; with CFG one NFE = {nfe['cfg_rows_per_nfe']} "
+        "transformer rows)"
+    )
+    print(
+        f"{'scheme':14s} {'completion':11s} {'rollout':>8s} {'complete':>9s} {'update':>7s} {'total':>7s} "
+        f"{'x outcome':>9s} {'complete s':>10s}"
+    )
     for scheme in SCHEMES:
         for method in METHODS:
             if (scheme == "outcome") != (method is None):
@@ -265,12 +319,17 @@ def main() -> None:
             c = nfe["completion"][str(method)]
             total = base + c["nfe"]
             assert c["nfe"] == c["formula"], (method, c)
-            print(f"{scheme:14s} {str(method):11s} {nfe['rollout_nfe']:8d} {c['nfe']:9d} {nfe['update_nfe']:7d} {total:7d} "
-                  f"{total / base:9.2f} {c['seconds']:10.2f}")
+            print(
+                f"{scheme:14s} {str(method):11s} {nfe['rollout_nfe']:8d} {c['nfe']:9d} {nfe['update_nfe']:7d} "
+                f"{total:7d} "
+                f"{total / base:9.2f} {c['seconds']:10.2f}"
+            )
     calib = calibration_cost(a, out)
     res["calibration"] = calib
-    print(f"psi calibration (once): {calib['nfe']} NFEs, {calib['seconds']:.1f} s "
-          f"({calib['rounds']} rounds x {calib['trajectories_per_round']} trajectories, remaining completion)")
+    print(
+        f"psi calibration (once): {calib['nfe']} NFEs, {calib['seconds']:.1f} s "
+        f"({calib['rounds']} rounds x {calib['trajectories_per_round']} trajectories, remaining completion)"
+    )
 
     # 3. bare loop, pipeline, bare loop
     bare1 = _common.bare_loop(cfg, a.iterations)
@@ -289,8 +348,13 @@ def main() -> None:
     # the same numbers up to float32 rounding of the mean (the pipeline reads rewards back as float64)
     diff = max(abs(r["reward_mean"] - p) for r, p in zip(bare1, rec.train_reward))
     same = diff < 1e-6
-    res["pipeline"] = {"iter_seconds": rec.iter_seconds, "stage_seconds": stage_s, "flow_seconds": pipe["flow_seconds"],
-                       "train_reward": rec.train_reward, "evaluations": rec.heldout}
+    res["pipeline"] = {
+        "iter_seconds": rec.iter_seconds,
+        "stage_seconds": stage_s,
+        "flow_seconds": pipe["flow_seconds"],
+        "train_reward": rec.train_reward,
+        "evaluations": rec.heldout,
+    }
     res["bare"] = {"first": bare1, "second": bare2}
     res["overhead_ratio"] = pipe_iter / bare_iter
     res["rewards_identical"] = same
@@ -300,36 +364,60 @@ def main() -> None:
         med = statistics.median(vals)
         print(f"  {stage:9s} {med:7.2f} s  {100 * med / pipe_iter:5.1f} %")
     evals = rec.heldout
-    print(f"  evaluate  {statistics.median([e['seconds'] for e in evals]):7.2f} s per evaluation ({a.eval_prompts} held-out prompts, "
-          f"{evals[0]['nfe']} NFEs), not part of an iteration")
-    print(f"  whole flow {pipe['flow_seconds']:.1f} s for {a.iterations} iterations (incl. 2 evaluations, MLflow, LoRA export)")
-    bare_med = {k: statistics.median([r[k] for r in bare1[1:] + bare2[1:]] or [bare1[0][k]]) for k in ("rollout", "complete", "score", "credit", "update")}
+    print(
+        f"  evaluate  {statistics.median([e['seconds'] for e in evals]):7.2f} s per evaluation ({a.eval_prompts} "
+        "held-out prompts, "
+        f"{evals[0]['nfe']} NFEs), not part of an iteration"
+    )
+    print(
+        f"  whole flow {pipe['flow_seconds']:.1f} s for {a.iterations} iterations (incl. 2 evaluations, MLflow, LoRA "
+        "export)"
+    )
+    bare_med = {
+        k: statistics.median([r[k] for r in bare1[1:] + bare2[1:]] or [bare1[0][k]])
+        for k in ("rollout", "complete", "score", "credit", "update")
+    }
     res["bare_stage_seconds"] = bare_med
     print("  bare loop: " + ", ".join(f"{k} {v:.2f} s" for k, v in bare_med.items()))
-    print(f"\n3. pipeline iteration / bare loop: median {pipe_iter:.2f} s / {bare_iter:.2f} s = {res['overhead_ratio']:.3f}, "
-          f"minimum {min(pipe_its):.2f} s / {min(bare_its):.2f} s = {res['overhead_ratio_min']:.3f} (target <= 1.15); "
-          f"the bare loop's rewards equal the pipeline's: {same} (max difference {diff:.1e})")
+    print(
+        f"\n3. pipeline iteration / bare loop: median {pipe_iter:.2f} s / {bare_iter:.2f} s = "
+        f"{res['overhead_ratio']:.3f}, "
+        f"minimum {min(pipe_its):.2f} s / {min(bare_its):.2f} s = {res['overhead_ratio_min']:.3f} (target <= 1.15); "
+        f"the bare loop's rewards equal the pipeline's: {same} (max difference {diff:.1e})"
+    )
 
     # 4. Prefect's share
     pre = prefect_overhead(a.iterations)
     res["prefect"] = pre
-    print(f"\n4. Prefect: an empty flow run {pre['flow_run_seconds']:.2f} s, an empty task call {1e3 * pre['task_call_seconds']:.1f} ms "
-          f"(the train flow makes 5 task calls per iteration: {5 * pre['task_call_seconds']:.2f} s)")
+    print(
+        f"\n4. Prefect: an empty flow run {pre['flow_run_seconds']:.2f} s, an empty task call "
+        f"{1e3 * pre['task_call_seconds']:.1f} ms "
+        f"(the train flow makes 5 task calls per iteration: {5 * pre['task_call_seconds']:.2f} s)"
+    )
 
     # 5. re-scoring vs regenerating
     res["rescore"] = rescore_costs(run_dir, a.rescore_reward, cfg)
     r = res["rescore"]
-    print(f"\n5. re-scoring {a.iterations} stored iterations with {a.rescore_reward} (0 transformer NFEs) vs regenerating them "
-          f"({r['regenerate_nfe']} NFEs, {r['regenerate_seconds']:.2f} s); target: re-scoring >= 10x faster")
+    print(
+        f"\n5. re-scoring {a.iterations} stored iterations with {a.rescore_reward} (0 transformer NFEs) vs "
+        "regenerating them "
+        f"({r['regenerate_nfe']} NFEs, {r['regenerate_seconds']:.2f} s); target: re-scoring >= 10x faster"
+    )
     for label, key in (("stored images (the default)", "stored"), ("no stored images: VAE decode", "decoded")):
         x = r[key]
-        print(f"  {label:29s} rescore flow {x['flow_seconds']:5.2f} s -> {x['speedup_flow']:5.1f}x;  "
-              f"score stages {x['score_seconds']:5.2f} s -> {x['speedup_stages']:5.1f}x")
-    print(f"  (the flow includes Prefect's fixed cost of one flow run, {res['prefect']['flow_run_seconds']:.2f} s above)")
+        print(
+            f"  {label:29s} rescore flow {x['flow_seconds']:5.2f} s -> {x['speedup_flow']:5.1f}x;  "
+            f"score stages {x['score_seconds']:5.2f} s -> {x['speedup_stages']:5.1f}x"
+        )
+    print(
+        f"  (the flow includes Prefect's fixed cost of one flow run, {res['prefect']['flow_run_seconds']:.2f} s above)"
+    )
 
     # 6. storage
     if not a.skip_storage:
-        proc = subprocess.run([sys.executable, str(ROOT / "bench" / "storage.py")], capture_output=True, text=True, cwd=ROOT)
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "bench" / "storage.py")], capture_output=True, text=True, cwd=ROOT
+        )
         res["storage"] = proc.stdout
         print("\n6. the store against raw writes (bench/storage.py):")
         print("  " + proc.stdout.strip().replace("\n", "\n  "))
@@ -337,9 +425,11 @@ def main() -> None:
     res["total_seconds"] = time.perf_counter() - T0
     write_json(out / "costs.json", res)
     m = res["machine_end"]
-    print(f"\nmachine: {m['cores']} cores ({m['cpu']}), GPU {m['gpu']}, torch {m['torch']} {m['torch_threads']} threads; "
-          f"load average {res['machine_start']['load_avg'][0]:.2f} at the start, {m['load_avg'][0]:.2f} at the end; "
-          f"total {res['total_seconds']:.0f} s; results in {_common.relative(out / 'costs.json')}")
+    print(
+        f"\nmachine: {m['cores']} cores ({m['cpu']}), GPU {m['gpu']}, torch {m['torch']} {m['torch_threads']} threads; "
+        f"load average {res['machine_start']['load_avg'][0]:.2f} at the start, {m['load_avg'][0]:.2f} at the end; "
+        f"total {res['total_seconds']:.0f} s; results in {_common.relative(out / 'costs.json')}"
+    )
 
 
 if __name__ == "__main__":

@@ -31,8 +31,6 @@ so an interrupted benchmark continues where it stopped; `--report-only` redraws 
 
 from __future__ import annotations
 
-import _common  # noqa: I001  (first: fixes sys.path, see its docstring)
-
 import argparse
 import csv
 import json
@@ -43,6 +41,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import _common  # noqa: I001  (first: fixes sys.path, see its docstring)
 from _common import COMMON, OUT_DIR, first_reach, mean_ci, moving_average, read_run, write_json
 
 # name -> (scheme, completion method or None, kernel)
@@ -64,31 +63,67 @@ ABLATIONS = {
     "completion (dense)": ("dense", "dense_substeps2", "dense_tweedie"),
     "turning-point balancing": ("turning_point", "turning_point_nobal"),
 }
-COLOURS = {"outcome": "black", "stepwise": "tab:blue", "dense": "tab:orange", "turning_point": "tab:green",
-           "dense_psi": "tab:red", "dense_substeps2": "tab:purple", "dense_tweedie": "tab:brown",
-           "turning_point_nobal": "tab:olive"}
+COLOURS = {
+    "outcome": "black",
+    "stepwise": "tab:blue",
+    "dense": "tab:orange",
+    "turning_point": "tab:green",
+    "dense_psi": "tab:red",
+    "dense_substeps2": "tab:purple",
+    "dense_tweedie": "tab:brown",
+    "turning_point_nobal": "tab:olive",
+}
 EXPERIMENT = "bench-credit-schemes"  # MLflow experiment of every run
 THRESHOLDS = (0.02, 0.05)  # training-reward gains over the base whose first crossing is reported
 SMOOTH = 3  # iterations in the trailing mean of the training reward (thresholds, curves)
 
 PRESETS = {
     # quick: every configuration once, the main ones with 2 seeds; checks the whole path
-    "quick": {"iterations": 4, "outcome_iterations": 4, "prompts": 4, "group_size": 4, "eval_prompts": 32,
-              "eval_every": 2, "seeds": [0, 1], "ablation_seeds": [0]},
+    "quick": {
+        "iterations": 4,
+        "outcome_iterations": 4,
+        "prompts": 4,
+        "group_size": 4,
+        "eval_prompts": 32,
+        "eval_every": 2,
+        "seeds": [0, 1],
+        "ablation_seeds": [0],
+    },
     # full: sized to fit ~30 min on 2 busy CPU cores with one torch thread (docs/BENCHMARKS.md)
-    "full": {"iterations": 8, "outcome_iterations": 12, "prompts": 4, "group_size": 4, "eval_prompts": 64,
-             "eval_every": 4, "seeds": [0, 1, 2], "ablation_seeds": [0, 1, 2]},
+    "full": {
+        "iterations": 8,
+        "outcome_iterations": 12,
+        "prompts": 4,
+        "group_size": 4,
+        "eval_prompts": 64,
+        "eval_every": 4,
+        "seeds": [0, 1, 2],
+        "ablation_seeds": [0, 1, 2],
+    },
 }
 
 
 def overrides(name: str, seed: int, iterations: int, a: argparse.Namespace, runs_root: Path) -> list[str]:
     scheme, method, kernel = CONFIGS[name]
-    values = dict(COMMON) | {
-        "model.path": a.model, "sampler.kernel": kernel, "completion.method": method, "credit.scheme": scheme,
-        "run.iterations": iterations, "run.prompts_per_iteration": a.prompts, "run.group_size": a.group_size,
-        "run.eval_prompts": a.eval_prompts, "run.eval_every": a.eval_every, "run.seed": seed,
-        "run.runs_root": str(runs_root), "run.name": EXPERIMENT,
-    } | {f"credit.options.{k}": v for k, v in OPTIONS.get(name, {}).items()} | dict(item.split("=", 1) for item in a.set)
+    values = (
+        dict(COMMON)
+        | {
+            "model.path": a.model,
+            "sampler.kernel": kernel,
+            "completion.method": method,
+            "credit.scheme": scheme,
+            "run.iterations": iterations,
+            "run.prompts_per_iteration": a.prompts,
+            "run.group_size": a.group_size,
+            "run.eval_prompts": a.eval_prompts,
+            "run.eval_every": a.eval_every,
+            "run.seed": seed,
+            "run.runs_root": str(runs_root),
+            "run.name": EXPERIMENT,
+        }
+        | {f"credit.options.{k}": v for k, v in OPTIONS.get(name, {}).items()}
+        | dict(item.split("=", 1) for item in a.set)
+    )
     return [f"{k}={'null' if v is None else v}" for k, v in values.items()]
 
 
@@ -137,8 +172,15 @@ def run_one(name: str, seed: int, a: argparse.Namespace, out: Path) -> dict[str,
     load_before = _common.os.getloadavg()[0]
     result = _common.train_flow(ov, run_id)
     rec = asdict(read_run(Path(result["run_dir"])))
-    rec |= {"config": name, "seed": seed, "overrides": ov, "flow_seconds": result["flow_seconds"],
-            "load_before": load_before, "load_after": _common.os.getloadavg()[0], "torch_threads": torch.get_num_threads()}
+    rec |= {
+        "config": name,
+        "seed": seed,
+        "overrides": ov,
+        "flow_seconds": result["flow_seconds"],
+        "load_before": load_before,
+        "load_after": _common.os.getloadavg()[0],
+        "torch_threads": torch.get_num_threads(),
+    }
     write_json(record_path, rec)
     return rec
 
@@ -188,20 +230,39 @@ def analyse(records: list[dict[str, Any]], n_iter: int) -> dict[str, Any]:
         # training reward minus outcome's at the same seed and iteration (the same prompts and
         # initial noise): the prompt-sampling noise of the training curve cancels; averaged over
         # the second half of the iterations, when the policies have had time to diverge
-        half = [sum(a - b for a, b in zip(r["train_reward"][n_iter // 2 : n_iter], out_train[r["seed"]][n_iter // 2 :]))
-                / (n_iter - n_iter // 2) for r in recs if r["seed"] in out_train]
+        half = [
+            sum(a - b for a, b in zip(r["train_reward"][n_iter // 2 : n_iter], out_train[r["seed"]][n_iter // 2 :]))
+            / (n_iter - n_iter // 2)
+            for r in recs
+            if r["seed"] in out_train
+        ]
         tm, tlo, thi = mean_ci(half) if name != "outcome" else (float("nan"),) * 3
         row: dict[str, Any] = {
-            "config": name, "scheme": CONFIGS[name][0], "completion": CONFIGS[name][1] or "none",
-            "kernel": CONFIGS[name][2], "seeds": len(recs), "iterations": n_iter,
-            "heldout_final": m, "heldout_ci_lo": lo, "heldout_ci_hi": hi,
-            "heldout_strict": mean_ci(strict)[0], "heldout_gain": gm, "gain_ci_lo": glo, "gain_ci_hi": ghi,
-            "diff_vs_outcome": dm, "diff_ci_lo": dlo, "diff_ci_hi": dhi,
-            "train_vs_outcome": tm, "train_diff_ci_lo": tlo, "train_diff_ci_hi": thi,
+            "config": name,
+            "scheme": CONFIGS[name][0],
+            "completion": CONFIGS[name][1] or "none",
+            "kernel": CONFIGS[name][2],
+            "seeds": len(recs),
+            "iterations": n_iter,
+            "heldout_final": m,
+            "heldout_ci_lo": lo,
+            "heldout_ci_hi": hi,
+            "heldout_strict": mean_ci(strict)[0],
+            "heldout_gain": gm,
+            "gain_ci_lo": glo,
+            "gain_ci_hi": ghi,
+            "diff_vs_outcome": dm,
+            "diff_ci_lo": dlo,
+            "diff_ci_hi": dhi,
+            "train_vs_outcome": tm,
+            "train_diff_ci_lo": tlo,
+            "train_diff_ci_hi": thi,
             "train_final": mean_ci([moving_average(r["train_reward"][:n_iter], SMOOTH)[-1] for r in recs])[0],
             "seconds_per_iter": mean_ci([sum(r["iter_seconds"][:n_iter]) / n_iter for r in recs])[0],
             "setup_seconds": mean_ci([r["setup_seconds"] for r in recs])[0],
-            "nfe_per_iter": mean_ci([sum(n["rollout"] + n["complete"] for n in r["nfe"][:n_iter]) / n_iter for r in recs])[0],
+            "nfe_per_iter": mean_ci(
+                [sum(n["rollout"] + n["complete"] for n in r["nfe"][:n_iter]) / n_iter for r in recs]
+            )[0],
         }
         tps = [t for r in recs for t in r.get("extra", {}).get("turning_points", [])[:n_iter]]
         row["tp_raw_per_iter"] = sum(t["raw"] for t in tps) / len(tps) if tps else float("nan")
@@ -216,10 +277,17 @@ def analyse(records: list[dict[str, Any]], n_iter: int) -> dict[str, Any]:
             row[f"iters_to_{tname}"] = _mean_known(its)
             row[f"seconds_to_{tname}"] = _mean_known(secs_all if name == "outcome" else secs)
         rows.append(row)
-    result = {"rows": rows, "thresholds": thresholds, "base_train": base_train,
-              "threads": sorted({str(r.get("torch_threads", "not recorded")) for r in records}),
-              "load": (mean_ci([r["load_before"] for r in records])[0], mean_ci([r["load_after"] for r in records])[0],
-                       max(max(r["load_before"], r["load_after"]) for r in records))}
+    result = {
+        "rows": rows,
+        "thresholds": thresholds,
+        "base_train": base_train,
+        "threads": sorted({str(r.get("torch_threads", "not recorded")) for r in records}),
+        "load": (
+            mean_ci([r["load_before"] for r in records])[0],
+            mean_ci([r["load_after"] for r in records])[0],
+            max(max(r["load_before"], r["load_after"]) for r in records),
+        ),
+    }
     # outcome run longer than n_iter: its held-out reward at the end, and when that was
     longest = max((len(r["train_reward"]) for r in outcome), default=0)
     if longest > n_iter:
@@ -227,7 +295,8 @@ def analyse(records: list[dict[str, Any]], n_iter: int) -> dict[str, Any]:
         if all(last):
             step_walls = [wall(r)[n_iter - 1] for n in MAIN[1:] for r in groups.get(n, [])]
             result["outcome_long"] = {
-                "iterations": longest, "heldout": mean_ci([h["reward"] for h in last]),
+                "iterations": longest,
+                "heldout": mean_ci([h["reward"] for h in last]),
                 "paired_gain": mean_ci([h["reward"] - heldout_at(r, 0)["reward"] for h, r in zip(last, outcome)]),
                 "wall_seconds": mean_ci([wall(r)[-1] for r in outcome])[0],
                 "step_schemes_wall_seconds_at_n": mean_ci(step_walls)[0],
@@ -249,14 +318,44 @@ def _mean_known(values: list[Any]) -> float:
 def write_csvs(records: list[dict[str, Any]], analysis: dict[str, Any], out: Path) -> None:
     with open(out / "curves.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["config", "seed", "iteration", "train_reward", "train_reward_smoothed", "train_strict", "iter_seconds",
-                    "wall_seconds", "rollout_seconds", "complete_seconds", "update_seconds", "nfe_rollout", "nfe_complete"])
+        w.writerow(
+            [
+                "config",
+                "seed",
+                "iteration",
+                "train_reward",
+                "train_reward_smoothed",
+                "train_strict",
+                "iter_seconds",
+                "wall_seconds",
+                "rollout_seconds",
+                "complete_seconds",
+                "update_seconds",
+                "nfe_rollout",
+                "nfe_complete",
+            ]
+        )
         for r in records:
             smooth, cum = moving_average(r["train_reward"], SMOOTH), wall(r)
             for i, rew in enumerate(r["train_reward"]):
                 s, n = r["stage_seconds"][i], r["nfe"][i]
-                w.writerow([r["config"], r["seed"], i + 1, rew, smooth[i], r["train_strict"][i], r["iter_seconds"][i], cum[i],
-                            s["rollout"], s["complete"], s["update"], n["rollout"], n["complete"]])
+                w.writerow(
+                    [
+                        r["config"],
+                        r["seed"],
+                        i + 1,
+                        rew,
+                        smooth[i],
+                        r["train_strict"][i],
+                        r["iter_seconds"][i],
+                        cum[i],
+                        s["rollout"],
+                        s["complete"],
+                        s["update"],
+                        n["rollout"],
+                        n["complete"],
+                    ]
+                )
     subs = sorted({k for r in records for h in r["heldout"] for k in h if k.startswith("sub_")})
     with open(out / "heldout.csv", "w", newline="") as f:
         w = csv.writer(f)
@@ -264,8 +363,17 @@ def write_csvs(records: list[dict[str, Any]], analysis: dict[str, Any], out: Pat
         for r in records:
             cum = [r["setup_seconds"], *wall(r)]
             for h in r["heldout"]:
-                w.writerow([r["config"], r["seed"], h["iteration"], cum[h["iteration"]], h["reward"], h["strict"],
-                            *[h.get(s, "") for s in subs]])
+                w.writerow(
+                    [
+                        r["config"],
+                        r["seed"],
+                        h["iteration"],
+                        cum[h["iteration"]],
+                        h["reward"],
+                        h["strict"],
+                        *[h.get(s, "") for s in subs],
+                    ]
+                )
     with open(out / "gains.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["config", "seed", "iteration", "k", "mean_gain"])
@@ -295,27 +403,36 @@ def summary_md(analysis: dict[str, Any], settings: dict[str, Any], machine: dict
         f"thresholds: the training reward (trailing mean of {SMOOTH} iterations) exceeds the same seed's base-policy "
         f"reward (iteration 1) by {' / '.join(th)}; mean base {fmt(analysis['base_train'])}",
         "",
-        "| config | seeds | held-out reward after N (95% CI) | gain over base (95% CI) | minus outcome, paired (95% CI) "
+        "| config | seeds | held-out reward after N (95% CI) | gain over base (95% CI) | minus outcome, paired (95% "
+        "CI) "
         "| training reward minus outcome, paired, 2nd half (95% CI) "
-        "| strict | iters to base+0.02 / +0.05 | seconds to base+0.02 / +0.05 | s / iter | NFE / iter | turning points / iter (kept) |",
+        "| strict | iters to base+0.02 / +0.05 | seconds to base+0.02 / +0.05 | s / iter | NFE / iter | turning "
+        "points / iter (kept) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in analysis["rows"]:
         lines.append(
-            f"| {r['config']} | {r['seeds']} | {fmt(r['heldout_final'])} [{fmt(r['heldout_ci_lo'])}, {fmt(r['heldout_ci_hi'])}] "
+            f"| {r['config']} | {r['seeds']} | {fmt(r['heldout_final'])} [{fmt(r['heldout_ci_lo'])}, "
+            f"{fmt(r['heldout_ci_hi'])}] "
             f"| {fmt(r['heldout_gain'])} [{fmt(r['gain_ci_lo'])}, {fmt(r['gain_ci_hi'])}] "
             f"| {fmt(r['diff_vs_outcome'])} [{fmt(r['diff_ci_lo'])}, {fmt(r['diff_ci_hi'])}] "
-            f"| {fmt(r['train_vs_outcome'])} [{fmt(r['train_diff_ci_lo'])}, {fmt(r['train_diff_ci_hi'])}] | {fmt(r['heldout_strict'])} "
-            f"| {fmt(r['iters_to_+0.02'], 1)} ({r['reached_+0.02']}) / {fmt(r['iters_to_+0.05'], 1)} ({r['reached_+0.05']}) "
+            f"| {fmt(r['train_vs_outcome'])} [{fmt(r['train_diff_ci_lo'])}, {fmt(r['train_diff_ci_hi'])}] | "
+            f"{fmt(r['heldout_strict'])} "
+            f"| {fmt(r['iters_to_+0.02'], 1)} ({r['reached_+0.02']}) / {fmt(r['iters_to_+0.05'], 1)} "
+            f"({r['reached_+0.05']}) "
             f"| {fmt(r['seconds_to_+0.02'], 0)} / {fmt(r['seconds_to_+0.05'], 0)} | {fmt(r['seconds_per_iter'], 1)} "
             f"| {fmt(r['nfe_per_iter'], 0)} | {fmt(r['tp_raw_per_iter'], 1)} ({fmt(r['tp_kept_per_iter'], 1)}) |"
         )
     if "outcome_long" in analysis:
         o = analysis["outcome_long"]
-        lines += ["", f"outcome after {o['iterations']} iterations ({fmt(o['wall_seconds'], 0)} s of training; the step-level "
-                  f"schemes' {analysis['rows'][0]['iterations']} iterations took {fmt(o['step_schemes_wall_seconds_at_n'], 0)} s): "
-                  f"held-out {fmt(o['heldout'][0])} [{fmt(o['heldout'][1])}, {fmt(o['heldout'][2])}], gain over base "
-                  f"{fmt(o['paired_gain'][0])} [{fmt(o['paired_gain'][1])}, {fmt(o['paired_gain'][2])}]"]
+        lines += [
+            "",
+            f"outcome after {o['iterations']} iterations ({fmt(o['wall_seconds'], 0)} s of training; the step-level "
+            f"schemes' {analysis['rows'][0]['iterations']} iterations took "
+            f"{fmt(o['step_schemes_wall_seconds_at_n'], 0)} s): "
+            f"held-out {fmt(o['heldout'][0])} [{fmt(o['heldout'][1])}, {fmt(o['heldout'][2])}], gain over base "
+            f"{fmt(o['paired_gain'][0])} [{fmt(o['paired_gain'][1])}, {fmt(o['paired_gain'][2])}]",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -379,7 +496,11 @@ def plot(records: list[dict[str, Any]], analysis: dict[str, Any], n_iter: int, o
     curves(MAIN, False, out / "reward_vs_iteration.png", "credit schemes on the shapes task: reward vs iteration")
     curves(MAIN, True, out / "reward_vs_wallclock.png", "credit schemes on the shapes task: reward vs wall-clock")
     for title, names in ABLATIONS.items():
-        slug = {"exploration": "ablation_psi", "completion": "ablation_completion", "turning-point": "ablation_tp_balance"}[title.split()[0]]
+        slug = {
+            "exploration": "ablation_psi",
+            "completion": "ablation_completion",
+            "turning-point": "ablation_tp_balance",
+        }[title.split()[0]]
         curves(names, False, out / f"{slug}.png", f"ablation, {title}: reward vs iteration")
         curves(names, True, out / f"{slug}_wallclock.png", f"ablation, {title}: reward vs wall-clock")
 
@@ -388,18 +509,27 @@ def plot(records: list[dict[str, Any]], analysis: dict[str, Any], n_iter: int, o
     if with_gains:
         cols = min(4, len(with_gains))
         rows = math.ceil(len(with_gains) / cols)
-        fig, axes = plt.subplots(rows, cols, figsize=(3.8 * cols + 1, 3.2 * rows + 0.6), squeeze=False, constrained_layout=True)
+        fig, axes = plt.subplots(
+            rows, cols, figsize=(3.8 * cols + 1, 3.2 * rows + 0.6), squeeze=False, constrained_layout=True
+        )
         arrays = {n: np.mean([np.array(r["gains"][:n_iter]) for r in groups[n]], 0) for n in with_gains}
         vmax = max(float(np.abs(a).max()) for a in arrays.values()) or 1.0
         for ax, name in zip(axes.flat, with_gains):
-            im = ax.imshow(arrays[name], cmap="RdBu", vmin=-vmax, vmax=vmax, aspect="auto", origin="lower",
-                           extent=(-0.5, arrays[name].shape[1] - 0.5, 0.5, arrays[name].shape[0] + 0.5))
+            im = ax.imshow(
+                arrays[name],
+                cmap="RdBu",
+                vmin=-vmax,
+                vmax=vmax,
+                aspect="auto",
+                origin="lower",
+                extent=(-0.5, arrays[name].shape[1] - 0.5, 0.5, arrays[name].shape[0] + 0.5),
+            )
             ax.set_title(f"{name} ({len(groups[name])} seeds)", fontsize=9)
             ax.set_xlabel("step k")
             ax.set_ylabel("iteration")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-        for ax in list(axes.flat)[len(with_gains):]:
+        for ax in list(axes.flat)[len(with_gains) :]:
             ax.axis("off")
         fig.colorbar(im, ax=axes, shrink=0.8, label="mean gain g_k = R_{k+1} - R_k")
         fig.suptitle("mean gain per step k (training rollouts, mean over trajectories and seeds)")
@@ -414,7 +544,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small settings that finish in <= 10 min on 2 CPU cores")
     p.add_argument("--iterations", type=int, help="iterations of every configuration")
-    p.add_argument("--outcome-iterations", type=int, help="iterations of outcome (>= --iterations; equal wall-clock view)")
+    p.add_argument(
+        "--outcome-iterations", type=int, help="iterations of outcome (>= --iterations; equal wall-clock view)"
+    )
     p.add_argument("--prompts", type=int, help="prompts per iteration")
     p.add_argument("--group-size", type=int, help="trajectories per prompt")
     p.add_argument("--eval-prompts", type=int, help="held-out prompts per evaluation (all held-out prompts if larger)")
@@ -422,8 +554,13 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", help="seeds of the main configurations")
     p.add_argument("--ablation-seeds", type=int, nargs="+", help="seeds of the ablation configurations")
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                   help="config overrides applied to every configuration (e.g. optim.lr=3e-4)")
+    p.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config overrides applied to every configuration (e.g. optim.lr=3e-4)",
+    )
     p.add_argument("--max-minutes", type=float, default=None, help="start no new run after this many minutes")
     p.add_argument("--model", default=None, help="SD3 pipeline directory (default: the shipped models/shapes)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, = cores)")
@@ -441,8 +578,21 @@ def main() -> None:
     _common.setup_env(out, a.threads)
     a.model = _common.model_path(a.model)
     shared_tracking(out)
-    settings = {k: getattr(a, k) for k in ("iterations", "outcome_iterations", "prompts", "group_size", "eval_prompts",
-                                          "eval_every", "seeds", "ablation_seeds", "model", "set")}
+    settings = {
+        k: getattr(a, k)
+        for k in (
+            "iterations",
+            "outcome_iterations",
+            "prompts",
+            "group_size",
+            "eval_prompts",
+            "eval_every",
+            "seeds",
+            "ablation_seeds",
+            "model",
+            "set",
+        )
+    }
     print(f"settings: {settings}", flush=True)
 
     # every seed of the main comparison first, then the ablations seed by seed: a time budget
@@ -464,9 +614,14 @@ def main() -> None:
         rec = run_one(name, seed, a, out)
         records.append(rec)
         final = rec["heldout"][-1]
-        print(f"[{(time.perf_counter() - t0) / 60:5.1f} min] {name:16s} seed {seed}: held-out {rec['heldout'][0]['reward']:.3f} -> "
-              f"{final['reward']:.3f} (iteration {final['iteration']}), {sum(rec['iter_seconds']) / len(rec['iter_seconds']):.1f} s/iter, "
-              f"{time.perf_counter() - t1:.0f} s", flush=True)
+        print(
+            f"[{(time.perf_counter() - t0) / 60:5.1f} min] {name:16s} seed {seed}: held-out "
+            f"{rec['heldout'][0]['reward']:.3f} -> "
+            f"{final['reward']:.3f} (iteration {final['iteration']}), "
+            f"{sum(rec['iter_seconds']) / len(rec['iter_seconds']):.1f} s/iter, "
+            f"{time.perf_counter() - t1:.0f} s",
+            flush=True,
+        )
     if skipped:
         print(f"not run (--max-minutes {a.max_minutes}): {', '.join(skipped)}")
     if not records:
@@ -479,8 +634,16 @@ def main() -> None:
     if skipped:
         text += f"\nnot run (time budget): {', '.join(skipped)}\n"
     (out / "summary.md").write_text(text)
-    write_json(out / "analysis.json", {"settings": settings, "machine": machine, "skipped": skipped, **analysis,
-                                       "total_minutes": (time.perf_counter() - t0) / 60})
+    write_json(
+        out / "analysis.json",
+        {
+            "settings": settings,
+            "machine": machine,
+            "skipped": skipped,
+            **analysis,
+            "total_minutes": (time.perf_counter() - t0) / 60,
+        },
+    )
     print(text)
     print(f"outputs in {_common.relative(out)}")
 

@@ -37,7 +37,9 @@ def load_policy(spec_name: str, device: str, dtype: str | None) -> tuple[SD3Poli
     from stepgrpo.shapes.model import ModelSpec, build_pipeline, tiny_spec
 
     spec = tiny_spec() if spec_name == "tiny" else ModelSpec()
-    label = "tiny_spec() random weights" if spec_name == "tiny" else "ModelSpec() random weights (models/shapes not built)"
+    label = (
+        "tiny_spec() random weights" if spec_name == "tiny" else "ModelSpec() random weights (models/shapes not built)"
+    )
     return SD3Policy.from_pipeline(build_pipeline(spec, seed=0), device=device, dtype=dtype), label
 
 
@@ -71,7 +73,9 @@ def paired_rates(fn, rows: int, raw, raw_rows: int, rounds: int, device: torch.d
 
 
 @torch.no_grad()
-def measure(policy: SD3Policy, batch: int, steps: int, trajectories: int, rounds: int) -> dict[str, tuple[float, float]]:
+def measure(
+    policy: SD3Policy, batch: int, steps: int, trajectories: int, rounds: int
+) -> dict[str, tuple[float, float]]:
     """name -> (NFE/s, ratio to raw at this batch); raw's own ratio is 1."""
     gen = torch.Generator().manual_seed(batch)
     x = policy.initial_noise(batch, gen)
@@ -110,15 +114,29 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="T of the rollout whose states are completed")
     parser.add_argument("--trajectories", type=int, default=8, help="B whose states are completed")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per cell (the median is shown)")
-    parser.add_argument("--model", choices=["shipped", "random", "tiny"], default="shipped",
-                        help="shipped models/shapes (random ModelSpec() stand-in if absent), or force one")
-    parser.add_argument("--clock", choices=list(CLOCKS), default="wall",
-                        help="wall: NFEs per second; cpu: NFEs per CPU-second of this process "
-                        "(steadier on a CPU shared with other jobs)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: torch's); 1 avoids oversubscribing a CPU shared with other jobs")
+    parser.add_argument(
+        "--model",
+        choices=["shipped", "random", "tiny"],
+        default="shipped",
+        help="shipped models/shapes (random ModelSpec() stand-in if absent), or force one",
+    )
+    parser.add_argument(
+        "--clock",
+        choices=list(CLOCKS),
+        default="wall",
+        help="wall: NFEs per second; cpu: NFEs per CPU-second of this process "
+        "(steadier on a CPU shared with other jobs)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's); 1 avoids oversubscribing a CPU shared with other jobs",
+    )
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default=None, help="float32 / float16 / bfloat16 (default: fp32 on CPU, bf16 on GPU)")
+    parser.add_argument(
+        "--dtype", default=None, help="float32 / float16 / bfloat16 (default: fp32 on CPU, bf16 on GPU)"
+    )
     args = parser.parse_args()
     global clock
     clock = CLOCKS[args.clock]
@@ -127,16 +145,21 @@ def main() -> None:
 
     policy, label = load_policy(args.model, args.device, args.dtype)
     params = sum(p.numel() for p in policy.transformer.parameters())
-    print(f"model: {label}; transformer {params / 1e6:.2f} M params; latents {policy.latent_shape}; "
-          f"{args.device} {policy.dtype}; torch threads {torch.get_num_threads()}; "
-          f"completions of B = {args.trajectories} trajectories x T = {args.steps} steps; {args.clock} clock")
+    print(
+        f"model: {label}; transformer {params / 1e6:.2f} M params; latents {policy.latent_shape}; "
+        f"{args.device} {policy.dtype}; torch threads {torch.get_num_threads()}; "
+        f"completions of B = {args.trajectories} trajectories x T = {args.steps} steps; {args.clock} clock"
+    )
     header = f"{'batch':>5} | {'raw NFE/s':>9} | {'velocity':>16} | " + " | ".join(f"{m:>18}" for m in COMPLETIONS)
     print(header)
     print("-" * len(header))
     for batch in args.batch_sizes:
         r = measure(policy, batch, args.steps, args.trajectories, args.rounds)
         cells = [f"{r[k][0]:8.0f} ({r[k][1]:.2f})" for k in ("velocity", *COMPLETIONS)]
-        print(f"{batch:>5} | {r['raw'][0]:9.0f} | {cells[0]:>16} | " + " | ".join(f"{c:>18}" for c in cells[1:]), flush=True)
+        print(
+            f"{batch:>5} | {r['raw'][0]:9.0f} | {cells[0]:>16} | " + " | ".join(f"{c:>18}" for c in cells[1:]),
+            flush=True,
+        )
     print("cells: median NFE/s (median ratio to raw timed around it); completions use max_batch = batch")
 
 

@@ -108,14 +108,30 @@ RECIPE_LORA, RECIPE_GUIDANCE, RECIPE_KL, RECIPE_MICRO = LoraSpec(rank=32, alpha=
 
 # diffusers' stabilityai/stable-diffusion-3-medium-diffusers transformer/config.json.
 SD3_MEDIUM = dict(
-    sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24, attention_head_dim=64,
-    num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048,
+    sample_size=128,
+    patch_size=2,
+    in_channels=16,
+    out_channels=16,
+    num_layers=24,
+    attention_head_dim=64,
+    num_attention_heads=24,
+    joint_attention_dim=4096,
+    caption_projection_dim=1536,
+    pooled_projection_dim=2048,
     pos_embed_max_size=192,
 )
 # The same architecture at toy size, for `--small`.
 SMALL_TRANSFORMER = dict(
-    sample_size=8, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=16,
-    num_attention_heads=2, joint_attention_dim=64, caption_projection_dim=32, pooled_projection_dim=32,
+    sample_size=8,
+    patch_size=2,
+    in_channels=16,
+    out_channels=16,
+    num_layers=2,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=64,
+    caption_projection_dim=32,
+    pooled_projection_dim=32,
     pos_embed_max_size=8,
 )
 
@@ -136,7 +152,9 @@ class ScaleSpec:
     max_calls: int  # ... or this many calls ran
 
 
-REAL = ScaleSpec(SD3_MEDIUM, "SD3-medium shape (2B, random weights)", 64, 333, (8, 16, 32, 64), 16, (32, 64), RECIPE_MICRO, 2.0, 30)
+REAL = ScaleSpec(
+    SD3_MEDIUM, "SD3-medium shape (2B, random weights)", 64, 333, (8, 16, 32, 64), 16, (32, 64), RECIPE_MICRO, 2.0, 30
+)
 SMALL = ScaleSpec(SMALL_TRANSFORMER, "small SD3 transformer (random weights)", 8, 24, (2, 4, 8), 4, (4, 8), 2, 0.2, 10)
 
 # The iteration the derived estimates describe: Flow-GRPO's B = 64 trajectories x T = 10, CFG.
@@ -198,7 +216,10 @@ def _jsonable(value: Any) -> Any:
 
 def error_summary(err: BaseException) -> dict[str, str]:
     """The error and the last frames of its traceback (enough to locate it, short enough to read)."""
-    return {"error": f"{type(err).__name__}: {err}"[:2000], "traceback": "".join(traceback.format_exception(err, limit=-6))[-4000:]}
+    return {
+        "error": f"{type(err).__name__}: {err}"[:2000],
+        "traceback": "".join(traceback.format_exception(err, limit=-6))[-4000:],
+    }
 
 
 class Deadline:
@@ -267,15 +288,19 @@ def peak_memory(device: torch.device) -> dict[str, float]:
     """Peak GPU memory since the last `torch.cuda.reset_peak_memory_stats` (empty on a CPU)."""
     if device.type != "cuda":
         return {}
-    return {"peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30,
-            "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
+    return {
+        "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30,
+    }
 
 
 def memory_text(device: torch.device) -> str:
     peak = peak_memory(device)
     if not peak:
         return "peak GPU memory n/a on the CPU"
-    return f"peak GPU memory {peak['peak_allocated_gib']:.1f} GiB allocated, {peak['peak_reserved_gib']:.1f} GiB reserved"
+    return (
+        f"peak GPU memory {peak['peak_allocated_gib']:.1f} GiB allocated, {peak['peak_reserved_gib']:.1f} GiB reserved"
+    )
 
 
 def tf32_flags() -> dict[str, Any]:
@@ -328,10 +353,15 @@ def machine(device: torch.device) -> dict[str, Any]:
     import transformers
 
     info: dict[str, Any] = {
-        "python": platform.python_version(), "torch": torch.__version__, "diffusers": diffusers.__version__,
-        "transformers": transformers.__version__, "huggingface_hub": huggingface_hub.__version__,
-        "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-        "device": str(device), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "diffusers": diffusers.__version__,
+        "transformers": transformers.__version__,
+        "huggingface_hub": huggingface_hub.__version__,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": str(device),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
     try:
         import peft
@@ -342,9 +372,13 @@ def machine(device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         info |= {
-            "gpu": props.name, "gpu_memory_gib": props.total_memory / 2**30, "capability": f"{props.major}.{props.minor}",
-            "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
-            **tf32_flags(), "sdp_flash": torch.backends.cuda.flash_sdp_enabled(),
+            "gpu": props.name,
+            "gpu_memory_gib": props.total_memory / 2**30,
+            "capability": f"{props.major}.{props.minor}",
+            "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version(),
+            **tf32_flags(),
+            "sdp_flash": torch.backends.cuda.flash_sdp_enabled(),
             "sdp_mem_efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
         }
     return info
@@ -380,14 +414,21 @@ def run_check(report: Report, name: str, dtype: str, fn: Callable[[], Outcome]) 
         record = {"passed": outcome.passed, "numbers": outcome.numbers, "summary": outcome.summary}
     except Exception as err:
         outcome = None
-        record = {"passed": False, "numbers": {}, "summary": f"ERROR {type(err).__name__}: {str(err)[:200]}", **error_summary(err)}
+        record = {
+            "passed": False,
+            "numbers": {},
+            "summary": f"ERROR {type(err).__name__}: {str(err)[:200]}",
+            **error_summary(err),
+        }
     report.check({"name": name, "dtype": dtype, **record, "seconds": time.perf_counter() - t0})
     return outcome
 
 
 def make_case(device: torch.device, dtype: str, trajectories: int) -> tuple[Case, Outcome]:
     """The shipped model with the demo's adapter and CFG, and a `flow` rollout of `trajectories`."""
-    policy = SD3Policy.from_pretrained(DEFAULT_MODEL, dtype=dtype, device=device, guidance_scale=DEMO_GUIDANCE, lora=DEMO_LORA)
+    policy = SD3Policy.from_pretrained(
+        DEFAULT_MODEL, dtype=dtype, device=device, guidance_scale=DEMO_GUIDANCE, lora=DEMO_LORA
+    )
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(trajectories)]
     cond = policy.encode(prompts)
     sigmas = policy.sigmas(STEPS)
@@ -401,13 +442,23 @@ def make_case(device: torch.device, dtype: str, trajectories: int) -> tuple[Case
     finite_lp = int(torch.isfinite(out.log_probs).sum())
     same_lp = torch.isclose(out.log_probs, again.log_probs, rtol=0, atol=0, equal_nan=True)  # NaN: deterministic steps
     repeat = torch.equal(out.states, again.states) and bool(same_lp.all())
-    numbers = {"nfe": out.nfe, "policy_nfe": counted, "expected_nfe": expected, "finite_states": finite_states,
-               "finite_log_probs": finite_lp, "expected_log_probs": expected, "repeat_identical": repeat,
-               "repeat_max_abs": max_abs(out.states, again.states),
-               "log_prob_range": [float(out.log_probs.nan_to_num(0).min()), float(out.log_probs.nan_to_num(0).max())]}
+    numbers = {
+        "nfe": out.nfe,
+        "policy_nfe": counted,
+        "expected_nfe": expected,
+        "finite_states": finite_states,
+        "finite_log_probs": finite_lp,
+        "expected_log_probs": expected,
+        "repeat_identical": repeat,
+        "repeat_max_abs": max_abs(out.states, again.states),
+        "log_prob_range": [float(out.log_probs.nan_to_num(0).min()), float(out.log_probs.nan_to_num(0).max())],
+    }
     passed = out.nfe == counted == expected and finite_states and finite_lp == expected and repeat
-    summary = (f"B={trajectories} T={STEPS}: nfe {out.nfe} / policy {counted} (expect {expected}); states finite {finite_states}; "
-               f"finite log-probs {finite_lp}/{expected}; seeded repeat identical {repeat}")
+    summary = (
+        f"B={trajectories} T={STEPS}: nfe {out.nfe} / policy {counted} (expect {expected}); states finite "
+        f"{finite_states}; "
+        f"finite log-probs {finite_lp}/{expected}; seeded repeat identical {repeat}"
+    )
     return Case(policy, cond, sigmas, out), Outcome(passed, numbers, summary)
 
 
@@ -427,7 +478,9 @@ def recompute(case: Case, micro: int | None, grad: bool) -> torch.Tensor:
             idx = idx.to(device)
             sub = take(case.cond, idx)
             for k in range(STEPS):
-                lp = step_log_prob(case.policy.velocity, case.out.states[idx], case.sigmas, sub, k, KERNEL, NOISE).log_prob
+                lp = step_log_prob(
+                    case.policy.velocity, case.out.states[idx], case.sigmas, sub, k, KERNEL, NOISE
+                ).log_prob
                 new[idx, k] = lp.detach()
     return new
 
@@ -440,7 +493,9 @@ def check_recompute(case: Case, micro: int | None, grad: bool) -> Outcome:
     cpu_bf16 = case.policy.device.type == "cpu" and case.policy.dtype == torch.bfloat16
     tol = RATIO_TOL_CPU_BF16 if cpu_bf16 else RATIO_TOL
     numbers = {"max_abs_log_prob_diff": diff, "max_abs_ratio_minus_1": dev, "bitwise_equal": exact, "tolerance": tol}
-    return Outcome(dev <= tol, numbers, f"max|dlogp| {diff:.3g}, max|ratio-1| {dev:.3g} (tol {tol:g}); bitwise equal {exact}")
+    return Outcome(
+        dev <= tol, numbers, f"max|dlogp| {diff:.3g}, max|ratio-1| {dev:.3g} (tol {tol:g}); bitwise equal {exact}"
+    )
 
 
 def check_completion_counts(case: Case) -> Outcome:
@@ -448,12 +503,20 @@ def check_completion_counts(case: Case) -> Outcome:
     numbers, parts, passed = {}, [], True
     for method in COMPLETIONS:
         nfe0 = case.policy.nfe
-        done = complete(method, case.policy.velocity, case.out.states, case.sigmas, case.cond, max_batch=case.policy.max_batch)
+        done = complete(
+            method, case.policy.velocity, case.out.states, case.sigmas, case.cond, max_batch=case.policy.max_batch
+        )
         counted = case.policy.nfe - nfe0
         expected = completion_nfe(method, batch, STEPS)
         finite = bool(torch.isfinite(done.latents.float()).all())
         final_kept = torch.equal(done.latents[:, -1], case.out.states[:, -1])
-        numbers[method] = {"nfe": done.nfe, "policy_nfe": counted, "expected": expected, "finite": finite, "x_T_kept": final_kept}
+        numbers[method] = {
+            "nfe": done.nfe,
+            "policy_nfe": counted,
+            "expected": expected,
+            "finite": finite,
+            "x_T_kept": final_kept,
+        }
         passed &= done.nfe == counted == expected and finite and final_kept
         parts.append(f"{method} {done.nfe}/{counted} (expect {expected})")
     return Outcome(passed, numbers, "; ".join(parts) + f"; T={STEPS}, B={batch}")
@@ -466,15 +529,26 @@ def check_completion_values(case: Case) -> Outcome:
     with torch.no_grad():
         ode = rollout(case.policy.velocity, states[:, 0], case.sigmas, case.cond, kernel="ode").states[:, -1]
     numbers: dict[str, Any] = {"tolerance": tol}
-    base = {m: complete(m, case.policy.velocity, states, case.sigmas, case.cond, max_batch=case.policy.max_batch) for m in COMPLETIONS}
+    base = {
+        m: complete(m, case.policy.velocity, states, case.sigmas, case.cond, max_batch=case.policy.max_batch)
+        for m in COMPLETIONS
+    }
     numbers["remaining_x0_vs_ode_max_abs"] = max_abs(base["remaining"].latents[:, 0], ode)
     for m in COMPLETIONS:
         chunked = complete(m, case.policy.velocity, states, case.sigmas, case.cond, max_batch=CHUNK_MAX_BATCH)
-        numbers[f"{m}_max_batch_{CHUNK_MAX_BATCH}_vs_{case.policy.max_batch}_max_abs"] = max_abs(chunked.latents, base[m].latents)
+        numbers[f"{m}_max_batch_{CHUNK_MAX_BATCH}_vs_{case.policy.max_batch}_max_abs"] = max_abs(
+            chunked.latents, base[m].latents
+        )
     worst = max(v for k, v in numbers.items() if k.endswith("max_abs"))
-    chunk = ", ".join(f"{m} {numbers[f'{m}_max_batch_{CHUNK_MAX_BATCH}_vs_{case.policy.max_batch}_max_abs']:.3g}" for m in COMPLETIONS)
-    return Outcome(worst <= tol, numbers, f"remaining(x_0) vs ODE sample {numbers['remaining_x0_vs_ode_max_abs']:.3g}; "
-                   f"max_batch {CHUNK_MAX_BATCH} vs {case.policy.max_batch}: {chunk} (tol {tol:g})")
+    chunk = ", ".join(
+        f"{m} {numbers[f'{m}_max_batch_{CHUNK_MAX_BATCH}_vs_{case.policy.max_batch}_max_abs']:.3g}" for m in COMPLETIONS
+    )
+    return Outcome(
+        worst <= tol,
+        numbers,
+        f"remaining(x_0) vs ODE sample {numbers['remaining_x0_vs_ode_max_abs']:.3g}; "
+        f"max_batch {CHUNK_MAX_BATCH} vs {case.policy.max_batch}: {chunk} (tol {tol:g})",
+    )
 
 
 def check_update(case: Case, micro: int) -> Outcome:
@@ -495,8 +569,16 @@ def check_update(case: Case, micro: int) -> Outcome:
         out = step_log_prob(policy.velocity, states[idx], case.sigmas, sub, k, KERNEL, NOISE)
         with torch.no_grad(), policy.reference():
             ref_mean = step_log_prob(policy.velocity, states[idx], case.sigmas, sub, k, KERNEL, NOISE).mean
-        loss = grpo_loss(out.log_prob, old[idx, k], advantages, clip_range=RATIO_TOL, kl_beta=RECIPE_KL,
-                         mean=out.mean, ref_mean=ref_mean, kl_std=out.std)
+        loss = grpo_loss(
+            out.log_prob,
+            old[idx, k],
+            advantages,
+            clip_range=RATIO_TOL,
+            kl_beta=RECIPE_KL,
+            mean=out.mean,
+            ref_mean=ref_mean,
+            kl_std=out.std,
+        )
         (loss.loss / STEPS).backward()
         losses.append(float(loss.loss.detach()))
         clip_fracs.append(loss.clip_frac)
@@ -511,12 +593,25 @@ def check_update(case: Case, micro: int) -> Outcome:
         after = step_log_prob(policy.velocity, states[idx], case.sigmas, sub, 0, KERNEL, NOISE).log_prob
     moved_ratio = ratio_deviation(after, old[idx, 0])
     loss_finite = all(math.isfinite(x) for x in losses)
-    numbers = {"losses": losses, "clip_frac_mean": sum(clip_fracs) / len(clip_fracs), "grads": len(grads), "grads_nonzero": nonzero,
-               "trainable": len(params), "grads_finite": grads_finite, "grad_norm": grad_norm, "lora_max_change": moved,
-               "base_weight": base_name, "base_unchanged": base_same, "ratio_dev_after_step": moved_ratio}
+    numbers = {
+        "losses": losses,
+        "clip_frac_mean": sum(clip_fracs) / len(clip_fracs),
+        "grads": len(grads),
+        "grads_nonzero": nonzero,
+        "trainable": len(params),
+        "grads_finite": grads_finite,
+        "grad_norm": grad_norm,
+        "lora_max_change": moved,
+        "base_weight": base_name,
+        "base_unchanged": base_same,
+        "ratio_dev_after_step": moved_ratio,
+    }
     passed = loss_finite and grads_finite and nonzero > 0 and grad_norm > 0 and moved > 0 and base_same
-    summary = (f"loss finite {loss_finite}; grads finite {grads_finite}, nonzero {nonzero}/{len(params)}, norm {grad_norm:.3g}; "
-               f"LoRA max change {moved:.3g}; base unchanged {base_same}; step-0 |ratio-1| after step {moved_ratio:.3g}")
+    summary = (
+        f"loss finite {loss_finite}; grads finite {grads_finite}, nonzero {nonzero}/{len(params)}, norm "
+        f"{grad_norm:.3g}; "
+        f"LoRA max change {moved:.3g}; base unchanged {base_same}; step-0 |ratio-1| after step {moved_ratio:.3g}"
+    )
     return Outcome(passed, numbers, summary)
 
 
@@ -536,11 +631,21 @@ def check_cross_device(device: torch.device, trajectories: int) -> Outcome:
     ref = rollout(cpu.velocity, x0, sigmas, cond_cpu, kernel="ode").states
     with strict_fp32():
         strict = rollout(dev.velocity, x0.to(device), sigmas.to(device), cond_dev, kernel="ode").states
-        sde = rollout(dev.velocity, x0.to(device), sigmas.to(device), cond_dev, kernel=KERNEL, noise=NOISE, generator=generator(device, 1))
+        sde = rollout(
+            dev.velocity,
+            x0.to(device),
+            sigmas.to(device),
+            cond_dev,
+            kernel=KERNEL,
+            noise=NOISE,
+            generator=generator(device, 1),
+        )
     default = rollout(dev.velocity, x0.to(device), sigmas.to(device), cond_dev, kernel="ode").states
     with torch.no_grad():
         states = sde.states.cpu()
-        scored = torch.stack([step_log_prob(cpu.velocity, states, sigmas, cond_cpu, k, KERNEL, NOISE).log_prob for k in range(STEPS)], 1)
+        scored = torch.stack(
+            [step_log_prob(cpu.velocity, states, sigmas, cond_cpu, k, KERNEL, NOISE).log_prob for k in range(STEPS)], 1
+        )
     numbers = {
         "encode_max_abs": max(max_abs(cond_cpu[k], cond_dev[k]) for k in cond_cpu),
         "ode_final_max_abs_tf32_off": max_abs(ref[:, -1], strict[:, -1]),
@@ -551,15 +656,20 @@ def check_cross_device(device: torch.device, trajectories: int) -> Outcome:
         "tolerance": CROSS_DEVICE_TOL,
     }
     passed = numbers["ode_final_max_abs_tf32_off"] <= CROSS_DEVICE_TOL
-    summary = (f"ODE final latents max|diff| {numbers['ode_final_max_abs_tf32_off']:.3g} (TF32 off; tol {CROSS_DEVICE_TOL:g}), "
-               f"{numbers['ode_final_max_abs_default_flags']:.3g} (default flags); encode {numbers['encode_max_abs']:.3g}; "
-               f"device SDE steps scored on CPU: max|ratio-1| {numbers['sde_ratio_cpu_vs_device_max_dev']:.3g}")
+    summary = (
+        f"ODE final latents max|diff| {numbers['ode_final_max_abs_tf32_off']:.3g} (TF32 off; tol "
+        f"{CROSS_DEVICE_TOL:g}), "
+        f"{numbers['ode_final_max_abs_default_flags']:.3g} (default flags); encode {numbers['encode_max_abs']:.3g}; "
+        f"device SDE steps scored on CPU: max|ratio-1| {numbers['sde_ratio_cpu_vs_device_max_dev']:.3g}"
+    )
     return Outcome(passed, numbers, summary)
 
 
 def section_correctness(report: Report, device: torch.device, trajectories: int, micro: int) -> None:
-    report.line(f"== 1. correctness: {DEFAULT_MODEL.parent.name}/{DEFAULT_MODEL.name} on {device}, LoRA r{DEMO_LORA.rank}, "
-                f"CFG {DEMO_GUIDANCE}, {KERNEL} a={NOISE}, T={STEPS}, B={trajectories} ==")
+    report.line(
+        f"== 1. correctness: {DEFAULT_MODEL.parent.name}/{DEFAULT_MODEL.name} on {device}, LoRA r{DEMO_LORA.rank}, "
+        f"CFG {DEMO_GUIDANCE}, {KERNEL} a={NOISE}, T={STEPS}, B={trajectories} =="
+    )
     report.line(f"  {'check':<44} {'dtype':<8} {'':<4}  numbers")
     for dtype in ("float32", "bfloat16"):
         holder: dict[str, Case] = {}
@@ -576,10 +686,17 @@ def section_correctness(report: Report, device: torch.device, trajectories: int,
         case = holder["case"]
         run_check(report, "on-policy log-prob: same batch, no grad", dtype, lambda: check_recompute(case, None, False))
         run_check(report, "on-policy log-prob: same batch, grad", dtype, lambda: check_recompute(case, None, True))
-        run_check(report, f"on-policy log-prob: micro-batches of {micro}, grad", dtype, lambda: check_recompute(case, micro, True))
+        run_check(
+            report,
+            f"on-policy log-prob: micro-batches of {micro}, grad",
+            dtype,
+            lambda: check_recompute(case, micro, True),
+        )
         run_check(report, "completion NFE counts", dtype, lambda: check_completion_counts(case))
         run_check(report, "completion values", dtype, lambda: check_completion_values(case))
-        run_check(report, f"GRPO update (loss, backward, AdamW) micro {micro}", dtype, lambda: check_update(case, micro))
+        run_check(
+            report, f"GRPO update (loss, backward, AdamW) micro {micro}", dtype, lambda: check_update(case, micro)
+        )
         del case, holder
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -599,15 +716,30 @@ def build_scale_policy(spec: ScaleSpec, device: torch.device, dtype: torch.dtype
         transformer = SD3Transformer2DModel(**spec.transformer)
     transformer.to(dtype)
     pipe = StableDiffusion3Pipeline(
-        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),  # SD3's scheduler
-        vae=None, text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None, text_encoder_3=None, tokenizer_3=None,
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),  # SD3's scheduler
+        vae=None,
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        text_encoder_3=None,
+        tokenizer_3=None,
     )
     # Without a VAE the adapter's "pixels" are the latents: resolution = latent side.
-    return SD3Policy.from_pipeline(pipe, dtype=dtype, device=device, guidance_scale=1.0, max_batch=max(spec.max_batches),
-                                   resolution=spec.latent_side)
+    return SD3Policy.from_pipeline(
+        pipe,
+        dtype=dtype,
+        device=device,
+        guidance_scale=1.0,
+        max_batch=max(spec.max_batches),
+        resolution=spec.latent_side,
+    )
 
 
-def random_cond(spec: ScaleSpec, rows: int, device: torch.device, dtype: torch.dtype, cfg: bool) -> dict[str, torch.Tensor]:
+def random_cond(
+    spec: ScaleSpec, rows: int, device: torch.device, dtype: torch.dtype, cfg: bool
+) -> dict[str, torch.Tensor]:
     """Conditioning of `rows` rows shaped as SD3's encoders give it (joint context, pooled vector)."""
     t = spec.transformer
     gen = generator(device, rows)
@@ -615,11 +747,15 @@ def random_cond(spec: ScaleSpec, rows: int, device: torch.device, dtype: torch.d
     def draw(*shape: int) -> torch.Tensor:
         return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
 
-    cond = {"prompt_embeds": draw(rows, spec.context_tokens, t["joint_attention_dim"]),
-            "pooled_prompt_embeds": draw(rows, t["pooled_projection_dim"])}
+    cond = {
+        "prompt_embeds": draw(rows, spec.context_tokens, t["joint_attention_dim"]),
+        "pooled_prompt_embeds": draw(rows, t["pooled_projection_dim"]),
+    }
     if cfg:
-        cond |= {"negative_prompt_embeds": draw(rows, spec.context_tokens, t["joint_attention_dim"]),
-                 "negative_pooled_prompt_embeds": draw(rows, t["pooled_projection_dim"])}
+        cond |= {
+            "negative_prompt_embeds": draw(rows, spec.context_tokens, t["joint_attention_dim"]),
+            "negative_pooled_prompt_embeds": draw(rows, t["pooled_projection_dim"]),
+        }
     return cond
 
 
@@ -627,17 +763,27 @@ def section_scale(report: Report, spec: ScaleSpec, device: torch.device, deadlin
     dtype = torch.bfloat16
     report.line("")
     side = spec.latent_side
-    report.line(f"== 2. throughput: {spec.label}, bfloat16, latents {spec.transformer['in_channels']}x{side}x{side}, "
-                f"context {spec.context_tokens} tokens x {spec.transformer['joint_attention_dim']} ==")
+    report.line(
+        f"== 2. throughput: {spec.label}, bfloat16, latents {spec.transformer['in_channels']}x{side}x{side}, "
+        f"context {spec.context_tokens} tokens x {spec.transformer['joint_attention_dim']} =="
+    )
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     policy = build_scale_policy(spec, device, dtype)
     sync(device)
     params = sum(p.numel() for p in policy.transformer.parameters())
-    report.scale("model", {"label": spec.label, "config": spec.transformer, "params": params, "build_seconds": time.perf_counter() - t0,
-                           **peak_memory(device)},
-                 f"  built in {time.perf_counter() - t0:.1f} s: {params / 1e6:.1f} M parameters; {memory_text(device)}")
+    report.scale(
+        "model",
+        {
+            "label": spec.label,
+            "config": spec.transformer,
+            "params": params,
+            "build_seconds": time.perf_counter() - t0,
+            **peak_memory(device),
+        },
+        f"  built in {time.perf_counter() - t0:.1f} s: {params / 1e6:.1f} M parameters; {memory_text(device)}",
+    )
 
     # -- raw transformer rows per second
     raw: dict[int, float] = {}
@@ -648,22 +794,42 @@ def section_scale(report: Report, spec: ScaleSpec, device: torch.device, deadlin
             break
         try:
             x = policy.initial_noise(batch, torch.Generator().manual_seed(batch))
-            timestep = torch.rand(batch, generator=torch.Generator().manual_seed(batch)).to(device) * policy.num_train_timesteps
+            timestep = (
+                torch.rand(batch, generator=torch.Generator().manual_seed(batch)).to(device)
+                * policy.num_train_timesteps
+            )
             cond = random_cond(spec, batch, device, dtype, cfg=False)
 
             def call() -> torch.Tensor:
                 with torch.no_grad():
-                    return policy.transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=cond["prompt_embeds"],
-                                              pooled_projections=cond["pooled_prompt_embeds"], return_dict=False)[0]
+                    return policy.transformer(
+                        hidden_states=x,
+                        timestep=timestep,
+                        encoder_hidden_states=cond["prompt_embeds"],
+                        pooled_projections=cond["pooled_prompt_embeds"],
+                        return_dict=False,
+                    )[0]
 
-            times = time_calls(call, device, spec.min_seconds, spec.max_calls, deadline, warmup=2 if batch == spec.batch_sizes[0] else 1)
+            times = time_calls(
+                call,
+                device,
+                spec.min_seconds,
+                spec.max_calls,
+                deadline,
+                warmup=2 if batch == spec.batch_sizes[0] else 1,
+            )
             per_call = statistics.median(times)
             raw[batch] = batch / per_call
-            report.scale(f"raw_{batch}", {"nfe_per_s": raw[batch], "seconds_per_call": per_call, "calls": len(times), **peak_memory(device)},
-                         f"  {batch:>5} | {raw[batch]:9.1f} | {per_call:8.4f} | {len(times)}")
+            report.scale(
+                f"raw_{batch}",
+                {"nfe_per_s": raw[batch], "seconds_per_call": per_call, "calls": len(times), **peak_memory(device)},
+                f"  {batch:>5} | {raw[batch]:9.1f} | {per_call:8.4f} | {len(times)}",
+            )
             del x, timestep, cond
         except Exception as err:
-            report.scale(f"raw_{batch}", error_summary(err), f"  batch {batch}: ERROR {type(err).__name__}: {str(err)[:200]}")
+            report.scale(
+                f"raw_{batch}", error_summary(err), f"  batch {batch}: ERROR {type(err).__name__}: {str(err)[:200]}"
+            )
             break
 
     def raw_at(rows: int) -> tuple[int, float] | None:
@@ -688,11 +854,24 @@ def section_scale(report: Report, spec: ScaleSpec, device: torch.device, deadlin
             seconds = time.perf_counter() - t1
             b_raw, r_raw = raw_at(batch)
             rollout_eff = out.nfe / seconds / r_raw
-            report.scale("rollout", {"trajectories": batch, "steps": STEPS, "nfe": out.nfe, "seconds": seconds, "nfe_per_s": out.nfe / seconds,
-                                     "ratio_to_raw": rollout_eff, "raw_batch": b_raw},
-                         f"  rollout ({KERNEL}) B={batch} T={STEPS}: {out.nfe} NFE in {seconds:.2f} s = {out.nfe / seconds:.1f} NFE/s "
-                         f"({rollout_eff:.2f} of raw at {b_raw})")
-            report.line(f"  completions of its states: {'max_batch':>9} | " + " | ".join(f"{m:>22}" for m in COMPLETIONS))
+            report.scale(
+                "rollout",
+                {
+                    "trajectories": batch,
+                    "steps": STEPS,
+                    "nfe": out.nfe,
+                    "seconds": seconds,
+                    "nfe_per_s": out.nfe / seconds,
+                    "ratio_to_raw": rollout_eff,
+                    "raw_batch": b_raw,
+                },
+                f"  rollout ({KERNEL}) B={batch} T={STEPS}: {out.nfe} NFE in {seconds:.2f} s = "
+                f"{out.nfe / seconds:.1f} NFE/s "
+                f"({rollout_eff:.2f} of raw at {b_raw})",
+            )
+            report.line(
+                f"  completions of its states: {'max_batch':>9} | " + " | ".join(f"{m:>22}" for m in COMPLETIONS)
+            )
             for mb in spec.max_batches:
                 cells = []
                 for method in COMPLETIONS:
@@ -711,14 +890,30 @@ def section_scale(report: Report, spec: ScaleSpec, device: torch.device, deadlin
                     b_raw, r_raw = raw_at(mb)
                     eff = nfe / per_call / r_raw
                     completion_eff[(method, mb)] = eff
-                    report.scale(f"complete_{method}_{mb}", {"nfe": nfe, "seconds": per_call, "calls": len(times), "nfe_per_s": nfe / per_call,
-                                                             "ratio_to_raw": eff, "raw_batch": b_raw, **peak_memory(device)})
+                    report.scale(
+                        f"complete_{method}_{mb}",
+                        {
+                            "nfe": nfe,
+                            "seconds": per_call,
+                            "calls": len(times),
+                            "nfe_per_s": nfe / per_call,
+                            "ratio_to_raw": eff,
+                            "raw_batch": b_raw,
+                            **peak_memory(device),
+                        },
+                    )
                     cells.append(f"{nfe / per_call:9.1f} NFE/s ({eff:.2f})")
                 report.line(f"  {'':<26} {mb:>9} | " + " | ".join(f"{c:>22}" for c in cells))
-            report.line("  cells: NFE/s of complete(method, max_batch) and, in brackets, its ratio to raw at that batch")
+            report.line(
+                "  cells: NFE/s of complete(method, max_batch) and, in brackets, its ratio to raw at that batch"
+            )
             del out, cond
         except Exception as err:
-            report.scale("rollout_completions", error_summary(err), f"  rollout / completions: ERROR {type(err).__name__}: {str(err)[:200]}")
+            report.scale(
+                "rollout_completions",
+                error_summary(err),
+                f"  rollout / completions: ERROR {type(err).__name__}: {str(err)[:200]}",
+            )
 
     # -- one update micro-step of the GPU recipe: LoRA, CFG, KL to the reference
     update: dict[str, float] = {}
@@ -727,7 +922,9 @@ def section_scale(report: Report, spec: ScaleSpec, device: torch.device, deadlin
         try:
             update = measure_update(report, spec, policy, device, dtype, deadline)
         except Exception as err:
-            report.scale("update", error_summary(err), f"  update micro-step: ERROR {type(err).__name__}: {str(err)[:200]}")
+            report.scale(
+                "update", error_summary(err), f"  update micro-step: ERROR {type(err).__name__}: {str(err)[:200]}"
+            )
     else:
         report.line("  update micro-step: skipped (time budget)")
     peak = {k: max(v, peak_memory(device).get(k, 0.0)) for k, v in before.items()}
@@ -741,8 +938,15 @@ def measure_update(
 ) -> dict[str, float]:
     """Seconds of one trained step on a micro-batch, as `training.update` runs it with the recipe."""
     micro = spec.update_micro
-    trained = SD3Policy.from_pipeline(policy.pipe, dtype=dtype, device=device, guidance_scale=RECIPE_GUIDANCE, lora=RECIPE_LORA,
-                                      max_batch=CFG_ROWS * micro, resolution=spec.latent_side)  # one call per micro-batch
+    trained = SD3Policy.from_pipeline(
+        policy.pipe,
+        dtype=dtype,
+        device=device,
+        guidance_scale=RECIPE_GUIDANCE,
+        lora=RECIPE_LORA,
+        max_batch=CFG_ROWS * micro,
+        resolution=spec.latent_side,
+    )  # one call per micro-batch
     cond = random_cond(spec, micro, device, dtype, cfg=True)
     sigmas = trained.sigmas(STEPS)
     x0 = trained.initial_noise(micro, torch.Generator().manual_seed(0))
@@ -763,8 +967,16 @@ def measure_update(
         if kl:
             with torch.no_grad(), trained.reference():
                 ref_mean = step_log_prob(trained.velocity, out.states, sigmas, cond, k, KERNEL, NOISE).mean
-        loss = grpo_loss(new.log_prob, out.log_probs[:, k], advantages, clip_range=RATIO_TOL, kl_beta=RECIPE_KL if kl else 0.0,
-                         mean=new.mean if kl else None, ref_mean=ref_mean, kl_std=new.std if kl else None)
+        loss = grpo_loss(
+            new.log_prob,
+            out.log_probs[:, k],
+            advantages,
+            clip_range=RATIO_TOL,
+            kl_beta=RECIPE_KL if kl else 0.0,
+            mean=new.mean if kl else None,
+            ref_mean=ref_mean,
+            kl_std=new.std if kl else None,
+        )
         loss.loss.backward()
 
     calls = max(2, spec.max_calls // 10)
@@ -774,17 +986,35 @@ def measure_update(
     for p in trained.trainable_parameters():
         p.grad = None
     rows = CFG_ROWS * micro
-    result = {"micro_trajectories": micro, "rows": rows, "lora_forward_s": fwd, "forward_backward_s": fb, "forward_backward_kl_s": fbk,
-              "update_over_forward": fb / fwd, "update_kl_over_forward": fbk / fwd, **peak_memory(device)}
-    report.scale("update", result,
-                 f"  update micro-step (LoRA r{RECIPE_LORA.rank}, CFG {RECIPE_GUIDANCE}, {micro} trajectories = {rows} rows, one step): "
-                 f"LoRA forward {fwd:.3f} s, forward+backward {fb:.3f} s ({fb / fwd:.2f}x), with KL reference {fbk:.3f} s "
-                 f"({fbk / fwd:.2f}x); {memory_text(device)}")
+    result = {
+        "micro_trajectories": micro,
+        "rows": rows,
+        "lora_forward_s": fwd,
+        "forward_backward_s": fb,
+        "forward_backward_kl_s": fbk,
+        "update_over_forward": fb / fwd,
+        "update_kl_over_forward": fbk / fwd,
+        **peak_memory(device),
+    }
+    report.scale(
+        "update",
+        result,
+        f"  update micro-step (LoRA r{RECIPE_LORA.rank}, CFG {RECIPE_GUIDANCE}, {micro} trajectories = {rows} rows, "
+        "one step): "
+        f"LoRA forward {fwd:.3f} s, forward+backward {fb:.3f} s ({fb / fwd:.2f}x), with KL reference {fbk:.3f} s "
+        f"({fbk / fwd:.2f}x); {memory_text(device)}",
+    )
     return result
 
 
-def estimates(report: Report, raw_at: Callable[[int], tuple[int, float] | None], rollout_eff: float | None,
-              completion_eff: dict[tuple[str, int], float], update: dict[str, float], spec: ScaleSpec) -> None:
+def estimates(
+    report: Report,
+    raw_at: Callable[[int], tuple[int, float] | None],
+    rollout_eff: float | None,
+    completion_eff: dict[tuple[str, int], float],
+    update: dict[str, float],
+    spec: ScaleSpec,
+) -> None:
     """Seconds per GRPO iteration derived from the measured rates (module doc); printed as such."""
     big = raw_at(max(spec.max_batches))
     small = raw_at(CFG_ROWS * RECIPE_MICRO)
@@ -803,15 +1033,29 @@ def estimates(report: Report, raw_at: Callable[[int], tuple[int, float] | None],
         update_meas = steps_calls * update["forward_backward_kl_s"]
     mb = max(m for _, m in completion_eff) if completion_eff else None
     report.line("")
-    report.line(f"  DERIVED ESTIMATES (not measured): one GRPO iteration, B = {B} trajectories x T = {T} steps, CFG "
-                f"({CFG_ROWS} transformer rows per NFE), every step trained")
-    report.line(f"    rollout: {rows} rows at raw({b_big}) = {r_big:.1f} rows/s x rollout efficiency {eff:.2f} -> {rollout_s:.1f} s")
-    report.line(f"    update: {UPDATE_FORWARDS:g} x {rows} rows at raw({b_small}) = {r_small:.1f} rows/s -> {update_s:.1f} s"
-                + (f"; measured micro-step ({update['micro_trajectories']} traj., KL) x {B * T // update['micro_trajectories']} "
-                   f"-> {update_meas:.1f} s" if update_meas is not None else ""))
+    report.line(
+        f"  DERIVED ESTIMATES (not measured): one GRPO iteration, B = {B} trajectories x T = {T} steps, CFG "
+        f"({CFG_ROWS} transformer rows per NFE), every step trained"
+    )
+    report.line(
+        f"    rollout: {rows} rows at raw({b_big}) = {r_big:.1f} rows/s x rollout efficiency {eff:.2f} -> "
+        f"{rollout_s:.1f} s"
+    )
+    report.line(
+        f"    update: {UPDATE_FORWARDS:g} x {rows} rows at raw({b_small}) = {r_small:.1f} rows/s -> {update_s:.1f} s"
+        + (
+            f"; measured micro-step ({update['micro_trajectories']} traj., KL) x "
+            f"{B * T // update['micro_trajectories']} "
+            f"-> {update_meas:.1f} s"
+            if update_meas is not None
+            else ""
+        )
+    )
     report.line(f"    completion: NFE x {CFG_ROWS} rows at raw({b_big}) x its measured ratio at max_batch {mb}")
-    report.line(f"    {'method':<12} {'compl. rows':>11} {'compl. s':>9} {'rollout s':>9} {'update s':>9} {'total s':>8}"
-                + (f" {'total (measured update) s':>26}" if update_meas is not None else ""))
+    report.line(
+        f"    {'method':<12} {'compl. rows':>11} {'compl. s':>9} {'rollout s':>9} {'update s':>9} {'total s':>8}"
+        + (f" {'total (measured update) s':>26}" if update_meas is not None else "")
+    )
     table = {}
     for method in ("outcome", *COMPLETIONS):
         if method == "outcome":  # no completion: Flow-GRPO's final-reward credit
@@ -822,18 +1066,35 @@ def estimates(report: Report, raw_at: Callable[[int], tuple[int, float] | None],
         else:
             continue
         total = rollout_s + c_s + update_s
-        table[method] = {"completion_rows": c_rows, "completion_s": c_s, "rollout_s": rollout_s, "update_s": update_s, "total_s": total}
+        table[method] = {
+            "completion_rows": c_rows,
+            "completion_s": c_s,
+            "rollout_s": rollout_s,
+            "update_s": update_s,
+            "total_s": total,
+        }
         line = f"    {method:<12} {c_rows:>11} {c_s:>9.1f} {rollout_s:>9.1f} {update_s:>9.1f} {total:>8.1f}"
         if update_meas is not None:
             table[method]["total_measured_update_s"] = rollout_s + c_s + update_meas
             line += f" {rollout_s + c_s + update_meas:>26.1f}"
         report.line(line)
-    report.line("    not included: VAE decoding and reward scoring of the B (T+1) completed latents, text encoding, "
-                "data movement between stages")
-    report.data["estimates"] = {"trajectories": B, "steps": T, "cfg_rows": CFG_ROWS, "update_forwards": UPDATE_FORWARDS,
-                                "raw_batch_rollout": b_big, "raw_batch_update": b_small, "rollout_efficiency": eff,
-                                "completion_max_batch": mb, "update_measured_s": update_meas, "methods": table,
-                                "note": "derived from the measured rates, not measured"}
+    report.line(
+        "    not included: VAE decoding and reward scoring of the B (T+1) completed latents, text encoding, "
+        "data movement between stages"
+    )
+    report.data["estimates"] = {
+        "trajectories": B,
+        "steps": T,
+        "cfg_rows": CFG_ROWS,
+        "update_forwards": UPDATE_FORWARDS,
+        "raw_batch_rollout": b_big,
+        "raw_batch_update": b_small,
+        "rollout_efficiency": eff,
+        "completion_max_batch": mb,
+        "update_measured_s": update_meas,
+        "methods": table,
+        "note": "derived from the measured rates, not measured",
+    }
     report.save()
 
 
@@ -842,22 +1103,34 @@ def estimates(report: Report, raw_at: Callable[[int], tuple[int, float] | None],
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "gpu", help="results.json and report.txt go here")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "bench" / "out" / "gpu", help="results.json and report.txt go here"
+    )
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (with --small, to try the script)")
     parser.add_argument("--small", action="store_true", help="toy sizes everywhere (section 2 on a small transformer)")
     parser.add_argument("--skip-checks", action="store_true", help="skip section 1 (correctness)")
     parser.add_argument("--skip-scale", action="store_true", help="skip section 2 (throughput at SD3-medium scale)")
-    parser.add_argument("--budget", type=float, default=240.0,
-                        help="seconds for the whole script; section 2 stops starting measurements when it runs out")
-    parser.add_argument("--threads", type=int, default=int(os.environ.get("STEPGRPO_THREADS", "0")) or None,
-                        help="torch CPU threads (default: $STEPGRPO_THREADS, else torch's)")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=240.0,
+        help="seconds for the whole script; section 2 stops starting measurements when it runs out",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=int(os.environ.get("STEPGRPO_THREADS", "0")) or None,
+        help="torch CPU threads (default: $STEPGRPO_THREADS, else torch's)",
+    )
     args = parser.parse_args()
     deadline = Deadline(args.budget)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda but torch sees no CUDA device; use --device cpu --small to try the script on a CPU")
+        raise SystemExit(
+            "--device cuda but torch sees no CUDA device; use --device cpu --small to try the script on a CPU"
+        )
     problem = import_error()
     if problem:  # nothing below can run; leave the reason where the results would be
         failed = Report(args.out, {"args": {k: str(v) for k, v in vars(args).items()}, "error": problem})
@@ -886,8 +1159,10 @@ def main() -> None:
     report.data["seconds"] = time.perf_counter() - start
     report.save()
     report.line("")
-    report.line(f"done in {time.perf_counter() - start:.1f} s: {len(checks) - len(failed)}/{len(checks)} checks passed"
-                + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    report.line(
+        f"done in {time.perf_counter() - start:.1f} s: {len(checks) - len(failed)}/{len(checks)} checks passed"
+        + (f"; FAILED: {', '.join(failed)}" if failed else "")
+    )
     report.line(f"results: {args.out / 'results.json'}, {args.out / 'report.txt'}")
     if failed:
         raise SystemExit(1)

@@ -14,8 +14,8 @@ seeds' mean with its interval).
 
 Runs are resumable: rerunning the script with the same `--out` resumes each seed's run directory
 (a finished run costs seconds, and its recorded training time is kept; a run that was interrupted
-and resumed reports the time of the part that finished it). Run with nothing else on the machine for the wall times to mean
-anything; `--jobs 2` runs two seeds at once (one core each).
+and resumed reports the time of the part that finished it). Run with nothing else on the machine
+for the wall times to mean anything; `--jobs 2` runs two seeds at once (one core each).
 
     .venv/bin/python bench/learning.py                       # 3 seeds x 300 iterations
     .venv/bin/python bench/learning.py --config configs/shapes_stepwise.yaml --seeds 0
@@ -49,13 +49,30 @@ def run_seed(config: str, seed: int, overrides: list[str], out: Path) -> dict[st
     if timing.is_file():  # trained already: the command below only re-reads it (a few seconds)
         recorded = json.loads(timing.read_text())
         if recorded.get("argv") == [config, *overrides]:
-            print(f"seed {seed}: trained earlier in {recorded['seconds'] / 60:.1f} min ({relative(timing)})", flush=True)
+            print(
+                f"seed {seed}: trained earlier in {recorded['seconds'] / 60:.1f} min ({relative(timing)})", flush=True
+            )
             log = out / f"seed_{seed}.reread.log"
-    env = dict(os.environ, STEPGRPO_THREADS="1", STEPGRPO_PROGRESS="0", PREFECT_HOME=str(out / f"prefect-home-{seed}"),
-               PREFECT_SERVER_ANALYTICS_ENABLED="false", MLFLOW_DISABLE_TELEMETRY="true",
-               PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180")
-    cmd = [str(Path(sys.executable).parent / "stepgrpo"), "train", "--config", config, "--run-dir", str(run_dir),
-           "--set", f"run.seed={seed}", *[a for o in overrides for a in ("--set", o)]]
+    env = dict(
+        os.environ,
+        STEPGRPO_THREADS="1",
+        STEPGRPO_PROGRESS="0",
+        PREFECT_HOME=str(out / f"prefect-home-{seed}"),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        MLFLOW_DISABLE_TELEMETRY="true",
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180",
+    )
+    cmd = [
+        str(Path(sys.executable).parent / "stepgrpo"),
+        "train",
+        "--config",
+        config,
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        f"run.seed={seed}",
+        *[a for o in overrides for a in ("--set", o)],
+    ]
     t0 = time.perf_counter()
     with log.open("w") as f:
         rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
@@ -83,12 +100,25 @@ def read_seed(done: dict[str, Any]) -> dict[str, Any]:
     for it in sorted(evals):
         e = evals[it]
         gain = paired_gain(base, e) if it else (0.0, 0.0, 0.0)
-        points.append({"seed": done["seed"], "iteration": it, "reward": e["reward_mean"],
-                       "strict": e.get("reward_strict", float("nan")), "gain": gain[0], "gain_lo": gain[1], "gain_hi": gain[2],
-                       **{k: v for k, v in e.items() if k.startswith("sub_")}})
+        points.append(
+            {
+                "seed": done["seed"],
+                "iteration": it,
+                "reward": e["reward_mean"],
+                "strict": e.get("reward_strict", float("nan")),
+                "gain": gain[0],
+                "gain_lo": gain[1],
+                "gain_hi": gain[2],
+                **{k: v for k, v in e.items() if k.startswith("sub_")},
+            }
+        )
     iterations = points[-1]["iteration"]
-    return {**done, "points": points, "iterations": iterations,
-            "seconds_per_iteration": done["seconds"] / max(1, iterations)}
+    return {
+        **done,
+        "points": points,
+        "iterations": iterations,
+        "seconds_per_iteration": done["seconds"] / max(1, iterations),
+    }
 
 
 def plot(seeds: list[dict[str, Any]], curve: list[dict[str, Any]], title: str, path: Path) -> None:
@@ -100,15 +130,31 @@ def plot(seeds: list[dict[str, Any]], curve: list[dict[str, Any]], title: str, p
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, key, label in ((axes[0], "reward", "held-out reward (126 prompts x 2 seeds)"),
-                           (axes[1], "gain", "paired gain over the base model")):
+    for ax, key, label in (
+        (axes[0], "reward", "held-out reward (126 prompts x 2 seeds)"),
+        (axes[1], "gain", "paired gain over the base model"),
+    ):
         for s in seeds:
-            ax.plot([p["iteration"] for p in s["points"]], [p[key] for p in s["points"]], lw=0.8, alpha=0.5,
-                    marker=".", label=f"seed {s['seed']}")
+            ax.plot(
+                [p["iteration"] for p in s["points"]],
+                [p[key] for p in s["points"]],
+                lw=0.8,
+                alpha=0.5,
+                marker=".",
+                label=f"seed {s['seed']}",
+            )
         if len(seeds) > 1:
             err = [[c[key] - c[f"{key}_lo"] for c in curve], [c[f"{key}_hi"] - c[key] for c in curve]]
-            ax.errorbar([c["iteration"] for c in curve], [c[key] for c in curve], yerr=err, color="black", lw=1.8,
-                        capsize=3, marker="o", label="mean, 95 % interval over seeds")
+            ax.errorbar(
+                [c["iteration"] for c in curve],
+                [c[key] for c in curve],
+                yerr=err,
+                color="black",
+                lw=1.8,
+                capsize=3,
+                marker="o",
+                label="mean, 95 % interval over seeds",
+            )
         ax.set_xlabel("iteration (8 prompts x 8 samples each)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
@@ -148,34 +194,68 @@ def main() -> None:
         at = [next(p for p in s["points"] if p["iteration"] == it) for s in seeds]
         r, r_lo, r_hi = mean_ci([p["reward"] for p in at])
         g, g_lo, g_hi = mean_ci([p["gain"] for p in at])
-        curve.append({"iteration": it, "reward": r, "reward_lo": r_lo, "reward_hi": r_hi, "gain": g, "gain_lo": g_lo, "gain_hi": g_hi})
+        curve.append(
+            {
+                "iteration": it,
+                "reward": r,
+                "reward_lo": r_lo,
+                "reward_hi": r_hi,
+                "gain": g,
+                "gain_lo": g_lo,
+                "gain_hi": g_hi,
+            }
+        )
 
     print(f"\n{a.config} {' '.join(a.overrides)}: held-out reward (126 prompts x 2 noise seeds, paired with the base)")
-    print(f"{'seed':>4} {'base':>7} {'final':>7} {'gain':>8}  {'95 % interval (252 pairs)':>26} {'minutes':>8} {'s/iter':>7}")
+    print(
+        f"{'seed':>4} {'base':>7} {'final':>7} {'gain':>8}  {'95 % interval (252 pairs)':>26} {'minutes':>8} "
+        f"{'s/iter':>7}"
+    )
     for s in seeds:
         first, last = s["points"][0], s["points"][-1]
-        print(f"{s['seed']:>4} {first['reward']:7.4f} {last['reward']:7.4f} {last['gain']:+8.4f}  "
-              f"[{last['gain_lo']:+.4f}, {last['gain_hi']:+.4f}]{'':>8} {s['seconds'] / 60:8.1f} {s['seconds_per_iteration']:7.2f}")
+        print(
+            f"{s['seed']:>4} {first['reward']:7.4f} {last['reward']:7.4f} {last['gain']:+8.4f}  "
+            f"[{last['gain_lo']:+.4f}, {last['gain_hi']:+.4f}]{'':>8} {s['seconds'] / 60:8.1f} "
+            f"{s['seconds_per_iteration']:7.2f}"
+        )
     print("\nmean gain over the seeds at each evaluation (95 % t-interval over seeds):")
     for c in curve[1:]:
-        print(f"  iteration {c['iteration']:>4}: {c['gain']:+.4f} [{c['gain_lo']:+.4f}, {c['gain_hi']:+.4f}]  (reward {c['reward']:.4f})")
+        print(
+            f"  iteration {c['iteration']:>4}: {c['gain']:+.4f} [{c['gain_lo']:+.4f}, {c['gain_hi']:+.4f}]  (reward "
+            f"{c['reward']:.4f})"
+        )
     final = curve[-1]
     minutes = max(s["seconds"] for s in seeds) / 60
     if len(seeds) > 1:
         ok = final["gain"] >= TARGET_GAIN and final["gain_lo"] > 0 and minutes <= TARGET_MINUTES
-        print(f"\ntarget (gain >= +{TARGET_GAIN}, interval above 0, <= {TARGET_MINUTES:.0f} min a seed): "
-              f"{'met' if ok else 'NOT met'}: {final['gain']:+.4f} [{final['gain_lo']:+.4f}, {final['gain_hi']:+.4f}] "
-              f"after {final['iteration']} iterations, slowest seed {minutes:.1f} min")
+        print(
+            f"\ntarget (gain >= +{TARGET_GAIN}, interval above 0, <= {TARGET_MINUTES:.0f} min a seed): "
+            f"{'met' if ok else 'NOT met'}: {final['gain']:+.4f} [{final['gain_lo']:+.4f}, {final['gain_hi']:+.4f}] "
+            f"after {final['iteration']} iterations, slowest seed {minutes:.1f} min"
+        )
 
     rows = [p for s in seeds for p in s["points"]]
     keys = sorted({k for p in rows for k in p})
-    (out / "learning.csv").write_text(",".join(keys) + "\n" + "\n".join(",".join(str(p.get(k, "")) for k in keys) for p in rows) + "\n")
-    write_json(out / "learning.json", {
-        "config": a.config, "overrides": a.overrides, "machine": started, "curve": curve,
-        "seeds": [{k: (relative(v) if isinstance(v, Path) else v) for k, v in s.items() if k != "points"} for s in seeds],
-    })
+    (out / "learning.csv").write_text(
+        ",".join(keys) + "\n" + "\n".join(",".join(str(p.get(k, "")) for k in keys) for p in rows) + "\n"
+    )
+    write_json(
+        out / "learning.json",
+        {
+            "config": a.config,
+            "overrides": a.overrides,
+            "machine": started,
+            "curve": curve,
+            "seeds": [
+                {k: (relative(v) if isinstance(v, Path) else v) for k, v in s.items() if k != "points"} for s in seeds
+            ],
+        },
+    )
     plot(seeds, curve, f"{a.config} ({len(seeds)} seed{'s' * (len(seeds) > 1)})", out / "reward_vs_iteration.png")
-    print(f"\nwrote {relative(out / 'learning.csv')}, {relative(out / 'learning.json')}, {relative(out / 'reward_vs_iteration.png')}")
+    print(
+        f"\nwrote {relative(out / 'learning.csv')}, {relative(out / 'learning.json')}, "
+        f"{relative(out / 'reward_vs_iteration.png')}"
+    )
 
 
 if __name__ == "__main__":

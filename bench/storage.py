@@ -48,8 +48,14 @@ def main() -> None:
             run = Run.create(root, f"bench{i}", {})
             t0 = time.perf_counter()
             writer = run.begin_rollout(
-                0, sigmas=np.linspace(1, 0, T + 1), seeds=np.arange(B), prompt_ids=np.arange(B),
-                group_ids=np.arange(B) // 8, latent_shape=LATENT, latent_dtype="float16", kernel="sde",
+                0,
+                sigmas=np.linspace(1, 0, T + 1),
+                seeds=np.arange(B),
+                prompt_ids=np.arange(B),
+                group_ids=np.arange(B) // 8,
+                latent_shape=LATENT,
+                latent_dtype="float16",
+                kernel="sde",
                 kernel_params={},
             )
             ta = time.perf_counter()
@@ -77,16 +83,27 @@ def main() -> None:
     best = {k: min(v) for k, v in times.items()}
     write = best["begin"] + best["states"] + best["small"]
     raw_w, raw_r = mb / best["raw_write"], mb / best["raw_read"]
-    print(f"rollout: {B} trajectories x {T + 1} states x {'x'.join(map(str, LATENT))} float16 = {mb:.1f} MB "
-          f"(best of {REPEATS} per phase)")
+    print(
+        f"rollout: {B} trajectories x {T + 1} states x {'x'.join(map(str, LATENT))} float16 = {mb:.1f} MB "
+        f"(best of {REPEATS} per phase)"
+    )
     print(f"  begin (zarr metadata + plan) {best['begin'] * 1e3:6.1f} ms")
     print(f"  states chunks + crc32c       {best['states'] * 1e3:6.1f} ms  {mb / best['states']:6.0f} MB/s")
     print(f"  log_probs + stds (128 files) {best['small'] * 1e3:6.1f} ms")
     print(f"  publish (verify + sha256)    {best['publish'] * 1e3:6.1f} ms  {mb / best['publish']:6.0f} MB/s")
-    print(f"store write (begin..write)     {mb / write:6.0f} MB/s   ratio to numpy.save {mb / write / raw_w:.2f} (target >= 0.5)")
+    print(
+        f"store write (begin..write)     {mb / write:6.0f} MB/s   ratio to numpy.save {mb / write / raw_w:.2f} "
+        "(target >= 0.5)"
+    )
     print(f"store states write only        {mb / best['states']:6.0f} MB/s   ratio {mb / best['states'] / raw_w:.2f}")
-    print(f"store write + publish          {mb / (write + best['publish']):6.0f} MB/s   ratio {mb / (write + best['publish']) / raw_w:.2f}")
-    print(f"store read (checksums checked) {mb / best['read']:6.0f} MB/s   ratio to numpy.load {mb / best['read'] / raw_r:.2f}")
+    print(
+        f"store write + publish          {mb / (write + best['publish']):6.0f} MB/s   ratio "
+        f"{mb / (write + best['publish']) / raw_w:.2f}"
+    )
+    print(
+        f"store read (checksums checked) {mb / best['read']:6.0f} MB/s   ratio to numpy.load "
+        f"{mb / best['read'] / raw_r:.2f}"
+    )
     print(f"numpy.save {raw_w:6.0f} MB/s, numpy.load {raw_r:6.0f} MB/s")
     print(f"bytes on disk: store {store_bytes:,} (whole rollout incl. log-probs, metadata), numpy {raw_bytes:,}")
 

@@ -12,8 +12,12 @@ from tasks import bind
 
 
 @flow(name="calibrate", log_prints=True)
-def calibrate(config_path: str | None = None, overrides: list[str] | None = None, run_dir: str | None = None,
-              run_id: str | None = None) -> dict[str, Any]:
+def calibrate(
+    config_path: str | None = None,
+    overrides: list[str] | None = None,
+    run_dir: str | None = None,
+    run_id: str | None = None,
+) -> dict[str, Any]:
     """Calibrate `psi` into the run (created if new); `stepgrpo train` with the same run then uses it."""
     cfg = load_config(config_path, overrides or [])
     run = open_run(cfg, resolve_run_dir(cfg, run_dir, run_id))

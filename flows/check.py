@@ -13,8 +13,9 @@ from prefect import flow
 
 
 @flow(name="check", log_prints=True)
-def check(config_path: str | None = "configs/demo.yaml", overrides: list[str] | None = None,
-          report: str | None = None) -> dict[str, Any]:
+def check(
+    config_path: str | None = "configs/demo.yaml", overrides: list[str] | None = None, report: str | None = None
+) -> dict[str, Any]:
     """Validate `config_path` (+ overrides) and list what the registries know; write `report` (JSON) if given."""
     from stepgrpo.config import load_config
     from stepgrpo.rewards import REWARDS
@@ -29,8 +30,12 @@ def check(config_path: str | None = "configs/demo.yaml", overrides: list[str] | 
     except FileNotFoundError as err:  # reported, not raised: the rest of the check still says something
         model = {"path": cfg.model.path, "found": False, "error": str(err)}
     result = {
-        "config": cfg.run.name, "model": model, "kernels": KERNELS.names(),
-        "completions": COMPLETIONS.names(), "schemes": SCHEMES.names(), "rewards": REWARDS.names(),
+        "config": cfg.run.name,
+        "model": model,
+        "kernels": KERNELS.names(),
+        "completions": COMPLETIONS.names(),
+        "schemes": SCHEMES.names(),
+        "rewards": REWARDS.names(),
     }
     print(json.dumps(result))
     if report:

@@ -12,8 +12,13 @@ from tasks import bind, score
 
 
 @flow(name="credit", log_prints=True)
-def credit(run: str, scheme: str, options: dict[str, Any] | None = None, reward: str | None = None,
-           iterations: list[int] | None = None) -> dict[str, Any]:
+def credit(
+    run: str,
+    scheme: str,
+    options: dict[str, Any] | None = None,
+    reward: str | None = None,
+    iterations: list[int] | None = None,
+) -> dict[str, Any]:
     """Advantages under `scheme` for every stored iteration, from the rewards of `reward`
     (default: the run's training reward)."""
     stored, cfg = open_stored(run)
@@ -22,8 +27,10 @@ def credit(run: str, scheme: str, options: dict[str, Any] | None = None, reward:
     stage, done = bind(stored), []
     for i in iterations if iterations is not None else stored_iterations(stored):
         done.append(stage.credit(stored, cfg, i, score.stored(stored, i, name)))
-        print(f"iteration {i}: {scheme} advantages std {done[-1].adv_std:.4f}, "
-              f"zero-std groups {done[-1].zero_std_ratio:.2f}")
+        print(
+            f"iteration {i}: {scheme} advantages std {done[-1].adv_std:.4f}, "
+            f"zero-std groups {done[-1].zero_std_ratio:.2f}"
+        )
     return {"run_dir": str(stored.path), "advantages": [a.record() for a in done]}
 
 

@@ -24,5 +24,7 @@ def evaluate(run: str, iteration: int | None = None, overrides: list[str] | None
         iteration = latest_checkpoint(stored)
     checkpoint = None if iteration < 0 else update.stored(stored, iteration)
     result = evaluation_record(stored, stage.evaluate(stored, cfg, iteration, prompts, checkpoint))
-    print(f"held-out {result['reward_name']} after {result['label']}: {result['reward_mean']:.4f}; grid {result['grid']}")
+    print(
+        f"held-out {result['reward_name']} after {result['label']}: {result['reward_mean']:.4f}; grid {result['grid']}"
+    )
     return result

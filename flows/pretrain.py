@@ -10,7 +10,8 @@ from typing import Any
 
 from prefect import flow
 
-from stepgrpo.shapes.pretrain import PretrainConfig, pretrain as run_pretrain
+from stepgrpo.shapes.pretrain import PretrainConfig
+from stepgrpo.shapes.pretrain import pretrain as run_pretrain
 
 
 @flow(name="pretrain", log_prints=True)
@@ -26,8 +27,13 @@ def pretrain(
 ) -> dict[str, Any]:
     """Train (or resume) and export the fp16 pipeline to `out`; returns steps, minutes and size."""
     cfg = PretrainConfig(
-        workdir=workdir, out=out, seed=seed, vae_minutes=vae_minutes, minutes=minutes,
-        cooldown_minutes=cooldown_minutes, eval_minutes=eval_minutes,
+        workdir=workdir,
+        out=out,
+        seed=seed,
+        vae_minutes=vae_minutes,
+        minutes=minutes,
+        cooldown_minutes=cooldown_minutes,
+        eval_minutes=eval_minutes,
         threads=threads,
     )
     return run_pretrain(cfg)

@@ -29,17 +29,29 @@ def eval_metrics(ev: EvaluateResult) -> dict[str, float]:
     return {k: float(v) for k, v in out.items() if v is not None}
 
 
-def iteration_metrics(rollout: RolloutResult, clean: CompleteResult | RolloutResult, rewards: ScoreResult,
-                      credit: CreditResult, update: UpdateResult) -> dict[str, float]:
+def iteration_metrics(
+    rollout: RolloutResult,
+    clean: CompleteResult | RolloutResult,
+    rewards: ScoreResult,
+    credit: CreditResult,
+    update: UpdateResult,
+) -> dict[str, float]:
     """MLflow metrics of one iteration from its stage results."""
     r, c, u = rewards, credit, update.stats
     out: dict[str, Any] = {
-        "reward/mean": r.reward_mean, "reward/std": r.reward_std, "reward/strict": r.reward_strict,
-        "advantage/mean": c.adv_mean, "advantage/std": c.adv_std, "advantage/abs_max": c.adv_abs_max,
-        "zero_std_ratio": c.zero_std_ratio, "turning_points": c.turning_points,
-        "reward/ode_mean": r.ode_reward_mean, "reward/group_std": r.group_reward_std,
+        "reward/mean": r.reward_mean,
+        "reward/std": r.reward_std,
+        "reward/strict": r.reward_strict,
+        "advantage/mean": c.adv_mean,
+        "advantage/std": c.adv_std,
+        "advantage/abs_max": c.adv_abs_max,
+        "zero_std_ratio": c.zero_std_ratio,
+        "turning_points": c.turning_points,
+        "reward/ode_mean": r.ode_reward_mean,
+        "reward/group_std": r.group_reward_std,
         "reward/zero_std_groups": r.zero_std_groups,
-        "nfe/rollout": rollout.nfe, "nfe/ode_reference": rollout.nfe_ode,
+        "nfe/rollout": rollout.nfe,
+        "nfe/ode_reference": rollout.nfe_ode,
         "nfe/complete": clean.nfe if isinstance(clean, CompleteResult) else 0,
     }
     for name in ("clip_frac", "approx_kl", "kl", "loss", "grad_norm", "signal_cosine", "signal_cosine_window"):
@@ -65,9 +77,14 @@ def iteration_metrics(rollout: RolloutResult, clean: CompleteResult | RolloutRes
 def iteration_row(iteration: int, rewards: ScoreResult, update: UpdateResult) -> dict[str, Any]:
     """One row of the run's reward table (console, Prefect artifact)."""
     u = update.stats
-    return {"iteration": iteration, "reward_mean": rewards.reward_mean, "reward_strict": rewards.reward_strict,
-            "ode_reward_mean": rewards.ode_reward_mean, "group_reward_std": rewards.group_reward_std,
-            **{k: u.get(k) for k in ("clip_frac", "approx_kl", "signal_cosine", "signal_cosine_window", "lora_distance")}}
+    return {
+        "iteration": iteration,
+        "reward_mean": rewards.reward_mean,
+        "reward_strict": rewards.reward_strict,
+        "ode_reward_mean": rewards.ode_reward_mean,
+        "group_reward_std": rewards.group_reward_std,
+        **{k: u.get(k) for k in ("clip_frac", "approx_kl", "signal_cosine", "signal_cosine_window", "lora_distance")},
+    }
 
 
 class TrainingLog:
@@ -83,7 +100,9 @@ class TrainingLog:
         from prefect.artifacts import create_progress_artifact
 
         where = str(self.run.path)
-        self.tracker = Tracker.start(self.run.path, self.cfg.run.name, self.run.run_id, {"run_dir": where, "run_id": self.run.run_id})
+        self.tracker = Tracker.start(
+            self.run.path, self.cfg.run.name, self.run.run_id, {"run_dir": where, "run_id": self.run.run_id}
+        )
         self.tracker.__enter__()
         self.tracker.log_params(self.cfg.flat())
         self.progress = create_progress_artifact(0.0, description=f"stepgrpo run {self.run.run_id}: iterations done")
@@ -98,8 +117,15 @@ class TrainingLog:
         self.tracker.log_metrics(eval_metrics(ev), step=step)
         self.tracker.log_artifact(self.evaluations[-1]["grid"], "eval")
 
-    def iteration(self, i: int, rollout: RolloutResult, clean: CompleteResult | RolloutResult, rewards: ScoreResult,
-                  credit: CreditResult, update: UpdateResult) -> None:
+    def iteration(
+        self,
+        i: int,
+        rollout: RolloutResult,
+        clean: CompleteResult | RolloutResult,
+        rewards: ScoreResult,
+        credit: CreditResult,
+        update: UpdateResult,
+    ) -> None:
         """Iteration `i`'s stage results: metrics, its row and console line, the signal check."""
         from prefect.artifacts import update_progress_artifact
 
@@ -114,7 +140,13 @@ class TrainingLog:
         """Log the exported LoRA, publish the run's summary artifacts; returns the flow's result."""
         where = str(self.run.path)
         self.tracker.log_dir(lora_dir, "lora")
-        report.publish_artifacts(self.run.run_id, self.cfg, self.rows, self.evaluations,
-                                 {"run directory": where, "MLflow": self.tracker.uri})
-        return {"run_id": self.run.run_id, "run_dir": where, "tracking_uri": self.tracker.uri,
-                "evaluations": self.evaluations, "iterations": self.rows}
+        report.publish_artifacts(
+            self.run.run_id, self.cfg, self.rows, self.evaluations, {"run directory": where, "MLflow": self.tracker.uri}
+        )
+        return {
+            "run_id": self.run.run_id,
+            "run_dir": where,
+            "tracking_uri": self.tracker.uri,
+            "evaluations": self.evaluations,
+            "iterations": self.rows,
+        }

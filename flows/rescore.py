@@ -18,8 +18,9 @@ from tasks import bind, complete, rollout
 
 
 @flow(name="rescore", log_prints=True)
-def rescore(run: str, reward: str, reward_options: dict[str, Any] | None = None,
-            iterations: list[int] | None = None) -> dict[str, Any]:
+def rescore(
+    run: str, reward: str, reward_options: dict[str, Any] | None = None, iterations: list[int] | None = None
+) -> dict[str, Any]:
     """Score every stored iteration (or `iterations`) of `run` with `reward`."""
     stored, cfg = open_stored(run)
     cfg = validate_config(cfg.model_dump(mode="json") | {"reward": {"name": reward, "options": reward_options or {}}})

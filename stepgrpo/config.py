@@ -54,7 +54,14 @@ class ModelConfig(_Section):
     lora_alpha: float = Field(64.0, gt=0)
     """LoRA alpha (Flow-GRPO: 64)."""
     lora_targets: tuple[str, ...] = (
-        "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+        "to_q",
+        "to_k",
+        "to_v",
+        "to_out.0",
+        "add_q_proj",
+        "add_k_proj",
+        "add_v_proj",
+        "to_add_out",
     )
     """Transformer modules that get a LoRA adapter (Flow-GRPO: every attention projection of both streams)."""
     resolution: int | None = Field(None, ge=8)
@@ -150,7 +157,8 @@ class CreditConfig(_Section):
         unknown = sorted(set(self.options) - set(valid))
         if unknown:
             raise ValueError(
-                f"options {unknown} are not options of scheme {self.scheme!r}; allowed: {', '.join(sorted(valid)) or 'none'}"
+                f"options {unknown} are not options of scheme {self.scheme!r}; allowed: "
+                f"{', '.join(sorted(valid)) or 'none'}"
             )
         return self
 
@@ -272,14 +280,13 @@ class Config(_Section):
             final_only = [s for s in SCHEMES.names() if not SCHEMES.facts(s)["step_rewards"]]
             raise ValueError(
                 f"credit.scheme {self.credit.scheme!r} needs step rewards: set completion.method "
-                f"(remaining, substeps:N, tweedie); only {', '.join(map(repr, final_only))} works with completion.method null"
+                f"(remaining, substeps:N, tweedie); only {', '.join(map(repr, final_only))} works with "
+                "completion.method null"
             )
         start, end = self.sampler.window()
         for k in self.optim.train_steps or ():
             if not start <= k < end:
-                raise ValueError(
-                    f"optim.train_steps: step {k} is outside the SDE window [{start}, {end}) of sampler"
-                )
+                raise ValueError(f"optim.train_steps: step {k} is outside the SDE window [{start}, {end}) of sampler")
         if not self.trained_steps():
             raise ValueError(
                 f"no step is trained: the SDE window [{start}, {end}) holds only the final step, which is not "
@@ -315,19 +322,42 @@ class Config(_Section):
 STAGE_FIELDS: dict[str, tuple[str, ...]] = {
     "prompts": ("run.prompts", "run.heldout_prompts"),
     "rollout": (
-        "model", "sampler.steps", "sampler.kernel", "sampler.noise", "sampler.sde_window_start",
-        "sampler.sde_window_size", "run.prompts", "run.prompts_per_iteration", "run.group_size",
-        "run.seed", "calibration",
+        "model",
+        "sampler.steps",
+        "sampler.kernel",
+        "sampler.noise",
+        "sampler.sde_window_start",
+        "sampler.sde_window_size",
+        "run.prompts",
+        "run.prompts_per_iteration",
+        "run.group_size",
+        "run.seed",
+        "calibration",
     ),
     "complete": ("model", "completion"),
     "score": ("model.path", "model.dtype", "model.device", "reward"),
     "credit": ("credit",),
     "update": ("model", "sampler", "optim", "run.seed"),
     "evaluate": (
-        "model", "sampler.eval_steps", "reward", "run.prompts", "run.heldout_prompts",
-        "run.eval_prompts", "run.eval_seeds", "run.seed",
+        "model",
+        "sampler.eval_steps",
+        "reward",
+        "run.prompts",
+        "run.heldout_prompts",
+        "run.eval_prompts",
+        "run.eval_seeds",
+        "run.seed",
     ),
-    "calibrate": ("model", "sampler", "completion", "reward", "calibration", "run.prompts", "run.group_size", "run.seed"),
+    "calibrate": (
+        "model",
+        "sampler",
+        "completion",
+        "reward",
+        "calibration",
+        "run.prompts",
+        "run.group_size",
+        "run.seed",
+    ),
 }
 
 

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from stepgrpo.config import Config
 from stepgrpo.errors import StageError
 from stepgrpo.paths import REPO_ROOT
+
+if TYPE_CHECKING:
+    from storage.run import Run
 
 
 class Prompts(NamedTuple):
@@ -59,8 +62,10 @@ def find_prompt_file(path: str) -> Path:
     if not p.exists() and (REPO_ROOT / path).exists():
         p = REPO_ROOT / path
     if not p.is_file():
-        raise StageError(f"run.prompts file {path!r} does not exist (.txt: one prompt a line; "
-                         ".jsonl: one JSON object a line with a 'prompt' field)")
+        raise StageError(
+            f"run.prompts file {path!r} does not exist (.txt: one prompt a line; "
+            ".jsonl: one JSON object a line with a 'prompt' field)"
+        )
     return p
 
 
@@ -74,17 +79,20 @@ def read_prompt_file(path: Path) -> tuple[list[str], list[dict[str, Any]]]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:
-            raise StageError(f"{path}:{number} is not a JSON object ({err.msg}); a .jsonl prompt file "
-                             "holds one object a line") from None
+            raise StageError(
+                f"{path}:{number} is not a JSON object ({err.msg}); a .jsonl prompt file holds one object a line"
+            ) from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise StageError(f"{path}:{number} has no 'prompt' string field; each line must look like "
-                             '{"prompt": "a photo of two dogs", "tag": "counting", "include": [...]}')
+            raise StageError(
+                f"{path}:{number} has no 'prompt' string field; each line must look like "
+                '{"prompt": "a photo of two dogs", "tag": "counting", "include": [...]}'
+            )
         texts.append(row["prompt"])
         metadata.append(row)
     return texts, metadata
 
 
-def stored_prompts(run: Any) -> Prompts:
+def stored_prompts(run: Run) -> Prompts:
     """The prompt table a run stored (its prompts stage), by prompt id."""
     table = run.read_prompts().sort_by("prompt_id")
     meta = [json.loads(m) for m in table.column("metadata").to_pylist()]

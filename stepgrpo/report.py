@@ -43,21 +43,37 @@ class SignalWatch:
 
     def see(self, iteration: int, update: Mapping[str, Any]) -> str | None:
         cos, n = update.get("signal_cosine_window"), update.get("signal_iterations", 0)
-        if self.said or not isinstance(cos, int | float) or not math.isfinite(cos) or n < NOISE_WINDOW or cos >= NOISE_COSINE:
+        if (
+            self.said
+            or not isinstance(cos, int | float)
+            or not math.isfinite(cos)
+            or n < NOISE_WINDOW
+            or cos >= NOISE_COSINE
+        ):
             return None
         self.said = True
-        return (f"iteration {iteration}: the signal check reads noise: the gradients of two halves of the batches, summed "
-                f"over the last ~{NOISE_WINDOW} iterations, have a cosine of {cos:+.3f} (below {NOISE_COSINE}), so each update "
-                "is mostly noise at this batch size and any learning comes from many iterations; judge it by the held-out "
-                "evaluations, and if they do not rise see `stepgrpo inspect` (where the gradient energy sits) and "
-                "docs/BENCHMARKS.md, \"Learning\"")
+        return (
+            f"iteration {iteration}: the signal check reads noise: the gradients of two halves of the batches, summed "
+            f"over the last ~{NOISE_WINDOW} iterations, have a cosine of {cos:+.3f} (below {NOISE_COSINE}), so each "
+            "update "
+            "is mostly noise at this batch size and any learning comes from many iterations; judge it by the held-out "
+            "evaluations, and if they do not rise see `stepgrpo inspect` (where the gradient energy sits) and "
+            'docs/BENCHMARKS.md, "Learning"'
+        )
 
 
-def paired_gain(before: Mapping[str, Any], after: Mapping[str, Any], key: str = "scores") -> tuple[float, float, float] | None:
+def paired_gain(
+    before: Mapping[str, Any], after: Mapping[str, Any], key: str = "scores"
+) -> tuple[float, float, float] | None:
     """Mean of `after - before` over paired held-out samples and its 95 % t-interval; None when the
     two evaluations are not paired (other prompts, seeds or an older record without scores)."""
     a, b = before.get(key), after.get(key)
-    if not a or not b or len(a) != len(b) or (before.get("prompts"), before.get("seeds")) != (after.get("prompts"), after.get("seeds")):
+    if (
+        not a
+        or not b
+        or len(a) != len(b)
+        or (before.get("prompts"), before.get("seeds")) != (after.get("prompts"), after.get("seeds"))
+    ):
         return None
     return mean_interval([y - x for x, y in zip(a, b)])
 
@@ -76,35 +92,53 @@ def mean_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, 
 
 
 def iteration_line(row: Mapping[str, Any]) -> str:
-    """`iteration 3: reward 0.7012 (ODE 0.7101), clip_frac 0.004, signal cos +0.081 (20 it. +0.210), LoRA moved 0.0123`."""
+    """One console line of an iteration, e.g.
+
+    `iteration 3: reward 0.7012 (ODE 0.7101), clip_frac 0.004, signal cos +0.081 (20 it. +0.210), LoRA moved 0.0123`
+    """
+
     def num(key: str, fmt: str) -> str:
         v = row.get(key)
         return format(v, fmt) if isinstance(v, int | float) and math.isfinite(v) else "n/a"
 
-    return (f"iteration {row['iteration']}: reward {num('reward_mean', '.4f')} (ODE {num('ode_reward_mean', '.4f')}), "
-            f"clip_frac {num('clip_frac', '.3f')}, signal cos {num('signal_cosine', '+.3f')} "
-            f"(20 it. {num('signal_cosine_window', '+.3f')}), "
-            f"LoRA moved {num('lora_distance', '.4f')}")
+    return (
+        f"iteration {row['iteration']}: reward {num('reward_mean', '.4f')} (ODE {num('ode_reward_mean', '.4f')}), "
+        f"clip_frac {num('clip_frac', '.3f')}, signal cos {num('signal_cosine', '+.3f')} "
+        f"(20 it. {num('signal_cosine_window', '+.3f')}), "
+        f"LoRA moved {num('lora_distance', '.4f')}"
+    )
 
 
 def _artifact_key(text: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:60] or "run"
 
 
-def publish_artifacts(run_id: str, cfg: Config, rows: Sequence[Mapping[str, Any]], evals: Sequence[Mapping[str, Any]],
-                      where: Mapping[str, str]) -> None:
+def publish_artifacts(
+    run_id: str,
+    cfg: Config,
+    rows: Sequence[Mapping[str, Any]],
+    evals: Sequence[Mapping[str, Any]],
+    where: Mapping[str, str],
+) -> None:
     """A markdown summary and a reward table of the run, as Prefect artifacts (inside a flow run)."""
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
     key = _artifact_key(run_id)
     create_table_artifact(
         [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()} for row in rows],
-        key=f"{key}-rewards", description=f"stepgrpo run {run_id}: reward per iteration",
+        key=f"{key}-rewards",
+        description=f"stepgrpo run {run_id}: reward per iteration",
     )
-    lines = [f"# stepgrpo run `{run_id}`", "", f"config **{cfg.run.name}**: kernel `{cfg.sampler.kernel}`, "
-             f"completion `{cfg.completion.method}`, reward `{cfg.reward.name}`, scheme `{cfg.credit.scheme}`, "
-             f"{cfg.run.iterations} iterations of {cfg.run.prompts_per_iteration} x {cfg.run.group_size} trajectories", "",
-             "| evaluation | held-out reward | strict |", "|---|---|---|"]
+    lines = [
+        f"# stepgrpo run `{run_id}`",
+        "",
+        f"config **{cfg.run.name}**: kernel `{cfg.sampler.kernel}`, "
+        f"completion `{cfg.completion.method}`, reward `{cfg.reward.name}`, scheme `{cfg.credit.scheme}`, "
+        f"{cfg.run.iterations} iterations of {cfg.run.prompts_per_iteration} x {cfg.run.group_size} trajectories",
+        "",
+        "| evaluation | held-out reward | strict |",
+        "|---|---|---|",
+    ]
     for e in evals:
         lines.append(f"| {e['label']} | {e['reward_mean']:.4f} | {e.get('reward_strict', float('nan')):.4f} |")
     lines += ["", *(f"- {k}: `{v}`" for k, v in where.items())]
@@ -116,17 +150,25 @@ def print_summary(run_dir: Path, tracking_uri: str, evals: Sequence[Mapping[str,
     out = sys.stdout
     for e in evals:
         strict = f", strict {e['reward_strict']:.3f}" if "reward_strict" in e else ""
-        name = "base model" if e["label"] == "base" else f"trained (iteration {int(e['label'].removeprefix('iter_')) + 1})"
+        name = (
+            "base model" if e["label"] == "base" else f"trained (iteration {int(e['label'].removeprefix('iter_')) + 1})"
+        )
         reward = f" ({e['reward_name']})" if "reward_name" in e else ""
         subs = ", ".join(f"{k} {v:.3f}" for k, v in sorted((e.get("sub") or {}).items()))
-        print(f"held-out reward{reward}, {name}: {e['reward_mean']:.4f}{strict}" + (f" ({subs})" if subs else ""), file=out)
+        print(
+            f"held-out reward{reward}, {name}: {e['reward_mean']:.4f}{strict}" + (f" ({subs})" if subs else ""),
+            file=out,
+        )
     if len(evals) > 1:
         gain = paired_gain(evals[0], evals[-1])
         if gain is not None:
             samples = evals[0]["prompts"] * evals[0]["seeds"]
             verdict = "rose" if gain[1] > 0 else "fell" if gain[2] < 0 else "did not move beyond noise"
-            print(f"paired gain over the base ({samples} held-out prompt x seed pairs): {gain[0]:+.4f}, "
-                  f"95 % interval [{gain[1]:+.4f}, {gain[2]:+.4f}]: the held-out reward {verdict}", file=out)
+            print(
+                f"paired gain over the base ({samples} held-out prompt x seed pairs): {gain[0]:+.4f}, "
+                f"95 % interval [{gain[1]:+.4f}, {gain[2]:+.4f}]: the held-out reward {verdict}",
+                file=out,
+            )
     print(f"run directory: {run_dir}", file=out)
     print(f"MLflow store:  {tracking_uri}", file=out)
     print(f"images:        {run_dir / 'eval'}", file=out)

@@ -37,8 +37,9 @@ def open_run(cfg: Config, run_dir: str | Path) -> Run:
     run_dir = Path(run_dir)
     identity = workspace.model_identity(cfg.model.path)
     try:
-        run = Run.create(run_dir.parent, run_dir.name, cfg.model_dump(mode="json"), exist_ok=True,
-                         facts={MODEL_FACT: identity})
+        run = Run.create(
+            run_dir.parent, run_dir.name, cfg.model_dump(mode="json"), exist_ok=True, facts={MODEL_FACT: identity}
+        )
     except ValueError as err:
         if "different config" not in str(err):
             raise

@@ -101,12 +101,21 @@ def sample_groups(
     G, P = group_size, len(group_noise)
     for c0 in track(range(0, P, groups_per_call), progress):
         groups = range(c0, min(P, c0 + groups_per_call))
-        x0 = torch.cat([pol.initial_noise(1, generator(*group_noise[g], device=pol.device)).expand(G, -1, -1, -1)
-                        for g in groups])
+        x0 = torch.cat(
+            [pol.initial_noise(1, generator(*group_noise[g], device=pol.device)).expand(G, -1, -1, -1) for g in groups]
+        )
         rows = np.arange(c0 * G, (groups[-1] + 1) * G)
         cond = encode(pol, texts, prompt_ids[rows])
-        sde = rollout(pol.velocity, x0, sigmas, cond, kernel=kernel, noise=noise, window=window,
-                      generator=generator(*sde_seed(c0), device=pol.device))
+        sde = rollout(
+            pol.velocity,
+            x0,
+            sigmas,
+            cond,
+            kernel=kernel,
+            noise=noise,
+            window=window,
+            generator=generator(*sde_seed(c0), device=pol.device),
+        )
         ode_final, nfe_ode = None, 0
         if ode_reference:
             before = pol.nfe
@@ -116,23 +125,41 @@ def sample_groups(
         yield GroupChunk(rows, cond, sde, ode_final, nfe_ode)
 
 
-def sample_iteration(pol: Any, cfg: Config, texts: Sequence[str], plan: Plan, iteration: int,
-                     noise: float | torch.Tensor) -> Iterator[GroupChunk]:
+def sample_iteration(
+    pol: Any, cfg: Config, texts: Sequence[str], plan: Plan, iteration: int, noise: float | torch.Tensor
+) -> Iterator[GroupChunk]:
     """The rollout of `iteration`: its plan's groups on the `cfg.sampler` grid, kernel and SDE
     window, whole groups per call up to `model.max_batch` rows, with each group's ODE reference."""
     G = cfg.run.group_size
     start, end = cfg.sampler.window()
     return sample_groups(
-        pol, texts, plan.prompt_ids, [(int(s),) for s in plan.seeds], G, pol.sigmas(cfg.sampler.steps),
-        kernel=cfg.sampler.kernel, noise=noise, window=(start, end - start),
-        sde_seed=lambda c0: (cfg.run.seed, "sde", iteration, c0), groups_per_call=max(1, cfg.model.max_batch // G),
-        ode_reference=True, progress=f"rollout {iteration}",
+        pol,
+        texts,
+        plan.prompt_ids,
+        [(int(s),) for s in plan.seeds],
+        G,
+        pol.sigmas(cfg.sampler.steps),
+        kernel=cfg.sampler.kernel,
+        noise=noise,
+        window=(start, end - start),
+        sde_seed=lambda c0: (cfg.run.seed, "sde", iteration, c0),
+        groups_per_call=max(1, cfg.model.max_batch // G),
+        ode_reference=True,
+        progress=f"rollout {iteration}",
     )
 
 
-def complete_chunks(pol: Any, method: str, states: np.ndarray, sigmas: torch.Tensor, texts: Sequence[str],
-                    prompt_ids: np.ndarray, max_batch: int, through: int,
-                    progress: str = "complete") -> Iterator[tuple[int, Any]]:
+def complete_chunks(
+    pol: Any,
+    method: str,
+    states: np.ndarray,
+    sigmas: torch.Tensor,
+    texts: Sequence[str],
+    prompt_ids: np.ndarray,
+    max_batch: int,
+    through: int,
+    progress: str = "complete",
+) -> Iterator[tuple[int, Any]]:
     """ODE-complete `states [B, T+1, ...]` (numpy, as stored) `max_batch` trajectories at a time:
     yields `(first row, Completion)`; states from `through` on are `x_T` (`stepgrpo_core.completions`)."""
     from stepgrpo_core.completions import complete

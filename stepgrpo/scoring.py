@@ -43,8 +43,10 @@ def decode_distinct(decoder: Any, latents: np.ndarray, chunk: int, progress: str
     (a group's ODE sample of x_0, or the states after the SDE window, repeat)."""
     first, inverse = distinct_rows(latents)
     unique = latents[first]
-    parts = [reward_images(decoder, torch.from_numpy(unique[c0 : c0 + chunk]))[0]
-             for c0 in track(range(0, len(unique), chunk), progress)]
+    parts = [
+        reward_images(decoder, torch.from_numpy(unique[c0 : c0 + chunk]))[0]
+        for c0 in track(range(0, len(unique), chunk), progress)
+    ]
     return torch.cat(parts)[torch.from_numpy(inverse.reshape(-1))].numpy()
 
 
@@ -59,8 +61,15 @@ def cat_outputs(outputs: Sequence[RewardOutput]) -> RewardOutput:
     )
 
 
-def score_images(reward: Any, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]],
-                 chunk: int, device: str | torch.device = "cpu", progress: str = "score") -> RewardOutput:
+def score_images(
+    reward: Any,
+    images: torch.Tensor,
+    prompts: Sequence[str],
+    metadata: Sequence[Mapping[str, Any]],
+    chunk: int,
+    device: str | torch.device = "cpu",
+    progress: str = "score",
+) -> RewardOutput:
     """`reward` of uint8 `images [N, 3, Y, X]`, `chunk` images a call (on `device`)."""
     outputs = []
     for c0 in track(range(0, len(images), chunk), progress):

@@ -50,7 +50,11 @@ class Tracker:
         exp = client.get_experiment_by_name(experiment)
         if exp is None:
             # Only the default, run-local store gets a run-local artifact root; a server decides its own.
-            local = None if os.environ.get("MLFLOW_TRACKING_URI") else (Path(run_dir).resolve() / "mlflow-artifacts").as_uri()
+            local = (
+                None
+                if os.environ.get("MLFLOW_TRACKING_URI")
+                else (Path(run_dir).resolve() / "mlflow-artifacts").as_uri()
+            )
             exp_id = client.create_experiment(experiment, artifact_location=local)
         else:
             exp_id = exp.experiment_id

@@ -132,8 +132,19 @@ def update(
             for k in steps:
                 for half in halves:
                     for idx in half.split(o.micro_batch):
-                        loss = _step_loss(pol, velocity, cfg, states[idx], old_log_probs[idx, k], adv[idx, k],
-                                          take(cond, idx), sigmas, k, kernel, noise)
+                        loss = _step_loss(
+                            pol,
+                            velocity,
+                            cfg,
+                            states[idx],
+                            old_log_probs[idx, k],
+                            adv[idx, k],
+                            take(cond, idx),
+                            sigmas,
+                            k,
+                            kernel,
+                            noise,
+                        )
                         # the mean over the part's trajectories and the trained steps, whatever the micro-batches
                         (loss.loss * (len(idx) / (len(part) * len(steps)))).backward()
                         diag.add_loss(k, first, len(idx), loss)
@@ -175,8 +186,19 @@ def accumulate_signal(signal: dict[str, torch.Tensor], a: torch.Tensor, b: torch
     return {"signal_cosine_window": _cosine(signal["a"], signal["b"]), "signal_iterations": float(signal["n"])}
 
 
-def _step_loss(pol: Any, velocity: Any, cfg: Config, states: torch.Tensor, old_log_prob: torch.Tensor,
-               advantages: torch.Tensor, cond: Any, sigmas: torch.Tensor, k: int, kernel: str, noise: Any) -> Any:
+def _step_loss(
+    pol: Any,
+    velocity: Any,
+    cfg: Config,
+    states: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    cond: Any,
+    sigmas: torch.Tensor,
+    k: int,
+    kernel: str,
+    noise: Any,
+) -> Any:
     """The GRPO loss of step `k` on some trajectories (`states [n, T+1, C, H, W]`, the rest `[n]`)."""
     o = cfg.optim
     out = step_log_prob(velocity, states, sigmas, cond, k, kernel, noise)
@@ -186,8 +208,17 @@ def _step_loss(pol: Any, velocity: Any, cfg: Config, states: torch.Tensor, old_l
             ref_mean = step_log_prob(pol.velocity, states, sigmas, cond, k, kernel, noise).mean
         # Flow-GRPO's form divides by the diffusion coefficient, the exact KL by the step's std
         kl_std = out.std if o.kl_form == "exact" else diffusion_coefficient(kernel, out.std, sigmas[k], sigmas[k + 1])
-    return grpo_loss(out.log_prob, old_log_prob, advantages, clip_range=o.clip_range, adv_clip=o.adv_clip,
-                     kl_beta=o.kl_beta, mean=out.mean if ref_mean is not None else None, ref_mean=ref_mean, kl_std=kl_std)
+    return grpo_loss(
+        out.log_prob,
+        old_log_prob,
+        advantages,
+        clip_range=o.clip_range,
+        adv_clip=o.adv_clip,
+        kl_beta=o.kl_beta,
+        mean=out.mean if ref_mean is not None else None,
+        ref_mean=ref_mean,
+        kl_std=kl_std,
+    )
 
 
 def _velocity(pol: Any, detach_uncond: bool):
@@ -240,7 +271,9 @@ class Diagnostics:
         self.steps = list(steps)
         self.rows: dict[tuple[int, bool], float] = {}
         self.sums: dict[str, dict[tuple[int, bool], float]] = {"clip_frac": {}, "zero_grad_frac": {}}
-        self.totals: dict[str, float] = {n: 0.0 for n in ("loss", "policy_loss", "kl", "approx_kl", "ratio_mean", "ratio_sq")}
+        self.totals: dict[str, float] = {
+            n: 0.0 for n in ("loss", "policy_loss", "kl", "approx_kl", "ratio_mean", "ratio_sq")
+        }
         self.ratio_min, self.ratio_max = float("inf"), float("-inf")
         self.energy: dict[int, float] = {}
         self.halves: list[torch.Tensor] = []
@@ -290,12 +323,17 @@ class Diagnostics:
             out[name] = sum(sums.values()) / n if n else float("nan")
             for phase, first in (("first", True), ("later", False)):
                 rows = sum(r for (k, f), r in self.rows.items() if f == first)
-                out[f"{name}_{phase}"] = sum(v for (k, f), v in sums.items() if f == first) / rows if rows else float("nan")
+                out[f"{name}_{phase}"] = (
+                    sum(v for (k, f), v in sums.items() if f == first) / rows if rows else float("nan")
+                )
                 out[f"{name}_{phase}_by_step"] = [
-                    sums[(k, first)] / self.rows[(k, first)] if (k, first) in self.rows else float("nan") for k in self.steps
+                    sums[(k, first)] / self.rows[(k, first)] if (k, first) in self.rows else float("nan")
+                    for k in self.steps
                 ]
         total = sum(self.energy.values())
-        out["grad_energy_share"] = [self.energy[k] / total if total > 0 and k in self.energy else float("nan") for k in self.steps]
+        out["grad_energy_share"] = [
+            self.energy[k] / total if total > 0 and k in self.energy else float("nan") for k in self.steps
+        ]
         out["signal_cosine"] = _cosine(*self.halves) if len(self.halves) == 2 else float("nan")
         out["grad_norm"] = sum(self.grad_norms) / len(self.grad_norms) if self.grad_norms else float("nan")
         out["update_norms"] = list(self.update_norms)
@@ -315,6 +353,7 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def checkpoint_state(iteration: int, summary: Mapping[str, Any]) -> dict[str, Any]:
     """The JSON part of a checkpoint: finite numbers, and lists of numbers with null for NaN."""
+
     def finite(v: Any) -> bool:
         return isinstance(v, int | float) and math.isfinite(v)
 

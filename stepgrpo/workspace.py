@@ -15,12 +15,16 @@ import os
 import threading
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from stepgrpo.config import Config, ModelConfig, RewardConfig, digest_of
 from stepgrpo.paths import REPO_ROOT
+
+if TYPE_CHECKING:
+    from stepgrpo.policy.sd3 import ImageDecoder, SD3Policy
+    from storage.run import Run
 
 HASH_LIMIT = 256 * 2**20  # files up to this size are content-hashed for the model identity
 
@@ -77,7 +81,7 @@ def policy_key(model: ModelConfig, seed: int) -> str:
 _policies: dict[str, tuple[Any, dict[str, torch.Tensor]]] = {}
 
 
-def policy(cfg: Config) -> Any:
+def policy(cfg: Config) -> SD3Policy:
     """The `SD3Policy` of `cfg.model` with a LoRA adapter (built once per process).
 
     The adapter's initial weights depend only on `run.seed` (peft draws them from the global RNG,
@@ -99,8 +103,13 @@ def policy(cfg: Config) -> Any:
             torch.manual_seed(cfg.run.seed)
             try:
                 pol = SD3Policy.from_pretrained(
-                    resolve_model_path(m.path), dtype=m.dtype, device=m.device, guidance_scale=m.guidance_scale,
-                    lora=lora, max_batch=m.max_batch, resolution=m.resolution,
+                    resolve_model_path(m.path),
+                    dtype=m.dtype,
+                    device=m.device,
+                    guidance_scale=m.guidance_scale,
+                    lora=lora,
+                    max_batch=m.max_batch,
+                    resolution=m.resolution,
                 )
             finally:
                 torch.random.set_rng_state(state)
@@ -124,7 +133,9 @@ def set_lora(pol: Any, weights: dict[str, torch.Tensor]) -> None:
     params = {n: p for n, p in pol.transformer.named_parameters() if p.requires_grad}
     if set(params) != set(weights):
         missing = sorted(set(params) - set(weights))[:3]
-        raise ValueError(f"LoRA weights do not match the policy's adapter (missing e.g. {missing}); rank or targets differ")
+        raise ValueError(
+            f"LoRA weights do not match the policy's adapter (missing e.g. {missing}); rank or targets differ"
+        )
     with torch.no_grad():
         for n, p in params.items():
             p.copy_(weights[n].to(p.device, p.dtype))
@@ -133,7 +144,7 @@ def set_lora(pol: Any, weights: dict[str, torch.Tensor]) -> None:
 _decoders: dict[str, Any] = {}
 
 
-def decoder(model: ModelConfig) -> Any:
+def decoder(model: ModelConfig) -> ImageDecoder:
     """The `ImageDecoder` of `model`: the loaded policy's VAE if there is one in this process,
     else the VAE alone (scoring stored latents never needs the transformer or text encoders)."""
     with _lock:
@@ -144,8 +155,9 @@ def decoder(model: ModelConfig) -> Any:
         if key not in _decoders:
             from stepgrpo.policy.sd3 import ImageDecoder
 
-            _decoders[key] = ImageDecoder.from_pretrained(resolve_model_path(model.path), dtype=model.dtype,
-                                                          device=model.device, max_batch=model.max_batch)
+            _decoders[key] = ImageDecoder.from_pretrained(
+                resolve_model_path(model.path), dtype=model.dtype, device=model.device, max_batch=model.max_batch
+            )
         return _decoders[key]
 
 
@@ -169,7 +181,8 @@ def reward(cfg: RewardConfig) -> Any:
             if (str(built.name), str(built.version)) != (declared["name"], declared["version"]):
                 raise ValueError(
                     f"reward {cfg.name!r} declares the identity {declared['name']} v{declared['version']} but builds "
-                    f"{built.name} v{built.version}; make its registered identity compute the factory's name and version"
+                    f"{built.name} v{built.version}; make its registered identity compute the factory's name and "
+                    "version"
                 )
             _rewards[key] = built
         return _rewards[key]
@@ -187,21 +200,21 @@ def reward_identity(cfg: RewardConfig) -> dict[str, Any]:
 # ------------------------------------------------------------------ a run's policy
 
 
-def lora_before(run: Any, cfg: Config, iteration: int) -> dict[str, torch.Tensor]:
+def lora_before(run: Run, cfg: Config, iteration: int) -> dict[str, torch.Tensor]:
     """The LoRA weights the policy has when iteration `iteration` starts."""
     if iteration == 0:
         return initial_lora(cfg)
     return run.load_checkpoint(iteration - 1).tensors["lora"]
 
 
-def policy_at(run: Any, cfg: Config, iteration: int) -> Any:
+def policy_at(run: Run, cfg: Config, iteration: int) -> SD3Policy:
     """The policy with the weights it has when `iteration` of `run` starts."""
     pol = policy(cfg)
     set_lora(pol, lora_before(run, cfg, iteration))
     return pol
 
 
-def policy_after(run: Any, cfg: Config, iteration: int | None) -> Any:
+def policy_after(run: Run, cfg: Config, iteration: int | None) -> SD3Policy:
     """The policy a user gets after `iteration` (its EMA when enabled; None: the base model)."""
     pol = policy(cfg)
     if iteration is None:

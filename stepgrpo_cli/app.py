@@ -37,7 +37,9 @@ console = Console()
 err_console = Console(stderr=True)
 
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="YAML config (default: built-in defaults).")]
-SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="Override a field: key=value (YAML value), repeatable.")]
+SetOpt = Annotated[
+    list[str] | None, typer.Option("--set", "-s", help="Override a field: key=value (YAML value), repeatable.")
+]
 RunDirOpt = Annotated[Path | None, typer.Option("--run-dir", help="The run directory (resumed if it exists).")]
 RunIdOpt = Annotated[str | None, typer.Option("--run-id", help="Run id under run.runs_root (resumed if it exists).")]
 RunArg = Annotated[str, typer.Argument(help="A run directory or a run id under runs/.")]
@@ -62,10 +64,17 @@ def _run(fn: Any, *args: Any, **kwargs: Any) -> Any:
     try:
         return fn(*args, **kwargs)
     except _expected_errors() as err:
-        err_console.print(f"[bold red]error:[/] {type(err).__name__}: {escape(str(err))}", highlight=False, markup=True, soft_wrap=True)
+        err_console.print(
+            f"[bold red]error:[/] {type(err).__name__}: {escape(str(err))}",
+            highlight=False,
+            markup=True,
+            soft_wrap=True,
+        )
         raise typer.Exit(1) from None
     except Exception as err:  # an unexpected failure: still a message and a non-zero exit
-        err_console.print(f"[bold red]failed:[/] {type(err).__name__}: {escape(str(err))}", highlight=False, soft_wrap=True)
+        err_console.print(
+            f"[bold red]failed:[/] {type(err).__name__}: {escape(str(err))}", highlight=False, soft_wrap=True
+        )
         raise typer.Exit(1) from None
 
 
@@ -103,18 +112,24 @@ def train(config: ConfigOpt = None, set_: SetOpt = None, run_dir: RunDirOpt = No
     _run(_check_config, config, set_)
     from flows.train import train as train_flow
 
-    out = _run(train_flow, config_path=str(config) if config else None, overrides=list(set_ or []),
-               run_dir=str(run_dir) if run_dir else None, run_id=run_id)
+    out = _run(
+        train_flow,
+        config_path=str(config) if config else None,
+        overrides=list(set_ or []),
+        run_dir=str(run_dir) if run_dir else None,
+        run_id=run_id,
+    )
     from stepgrpo.report import print_summary
 
     print_summary(Path(out["run_dir"]), out["tracking_uri"], out["evaluations"])
 
 
-
-
 @app.command()
-def rescore(run: RunArg, reward: Annotated[str, typer.Option(help="Reward name (see REWARDS).")],
-            options: Annotated[str | None, typer.Option(help="Reward options as JSON.")] = None) -> None:
+def rescore(
+    run: RunArg,
+    reward: Annotated[str, typer.Option(help="Reward name (see REWARDS).")],
+    options: Annotated[str | None, typer.Option(help="Reward options as JSON.")] = None,
+) -> None:
     """Score the stored trajectories of RUN with another reward (no transformer call)."""
     _run(_check_run, run, reward=reward)
     parsed = _json(options)
@@ -123,51 +138,85 @@ def rescore(run: RunArg, reward: Annotated[str, typer.Option(help="Reward name (
     out = _run(rescore_flow, run=run, reward=reward, reward_options=parsed)
     table = Table("iteration", "reward", "version", "mean", "strict", "images", title=f"rescored {out['run_dir']}")
     for s in out["scores"]:
-        table.add_row(str(s["iteration"]), s["reward_name"], s["reward_version"], f"{s['reward_mean']:.4f}",
-                      _fmt(s.get("reward_strict")), s["images"])
+        table.add_row(
+            str(s["iteration"]),
+            s["reward_name"],
+            s["reward_version"],
+            f"{s['reward_mean']:.4f}",
+            _fmt(s.get("reward_strict")),
+            s["images"],
+        )
     console.print(table)
 
 
 @app.command()
-def credit(run: RunArg, scheme: Annotated[str, typer.Option(help="Credit scheme (outcome, stepwise, dense, turning_point).")],
-           options: Annotated[str | None, typer.Option(help="Scheme options as JSON.")] = None,
-           reward: Annotated[str | None, typer.Option(help="Which stored reward to use (default: the run's).")] = None) -> None:
+def credit(
+    run: RunArg,
+    scheme: Annotated[str, typer.Option(help="Credit scheme (outcome, stepwise, dense, turning_point).")],
+    options: Annotated[str | None, typer.Option(help="Scheme options as JSON.")] = None,
+    reward: Annotated[str | None, typer.Option(help="Which stored reward to use (default: the run's).")] = None,
+) -> None:
     """Recompute the advantages of RUN with another scheme, from its stored rewards only."""
     _run(_check_run, run, scheme=scheme)
     parsed = _json(options)
     from flows.credit import credit as credit_flow
 
     out = _run(credit_flow, run=run, scheme=scheme, options=parsed, reward=reward)
-    table = Table("iteration", "scheme", "adv std", "|adv| max", "zero-std groups", "turning points", title=f"credit {out['run_dir']}")
+    table = Table(
+        "iteration",
+        "scheme",
+        "adv std",
+        "|adv| max",
+        "zero-std groups",
+        "turning points",
+        title=f"credit {out['run_dir']}",
+    )
     for a in out["advantages"]:
-        table.add_row(str(a["iteration"]), a["scheme"], f"{a['adv_std']:.4f}", f"{a['adv_abs_max']:.3f}",
-                      f"{a['zero_std_ratio']:.2f}", str(a["turning_points"]))
+        table.add_row(
+            str(a["iteration"]),
+            a["scheme"],
+            f"{a['adv_std']:.4f}",
+            f"{a['adv_abs_max']:.3f}",
+            f"{a['zero_std_ratio']:.2f}",
+            str(a["turning_points"]),
+        )
     console.print(table)
 
 
 @app.command()
-def calibrate(config: ConfigOpt = None, set_: SetOpt = None, run_dir: RunDirOpt = None, run_id: RunIdOpt = None) -> None:
+def calibrate(
+    config: ConfigOpt = None, set_: SetOpt = None, run_dir: RunDirOpt = None, run_id: RunIdOpt = None
+) -> None:
     """DenseGRPO psi calibration into a run (then `train` with the same config and run id)."""
     _run(_check_config, config, set_, calibrated=True)
     from flows.calibrate import calibrate as calibrate_flow
 
-    out = _run(calibrate_flow, config_path=str(config) if config else None, overrides=list(set_ or []),
-               run_dir=str(run_dir) if run_dir else None, run_id=run_id)
+    out = _run(
+        calibrate_flow,
+        config_path=str(config) if config else None,
+        overrides=list(set_ or []),
+        run_dir=str(run_dir) if run_dir else None,
+        run_id=run_id,
+    )
     console.print(f"psi: {[round(p, 4) for p in out['psi']]}\nrun directory: {out['run_dir']}")
 
 
-
 @app.command()
-def evaluate(run: RunArg, iteration: Annotated[int | None, typer.Option(help="Checkpoint iteration (default latest; -1 base model).")] = None,
-             set_: SetOpt = None) -> None:
+def evaluate(
+    run: RunArg,
+    iteration: Annotated[int | None, typer.Option(help="Checkpoint iteration (default latest; -1 base model).")] = None,
+    set_: SetOpt = None,
+) -> None:
     """Held-out reward of RUN's policy and an image grid."""
     _run(_check_run, run)
     from flows.evaluate import evaluate as evaluate_flow
 
     out = _run(evaluate_flow, run=run, iteration=iteration, overrides=list(set_ or []))
-    console.print(f"held-out {out['reward_name']} ({out['label']}): {out['reward_mean']:.4f}"
-                  + (f", strict {out['reward_strict']:.4f}" if "reward_strict" in out else "") + f"\nimages: {out['grid']}")
-
+    console.print(
+        f"held-out {out['reward_name']} ({out['label']}): {out['reward_mean']:.4f}"
+        + (f", strict {out['reward_strict']:.4f}" if "reward_strict" in out else "")
+        + f"\nimages: {out['grid']}"
+    )
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -188,15 +237,25 @@ def pretrain(ctx: typer.Context) -> None:
 @app.command()
 def runs(root: Annotated[Path, typer.Option(help="Directory holding run directories.")] = Path("runs")) -> None:
     """List the runs under ROOT."""
-    table = Table("run id", "config", "created", "iterations", "checkpoints", "held-out reward (base -> last)", title=str(root))
+    table = Table(
+        "run id", "config", "created", "iterations", "checkpoints", "held-out reward (base -> last)", title=str(root)
+    )
     for path in sorted(p for p in root.glob("*") if (p / "manifest.json").is_file()):
         m = json.loads((path / "manifest.json").read_text())
         iters = [d for d in path.glob("iter_*") if (d / "rollout.zarr" / "_published.json").is_file()]
         ckpts = [d for d in (path / "checkpoints").glob("iter_*") if (d / "_published.json").is_file()]
         evals = _evals(path)
-        reward = f"{evals[0][1]:.4f} -> {evals[-1][1]:.4f}" if len(evals) > 1 else (f"{evals[0][1]:.4f}" if evals else "")
-        table.add_row(path.name, str(m.get("config", {}).get("run", {}).get("name", "")), str(m.get("created_at", "")),
-                      str(len(iters)), str(len(ckpts)), reward)
+        reward = (
+            f"{evals[0][1]:.4f} -> {evals[-1][1]:.4f}" if len(evals) > 1 else (f"{evals[0][1]:.4f}" if evals else "")
+        )
+        table.add_row(
+            path.name,
+            str(m.get("config", {}).get("run", {}).get("name", "")),
+            str(m.get("created_at", "")),
+            str(len(iters)),
+            str(len(ckpts)),
+            reward,
+        )
     console.print(table)
 
 
@@ -212,21 +271,39 @@ def _inspect(run: str) -> None:
     r = Run.open(find_run(run))
     rewards = r.read_rewards().to_pandas() if (r.path / "rewards").is_dir() else None
     advantages = r.read_advantages().to_pandas() if (r.path / "advantages").is_dir() else None
-    table = Table("iteration", "rollout", "completions", "rewards (final-sample mean)", "advantages", "checkpoint", title=f"run {r.run_id}")
+    table = Table(
+        "iteration",
+        "rollout",
+        "completions",
+        "rewards (final-sample mean)",
+        "advantages",
+        "checkpoint",
+        title=f"run {r.run_id}",
+    )
     iters = sorted(set(r.iterations("rollout")) | set(r.iterations("checkpoint")))
     for i in iters:
-        comps = sorted(p.stem for p in (r.path / f"iter_{i}" / "completions").glob("*.zarr") if (p / "_published.json").is_file())
+        comps = sorted(
+            p.stem for p in (r.path / f"iter_{i}" / "completions").glob("*.zarr") if (p / "_published.json").is_file()
+        )
         rew = ""
         if rewards is not None:
             sel = rewards[rewards.iteration == i]
             final = sel[sel.k == sel.k.max()] if len(sel) else sel
-            rew = ", ".join(f"{n} v{v}: {g.value.mean():.4f}" for (n, v), g in final.groupby(["reward_name", "reward_version"]))
+            rew = ", ".join(
+                f"{n} v{v}: {g.value.mean():.4f}" for (n, v), g in final.groupby(["reward_name", "reward_version"])
+            )
         adv = ""
         if advantages is not None:
             adv = ", ".join(sorted(set(advantages[advantages.iteration == i].scheme)))
         rollout = r.stage_manifest(i, "rollout")
-        table.add_row(str(i), f"{rollout['counts']['trajectories']} traj" if rollout else "-", ", ".join(comps) or "-",
-                      rew or "-", adv or "-", "yes" if r.stage_manifest(i, "checkpoint") else "-")
+        table.add_row(
+            str(i),
+            f"{rollout['counts']['trajectories']} traj" if rollout else "-",
+            ", ".join(comps) or "-",
+            rew or "-",
+            adv or "-",
+            "yes" if r.stage_manifest(i, "checkpoint") else "-",
+        )
     console.print(table)
     _diagnostics(r, iters)
     for label, value in _evals(r.path):
@@ -240,12 +317,25 @@ def _diagnostics(r: Any, iters: list[int]) -> None:
     from stepgrpo.config import validate_config
     from stepgrpo.report import SignalWatch
     from stepgrpo.scoring import reward_summary
-
     from stepgrpo.workspace import reward_identity
 
     reward = reward_identity(validate_config(r.config).reward)["name"]
-    table = Table("iter", "R SDE", "R ODE", "grp std", "0-std", "clip 1st/later", "0-grad", "ratio sd", "signal",
-                  "signal 20 it.", "grad energy k:share", "|step|", "|LoRA-init|", title="learning diagnostics")
+    table = Table(
+        "iter",
+        "R SDE",
+        "R ODE",
+        "grp std",
+        "0-std",
+        "clip 1st/later",
+        "0-grad",
+        "ratio sd",
+        "signal",
+        "signal 20 it.",
+        "grad energy k:share",
+        "|step|",
+        "|LoRA-init|",
+        title="learning diagnostics",
+    )
     watch, warning = SignalWatch(), None
     for i in iters:
         state = r.stage_path(i, "checkpoint") / "state.json"
@@ -257,23 +347,38 @@ def _diagnostics(r: Any, iters: list[int]) -> None:
         if reward in names:
             groups = torch.from_numpy(r.read_array(i, "rollout", "group_ids")).long()
             score = reward_summary(r.reward_grid(i, reward), r.reward_grid(i, reward, field="strict"), groups)
-        share = " ".join(f"{k}:{v:.2f}" for k, v in zip(u.get("trained_step_ids", []), u.get("grad_energy_share", [])) if v is not None)
+        share = " ".join(
+            f"{k}:{v:.2f}"
+            for k, v in zip(u.get("trained_step_ids", []), u.get("grad_energy_share", []))
+            if v is not None
+        )
         table.add_row(
-            str(i), _fmt(score.get("reward_mean")), _fmt(score.get("ode_reward_mean")), _fmt(score.get("group_reward_std")),
-            _fmt(score.get("zero_std_groups"), 2), f"{_fmt(u.get('clip_frac_first'), 3)}/{_fmt(u.get('clip_frac_later'), 3)}",
-            _fmt(u.get("zero_grad_frac_later"), 3), _fmt(u.get("ratio_std"), 5), _fmt(u.get("signal_cosine"), 3),
-            _fmt(u.get("signal_cosine_window"), 3), share or "-",
-            _fmt(u.get("update_norm")), _fmt(u.get("lora_distance")),
+            str(i),
+            _fmt(score.get("reward_mean")),
+            _fmt(score.get("ode_reward_mean")),
+            _fmt(score.get("group_reward_std")),
+            _fmt(score.get("zero_std_groups"), 2),
+            f"{_fmt(u.get('clip_frac_first'), 3)}/{_fmt(u.get('clip_frac_later'), 3)}",
+            _fmt(u.get("zero_grad_frac_later"), 3),
+            _fmt(u.get("ratio_std"), 5),
+            _fmt(u.get("signal_cosine"), 3),
+            _fmt(u.get("signal_cosine_window"), 3),
+            share or "-",
+            _fmt(u.get("update_norm")),
+            _fmt(u.get("lora_distance")),
         )
         warning = warning or watch.see(i, u)
     if table.row_count:
         # wide: a pipe or a log file would otherwise wrap every row into several lines
         (console if console.is_terminal else Console(width=160)).print(table)
-        console.print("R SDE / R ODE: training reward of the SDE samples / of the ODE sample from the same prompt and noise; "
-                      "grp std: within-group std of R_T (0-std: groups with none); clip, 0-grad (later steps), ratio sd: "
-                      "the PPO ratio; signal: cosine between the gradients of two halves of the batch, this iteration "
-                      "and summed over ~20 iterations (~0: noise); "
-                      "|step|: the update's size; |LoRA-init|: distance from the initial LoRA", soft_wrap=True)
+        console.print(
+            "R SDE / R ODE: training reward of the SDE samples / of the ODE sample from the same prompt and noise; "
+            "grp std: within-group std of R_T (0-std: groups with none); clip, 0-grad (later steps), ratio sd: "
+            "the PPO ratio; signal: cosine between the gradients of two halves of the batch, this iteration "
+            "and summed over ~20 iterations (~0: noise); "
+            "|step|: the update's size; |LoRA-init|: distance from the initial LoRA",
+            soft_wrap=True,
+        )
     if warning:
         console.print(warning)
 
@@ -282,7 +387,9 @@ def _evals(path: Path) -> list[tuple[str, float]]:
     out = []
     for f in (path / "eval").glob("*.json"):
         e = json.loads(f.read_text())
-        out.append((e["label"], e["reward_mean"], -1 if e["label"] == "base" else int(e["label"].removeprefix("iter_"))))
+        out.append(
+            (e["label"], e["reward_mean"], -1 if e["label"] == "base" else int(e["label"].removeprefix("iter_")))
+        )
     return [(label, value) for label, value, _ in sorted(out, key=lambda x: x[2])]
 
 

@@ -60,7 +60,9 @@ COMPLETIONS: Registry[CompletionFn] = Registry("completion")
 def parse_method(method: str) -> tuple[str, str | None]:
     """`"substeps:5"` -> `("substeps", "5")`, `"remaining"` -> `("remaining", None)`; validates the name."""
     if not isinstance(method, str):
-        raise TypeError(f"completion method must be a string such as 'remaining', 'substeps:5' or 'tweedie'; got {method!r}")
+        raise TypeError(
+            f"completion method must be a string such as 'remaining', 'substeps:5' or 'tweedie'; got {method!r}"
+        )
     name, sep, arg = method.partition(":")
     COMPLETIONS.validate(name)
     return name, (arg if sep else None)
@@ -172,7 +174,12 @@ def tweedie(velocity, states, sigmas, cond, max_batch, arg, through) -> Completi
 
 @torch.no_grad()  # completions feed rewards only; no gradient flows through them
 def complete(
-    method: str, velocity: Velocity, states: torch.Tensor, sigmas: torch.Tensor, cond: Any, max_batch: int,
+    method: str,
+    velocity: Velocity,
+    states: torch.Tensor,
+    sigmas: torch.Tensor,
+    cond: Any,
+    max_batch: int,
     through: int | None = None,
 ) -> Completion:
     """Complete every state of every trajectory with `method` (module doc).

@@ -117,7 +117,9 @@ def dense(rewards, gains, groups: Groups):
     return groups.normalize(gains), _no_turning(gains)
 
 
-def turning_points(rewards: torch.Tensor, gains: torch.Tensor, consistency: bool = True, first_step: bool = True) -> torch.Tensor:
+def turning_points(
+    rewards: torch.Tensor, gains: torch.Tensor, consistency: bool = True, first_step: bool = True
+) -> torch.Tensor:
     """TP-GRPO turning points `[B, T]` bool, before balancing (METHODS.md, scheme 4).
 
     With `delta = R_T - R_0` and `s_k = sign(g_k) sign(delta)`: step `k > 0` turns when
@@ -154,7 +156,9 @@ def balance_turning_points(turn: torch.Tensor, aggregated: torch.Tensor) -> torc
     return kept.reshape(turn.shape)
 
 
-def turning_point_rewards(rewards: torch.Tensor, consistency: bool = True, first_step: bool = True, balance: bool = True):
+def turning_point_rewards(
+    rewards: torch.Tensor, consistency: bool = True, first_step: bool = True, balance: bool = True
+):
     """TP-GRPO step rewards `[B, T]` and the kept turning points `[B, T]` bool.
 
     `rewards [B, T+1]`. A kept turning point's reward is the aggregated `R_T - R_k` (its own
@@ -169,7 +173,9 @@ def turning_point_rewards(rewards: torch.Tensor, consistency: bool = True, first
 
 
 @SCHEMES.register("turning_point")
-def turning_point(rewards, gains, groups: Groups, consistency: bool = True, first_step: bool = True, balance: bool = True):
+def turning_point(
+    rewards, gains, groups: Groups, consistency: bool = True, first_step: bool = True, balance: bool = True
+):
     """TP-GRPO: turning points take the aggregated reward `R_T - R_k`; then per-(group, step) normalization."""
     step_rewards, turn = turning_point_rewards(rewards, consistency=consistency, first_step=first_step, balance=balance)
     return groups.normalize(step_rewards), turn
@@ -196,11 +202,16 @@ def assign(scheme: str, rewards: torch.Tensor, group_ids: torch.Tensor, **option
     valid = scheme_options(scheme)
     unknown = sorted(set(options) - set(valid))
     if unknown:
-        raise TypeError(f"credit scheme {scheme!r} has no option(s) {unknown}; valid options: {sorted(valid) or 'none'}")
+        raise TypeError(
+            f"credit scheme {scheme!r} has no option(s) {unknown}; valid options: {sorted(valid) or 'none'}"
+        )
     if rewards.dim() != 2 or rewards.shape[1] < 2:
         raise ValueError(f"rewards must be [B, T+1] with T >= 1; got {tuple(rewards.shape)}")
     if group_ids.shape != (rewards.shape[0],) or group_ids.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"group_ids must be an integer tensor [B={rewards.shape[0]}]; got {group_ids.dtype} {tuple(group_ids.shape)}")
+        raise ValueError(
+            f"group_ids must be an integer tensor [B={rewards.shape[0]}]; got {group_ids.dtype} "
+            f"{tuple(group_ids.shape)}"
+        )
     # fp32 at least: rewards may arrive as fp16/bf16 and the gains are small differences.
     rewards = rewards.float()
     if bool(rewards.isnan().any()):

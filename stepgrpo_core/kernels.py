@@ -195,9 +195,13 @@ def log_prob(x_next: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> tor
     fp32. A zero std (an `ode` step, `ddim` at `s = 1`) has no density: rejected.
     """
     if x_next.shape != mean.shape or x_next.dim() < 2:
-        raise ValueError(f"x_next and mean must share a [B, ...] shape; got {tuple(x_next.shape)} and {tuple(mean.shape)}")
+        raise ValueError(
+            f"x_next and mean must share a [B, ...] shape; got {tuple(x_next.shape)} and {tuple(mean.shape)}"
+        )
     x_next, mean, std = x_next.float(), mean.float(), std.float()
     if bool((std <= 0).any()):
-        raise ValueError("log_prob needs std > 0: a deterministic step (ode, ddim at sigma = 1, zero noise) has no density")
+        raise ValueError(
+            "log_prob needs std > 0: a deterministic step (ode, ddim at sigma = 1, zero noise) has no density"
+        )
     logp = -((x_next - mean) ** 2) / (2.0 * std**2) - torch.log(std) - LOG_SQRT_2PI
     return logp.mean(dim=tuple(range(1, logp.dim())))

@@ -71,9 +71,13 @@ def grpo_loss(
     has_means = mean is not None or ref_mean is not None
     if kl_beta > 0 or has_means:
         if mean is None or ref_mean is None or kl_std is None:
-            raise ValueError("the KL term needs mean, ref_mean and kl_std (from step_log_prob with the policy and the reference)")
+            raise ValueError(
+                "the KL term needs mean, ref_mean and kl_std (from step_log_prob with the policy and the reference)"
+            )
         if mean.shape != ref_mean.shape:
-            raise ValueError(f"mean and ref_mean must share a shape; got {tuple(mean.shape)} and {tuple(ref_mean.shape)}")
+            raise ValueError(
+                f"mean and ref_mean must share a shape; got {tuple(mean.shape)} and {tuple(ref_mean.shape)}"
+            )
         sq = ((mean.float() - ref_mean.float().detach()) ** 2).mean(dim=tuple(range(1, mean.dim())))  # [B]
         kl = (sq / (2.0 * kl_std.float().detach().reshape(-1) ** 2)).mean()
     else:

@@ -43,7 +43,9 @@ class Registry(Generic[F]):
         """Register `fn` under `name`; `facts` override the registry's defaults for this entry."""
         unknown = sorted(set(facts) - set(self.defaults))
         if unknown:
-            raise ValueError(f"{self.family} {name!r}: unknown facts {unknown}; this registry knows {sorted(self.defaults)}")
+            raise ValueError(
+                f"{self.family} {name!r}: unknown facts {unknown}; this registry knows {sorted(self.defaults)}"
+            )
 
         def decorator(fn: F) -> F:
             if name in self._items:

@@ -56,14 +56,19 @@ def check_window(window: tuple[int, int] | None, num_steps: int) -> tuple[int, i
         return 0, num_steps
     start, size = window
     if not (0 <= start and size >= 1 and start + size <= num_steps):
-        raise ValueError(f"window (start, size) = {window} must satisfy 0 <= start, 1 <= size, start + size <= T = {num_steps}")
+        raise ValueError(
+            f"window (start, size) = {window} must satisfy 0 <= start, 1 <= size, start + size <= T = {num_steps}"
+        )
     return int(start), int(size)
 
 
 def _check_noise(kernel: str, noise, num_steps: int) -> None:
     if kernel in PER_STEP_NOISE:
         if not isinstance(noise, torch.Tensor) or noise.shape != (num_steps,):
-            raise ValueError(f"kernel {kernel!r} takes a per-step table noise: [T={num_steps}] tensor (e.g. calibration.initial_psi(sigmas))")
+            raise ValueError(
+                f"kernel {kernel!r} takes a per-step table noise: [T={num_steps}] tensor (e.g. "
+                "calibration.initial_psi(sigmas))"
+            )
 
 
 def _noise_at(kernel: str, noise, steps):

@@ -119,22 +119,24 @@ class StageStore:
         group = await zarr.api.asynchronous.open_group(
             store=str(self.path), mode="w", zarr_format=3, attributes=dict(self.attrs)
         )
-        await asyncio.gather(*(
-            group.create_array(
-                spec.name,
-                shape=self.shape(spec.name),
-                dtype=self.dtype(spec.name),
-                chunks=chunk_shape(spec, self.shape(spec.name)),
-                compressors=[Crc32cCodec()],
-                filters=None,
-                fill_value=np.nan if self.dtype(spec.name).kind == "f" else 0,
-                chunk_key_encoding={"name": "default", "separator": CHUNK_KEY_SEPARATOR},
-                dimension_names=list(spec.axes),
-                attributes={"doc": spec.doc},
-                write_data=False,
+        await asyncio.gather(
+            *(
+                group.create_array(
+                    spec.name,
+                    shape=self.shape(spec.name),
+                    dtype=self.dtype(spec.name),
+                    chunks=chunk_shape(spec, self.shape(spec.name)),
+                    compressors=[Crc32cCodec()],
+                    filters=None,
+                    fill_value=np.nan if self.dtype(spec.name).kind == "f" else 0,
+                    chunk_key_encoding={"name": "default", "separator": CHUNK_KEY_SEPARATOR},
+                    dimension_names=list(spec.axes),
+                    attributes={"doc": spec.doc},
+                    write_data=False,
+                )
+                for spec in self.spec.arrays
             )
-            for spec in self.spec.arrays
-        ))
+        )
 
     def _as_stored(self, name: str, value: Any, shape: tuple[int, ...]) -> np.ndarray:
         """`value` (NumPy or torch) as a C-contiguous little-endian array of the stored dtype."""
@@ -185,9 +187,8 @@ class StageStore:
     def _read_chunk(self, spec: ArraySpec, coords: tuple[int, ...], out: np.ndarray) -> None:
         """Read one chunk into `out` (a C-contiguous view), checking size and crc32c."""
         path = chunk_file(self.path, spec.name, coords)
-        where = (
-            f"{self.path.name}/{spec.name} chunk {coords}"
-            + (f" (trajectory {coords[0]})" if spec.per_trajectory else "")
+        where = f"{self.path.name}/{spec.name} chunk {coords}" + (
+            f" (trajectory {coords[0]})" if spec.per_trajectory else ""
         )
         buf = memoryview(out).cast("B")
         try:
@@ -220,8 +221,10 @@ class StageStore:
             out = np.empty(shape, self.dtype(name))
             self._read_chunk(spec, (0,) * len(shape), out)
             return out
-        rows = list(range(self.B)[trajectories]) if isinstance(trajectories, slice) else (
-            list(range(self.B)) if trajectories is None else [int(b) for b in trajectories]
+        rows = (
+            list(range(self.B)[trajectories])
+            if isinstance(trajectories, slice)
+            else (list(range(self.B)) if trajectories is None else [int(b) for b in trajectories])
         )
         bad = [b for b in rows if not 0 <= b < self.B]
         if bad:

@@ -39,8 +39,9 @@ class Checkpoints:
         """Begin a checkpoint directory (write safetensors/JSON files under `writer.path`, then publish)."""
         return self._begin(iteration, "checkpoint", None)
 
-    def save_checkpoint(self, iteration: int, tensors: Mapping[str, Mapping[str, torch.Tensor]],
-                        state: Mapping[str, Any]) -> dict[str, Any]:
+    def save_checkpoint(
+        self, iteration: int, tensors: Mapping[str, Mapping[str, torch.Tensor]], state: Mapping[str, Any]
+    ) -> dict[str, Any]:
         """Save tensor groups (`<group>.safetensors`) and JSON `state`, published atomically."""
         from safetensors.torch import save_file
 
@@ -48,7 +49,10 @@ class Checkpoints:
         with self.begin_checkpoint(iteration) as writer:
             for group, named in tensors.items():
                 check_name(group, "tensor group")
-                save_file({n: t.detach().cpu().contiguous() for n, t in named.items()}, str(writer.path / f"{group}.safetensors"))
+                save_file(
+                    {n: t.detach().cpu().contiguous() for n, t in named.items()},
+                    str(writer.path / f"{group}.safetensors"),
+                )
             (writer.path / STATE_FILE).write_text(json.dumps(dict(state), sort_keys=True) + "\n")
             return writer.publish()
 

@@ -193,4 +193,3 @@ def write_file_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     tmp.write_bytes(data)
     os.replace(tmp, path)
-

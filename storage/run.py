@@ -47,7 +47,15 @@ from storage.stage_stores import CompletionData, ImagesData, RolloutData, StageS
 from storage.writer import StageWriter
 
 __all__ = [
-    "Checkpoint", "CompletionData", "ImagesData", "RolloutData", "Run", "StageWriter", "code_version", "find_run", "spec_of",
+    "Checkpoint",
+    "CompletionData",
+    "ImagesData",
+    "RolloutData",
+    "Run",
+    "StageWriter",
+    "code_version",
+    "find_run",
+    "spec_of",
 ]
 
 MANIFEST_FILE = "manifest.json"
@@ -94,8 +102,14 @@ class Run(StageStores, RunTables, Checkpoints):
     # --- create / open ------------------------------------------------------------------------
 
     @classmethod
-    def create(cls, root: str | os.PathLike[str], run_id: str, config: Mapping[str, Any], exist_ok: bool = False,
-               facts: Mapping[str, str] | None = None) -> Run:
+    def create(
+        cls,
+        root: str | os.PathLike[str],
+        run_id: str,
+        config: Mapping[str, Any],
+        exist_ok: bool = False,
+        facts: Mapping[str, str] | None = None,
+    ) -> Run:
         """Create `root/run_id/` with its manifest. `config` must be plain JSON; `facts` are
         strings the pipeline derives once per run (e.g. the model's fingerprint, `fact(name)`).
 
@@ -107,7 +121,9 @@ class Run(StageStores, RunTables, Checkpoints):
         path = Path(root) / run_id
         if path.exists():
             if not exist_ok:
-                raise FileExistsError(f"run {run_id} already exists at {path}; open it with Run.open or pick another id")
+                raise FileExistsError(
+                    f"run {run_id} already exists at {path}; open it with Run.open or pick another id"
+                )
             run = cls.open(path)
             if canonical_json(run.config) != canonical_json(dict(config)):
                 raise ValueError(f"run {run_id} exists with a different config; use another run id to change it")
@@ -140,7 +156,9 @@ class Run(StageStores, RunTables, Checkpoints):
         try:
             manifest = json.loads((path / MANIFEST_FILE).read_text())
         except FileNotFoundError:
-            raise FileNotFoundError(f"{path} is not a run directory (no {MANIFEST_FILE}); create it with Run.create") from None
+            raise FileNotFoundError(
+                f"{path} is not a run directory (no {MANIFEST_FILE}); create it with Run.create"
+            ) from None
         _check_schema(manifest.get("schema_version"), f"run {manifest.get('run_id', path.name)}")
         return cls(path, manifest)
 
@@ -210,12 +228,14 @@ class Run(StageStores, RunTables, Checkpoints):
             release_lock(lock_path(final), token)
             raise AlreadyPublishedError(f"{what} is already published (stages are immutable); read it instead")
         fresh_partial(final)  # a crashed attempt's leftovers go
-        return StageWriter(self, iteration, stage, token, owner=True, spec=spec)
+        return StageWriter(self.run_id, final, iteration, stage, token, owner=True, spec=spec)
 
     def attach(self, iteration: int, stage: str, token: str) -> StageWriter:
         """Join a begun stage from another process with the begin's `writer.token`."""
         spec = spec_of(stage) if stage != "checkpoint" else None
-        writer = StageWriter(self, iteration, stage, token, owner=False, spec=spec)
+        writer = StageWriter(
+            self.run_id, self.stage_path(iteration, stage), iteration, stage, token, owner=False, spec=spec
+        )
         check_token(writer.lock, token, writer.what)
         return writer
 

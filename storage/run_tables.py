@@ -27,8 +27,13 @@ class RunTables:
 
     # --- prompts --------------------------------------------------------------------------------
 
-    def write_prompts(self, prompt_ids: Sequence[int], texts: Sequence[str], splits: Sequence[str],
-                      metadata: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    def write_prompts(
+        self,
+        prompt_ids: Sequence[int],
+        texts: Sequence[str],
+        splits: Sequence[str],
+        metadata: Sequence[Mapping[str, Any]] | None = None,
+    ) -> dict[str, Any]:
         """Write the run's prompts once; returns `{"digest", "rows", "schema_version"}`."""
         table = tables.prompts_table(prompt_ids, texts, splits, metadata)
         return tables.write_once(self.path / "prompts.parquet", table, f"run {self.run_id} prompts")
@@ -47,21 +52,41 @@ class RunTables:
 
     # --- rewards --------------------------------------------------------------------------------
 
-    def append_rewards(self, iteration: int, reward_name: str, reward_version: str, traj: Any, k: Any, value: Any,
-                       strict: Any | None = None, sub: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    def append_rewards(
+        self,
+        iteration: int,
+        reward_name: str,
+        reward_version: str,
+        traj: Any,
+        k: Any,
+        value: Any,
+        strict: Any | None = None,
+        sub: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
         """Append one reward's scores: `traj, k, value` (`strict`, each `sub[name]`) are `[N]`.
 
         Raises ValueError naming the rows if a value is NaN/inf or a row is already stored.
         Returns `{"file", "rows", "digest"}`.
         """
         table = tables.rewards_table(iteration, reward_name, reward_version, traj, k, value, strict, sub)
-        return tables.append_rows(self.path / "rewards", REWARDS_SCHEMA, REWARDS_KEY, table, f"run {self.run_id} rewards")
+        return tables.append_rows(
+            self.path / "rewards", REWARDS_SCHEMA, REWARDS_KEY, table, f"run {self.run_id} rewards"
+        )
 
-    def read_rewards(self, iteration: int | None = None, reward_name: str | None = None,
-                     reward_version: str | None = None, as_pandas: bool = False) -> Any:
+    def read_rewards(
+        self,
+        iteration: int | None = None,
+        reward_name: str | None = None,
+        reward_version: str | None = None,
+        as_pandas: bool = False,
+    ) -> Any:
         """Reward rows matching the non-None selectors, sorted by key (pyarrow.Table or pandas)."""
-        table = tables.read_rows(self.path / "rewards", REWARDS_SCHEMA, REWARDS_KEY,
-                                 {"iteration": iteration, "reward_name": reward_name, "reward_version": reward_version})
+        table = tables.read_rows(
+            self.path / "rewards",
+            REWARDS_SCHEMA,
+            REWARDS_KEY,
+            {"iteration": iteration, "reward_name": reward_name, "reward_version": reward_version},
+        )
         return table.to_pandas() if as_pandas else table
 
     def _one_version(self, table: pa.Table, column: str, what: str) -> pa.Table:
@@ -72,8 +97,9 @@ class RunTables:
             raise NotPublishedError(f"{what}: no rows stored")
         return table
 
-    def reward_grid(self, iteration: int, reward_name: str, reward_version: str | None = None,
-                    field: str = "value") -> torch.Tensor:
+    def reward_grid(
+        self, iteration: int, reward_name: str, reward_version: str | None = None, field: str = "value"
+    ) -> torch.Tensor:
         """Rewards of `iteration` as a `[B, T+1]` float32 tensor, NaN where a state has no row.
 
         `field` is "value", "strict" or a sub-score name. `reward_version` may be omitted when
@@ -96,8 +122,9 @@ class RunTables:
 
     # --- advantages -----------------------------------------------------------------------------
 
-    def append_advantages(self, iteration: int, scheme: str, options: Mapping[str, Any], traj: Any, k: Any,
-                          value: Any) -> dict[str, Any]:
+    def append_advantages(
+        self, iteration: int, scheme: str, options: Mapping[str, Any], traj: Any, k: Any, value: Any
+    ) -> dict[str, Any]:
         """Append one scheme's advantages (`traj, k, value` `[N]`); rows carry `options_digest(options)`.
 
         The options themselves are kept in `advantages/options-<digest>.json` (see `scheme_options`).
@@ -118,11 +145,20 @@ class RunTables:
         """`{"scheme", "options"}` stored for an options digest."""
         return json.loads((self.path / "advantages" / f"options-{options_digest}.json").read_text())
 
-    def read_advantages(self, iteration: int | None = None, scheme: str | None = None,
-                        options_digest: str | None = None, as_pandas: bool = False) -> Any:
+    def read_advantages(
+        self,
+        iteration: int | None = None,
+        scheme: str | None = None,
+        options_digest: str | None = None,
+        as_pandas: bool = False,
+    ) -> Any:
         """Advantage rows matching the non-None selectors, sorted by key (pyarrow.Table or pandas)."""
-        table = tables.read_rows(self.path / "advantages", ADVANTAGES_SCHEMA, ADVANTAGES_KEY,
-                                 {"iteration": iteration, "scheme": scheme, "options_digest": options_digest})
+        table = tables.read_rows(
+            self.path / "advantages",
+            ADVANTAGES_SCHEMA,
+            ADVANTAGES_KEY,
+            {"iteration": iteration, "scheme": scheme, "options_digest": options_digest},
+        )
         return table.to_pandas() if as_pandas else table
 
     def advantage_grid(self, iteration: int, scheme: str, options_digest: str | None = None) -> torch.Tensor:

@@ -95,12 +95,22 @@ ROLLOUT = StoreSpec(
     kind="rollout",
     arrays=(
         ArraySpec("states", ("B", "T+1", "C", "H", "W"), "latent", True, "states x_0..x_T"),
-        ArraySpec("log_probs", ("B", "T"), "float32", True,
-                  "log-prob of step k under the sampling kernel; NaN outside the SDE window"),
+        ArraySpec(
+            "log_probs",
+            ("B", "T"),
+            "float32",
+            True,
+            "log-prob of step k under the sampling kernel; NaN outside the SDE window",
+        ),
         ArraySpec("stds", ("B", "T"), "float32", True, "the kernel's std at step k"),
-        ArraySpec("ode_final", ("B", "C", "H", "W"), "latent", True,
-                  "the ODE sample (every step `ode`, same grid) from the trajectory's x_0: the clean "
-                  "latent of R_0, the same for every member of a group"),
+        ArraySpec(
+            "ode_final",
+            ("B", "C", "H", "W"),
+            "latent",
+            True,
+            "the ODE sample (every step `ode`, same grid) from the trajectory's x_0: the clean "
+            "latent of R_0, the same for every member of a group",
+        ),
         ArraySpec("sigmas", ("T+1",), "float32", False, "the grid, sigmas[0] = 1 > ... > sigmas[T] = 0"),
         ArraySpec("seeds", ("B",), "int64", False, "the seed of each trajectory"),
         ArraySpec("prompt_ids", ("B",), "int64", False, "row of the prompts table"),
@@ -113,8 +123,13 @@ ROLLOUT = StoreSpec(
 COMPLETION = StoreSpec(
     kind="completion",
     arrays=(
-        ArraySpec("latents", ("B", "T+1", "C", "H", "W"), "latent", True,
-                  "ODE completion of every stored state (completion of x_T is x_T)"),
+        ArraySpec(
+            "latents",
+            ("B", "T+1", "C", "H", "W"),
+            "latent",
+            True,
+            "ODE completion of every stored state (completion of x_T is x_T)",
+        ),
     ),
     # method: completion registry name; nfe: transformer rows evaluated to produce the store
     required_attrs=("method", "nfe"),
@@ -123,8 +138,13 @@ COMPLETION = StoreSpec(
 IMAGES = StoreSpec(
     kind="images",
     arrays=(
-        ArraySpec("images", ("B", "K", "RGB", "Y", "X"), "uint8", True,
-                  "decoded RGB images of the scored states, as rewards see them"),
+        ArraySpec(
+            "images",
+            ("B", "K", "RGB", "Y", "X"),
+            "uint8",
+            True,
+            "decoded RGB images of the scored states, as rewards see them",
+        ),
         ArraySpec("k", ("K",), "int64", False, "state index (0..T) of each image along K"),
     ),
     # source: the stage the latents came from ("rollout" or "completions/<method>"); source_digest: its digest

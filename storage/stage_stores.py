@@ -85,7 +85,11 @@ class StageStores:
             **dict(attrs or {}),
             "kernel": kernel,
             "kernel_params": dict(kernel_params),
-            "B": B, "T": T, "C": C, "H": H, "W": W,
+            "B": B,
+            "T": T,
+            "C": C,
+            "H": H,
+            "W": W,
             "latent_dtype": latent_storage_dtype(latent_dtype),
             "source_dtype": latent_dtype,
         }
@@ -96,15 +100,18 @@ class StageStores:
             )
         return writer
 
-    def begin_completion(self, iteration: int, method: str, *, latent_dtype: str | None = None,
-                         attrs: Mapping[str, Any] | None = None) -> StageWriter:
+    def begin_completion(
+        self, iteration: int, method: str, *, latent_dtype: str | None = None, attrs: Mapping[str, Any] | None = None
+    ) -> StageWriter:
         """Begin the completion of `iteration`'s rollout by `method`; dims come from the published
         rollout, `latent_dtype` defaults to the rollout's. Write `latents=[n,T+1,C,H,W]` per
         trajectory, then `publish(attrs={"nfe": ...})`.
         """
         rollout = self.stage_manifest(iteration, "rollout")
         if rollout is None:
-            raise NotPublishedError(f"run {self.run_id} iteration {iteration}: publish the rollout before completing it")
+            raise NotPublishedError(
+                f"run {self.run_id} iteration {iteration}: publish the rollout before completing it"
+            )
         r = rollout["attrs"]
         source = latent_dtype or r["source_dtype"]
         stage_attrs = {
@@ -120,8 +127,9 @@ class StageStores:
             StageStore(writer.path, COMPLETION, stage_attrs).create({})
         return writer
 
-    def begin_images(self, iteration: int, source: str, *, k: Any, image_shape: Sequence[int],
-                     attrs: Mapping[str, Any] | None = None) -> StageWriter:
+    def begin_images(
+        self, iteration: int, source: str, *, k: Any, image_shape: Sequence[int], attrs: Mapping[str, Any] | None = None
+    ) -> StageWriter:
         """Begin storing decoded images of `iteration` under `images/<name>`.
 
         `source` is the stage whose latents were decoded: `"rollout"` (its final states) or
@@ -131,11 +139,21 @@ class StageStores:
         """
         manifest = self.stage_manifest(iteration, source)
         if manifest is None:
-            raise NotPublishedError(f"run {self.run_id} iteration {iteration}: publish {source} before storing its images")
+            raise NotPublishedError(
+                f"run {self.run_id} iteration {iteration}: publish {source} before storing its images"
+            )
         k = np.asarray(k, dtype=np.int64)
         rgb, y, x = (int(v) for v in image_shape)
-        stage_attrs = {**dict(attrs or {}), "source": source, "source_digest": manifest["digest"],
-                       "B": int(manifest["attrs"]["B"]), "K": len(k), "RGB": rgb, "Y": y, "X": x}
+        stage_attrs = {
+            **dict(attrs or {}),
+            "source": source,
+            "source_digest": manifest["digest"],
+            "B": int(manifest["attrs"]["B"]),
+            "K": len(k),
+            "RGB": rgb,
+            "Y": y,
+            "X": x,
+        }
         writer = self._begin(iteration, self.images_stage(source), IMAGES)
         with abort_on_error(writer):
             StageStore(writer.path, IMAGES, stage_attrs).create({"k": k})
@@ -158,7 +176,9 @@ class StageStores:
             )
         return StageStore(self.stage_path(iteration, stage), spec, manifest["attrs"]), manifest
 
-    def read_array(self, iteration: int, stage: str, name: str, trajectories: slice | Sequence[int] | None = None) -> np.ndarray:
+    def read_array(
+        self, iteration: int, stage: str, name: str, trajectories: slice | Sequence[int] | None = None
+    ) -> np.ndarray:
         """One array of a published Zarr stage (see `storage.schema`), optionally some trajectories."""
         return self._store(iteration, stage, spec_of(stage))[0].read(name, trajectories)
 
@@ -180,7 +200,9 @@ class StageStores:
             manifest=manifest,
         )
 
-    def read_completion(self, iteration: int, method: str, trajectories: slice | Sequence[int] | None = None) -> CompletionData:
+    def read_completion(
+        self, iteration: int, method: str, trajectories: slice | Sequence[int] | None = None
+    ) -> CompletionData:
         """The published completion of `iteration` by `method`."""
         store, manifest = self._store(iteration, f"completions/{method}", COMPLETION)
         return CompletionData(
@@ -190,7 +212,9 @@ class StageStores:
             manifest=manifest,
         )
 
-    def read_images(self, iteration: int, source: str, trajectories: slice | Sequence[int] | None = None) -> ImagesData | None:
+    def read_images(
+        self, iteration: int, source: str, trajectories: slice | Sequence[int] | None = None
+    ) -> ImagesData | None:
         """The images stored for `source`'s latents, or None if there are none or they were decoded
         from other content than `source` now holds (then they are not used)."""
         stage = self.images_stage(source)
@@ -200,8 +224,13 @@ class StageStores:
         source_manifest = self.stage_manifest(iteration, source)
         if source_manifest is None or store.attrs["source_digest"] != source_manifest["digest"]:
             return None
-        return ImagesData(images=store.read("images", trajectories), k=store.read("k"), source=source,
-                          source_digest=store.attrs["source_digest"], manifest=manifest)
+        return ImagesData(
+            images=store.read("images", trajectories),
+            k=store.read("k"),
+            source=source,
+            source_digest=store.attrs["source_digest"],
+            manifest=manifest,
+        )
 
 
 def spec_of(stage: str) -> StoreSpec:

@@ -148,7 +148,9 @@ def rewards_table(
     strict_col = pa.nulls(n, pa.float64()) if strict is None else pa.array(_column(strict, n, "strict", "float64"))
     names = sorted(sub or {})
     subs = [_column(sub[s], n, f"sub[{s}]", "float64") for s in names] if sub else []
-    sub_col = pa.array([list(zip(names, (float(c[i]) for c in subs))) for i in range(n)], REWARDS_SCHEMA.field("sub").type)
+    sub_col = pa.array(
+        [list(zip(names, (float(c[i]) for c in subs))) for i in range(n)], REWARDS_SCHEMA.field("sub").type
+    )
     return pa.table(
         {
             "iteration": pa.array(np.full(n, iteration, "int64")),
@@ -205,8 +207,12 @@ def to_grid(table: pa.Table, rows: int, cols: int, values: np.ndarray) -> np.nda
 # --- prompts ------------------------------------------------------------------------------------
 
 
-def prompts_table(prompt_ids: Sequence[int], texts: Sequence[str], splits: Sequence[str],
-                  metadata: Sequence[Mapping[str, Any]] | None = None) -> pa.Table:
+def prompts_table(
+    prompt_ids: Sequence[int],
+    texts: Sequence[str],
+    splits: Sequence[str],
+    metadata: Sequence[Mapping[str, Any]] | None = None,
+) -> pa.Table:
     """The prompts table, sorted by id; `metadata[i]` is a JSON object (may be empty)."""
     n = len(prompt_ids)
     metadata = metadata if metadata is not None else [{}] * n
@@ -238,7 +244,9 @@ def write_once(path: Path, table: pa.Table, what: str) -> dict[str, Any]:
     existing = read_footer(path)
     if existing is not None:
         if existing.get("digest") != digest:
-            raise ValueError(f"{what} is already written with other content ({path.name} is immutable); start a new run")
+            raise ValueError(
+                f"{what} is already written with other content ({path.name} is immutable); start a new run"
+            )
         return existing
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     pq.write_table(table.replace_schema_metadata({FOOTER_KEY: canonical_json(record)}), tmp)

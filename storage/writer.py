@@ -6,17 +6,23 @@ import hashlib
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import zarr
 
 from storage.arrays import StageStore
 from storage.errors import StorageError
-from storage.publish import canonical_json, check_json, check_token, lock_path, partial_path, publish_dir, release_lock, utc_now
+from storage.publish import (
+    canonical_json,
+    check_json,
+    check_token,
+    lock_path,
+    partial_path,
+    publish_dir,
+    release_lock,
+    utc_now,
+)
 from storage.schema import ALLOWED_FILE_SUFFIXES, PUBLISHED_FILE, SCHEMA_VERSION, StoreSpec
-
-if TYPE_CHECKING:
-    from storage.run import Run
 
 
 class StageWriter:
@@ -27,14 +33,15 @@ class StageWriter:
     manager: leaving it on an exception discards the attempt and releases the lock.
     """
 
-    def __init__(self, run: Run, iteration: int, stage: str, token: str, owner: bool,
-                 spec: StoreSpec | None) -> None:
-        self.run = run
+    def __init__(
+        self, run_id: str, final: Path, iteration: int, stage: str, token: str, owner: bool, spec: StoreSpec | None
+    ) -> None:
+        self.run_id = run_id
         self.iteration = iteration
         self.stage = stage
         self.token = token  # pass to `Run.attach` in other writer processes
         self.owner = owner
-        self.final = run.stage_path(iteration, stage)
+        self.final = final  # where the stage is published
         self.path = partial_path(self.final)  # file stages (checkpoint) write their files here
         self.lock = lock_path(self.final)
         self.spec = spec
@@ -43,7 +50,7 @@ class StageWriter:
 
     @property
     def what(self) -> str:
-        return f"run {self.run.run_id} iteration {self.iteration} stage {self.stage}"
+        return f"run {self.run_id} iteration {self.iteration} stage {self.stage}"
 
     def store(self) -> StageStore:
         if self.spec is None:
@@ -60,7 +67,9 @@ class StageWriter:
         check_token(self.lock, self.token, self.what)
         self.store().write(start, arrays)
 
-    def publish(self, attrs: Mapping[str, Any] | None = None, inputs: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    def publish(
+        self, attrs: Mapping[str, Any] | None = None, inputs: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
         """Check completeness and checksums, digest, and make the stage visible (one rename).
 
         `attrs` are added to the store's attrs before digesting (e.g. a completion's `nfe`);
@@ -70,7 +79,7 @@ class StageWriter:
         check_token(self.lock, self.token, self.what)
         manifest: dict[str, Any] = {
             "schema_version": SCHEMA_VERSION,
-            "run_id": self.run.run_id,
+            "run_id": self.run_id,
             "iteration": self.iteration,
             "stage": self.stage,
             "inputs": dict(inputs or {}),
@@ -86,7 +95,11 @@ class StageWriter:
             if missing:
                 raise ValueError(f"{self.what}: attrs {missing} are required to publish (pass them to publish())")
             digest, nbytes = store.verify_and_digest()
-            counts = {"trajectories": store.B, "steps": store.sizes.get("T"), "states": store.sizes.get("T+1", store.sizes.get("K"))}
+            counts = {
+                "trajectories": store.B,
+                "steps": store.sizes.get("T"),
+                "states": store.sizes.get("T+1", store.sizes.get("K")),
+            }
             manifest.update(
                 digest=digest,
                 counts={**{k: v for k, v in counts.items() if v is not None}, "bytes": nbytes},

@@ -41,8 +41,10 @@ def check_calibrated(cfg: Config) -> None:
     """The config's kernel must be one whose noise is calibrated (`psi`)."""
     if not KERNELS.facts(cfg.sampler.kernel)["calibrated"]:
         calibrated = [k for k in KERNELS.names() if KERNELS.facts(k)["calibrated"]]
-        raise StageError(f"sampler.kernel {cfg.sampler.kernel!r} has a fixed noise, nothing to calibrate; "
-                         f"calibration is for {', '.join(calibrated)} (set sampler.kernel)")
+        raise StageError(
+            f"sampler.kernel {cfg.sampler.kernel!r} has a fixed noise, nothing to calibrate; "
+            f"calibration is for {', '.join(calibrated)} (set sampler.kernel)"
+        )
     if cfg.completion.method is None:
         raise StageError("calibration needs step rewards: set completion.method (DenseGRPO uses 'remaining')")
 
@@ -71,22 +73,37 @@ def execute(run: Run, cfg: Config, key: str) -> CalibrateResult:
         pick = torch.randperm(len(train_ids), generator=generator(seed, "calibrate-prompts", r))[: c.prompts]
         pids = np.repeat(train_ids[pick.numpy()], G)
         (chunk,) = sample_groups(  # all groups in one call
-            pol, prompts.texts, pids, [(seed, "calibrate-noise", r, g) for g in range(len(pick))], G, sigmas,
-            kernel=kernel, noise=psi.to(pol.device), sde_seed=lambda c0, r=r: (seed, "calibrate-sde", r),
-            groups_per_call=len(pick), progress=f"calibrate {r}",
+            pol,
+            prompts.texts,
+            pids,
+            [(seed, "calibrate-noise", r, g) for g in range(len(pick))],
+            G,
+            sigmas,
+            kernel=kernel,
+            noise=psi.to(pol.device),
+            sde_seed=lambda c0, r=r: (seed, "calibrate-sde", r),
+            groups_per_call=len(pick),
+            progress=f"calibrate {r}",
         )
         done = complete(cfg.completion.method, pol.velocity, chunk.sde.states, sigmas, chunk.cond, cfg.model.max_batch)
         B, T1 = done.latents.shape[:2]
         images = pol.decoder.decode_uint8(done.latents.reshape(B * T1, *done.latents.shape[2:]))
         rows = np.repeat(pids, T1)
-        scored = score_images(reward, images, prompts.texts_of(rows), prompts.metadata_of(rows), chunk=max(1, len(images)),
-                              device=pol.decoder.device)
+        scored = score_images(
+            reward,
+            images,
+            prompts.texts_of(rows),
+            prompts.metadata_of(rows),
+            chunk=max(1, len(images)),
+            device=pol.decoder.device,
+        )
         scores = scored.scores.float().reshape(B, T1)
         gains = assign(scheme, scores, torch.from_numpy(np.repeat(np.arange(len(pick)), G))).gains
         psi = update_psi(psi, gains.cpu(), c.eps1, c.eps2)
         history.append({"round": r, "reward_mean": float(scores[:, -1].mean()), "psi": psi.tolist()})
-    result = CalibrateResult(key=key, psi=psi.tolist(), rounds=history, seconds=time.perf_counter() - t0,
-                             digest=digest_of(psi.tolist()))
+    result = CalibrateResult(
+        key=key, psi=psi.tolist(), rounds=history, seconds=time.perf_counter() - t0, digest=digest_of(psi.tolist())
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     write_file_atomic(path, (result.model_dump_json(indent=1, exclude_none=True) + "\n").encode())
     return result

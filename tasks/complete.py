@@ -45,9 +45,13 @@ def window_end(kernel_params: dict[str, Any], num_steps: int) -> int:
 
 
 @stage_task("complete")
-def complete(run: Run, cfg: Config, iteration: int, rollout: RolloutResult, checkpoint: UpdateResult | None) -> CompleteResult:
+def complete(
+    run: Run, cfg: Config, iteration: int, rollout: RolloutResult, checkpoint: UpdateResult | None
+) -> CompleteResult:
     """Complete the states of `rollout` with the policy it was sampled with (`checkpoint`)."""
-    return execute(run, cfg, iteration, stage_key("complete", run, cfg, iteration, {"rollout": rollout, "checkpoint": checkpoint}))
+    return execute(
+        run, cfg, iteration, stage_key("complete", run, cfg, iteration, {"rollout": rollout, "checkpoint": checkpoint})
+    )
 
 
 def execute(run: Run, cfg: Config, iteration: int, key: str) -> CompleteResult:
@@ -59,12 +63,25 @@ def execute(run: Run, cfg: Config, iteration: int, key: str) -> CompleteResult:
         data = run.read_rollout(iteration)
         prompts = stored_prompts(run)
         through = window_end(data.kernel_params, len(data.sigmas) - 1)
-        writer = run.begin_completion(iteration, method_dir(method), latent_dtype=cfg.model.dtype,
-                                      attrs={"method_spec": method, DETERMINISTIC_FROM: through})
+        writer = run.begin_completion(
+            iteration,
+            method_dir(method),
+            latent_dtype=cfg.model.dtype,
+            attrs={"method_spec": method, DETERMINISTIC_FROM: through},
+        )
         nfe = 0
         with writer:
-            for c0, out in complete_chunks(pol, method, data.states, torch.from_numpy(data.sigmas), prompts.texts,
-                                           data.prompt_ids, max(1, cfg.model.max_batch), through, f"complete {iteration}"):
+            for c0, out in complete_chunks(
+                pol,
+                method,
+                data.states,
+                torch.from_numpy(data.sigmas),
+                prompts.texts,
+                data.prompt_ids,
+                max(1, cfg.model.max_batch),
+                through,
+                f"complete {iteration}",
+            ):
                 writer.write(c0, latents=out.latents.cpu())
                 nfe += out.nfe
             writer.publish(attrs={"nfe": nfe}, inputs={"key": key, "seconds": time.perf_counter() - t0})
@@ -76,8 +93,13 @@ def stored(run: Run, method: str, iteration: int) -> CompleteResult:
     m = run.stage_manifest(iteration, clean_stage(method))
     if m is None:
         raise StageError(f"run {run.run_id} iteration {iteration} has no stored completion {method!r}")
-    return CompleteResult(digest=m["digest"], iteration=iteration, method=method, nfe=int(m["attrs"]["nfe"]),
-                          seconds=m["inputs"].get("seconds", 0.0))
+    return CompleteResult(
+        digest=m["digest"],
+        iteration=iteration,
+        method=method,
+        nfe=int(m["attrs"]["nfe"]),
+        seconds=m["inputs"].get("seconds", 0.0),
+    )
 
 
 def scored_states(run: Run, method: str | None, iteration: int) -> tuple[np.ndarray, np.ndarray]:

@@ -40,22 +40,39 @@ def execute(run: Run, cfg: Config, iteration: int, reward_name: str, reward_vers
     digest = options_digest(options)
     rewards = run.reward_grid(iteration, reward_name, reward_version).float()
     if not bool(torch.isfinite(rewards[:, -1]).all()):
-        raise StageError(f"iteration {iteration}: reward {reward_name!r} has no final-sample score for some trajectories")
+        raise StageError(
+            f"iteration {iteration}: reward {reward_name!r} has no final-sample score for some trajectories"
+        )
     if not bool(torch.isfinite(rewards).all()):
         if SCHEMES.facts(scheme)["step_rewards"]:
-            raise StageError(f"credit scheme {scheme!r} needs a reward for every state; iteration {iteration} was scored on final samples only")
+            raise StageError(
+                f"credit scheme {scheme!r} needs a reward for every state; iteration {iteration} was scored on final "
+                "samples only"
+            )
         rewards = rewards[:, -1:].expand_as(rewards).clone()  # the scheme reads R_T only
     group_ids = torch.from_numpy(run.read_array(iteration, "rollout", "group_ids")).long()
     result = assign(scheme, rewards, group_ids, **cfg.credit.options)
     if run.read_advantages(iteration, scheme, digest).num_rows == 0:
         B, T = result.advantages.shape
-        run.append_advantages(iteration, scheme, options, np.repeat(np.arange(B), T), np.tile(np.arange(T), B),
-                              result.advantages.double().reshape(-1).numpy())
+        run.append_advantages(
+            iteration,
+            scheme,
+            options,
+            np.repeat(np.arange(B), T),
+            np.tile(np.arange(T), B),
+            result.advantages.double().reshape(-1).numpy(),
+        )
     adv = result.advantages
     return CreditResult(
-        digest=run.advantages_digest(iteration, scheme, digest), iteration=iteration, scheme=scheme,
-        options_digest=digest, seconds=time.perf_counter() - t0, adv_mean=float(adv.mean()),
-        adv_std=float(adv.std(unbiased=False)), adv_abs_max=float(adv.abs().max()),
-        zero_std_ratio=float(result.zero_std_ratio), turning_points=int(result.turning_mask.sum()),
+        digest=run.advantages_digest(iteration, scheme, digest),
+        iteration=iteration,
+        scheme=scheme,
+        options_digest=digest,
+        seconds=time.perf_counter() - t0,
+        adv_mean=float(adv.mean()),
+        adv_std=float(adv.std(unbiased=False)),
+        adv_abs_max=float(adv.abs().max()),
+        zero_std_ratio=float(result.zero_std_ratio),
+        turning_points=int(result.turning_mask.sum()),
         gain_mean=result.gains.mean(0).tolist(),
     )

@@ -34,7 +34,9 @@ GRID_IMAGES = 64
 
 
 @stage_task("evaluate")
-def evaluate(run: Run, cfg: Config, iteration: int, prompts: PromptsResult, checkpoint: UpdateResult | None) -> EvaluateResult:
+def evaluate(
+    run: Run, cfg: Config, iteration: int, prompts: PromptsResult, checkpoint: UpdateResult | None
+) -> EvaluateResult:
     """Evaluate the policy of `checkpoint` (after `iteration`; -1 and None: the base model)."""
     key = stage_key("evaluate", run, cfg, iteration, {"prompts": prompts, "checkpoint": checkpoint})
     return execute(run, cfg, None if iteration < 0 else iteration, key)
@@ -65,11 +67,21 @@ def execute(run: Run, cfg: Config, iteration: int | None, key: str) -> EvaluateR
     for s in range(cfg.run.eval_seeds):
         for c0 in range(0, len(ids), cfg.model.max_batch):
             rows = ids[c0 : c0 + cfg.model.max_batch]
-            x0 = torch.cat([pol.initial_noise(1, generator(cfg.run.seed, "eval", s, int(p), device=pol.device)) for p in rows])
+            x0 = torch.cat(
+                [pol.initial_noise(1, generator(cfg.run.seed, "eval", s, int(p), device=pol.device)) for p in rows]
+            )
             out = sample(pol.velocity, x0, sigmas, encode(pol, prompts.texts, rows), kernel="ode")
             images = pol.decoder.decode_uint8(out.states[:, -1])
-            outputs.append(score_images(reward, images, prompts.texts_of(rows), prompts.metadata_of(rows),
-                                        chunk=len(rows), device=pol.decoder.device))
+            outputs.append(
+                score_images(
+                    reward,
+                    images,
+                    prompts.texts_of(rows),
+                    prompts.metadata_of(rows),
+                    chunk=len(rows),
+                    device=pol.decoder.device,
+                )
+            )
             if s == 0 and c0 == 0:
                 first_images = dequantize(images[:GRID_IMAGES])
     scored = cat_outputs(outputs)
@@ -86,12 +98,26 @@ def execute(run: Run, cfg: Config, iteration: int | None, key: str) -> EvaluateR
         if finite.numel():
             sub[sub_name] = float(finite.mean())
     result = EvaluateResult(
-        label=name, iteration=iteration, key=key, reward_name=reward.name, reward_version=str(reward.version),
-        prompts=len(ids), seeds=cfg.run.eval_seeds, reward_mean=float(value.mean()), reward_std=float(value.std(unbiased=False)),
-        nfe=pol.nfe - nfe0, scores=value.tolist(), grid=grid.as_posix(), seconds=time.perf_counter() - t0,
+        label=name,
+        iteration=iteration,
+        key=key,
+        reward_name=reward.name,
+        reward_version=str(reward.version),
+        prompts=len(ids),
+        seeds=cfg.run.eval_seeds,
+        reward_mean=float(value.mean()),
+        reward_std=float(value.std(unbiased=False)),
+        nfe=pol.nfe - nfe0,
+        scores=value.tolist(),
+        grid=grid.as_posix(),
+        seconds=time.perf_counter() - t0,
         reward_strict=None if scored.strict is None else float(scored.strict.mean()),
-        strict_scores=None if scored.strict is None else scored.strict.tolist(), sub=sub,
+        strict_scores=None if scored.strict is None else scored.strict.tolist(),
+        sub=sub,
     )
     (Path(run.path) / EVAL_DIR).mkdir(parents=True, exist_ok=True)
-    write_file_atomic(Path(run.path) / EVAL_DIR / f"{name}.json", (result.model_dump_json(indent=1, exclude_none=True) + "\n").encode())
+    write_file_atomic(
+        Path(run.path) / EVAL_DIR / f"{name}.json",
+        (result.model_dump_json(indent=1, exclude_none=True) + "\n").encode(),
+    )
     return result

@@ -26,8 +26,14 @@ from tasks.keys import stage_key
 
 
 @stage_task("rollout")
-def rollout(run: Run, cfg: Config, iteration: int, prompts: PromptsResult, checkpoint: UpdateResult | None,
-            psi: CalibrateResult | None) -> RolloutResult:
+def rollout(
+    run: Run,
+    cfg: Config,
+    iteration: int,
+    prompts: PromptsResult,
+    checkpoint: UpdateResult | None,
+    psi: CalibrateResult | None,
+) -> RolloutResult:
     """Sample iteration `iteration` after `checkpoint` (None: the base model); `psi`: the run's
     calibrated table when the kernel has one."""
     key = stage_key("rollout", run, cfg, iteration, {"prompts": prompts, "checkpoint": checkpoint, "psi": psi})
@@ -39,7 +45,9 @@ def kernel_noise(cfg: Config, psi: CalibrateResult | None) -> float | torch.Tens
     if not KERNELS.facts(cfg.sampler.kernel)["calibrated"]:
         return cfg.sampler.noise
     if psi is None:
-        raise StageError(f"kernel {cfg.sampler.kernel!r} needs the run's calibrated table: run the calibrate stage first")
+        raise StageError(
+            f"kernel {cfg.sampler.kernel!r} needs the run's calibrated table: run the calibrate stage first"
+        )
     return torch.tensor(psi.psi, dtype=torch.float32)
 
 
@@ -51,20 +59,38 @@ def execute(run: Run, cfg: Config, iteration: int, noise: float | torch.Tensor, 
         plan = iteration_plan(cfg, prompts.splits, iteration)
         start, end = cfg.sampler.window()
         writer = run.begin_rollout(
-            iteration, sigmas=pol.sigmas(cfg.sampler.steps).cpu().numpy(), seeds=np.repeat(plan.seeds, cfg.run.group_size),
-            prompt_ids=plan.prompt_ids, group_ids=plan.group_ids, latent_shape=pol.latent_shape,
-            latent_dtype=cfg.model.dtype, kernel=cfg.sampler.kernel,
-            kernel_params={"noise": noise.tolist() if isinstance(noise, torch.Tensor) else float(noise),
-                           "window": [start, end - start]},
+            iteration,
+            sigmas=pol.sigmas(cfg.sampler.steps).cpu().numpy(),
+            seeds=np.repeat(plan.seeds, cfg.run.group_size),
+            prompt_ids=plan.prompt_ids,
+            group_ids=plan.group_ids,
+            latent_shape=pol.latent_shape,
+            latent_dtype=cfg.model.dtype,
+            kernel=cfg.sampler.kernel,
+            kernel_params={
+                "noise": noise.tolist() if isinstance(noise, torch.Tensor) else float(noise),
+                "window": [start, end - start],
+            },
         )
         nfe0, nfe_ode = pol.nfe, 0
         with writer:
             for chunk in sample_iteration(pol, cfg, prompts.texts, plan, iteration, noise):
                 nfe_ode += chunk.nfe_ode
-                writer.write(int(chunk.rows[0]), states=chunk.sde.states.cpu(), log_probs=chunk.sde.log_probs.cpu(),
-                             stds=chunk.sde.stds.cpu(), ode_final=chunk.ode_final.cpu())
-            writer.publish(inputs={"key": key, "nfe": pol.nfe - nfe0 - nfe_ode, "nfe_ode": nfe_ode,
-                                   "seconds": time.perf_counter() - t0})
+                writer.write(
+                    int(chunk.rows[0]),
+                    states=chunk.sde.states.cpu(),
+                    log_probs=chunk.sde.log_probs.cpu(),
+                    stds=chunk.sde.stds.cpu(),
+                    ode_final=chunk.ode_final.cpu(),
+                )
+            writer.publish(
+                inputs={
+                    "key": key,
+                    "nfe": pol.nfe - nfe0 - nfe_ode,
+                    "nfe_ode": nfe_ode,
+                    "seconds": time.perf_counter() - t0,
+                }
+            )
     return stored(run, iteration)
 
 
@@ -73,6 +99,11 @@ def stored(run: Run, iteration: int) -> RolloutResult:
     m = run.stage_manifest(iteration, "rollout")
     if m is None:
         raise StageError(f"run {run.run_id} iteration {iteration} has no published rollout")
-    return RolloutResult(digest=m["digest"], iteration=iteration, trajectories=m["counts"]["trajectories"],
-                         nfe=m["inputs"].get("nfe", 0), nfe_ode=m["inputs"].get("nfe_ode", 0),
-                         seconds=m["inputs"].get("seconds", 0.0))
+    return RolloutResult(
+        digest=m["digest"],
+        iteration=iteration,
+        trajectories=m["counts"]["trajectories"],
+        nfe=m["inputs"].get("nfe", 0),
+        nfe_ode=m["inputs"].get("nfe_ode", 0),
+        seconds=m["inputs"].get("seconds", 0.0),
+    )

@@ -25,7 +25,9 @@ from tasks.complete import clean_latents, clean_stage, scored_states
 
 
 @stage_task("score")
-def score(run: Run, cfg: Config, iteration: int, clean: CompleteResult | RolloutResult, rollout: RolloutResult) -> ScoreResult:
+def score(
+    run: Run, cfg: Config, iteration: int, clean: CompleteResult | RolloutResult, rollout: RolloutResult
+) -> ScoreResult:
     """Score the clean latents of `clean` (a completion, or the rollout itself for outcome credit)."""
     return execute(run, cfg, iteration)
 
@@ -48,18 +50,33 @@ def _score(run: Run, cfg: Config, iteration: int, name: str, version: str) -> st
     traj, k = np.repeat(np.arange(B), K), np.tile(k_of, B)
     prompts = stored_prompts(run)
     pids = run.read_array(iteration, "rollout", "prompt_ids")[traj]
-    out = score_images(reward, flat, prompts.texts_of(pids), prompts.metadata_of(pids), chunk=max(1, cfg.model.max_batch),
-                       progress=f"score {iteration}")
+    out = score_images(
+        reward,
+        flat,
+        prompts.texts_of(pids),
+        prompts.metadata_of(pids),
+        chunk=max(1, cfg.model.max_batch),
+        progress=f"score {iteration}",
+    )
     bad = torch.nonzero(~torch.isfinite(out.scores)).reshape(-1).tolist()
     if bad:
         rows = ", ".join(f"(traj {int(traj[b])}, k {int(k[b])})" for b in bad[:10])
-        raise StageError(f"reward {name!r} returned NaN/inf for {len(bad)} rows of iteration {iteration}: {rows}; nothing was stored")
+        raise StageError(
+            f"reward {name!r} returned NaN/inf for {len(bad)} rows of iteration {iteration}: {rows}; nothing was stored"
+        )
     _, copies = scored_states(run, cfg.completion.method, iteration)
     take = torch.from_numpy(np.concatenate([np.arange(B * K), np.repeat(np.arange(B) * K + K - 1, len(copies))]))
     traj, k = np.concatenate([traj, np.repeat(np.arange(B), len(copies))]), np.concatenate([k, np.tile(copies, B)])
-    run.append_rewards(iteration, name, version, traj, k, out.scores[take].double().numpy(),
-                       strict=None if out.strict is None else out.strict[take].double().numpy(),
-                       sub={s: v[take].double().numpy() for s, v in out.sub.items()} or None)
+    run.append_rewards(
+        iteration,
+        name,
+        version,
+        traj,
+        k,
+        out.scores[take].double().numpy(),
+        strict=None if out.strict is None else out.strict[take].double().numpy(),
+        sub={s: v[take].double().numpy() for s, v in out.sub.items()} or None,
+    )
     return images_from
 
 
@@ -73,8 +90,12 @@ def _images(run: Run, cfg: Config, iteration: int) -> tuple[np.ndarray, np.ndarr
     k, _ = scored_states(run, cfg.completion.method, iteration)
     latents = clean_latents(run, cfg.completion.method, iteration, k)
     B, K = latents.shape[:2]
-    flat = decode_distinct(workspace.decoder(cfg.model), latents.reshape(B * K, *latents.shape[2:]),
-                           max(1, cfg.model.max_batch), f"decode {iteration}")
+    flat = decode_distinct(
+        workspace.decoder(cfg.model),
+        latents.reshape(B * K, *latents.shape[2:]),
+        max(1, cfg.model.max_batch),
+        f"decode {iteration}",
+    )
     images = flat.reshape(B, K, *flat.shape[1:])
     if not cfg.storage.images:
         return images, k, "decoded"
@@ -87,18 +108,31 @@ def _images(run: Run, cfg: Config, iteration: int) -> tuple[np.ndarray, np.ndarr
     return images, k, "decoded+stored"
 
 
-def stored(run: Run, iteration: int, name: str, version: str | None = None, seconds: float = 0.0,
-           images: str = "none") -> ScoreResult:
+def stored(
+    run: Run, iteration: int, name: str, version: str | None = None, seconds: float = 0.0, images: str = "none"
+) -> ScoreResult:
     """The result of the stored rows of reward `name` (`version`: the latest stored when None)."""
     if version is None:
         versions = sorted(set(run.read_rewards(iteration, name).column("reward_version").to_pylist()))
         if not versions:
             names = sorted(set(run.read_rewards(iteration).column("reward_name").to_pylist()))
-            raise StageError(f"run {run.run_id} iteration {iteration} has no rewards named {name!r}; "
-                             f"stored: {', '.join(names) or 'none'}")
+            raise StageError(
+                f"run {run.run_id} iteration {iteration} has no rewards named {name!r}; "
+                f"stored: {', '.join(names) or 'none'}"
+            )
         version = versions[-1]
     grid = run.reward_grid(iteration, name, version)  # [B, T+1]
-    summary = reward_summary(grid, run.reward_grid(iteration, name, version, field="strict"),
-                             torch.from_numpy(run.read_array(iteration, "rollout", "group_ids")).long())
-    return ScoreResult(digest=run.rewards_digest(iteration, name, version), iteration=iteration, reward_name=name,
-                       reward_version=version, images=images, seconds=seconds, **summary)
+    summary = reward_summary(
+        grid,
+        run.reward_grid(iteration, name, version, field="strict"),
+        torch.from_numpy(run.read_array(iteration, "rollout", "group_ids")).long(),
+    )
+    return ScoreResult(
+        digest=run.rewards_digest(iteration, name, version),
+        iteration=iteration,
+        reward_name=name,
+        reward_version=version,
+        images=images,
+        seconds=seconds,
+        **summary,
+    )

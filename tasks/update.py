@@ -24,10 +24,18 @@ from tasks.keys import stage_key
 
 
 @stage_task("update")
-def update(run: Run, cfg: Config, iteration: int, advantages: CreditResult, rollout: RolloutResult,
-           checkpoint: UpdateResult | None) -> UpdateResult:
+def update(
+    run: Run,
+    cfg: Config,
+    iteration: int,
+    advantages: CreditResult,
+    rollout: RolloutResult,
+    checkpoint: UpdateResult | None,
+) -> UpdateResult:
     """Update the policy of `checkpoint` (None: the base model) on `rollout` with `advantages`."""
-    key = stage_key("update", run, cfg, iteration, {"advantages": advantages, "rollout": rollout, "checkpoint": checkpoint})
+    key = stage_key(
+        "update", run, cfg, iteration, {"advantages": advantages, "rollout": rollout, "checkpoint": checkpoint}
+    )
     return execute(run, cfg, iteration, advantages.scheme, advantages.options_digest, key)
 
 
@@ -54,12 +62,25 @@ def execute(run: Run, cfg: Config, iteration: int, scheme: str, options_digest: 
             cond=encode(pol, stored_prompts(run).texts, data.prompt_ids),
             sigmas=torch.from_numpy(data.sigmas).to(pol.device),
             kernel=data.kernel,
-            noise=torch.tensor(noise, dtype=torch.float32, device=pol.device) if isinstance(noise, list) else float(noise),
+            noise=torch.tensor(noise, dtype=torch.float32, device=pol.device)
+            if isinstance(noise, list)
+            else float(noise),
         )
-        summary = training.update(pol, opt, cfg, batch, generator(cfg.run.seed, "update", iteration), ema=ema,
-                                  initial=workspace.initial_lora(cfg), signal=signal if cfg.optim.diagnostics else None)
-        tensors = {"lora": workspace.lora_state(pol), "optimizer": training.optimizer_tensors(opt),
-                   "rng": {"torch": training.rng_tensor()}}
+        summary = training.update(
+            pol,
+            opt,
+            cfg,
+            batch,
+            generator(cfg.run.seed, "update", iteration),
+            ema=ema,
+            initial=workspace.initial_lora(cfg),
+            signal=signal if cfg.optim.diagnostics else None,
+        )
+        tensors = {
+            "lora": workspace.lora_state(pol),
+            "optimizer": training.optimizer_tensors(opt),
+            "rng": {"torch": training.rng_tensor()},
+        }
         if ema is not None:
             tensors["ema"] = ema
         if signal:
@@ -76,7 +97,9 @@ def stored(run: Run, iteration: int) -> UpdateResult:
     if m is None:
         raise StageError(f"run {run.run_id} has no checkpoint for iteration {iteration}")
     state = json.loads((run.stage_path(iteration, "checkpoint") / "state.json").read_text())
-    return UpdateResult(digest=m["digest"], iteration=iteration, seconds=state.get("seconds", 0.0), stats=state["update"])
+    return UpdateResult(
+        digest=m["digest"], iteration=iteration, seconds=state.get("seconds", 0.0), stats=state["update"]
+    )
 
 
 def export_lora(run: Run, cfg: Config, iteration: int) -> Path:

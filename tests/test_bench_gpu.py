@@ -19,8 +19,13 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.skipif(not (ROOT / "models" / "shapes" / "model_index.json").is_file(), reason="needs the shipped model")
 def test_gpu_script_runs_end_to_end_on_the_cpu(tmp_path):
     env = {**os.environ, "STEPGRPO_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--device", "cpu", "--small", "--out", str(tmp_path)],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gpu.py"), "--device", "cpu", "--small", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["status"] == "done"

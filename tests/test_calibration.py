@@ -42,7 +42,8 @@ def test_update_worked_example():
             [-1.0, -1.0, 1.0, 0.0],
         ]
     )
-    # |#pos - #neg| per step: |2-2| = 0 (<2: +), |3-1| = 2 (not <2: -), |4-0| = 4 (-), |0-0| = 0 (+; zeros count as neither)
+    # |#pos - #neg| per step: |2-2| = 0 (<2: +), |3-1| = 2 (not <2: -), |4-0| = 4 (-),
+    # |0-0| = 0 (+; zeros count as neither)
     psi = torch.tensor([0.5, 0.5, 0.005, 0.5])
     new = update_psi(psi, gains, eps1=2, eps2=0.01)
     torch.testing.assert_close(new, torch.tensor([0.51, 0.49, 0.0, 0.51]))  # 0.005 - 0.01 clamps to 0

@@ -67,8 +67,12 @@ def _fake_run(root, schema_version):
 
 def test_a_run_of_another_schema_version_is_refused(tmp_path):
     run = _fake_run(tmp_path, 999)
-    for args in (["rescore", str(run), "--reward", "shapes"], ["credit", str(run), "--scheme", "dense"],
-                 ["evaluate", str(run)], ["inspect", str(run)]):
+    for args in (
+        ["rescore", str(run), "--reward", "shapes"],
+        ["credit", str(run), "--scheme", "dense"],
+        ["evaluate", str(run)],
+        ["inspect", str(run)],
+    ):
         result = invoke(*args)
         assert result.exit_code == 1, (args, result.output)
         assert "schema version 999" in result.output, result.output

@@ -9,8 +9,17 @@ import pytest
 from stepgrpo.config import STAGE_FIELDS, Config, ConfigError, load_config, stage_fields
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-SHIPPED = ["demo", "flow_grpo_pickscore", "densegrpo_geneval", "tpgrpo_pickscore", "stepwise_pickscore",
-           "shapes_outcome", "shapes_stepwise", "shapes_dense", "shapes_turning_point"]
+SHIPPED = [
+    "demo",
+    "flow_grpo_pickscore",
+    "densegrpo_geneval",
+    "tpgrpo_pickscore",
+    "stepwise_pickscore",
+    "shapes_outcome",
+    "shapes_stepwise",
+    "shapes_dense",
+    "shapes_turning_point",
+]
 
 
 @pytest.mark.parametrize("name", SHIPPED)
@@ -143,7 +152,12 @@ def test_a_config_starts_from_its_base(tmp_path):
 def test_shapes_recipes_share_the_outcome_base():
     base = load_config(CONFIGS / "shapes_outcome.yaml")
     assert (base.reward.name, base.model.guidance_scale, base.sampler.window()) == ("shapes", 1.0, (0, 3))
-    assert (base.optim.optimizer_steps, base.optim.kl_beta, base.run.eval_prompts, base.run.eval_seeds) == (1, 0.0, 126, 2)
+    assert (base.optim.optimizer_steps, base.optim.kl_beta, base.run.eval_prompts, base.run.eval_seeds) == (
+        1,
+        0.0,
+        126,
+        2,
+    )
     for name, scheme in [("stepwise", "stepwise"), ("dense", "dense"), ("turning_point", "turning_point")]:
         cfg = load_config(CONFIGS / f"shapes_{name}.yaml")
         assert cfg.credit.scheme == scheme and cfg.optim == base.optim and cfg.model == base.model

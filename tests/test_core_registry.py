@@ -79,3 +79,32 @@ def test_repeat_interleave_and_batch_size():
         batch_size({"a": torch.zeros(2), "b": torch.zeros(3)})
     with pytest.raises(ValueError, match="positive int"):
         repeat_interleave(cond, 0)
+
+
+def test_entries_declare_facts_over_the_registry_defaults():
+    reg = Registry("thing", fast=False)
+
+    @reg.register("a", fast=True)
+    def a():
+        return 1
+
+    @reg.register("b")
+    def b():
+        return 2
+
+    assert reg.facts("a")["fast"] is True and reg.facts("b")["fast"] is False
+    with pytest.raises(ValueError, match="unknown facts"):
+        reg.register("c", slow=True)
+    with pytest.raises(UnknownNameError):
+        reg.facts("missing")
+    with pytest.raises(TypeError):
+        reg.facts("a")["fast"] = False  # read-only
+
+
+def test_the_variants_carry_the_facts_the_pipeline_reads():
+    from stepgrpo_core.credit import SCHEMES
+    from stepgrpo_core.kernels import KERNELS
+
+    assert [k for k in KERNELS if KERNELS.facts(k)["calibrated"]] == ["psi"]
+    assert KERNELS.facts("psi")["calibrate_with"] in SCHEMES
+    assert [s for s in SCHEMES if not SCHEMES.facts(s)["step_rewards"]] == ["outcome"]

@@ -60,8 +60,18 @@ def ref_turning(R, consistency=True, first_step=True, balance=True):
                 ok = sign(step[b][k]) * sign(R[b][T] - R[b][k + 1]) > 0
             turn[b][k] = ok
     if balance:
-        pos = [(-abs(R[b][T] - R[b][k]), b * T + k) for b in range(B) for k in range(T) if turn[b][k] and R[b][T] - R[b][k] > 0]
-        neg = [(-abs(R[b][T] - R[b][k]), b * T + k) for b in range(B) for k in range(T) if turn[b][k] and R[b][T] - R[b][k] < 0]
+        pos = [
+            (-abs(R[b][T] - R[b][k]), b * T + k)
+            for b in range(B)
+            for k in range(T)
+            if turn[b][k] and R[b][T] - R[b][k] > 0
+        ]
+        neg = [
+            (-abs(R[b][T] - R[b][k]), b * T + k)
+            for b in range(B)
+            for k in range(T)
+            if turn[b][k] and R[b][T] - R[b][k] < 0
+        ]
         n = min(len(pos), len(neg))
         kept = {i for _, i in sorted(pos)[:n]} | {i for _, i in sorted(neg)[:n]}
         turn = [[b * T + k in kept for k in range(T)] for b in range(B)]
@@ -311,7 +321,9 @@ def test_options_are_validated():
     assert scheme_options("turning_point") == {"consistency": True, "first_step": True, "balance": True}
     assert scheme_options("outcome") == {"global_std": True}
     rewards, gids = random_batch()
-    with pytest.raises(TypeError, match=r"no option\(s\) \['balanced'\]; valid options: \['balance', 'consistency', 'first_step'\]"):
+    with pytest.raises(
+        TypeError, match=r"no option\(s\) \['balanced'\]; valid options: \['balance', 'consistency', 'first_step'\]"
+    ):
         assign("turning_point", rewards, gids, balanced=True)
     with pytest.raises(TypeError, match="valid options: none"):
         assign("stepwise", rewards, gids, global_std=True)

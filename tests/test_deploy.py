@@ -33,8 +33,13 @@ def server(tmp_path_factory):
     port = free_port()
     env = dict(os.environ, PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", COLUMNS="250")
     env.pop("PREFECT_API_URL", None)
-    proc = subprocess.Popen([*PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [*PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}/api"
     try:
         deadline = time.monotonic() + 120

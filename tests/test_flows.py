@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from stepgrpo import workspace
+from stepgrpo.config import load_config
 from stepgrpo.errors import StageError
 from stepgrpo.prompts import stored_prompts
-from stepgrpo.sampling import encode
-from stepgrpo.config import load_config
 from stepgrpo.rewards.base import RewardOutput
+from stepgrpo.sampling import encode
 
 pytestmark = pytest.mark.slow
 
@@ -45,10 +45,21 @@ def tiny_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tiny(tiny_model) -> list[str]:
     return [
-        f"model.path={tiny_model}", "model.lora_rank=4", "model.lora_alpha=8", "model.guidance_scale=1.0",
-        "sampler.steps=4", "sampler.eval_steps=4", "reward.name=jpeg_compressibility", "credit.scheme=stepwise",
-        "run.iterations=2", "run.prompts_per_iteration=2", "run.group_size=3", "run.eval_prompts=4",
-        "optim.micro_batch=3", "optim.lr=1e-3", "optim.clip_range=0.05",
+        f"model.path={tiny_model}",
+        "model.lora_rank=4",
+        "model.lora_alpha=8",
+        "model.guidance_scale=1.0",
+        "sampler.steps=4",
+        "sampler.eval_steps=4",
+        "reward.name=jpeg_compressibility",
+        "credit.scheme=stepwise",
+        "run.iterations=2",
+        "run.prompts_per_iteration=2",
+        "run.group_size=3",
+        "run.eval_prompts=4",
+        "optim.micro_batch=3",
+        "optim.lr=1e-3",
+        "optim.clip_range=0.05",
     ]
 
 
@@ -95,12 +106,30 @@ def test_train_runs_every_stage_and_tracks_it(trained):
     exp = client.get_experiment_by_name("stepgrpo")
     (mlrun,) = client.search_runs([exp.experiment_id])
     assert mlrun.data.params["credit.scheme"] == "stepwise"
-    for metric in ("reward/mean", "clip_frac", "approx_kl", "ratio/mean", "zero_std_ratio", "gain/step_0",
-                   "nfe/complete", "seconds/update", "eval/mean",
-                   # the learning diagnostics
-                   "reward/ode_mean", "reward/group_std", "reward/zero_std_groups", "clip_frac/first",
-                   "zero_grad_frac/first", "ratio/std", "signal_cosine", "lora/distance", "lora/update_norm",
-                   "grad_energy_share/step_0", "grad_energy_share/step_2", "nfe/ode_reference"):
+    for metric in (
+        "reward/mean",
+        "clip_frac",
+        "approx_kl",
+        "ratio/mean",
+        "zero_std_ratio",
+        "gain/step_0",
+        "nfe/complete",
+        "seconds/update",
+        "eval/mean",
+        # the learning diagnostics
+        "reward/ode_mean",
+        "reward/group_std",
+        "reward/zero_std_groups",
+        "clip_frac/first",
+        "zero_grad_frac/first",
+        "ratio/std",
+        "signal_cosine",
+        "lora/distance",
+        "lora/update_norm",
+        "grad_energy_share/step_0",
+        "grad_energy_share/step_2",
+        "nfe/ode_reference",
+    ):
         assert metric in mlrun.data.metrics, metric
     assert len(client.get_metric_history(mlrun.info.run_id, "reward/mean")) == 2
     artifacts = {a.path for a in client.list_artifacts(mlrun.info.run_id)}
@@ -207,8 +236,10 @@ def test_rescore_without_stored_images_loads_only_the_vae(trained, tmp_path, mon
     # decoding again gives the bytes the training run stored, so the rewards are the same
     ours, theirs = Run.open(copy), Run.open(trained["run_dir"])
     for i in (0, 1):
-        assert ours.read_images(i, "completions/remaining").images.tobytes() == \
-            theirs.read_images(i, "completions/remaining").images.tobytes()
+        assert (
+            ours.read_images(i, "completions/remaining").images.tobytes()
+            == theirs.read_images(i, "completions/remaining").images.tobytes()
+        )
         assert torch.equal(ours.reward_grid(i, "jpeg_compressibility"), theirs.reward_grid(i, "jpeg_compressibility"))
     again = rescore(str(copy), "shapes", iterations=[0])  # cached task
     assert again["scores"][0] == out["scores"][0] and decodes["rows"] == 52
@@ -229,9 +260,8 @@ def test_credit_recomputes_advantages_from_stored_rewards(trained, calls):
 
 def test_nan_rewards_fail_the_stage_naming_the_rows(trained, monkeypatch):
     from flows.rescore import rescore
-    from storage.run import Run
-
     from stepgrpo.rewards import REWARDS
+    from storage.run import Run
 
     class NanReward:
         name, version = "nan_test", "1"
@@ -261,8 +291,17 @@ def test_evaluate_flow_reuses_the_stored_evaluation(trained, calls):
 def test_psi_kernel_calibrates_then_trains(harness, tiny, tmp_path, calls):
     from flows.train import train
 
-    out = train(overrides=[*tiny, "sampler.kernel=psi", "credit.scheme=dense", "run.iterations=1",
-                           "calibration.rounds=2", "calibration.prompts=2"], run_dir=str(tmp_path / "psi"))
+    out = train(
+        overrides=[
+            *tiny,
+            "sampler.kernel=psi",
+            "credit.scheme=dense",
+            "run.iterations=1",
+            "calibration.rounds=2",
+            "calibration.prompts=2",
+        ],
+        run_dir=str(tmp_path / "psi"),
+    )
     psi = json.loads((tmp_path / "psi" / "calibration" / "psi.json").read_text())
     assert len(psi["psi"]) == 4 and len(psi["rounds"]) == 2
     assert calls["calibrate"] == 1 and out["iterations"][0]["iteration"] == 0
@@ -272,9 +311,19 @@ def test_outcome_without_completion_scores_final_samples_only(harness, tiny, tmp
     from flows.train import train
     from storage.run import Run
 
-    out = train(overrides=[*tiny, "completion.method=null", "credit.scheme=outcome", "run.iterations=1",
-                           "optim.ema_decay=0.5", "optim.optimizer_steps=2", "sampler.sde_window_start=1",
-                           "sampler.sde_window_size=2"], run_dir=str(tmp_path / "outcome"))
+    out = train(
+        overrides=[
+            *tiny,
+            "completion.method=null",
+            "credit.scheme=outcome",
+            "run.iterations=1",
+            "optim.ema_decay=0.5",
+            "optim.optimizer_steps=2",
+            "sampler.sde_window_start=1",
+            "sampler.sde_window_size=2",
+        ],
+        run_dir=str(tmp_path / "outcome"),
+    )
     run = Run.open(out["run_dir"])
     assert set(run.read_rewards(0).column("k").to_pylist()) == {0, 4}  # R_0: the ODE sample of x_0
     assert not (Path(out["run_dir"]) / "iter_0" / "completions").exists()
@@ -290,8 +339,10 @@ def test_states_after_the_sde_window_are_not_recomputed(harness, tiny, tmp_path)
     from stepgrpo_core.completions import complete
     from storage.run import Run
 
-    out = train(overrides=[*tiny, "completion.method=remaining", "run.iterations=1", "sampler.sde_window_size=2"],
-                run_dir=str(tmp_path / "window"))
+    out = train(
+        overrides=[*tiny, "completion.method=remaining", "run.iterations=1", "sampler.sde_window_size=2"],
+        run_dir=str(tmp_path / "window"),
+    )
     run = Run.open(out["run_dir"])
     m = run.stage_manifest(0, "completions/remaining")
     assert m["attrs"]["nfe"] == 6 * (4 + 3)  # B = 6; x_0 and x_1 need T - k steps, x_2.. x_4 are x_T
@@ -305,8 +356,14 @@ def test_states_after_the_sde_window_are_not_recomputed(harness, tiny, tmp_path)
     data = run.read_rollout(0)
     texts, _, meta = stored_prompts(run)
     with torch.no_grad():
-        full = complete("remaining", pol.velocity, torch.from_numpy(data.states), torch.from_numpy(data.sigmas),
-                        encode(pol, texts, data.prompt_ids), 64)
+        full = complete(
+            "remaining",
+            pol.velocity,
+            torch.from_numpy(data.states),
+            torch.from_numpy(data.sigmas),
+            encode(pol, texts, data.prompt_ids),
+            64,
+        )
     stored = run.read_completion(0, "remaining").latents
     torch.testing.assert_close(full.latents, torch.from_numpy(stored), rtol=0, atol=1e-5)
     reward = workspace.reward(cfg.reward)
@@ -332,8 +389,13 @@ def test_outcome_runs_store_the_ode_sample_of_each_group(harness, tiny, tmp_path
     cfg = load_config(None, overrides)
     pol = workspace.policy_at(run, cfg, 0)
     texts, _, _ = stored_prompts(run)
-    ode = rollout(pol.velocity, torch.from_numpy(data.states[:, 0]), torch.from_numpy(data.sigmas),
-                  encode(pol, texts, data.prompt_ids), kernel="ode").states[:, -1]
+    ode = rollout(
+        pol.velocity,
+        torch.from_numpy(data.states[:, 0]),
+        torch.from_numpy(data.sigmas),
+        encode(pol, texts, data.prompt_ids),
+        kernel="ode",
+    ).states[:, -1]
     torch.testing.assert_close(ode_final, ode, rtol=0, atol=1e-5)
     grid = run.reward_grid(0, "jpeg_compressibility")
     assert bool(torch.isfinite(grid[:, 0]).all()) and bool(torch.isfinite(grid[:, -1]).all())
@@ -344,8 +406,11 @@ def _stored_overrides(trained: dict) -> list[str]:
     from storage.run import Run
 
     cfg = Run.open(trained["run_dir"]).config
-    return [f"{k}={json.dumps(v)}" for k, v in load_config(None, []).model_validate(cfg).flat().items()
-            if not k.endswith(".options")]
+    return [
+        f"{k}={json.dumps(v)}"
+        for k, v in load_config(None, []).model_validate(cfg).flat().items()
+        if not k.endswith(".options")
+    ]
 
 
 SHIPPED = Path(__file__).resolve().parents[1] / "models" / "shapes"
@@ -356,12 +421,36 @@ def test_end_to_end_on_the_shipped_shapes_model(harness, tmp_path):
     from flows.train import train
     from storage.run import Run
 
-    out = train(config_path=str(SHIPPED.parents[1] / "configs" / "demo.yaml"), run_dir=str(tmp_path / "shapes"),
-                overrides=["reward.name=shapes", "run.iterations=2", "run.prompts_per_iteration=2", "run.group_size=4", "run.eval_prompts=8",
-                           "sampler.steps=4", "sampler.eval_steps=4"])
+    out = train(
+        config_path=str(SHIPPED.parents[1] / "configs" / "demo.yaml"),
+        run_dir=str(tmp_path / "shapes"),
+        overrides=[
+            "reward.name=shapes",
+            "run.iterations=2",
+            "run.prompts_per_iteration=2",
+            "run.group_size=4",
+            "run.eval_prompts=8",
+            "sampler.steps=4",
+            "sampler.eval_steps=4",
+        ],
+    )
     assert [e["label"] for e in out["evaluations"]] == ["base", "iter_1"]
     for e in out["evaluations"]:
         assert 0.0 <= e["reward_mean"] <= 1.0 and 0.0 <= e["reward_strict"] <= 1.0
     grid = Run.open(out["run_dir"]).reward_grid(1, "shapes")
     # the demo is outcome credit: R_0 (the ODE sample of each group's noise) and R_T are scored
     assert grid.shape == (8, 5) and bool(torch.isfinite(grid[:, [0, 4]]).all()) and bool(grid[:, 1:4].isnan().all())
+
+
+def test_the_credit_flow_loads_no_model(trained, monkeypatch):
+    from flows.credit import credit
+    from stepgrpo import rewards
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the credit flow loaded a model")
+
+    for name in ("policy", "decoder", "model_identity"):
+        monkeypatch.setattr(workspace, name, refuse)
+    monkeypatch.setattr(rewards, "build_reward", refuse)
+    out = credit(trained["run_dir"], "dense")
+    assert [a["scheme"] for a in out["advantages"]] == ["dense", "dense"]

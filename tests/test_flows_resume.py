@@ -28,15 +28,33 @@ def setup(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("resume")
     build_pipeline(tiny_spec(), seed=0).save_pretrained(str(root / "model"))
-    env = dict(os.environ, PREFECT_HOME=str(root / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               MLFLOW_DISABLE_TELEMETRY="true", PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="120",
-               STEPGRPO_THREADS="1", MLFLOW_TRACKING_URI=f"sqlite:///{root / 'mlflow.db'}")  # one store: migrate once
+    env = dict(
+        os.environ,
+        PREFECT_HOME=str(root / "prefect-home"),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        MLFLOW_DISABLE_TELEMETRY="true",
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="120",
+        STEPGRPO_THREADS="1",
+        MLFLOW_TRACKING_URI=f"sqlite:///{root / 'mlflow.db'}",
+    )  # one store: migrate once
     env.pop("PREFECT_API_URL", None)
     overrides = [
-        f"model.path={root / 'model'}", "model.lora_rank=4", "model.lora_alpha=8", "model.guidance_scale=2.0",
-        "sampler.steps=4", "sampler.eval_steps=4", "reward.name=jpeg_compressibility", "credit.scheme=dense",
-        "run.iterations=2", "run.prompts_per_iteration=2", "run.group_size=4", "run.eval_prompts=2",
-        "optim.micro_batch=4", "optim.lr=1e-3", "optim.clip_range=0.05", "optim.kl_beta=0.01",
+        f"model.path={root / 'model'}",
+        "model.lora_rank=4",
+        "model.lora_alpha=8",
+        "model.guidance_scale=2.0",
+        "sampler.steps=4",
+        "sampler.eval_steps=4",
+        "reward.name=jpeg_compressibility",
+        "credit.scheme=dense",
+        "run.iterations=2",
+        "run.prompts_per_iteration=2",
+        "run.group_size=4",
+        "run.eval_prompts=2",
+        "optim.micro_batch=4",
+        "optim.lr=1e-3",
+        "optim.clip_range=0.05",
+        "optim.kl_beta=0.01",
     ]
     return root, env, overrides
 
@@ -50,18 +68,28 @@ def command(run_dir: Path, overrides: list[str]) -> list[str]:
 
 def published(run_dir: Path) -> dict[str, str]:
     """Every published stage manifest's publish time, by path."""
-    return {str(p.parent.relative_to(run_dir)): json.loads(p.read_text())["published_at"] + json.loads(p.read_text())["digest"]
-            for p in run_dir.rglob("_published.json")}
+    return {
+        str(p.parent.relative_to(run_dir)): json.loads(p.read_text())["published_at"]
+        + json.loads(p.read_text())["digest"]
+        for p in run_dir.rglob("_published.json")
+    }
 
 
 def test_kill_9_mid_iteration_then_resume_is_bit_identical(setup):
     root, env, overrides = setup
-    clean = subprocess.run(command(root / "runs" / "clean", overrides), env=env, capture_output=True, text=True, timeout=600)
+    clean = subprocess.run(
+        command(root / "runs" / "clean", overrides), env=env, capture_output=True, text=True, timeout=600
+    )
     assert clean.returncode == 0, clean.stdout[-3000:] + clean.stderr[-3000:]
 
     run_dir = root / "runs" / "killed"
-    proc = subprocess.Popen(command(run_dir, overrides), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        command(run_dir, overrides),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 300
     while not (run_dir / KILL_AT).exists():
         assert proc.poll() is None, "the run ended before it could be killed"
@@ -85,5 +113,7 @@ def test_kill_9_mid_iteration_then_resume_is_bit_identical(setup):
         assert a.keys() == b.keys()
         for name in a:
             assert a[name].equal(b[name]), (i, name)
-    exported = [load_file(str(d / "lora" / "pytorch_lora_weights.safetensors")) for d in (root / "runs" / "clean", run_dir)]
+    exported = [
+        load_file(str(d / "lora" / "pytorch_lora_weights.safetensors")) for d in (root / "runs" / "clean", run_dir)
+    ]
     assert all(exported[0][k].equal(exported[1][k]) for k in exported[0])

@@ -108,7 +108,12 @@ def test_color_attr_two_objects_each_with_its_colour():
         "include": [{"class": "dog", "count": 1, "color": "red"}, {"class": "cat", "count": 1, "color": "blue"}],
     }
     swapped = [det("dog", 0.9, (0, 0, 5, 5), "blue"), det("cat", 0.9, (10, 0, 15, 5), "red")]
-    assert met(check(spec, swapped)) == [("count", 0, True), ("color", 0, False), ("count", 1, True), ("color", 1, False)]
+    assert met(check(spec, swapped)) == [
+        ("count", 0, True),
+        ("color", 0, False),
+        ("count", 1, True),
+        ("color", 1, False),
+    ]
     right = [det("dog", 0.9, (0, 0, 5, 5), "red"), det("cat", 0.9, (10, 0, 15, 5), "blue")]
     assert all(r.met for r in check(spec, right))
 
@@ -131,13 +136,26 @@ def test_position_against_the_target_clause():
 def test_two_object_and_exclude():
     spec = {"tag": "two_object", "include": [{"class": "dog", "count": 1}, {"class": "cat", "count": 1}]}
     assert met(check(spec, [det("dog", 0.9, (0, 0, 5, 5))])) == [("count", 0, True), ("count", 1, False)]
-    single = {"tag": "single_object", "include": [{"class": "dog", "count": 1}], "exclude": [{"class": "cat", "count": 1}]}
-    assert met(check(single, [det("dog", 0.9, (0, 0, 5, 5)), det("cat", 0.4, (9, 9, 12, 12))]))[-1] == ("exclude", 0, False)
+    single = {
+        "tag": "single_object",
+        "include": [{"class": "dog", "count": 1}],
+        "exclude": [{"class": "cat", "count": 1}],
+    }
+    assert met(check(single, [det("dog", 0.9, (0, 0, 5, 5)), det("cat", 0.4, (9, 9, 12, 12))]))[-1] == (
+        "exclude",
+        0,
+        False,
+    )
 
 
 def test_aggregate_strict_vs_partial():
     rows = [
-        [Requirement("count", 0, True), Requirement("color", 0, False), Requirement("count", 1, True), Requirement("color", 1, True)],
+        [
+            Requirement("count", 0, True),
+            Requirement("color", 0, False),
+            Requirement("count", 1, True),
+            Requirement("color", 1, True),
+        ],
         [Requirement("count", 0, True), Requirement("exclude", 0, True)],
         [Requirement("count", 0, False), Requirement("count", 1, True), Requirement("position", 1, False)],
     ]
@@ -181,17 +199,37 @@ def tiny_mask2former_dir(path):
 
     The class head's bias makes every query a confident "dog", so detections are certain to exist.
     """
-    from transformers import Mask2FormerConfig, Mask2FormerForUniversalSegmentation, Mask2FormerImageProcessor, SwinConfig
+    from transformers import (
+        Mask2FormerConfig,
+        Mask2FormerForUniversalSegmentation,
+        Mask2FormerImageProcessor,
+        SwinConfig,
+    )
 
     backbone = SwinConfig(
-        image_size=64, patch_size=4, embed_dim=16, depths=[1, 1, 1, 1], num_heads=[1, 1, 1, 1], window_size=4,
+        image_size=64,
+        patch_size=4,
+        embed_dim=16,
+        depths=[1, 1, 1, 1],
+        num_heads=[1, 1, 1, 1],
+        window_size=4,
         out_features=["stage1", "stage2", "stage3", "stage4"],
     )
     # feature sizes are multiples of 32: the pixel decoder uses GroupNorm(32, .)
     config = Mask2FormerConfig(
-        backbone_config=backbone, use_pretrained_backbone=False, hidden_dim=32, feature_size=32, mask_feature_size=32,
-        encoder_layers=1, decoder_layers=2, num_queries=8, encoder_feedforward_dim=32, dim_feedforward=32,
-        num_attention_heads=2, id2label=LABELS, label2id={v: k for k, v in LABELS.items()},
+        backbone_config=backbone,
+        use_pretrained_backbone=False,
+        hidden_dim=32,
+        feature_size=32,
+        mask_feature_size=32,
+        encoder_layers=1,
+        decoder_layers=2,
+        num_queries=8,
+        encoder_feedforward_dim=32,
+        dim_feedforward=32,
+        num_attention_heads=2,
+        id2label=LABELS,
+        label2id={v: k for k, v in LABELS.items()},
     )
     torch.manual_seed(0)
     model = Mask2FormerForUniversalSegmentation(config)
@@ -223,7 +261,9 @@ def reference_dogs(detector_dir, images):
     processor = AutoImageProcessor.from_pretrained(detector_dir)
     with torch.no_grad():
         out = model(**processor(images=to_pil(images), return_tensors="pt"))
-    results = processor.post_process_instance_segmentation(out, threshold=0.3, target_sizes=[images.shape[-2:]] * len(images))
+    results = processor.post_process_instance_segmentation(
+        out, threshold=0.3, target_sizes=[images.shape[-2:]] * len(images)
+    )
     return [sum(s["label_id"] == 0 and s["score"] > 0.3 for s in r["segments_info"]) for r in results]
 
 
@@ -238,11 +278,21 @@ def test_counts_match_a_direct_detection(reward, model_dirs):
     images = torch.rand(3, 3, 48, 48, generator=torch.Generator().manual_seed(1))
     dogs = reference_dogs(model_dirs[0], images)
     assert all(1 <= k <= 8 for k in dogs), dogs
-    exact = [{"tag": "counting", "include": [{"class": "dog", "count": k}], "exclude": [{"class": "dog", "count": k + 1}]} for k in dogs]
+    exact = [
+        {"tag": "counting", "include": [{"class": "dog", "count": k}], "exclude": [{"class": "dog", "count": k + 1}]}
+        for k in dogs
+    ]
     out = reward(images, ["p"] * 3, exact)
     assert torch.equal(out.strict, torch.ones(3)) and torch.equal(out.scores, torch.ones(3))
     # one more dog than detected: count fails, exclude holds -> 1/2
-    more = [{"tag": "counting", "include": [{"class": "dog", "count": k + 1}], "exclude": [{"class": "dog", "count": k + 2}]} for k in dogs]
+    more = [
+        {
+            "tag": "counting",
+            "include": [{"class": "dog", "count": k + 1}],
+            "exclude": [{"class": "dog", "count": k + 2}],
+        }
+        for k in dogs
+    ]
     out = reward(images, ["p"] * 3, more)
     assert torch.equal(out.strict, torch.zeros(3)) and torch.equal(out.scores, torch.full((3,), 0.5))
     cats = reward(images, ["p"] * 3, [{"tag": "single_object", "include": [{"class": "cat", "count": 1}]}] * 3)
@@ -271,7 +321,9 @@ def test_colour_classifier_matches_a_direct_clip(reward, model_dirs):
             img = model.get_image_features(**processor(images=[c], return_tensors="pt"))
             img = torch.nn.functional.normalize(getattr(img, "pooler_output", img), dim=-1)[0]
             texts = [t.format(colour=col, cls=cls) for col in COLOURS for t in TEMPLATES]
-            txt = model.get_text_features(**processor.tokenizer(texts, padding=True, truncation=True, max_length=32, return_tensors="pt"))
+            txt = model.get_text_features(
+                **processor.tokenizer(texts, padding=True, truncation=True, max_length=32, return_tensors="pt")
+            )
             txt = torch.nn.functional.normalize(getattr(txt, "pooler_output", txt), dim=-1)
             clf = torch.nn.functional.normalize(txt.reshape(len(COLOURS), len(TEMPLATES), -1).mean(1), dim=-1)
             expected.append(COLOURS[int((clf @ img).argmax())])

@@ -62,10 +62,19 @@ def reward(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("scheme", ["outcome", "stepwise", "dense", "turning_point"])
 def test_grpo_moves_the_policy_towards_the_reward(scheme):
     torch.manual_seed(0)
-    cfg = load_config(None, [
-        f"credit.scheme={scheme}", f"sampler.steps={T}", "optim.lr=0.05", "optim.clip_range=0.2", "optim.kl_beta=0",
-        "optim.weight_decay=0", "optim.micro_batch=8", "optim.max_grad_norm=100",
-    ])
+    cfg = load_config(
+        None,
+        [
+            f"credit.scheme={scheme}",
+            f"sampler.steps={T}",
+            "optim.lr=0.05",
+            "optim.clip_range=0.2",
+            "optim.kl_beta=0",
+            "optim.weight_decay=0",
+            "optim.micro_batch=8",
+            "optim.max_grad_norm=100",
+        ],
+    )
     pol = ToyPolicy()
     opt = training.make_optimizer(pol.trainable_parameters(), cfg)
     sigmas = torch.linspace(1, 0, T + 1)
@@ -82,8 +91,13 @@ def test_grpo_moves_the_policy_towards_the_reward(scheme):
                 rewards = reward(complete("remaining", pol.velocity, out.states, sigmas, None, 64).latents)
         means.append(float(rewards[:, -1].mean()))
         credit = assign(scheme, rewards, group_ids)
-        training.update(pol, opt, cfg, training.Batch(out.states, out.log_probs, credit.advantages, group_ids, None, sigmas, "flow", 0.7),
-                        torch.Generator().manual_seed(it))
+        training.update(
+            pol,
+            opt,
+            cfg,
+            training.Batch(out.states, out.log_probs, credit.advantages, group_ids, None, sigmas, "flow", 0.7),
+            torch.Generator().manual_seed(it),
+        )
     start = float(((torch.zeros(2, 1, 1) - TARGET) ** 2).sum().sqrt())
     end = float(((pol.transformer.mu.detach() - TARGET) ** 2).sum().sqrt())
     assert end < 0.5 * start, (scheme, start, end)

@@ -225,7 +225,7 @@ def test_flow_sde_approaches_marginals_as_steps_shrink():
     assert all(a > b for a, b in zip(errors, errors[1:])), errors
     assert errors[-1] < 0.01 and errors[0] > 0.1, errors
     # The exact `ode` step keeps the marginals with any grid (the point-mass flow is straight).
-    for s_next, m, sd in _exact_moments("ode", None, torch.linspace(1, 0, 5)):
+    for s_next, _m, sd in _exact_moments("ode", None, torch.linspace(1, 0, 5)):
         torch.testing.assert_close(sd, torch.full_like(sd, s_next), atol=1e-6, rtol=0)
 
 

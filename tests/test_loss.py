@@ -56,11 +56,28 @@ def test_ratio_exactly_one_on_policy():
     sigmas = torch.tensor([1.0, 0.8, 0.5, 0.2, 0.0])
     cond = torch.tensor([0.1, -0.2, 0.3])
     with torch.no_grad():
-        out = rollout(velocity, torch.randn(3, 2, 4, 4, generator=g), sigmas, cond, kernel="flow", noise=0.7, window=(1, 2), generator=g)
+        out = rollout(
+            velocity,
+            torch.randn(3, 2, 4, 4, generator=g),
+            sigmas,
+            cond,
+            kernel="flow",
+            noise=0.7,
+            window=(1, 2),
+            generator=g,
+        )
     adv = torch.tensor([1.0, -0.5, 2.0])
     for k in (1, 2):
         new = step_log_prob(velocity, out.states, sigmas, cond, k, "flow", 0.7)
-        loss = grpo_loss(new.log_prob, out.log_probs[:, k], adv, mean=new.mean, ref_mean=new.mean.detach(), kl_std=new.std, kl_beta=0.04)
+        loss = grpo_loss(
+            new.log_prob,
+            out.log_probs[:, k],
+            adv,
+            mean=new.mean,
+            ref_mean=new.mean.detach(),
+            kl_std=new.std,
+            kl_beta=0.04,
+        )
         assert loss.ratio_mean == 1.0 and loss.ratio_min == 1.0 and loss.ratio_max == 1.0
         assert loss.clip_frac == 0.0 and loss.approx_kl == 0.0 and loss.kl.item() == 0.0
         assert loss.loss.item() == pytest.approx(-adv.mean().item())
@@ -104,7 +121,9 @@ def test_flow_grpo_kl_form_is_the_exact_kl_with_beta_times_dt():
     zeros = torch.zeros(2)
     eps = diffusion_coefficient("flow", std, sigma, sigma_next)
     flow_grpo = grpo_loss(zeros, zeros, zeros, kl_beta=0.04, mean=mean, ref_mean=ref_mean, kl_std=eps)
-    exact = grpo_loss(zeros, zeros, zeros, kl_beta=0.04 * (sigma - sigma_next), mean=mean, ref_mean=ref_mean, kl_std=std)
+    exact = grpo_loss(
+        zeros, zeros, zeros, kl_beta=0.04 * (sigma - sigma_next), mean=mean, ref_mean=ref_mean, kl_std=std
+    )
     # Flow-GRPO's expression, written out: mean_CHW((mu - mu_ref)^2) / (2 eps_t^2), eps_t = 0.7 sqrt(s / (1 - s))
     by_hand = (((mean - ref_mean) ** 2).mean(dim=(1, 2, 3)) / (2 * (0.7**2 * sigma / (1 - sigma)))).mean()
     torch.testing.assert_close(flow_grpo.kl, by_hand, rtol=1e-5, atol=0)

@@ -125,8 +125,14 @@ def test_ode_rollout_reproduces_the_pipeline(base_dir, guidance_scale):
     # decoding matches the pipeline's own VAE decode + postprocess
     images = policy.decode(ours.states[:, -1])
     pipe = fresh_pipe(base_dir)
-    expected = pipe(PROMPTS, latents=x0, num_inference_steps=STEPS, guidance_scale=guidance_scale,
-                    max_sequence_length=0, output_type="pt").images
+    expected = pipe(
+        PROMPTS,
+        latents=x0,
+        num_inference_steps=STEPS,
+        guidance_scale=guidance_scale,
+        max_sequence_length=0,
+        output_type="pt",
+    ).images
     assert images.shape == (3, 3, 32, 32) and 0 <= images.min() and images.max() <= 1
     assert torch.allclose(images, expected, atol=1e-5)
 

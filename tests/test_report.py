@@ -17,7 +17,11 @@ def test_paired_gain_is_the_mean_difference_with_a_t_interval():
     mean, lo, hi = paired_gain(before, after)
     # differences 0.1, 0.2, 0.0: mean 0.1, sample sd 0.1, t(0.975, 2) = 4.303
     half = 4.302653 * 0.1 / math.sqrt(3)
-    assert mean == pytest.approx(0.1) and lo == pytest.approx(0.1 - half, abs=1e-6) and hi == pytest.approx(0.1 + half, abs=1e-6)
+    assert (
+        mean == pytest.approx(0.1)
+        and lo == pytest.approx(0.1 - half, abs=1e-6)
+        and hi == pytest.approx(0.1 + half, abs=1e-6)
+    )
     assert paired_gain(before, {**after, "seeds": 2}) is None  # not the same samples
     assert paired_gain({"prompts": 3, "seeds": 1}, after) is None  # an old record without scores
 

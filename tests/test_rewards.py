@@ -40,7 +40,16 @@ class Constant:
 
 
 def test_registry_lists_every_scorer():
-    expected = {"shapes", "ocr", "jpeg_compressibility", "jpeg_incompressibility", "pickscore", "clipscore", "aesthetic", "weighted"}
+    expected = {
+        "shapes",
+        "ocr",
+        "jpeg_compressibility",
+        "jpeg_incompressibility",
+        "pickscore",
+        "clipscore",
+        "aesthetic",
+        "weighted",
+    }
     assert expected <= set(REWARDS.names())
     with pytest.raises(ValueError, match="known rewards"):
         build_reward("pickscroe")
@@ -94,9 +103,13 @@ def test_spec_forms_build_the_same_reward():
         }
     )
     scores = [r(images, ["x", "y"], [{}, {}]).scores for r in (from_string, from_mapping, from_list)]
-    assert torch.allclose(scores[0], -0.75 * build_reward("jpeg_incompressibility")(images, ["x", "y"], [{}, {}]).scores)
+    assert torch.allclose(
+        scores[0], -0.75 * build_reward("jpeg_incompressibility")(images, ["x", "y"], [{}, {}]).scores
+    )
     assert torch.equal(scores[0], scores[1]) and torch.equal(scores[0], scores[2])
-    assert from_string.name == from_mapping.name == from_list.name == "jpeg_compressibility:1,jpeg_incompressibility:0.25"
+    assert (
+        from_string.name == from_mapping.name == from_list.name == "jpeg_compressibility:1,jpeg_incompressibility:0.25"
+    )
     with pytest.raises(ValueError, match="not a number"):
         build_reward("jpeg_compressibility:heavy")
     with pytest.raises(ValueError, match="known rewards"):
@@ -119,7 +132,9 @@ def tiny_clip_dir(path, projection_dim=8):
     )
     small = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
     config = CLIPConfig(
-        text_config=dict(vocab_size=len(tokens), max_position_embeddings=32, bos_token_id=0, eos_token_id=1, pad_token_id=1, **small),
+        text_config=dict(
+            vocab_size=len(tokens), max_position_embeddings=32, bos_token_id=0, eos_token_id=1, pad_token_id=1, **small
+        ),
         vision_config=dict(image_size=32, patch_size=8, **small),
         projection_dim=projection_dim,
     )
@@ -185,3 +200,45 @@ def test_image_and_prompt_count_mismatch_is_an_error(clip_dir):
     with pytest.raises(ValueError, match="2 images but 1 prompts"):
         reward(torch.rand(2, 3, 32, 32), ["one"], [{}])
 
+
+def test_every_reward_declares_its_identity_without_loading_a_model(monkeypatch):
+    from stepgrpo import rewards
+
+    for name in rewards.REWARDS:
+        assert rewards.REWARDS.facts(name)["identity"] is not None, name
+    # the identities of rewards whose weights are not on this machine come from their options alone
+    assert rewards.reward_identity("pickscore") == ("pickscore", "1")
+    assert rewards.reward_identity({"name": "pickscore", "options": {"scale": 1.0}}) == ("pickscore", "1+x1")
+    assert rewards.reward_identity({"name": "clipscore", "options": {"model": "/m/my-clip"}}) == (
+        "clipscore",
+        "1+my-clip",
+    )
+    assert rewards.reward_identity({"name": "geneval", "options": {"threshold": 0.5}})[1].startswith("1+t0.5")
+    with pytest.raises(TypeError, match="pickscore"):
+        rewards.reward_identity({"name": "pickscore", "options": {"no_such_option": 1}})
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "shapes",
+        "jpeg_compressibility",
+        {"name": "jpeg_incompressibility", "options": {"quality": 80}},
+        "ocr",
+        "shapes:1.0,jpeg_compressibility:0.1",
+        {
+            "name": "weighted",
+            "options": {
+                "parts": [
+                    {"name": "shapes"},
+                    {"name": "jpeg_compressibility", "weight": 0.2, "options": {"quality": 50}},
+                ]
+            },
+        },
+    ],
+)
+def test_declared_identity_is_the_built_rewards(spec):
+    from stepgrpo.rewards import build_reward, reward_identity
+
+    built = build_reward(spec)
+    assert reward_identity(spec) == (built.name, built.version)

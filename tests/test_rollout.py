@@ -38,7 +38,16 @@ def test_ode_rollout_is_euler_loop():
 @pytest.mark.parametrize("kind", ["flow", "cps", "ddim", "psi"])
 def test_shapes_window_and_nfe(kind):
     x0, cond = make()
-    out = rollout(nonlinear_velocity, x0, SIGMAS, cond, kernel=kind, noise=NOISE[kind], window=(1, 3), generator=torch.Generator().manual_seed(1))
+    out = rollout(
+        nonlinear_velocity,
+        x0,
+        SIGMAS,
+        cond,
+        kernel=kind,
+        noise=NOISE[kind],
+        window=(1, 3),
+        generator=torch.Generator().manual_seed(1),
+    )
     assert out.states.shape == (3, 7, 2, 3, 3) and out.log_probs.shape == (3, 6) and out.stds.shape == (3, 6)
     assert out.nfe == 18 and torch.equal(out.states[:, 0], x0)
     inside = torch.tensor([False, True, True, True, False, False])
@@ -71,8 +80,18 @@ def test_seeded_rollouts_repeat():
 
 def test_psi_with_initial_table_equals_flow():
     x0, cond = make()
-    flow = rollout(nonlinear_velocity, x0, SIGMAS, cond, kernel="flow", noise=0.7, generator=torch.Generator().manual_seed(3))
-    psi = rollout(nonlinear_velocity, x0, SIGMAS, cond, kernel="psi", noise=initial_psi(SIGMAS, 0.7), generator=torch.Generator().manual_seed(3))
+    flow = rollout(
+        nonlinear_velocity, x0, SIGMAS, cond, kernel="flow", noise=0.7, generator=torch.Generator().manual_seed(3)
+    )
+    psi = rollout(
+        nonlinear_velocity,
+        x0,
+        SIGMAS,
+        cond,
+        kernel="psi",
+        noise=initial_psi(SIGMAS, 0.7),
+        generator=torch.Generator().manual_seed(3),
+    )
     torch.testing.assert_close(psi.states, flow.states)
     torch.testing.assert_close(psi.log_probs, flow.log_probs)
 
@@ -80,7 +99,9 @@ def test_psi_with_initial_table_equals_flow():
 @pytest.mark.parametrize("kind", ["flow", "cps", "ddim", "psi"])
 def test_step_log_prob_reproduces_rollout_exactly(kind):
     x0, cond = make()
-    out = rollout(nonlinear_velocity, x0, SIGMAS, cond, kernel=kind, noise=NOISE[kind], generator=torch.Generator().manual_seed(2))
+    out = rollout(
+        nonlinear_velocity, x0, SIGMAS, cond, kernel=kind, noise=NOISE[kind], generator=torch.Generator().manual_seed(2)
+    )
     for k in range(6):
         if out.log_probs[:, k].isnan().any():
             continue
@@ -149,4 +170,6 @@ def test_invalid_step_log_prob():
         step_log_prob(nonlinear_velocity, out.states, SIGMAS, cond, 0, "ode", None)
     with pytest.raises(ValueError, match="T \\+ 1"):
         step_log_prob(nonlinear_velocity, out.states[:, :5], SIGMAS, cond, 0, "flow", 0.7)
-    assert math.isfinite(step_log_prob(nonlinear_velocity, out.states, SIGMAS, cond, 5, "flow", 0.7).log_prob.sum().item())
+    assert math.isfinite(
+        step_log_prob(nonlinear_velocity, out.states, SIGMAS, cond, 5, "flow", 0.7).log_prob.sum().item()
+    )

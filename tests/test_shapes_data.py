@@ -21,10 +21,14 @@ def test_parse_inverts_prompt_of():
     for spec in data.all_specs():
         assert data.parse(data.prompt_of(spec)) == spec
     assert data.parse("  Three  GREEN squares ") == {
-        "objects": [{"count": 3, "colour": "green", "shape": "square"}], "relation": None}
+        "objects": [{"count": 3, "colour": "green", "shape": "square"}],
+        "relation": None,
+    }
 
 
-@pytest.mark.parametrize("bad", ["two red circle", "a pink circle", "five red circles", "a red circle near a blue square"])
+@pytest.mark.parametrize(
+    "bad", ["two red circle", "a pink circle", "five red circles", "a red circle near a blue square"]
+)
 def test_parse_rejects_text_outside_the_grammar(bad):
     with pytest.raises(ValueError, match="not"):
         data.parse(bad)
@@ -62,7 +66,7 @@ def test_placements_respect_sizes_gaps_and_relations():
         assert all(data.MIN_SIDE <= p.side <= data.MAX_SIDE for p in placed)
         assert all(0 <= p.x <= data.SIZE - p.side and 0 <= p.y <= data.SIZE - p.side for p in placed)
         for i, p in enumerate(placed):
-            for q in placed[i + 1:]:
+            for q in placed[i + 1 :]:
                 assert data._separated(p, q)
         if spec["relation"]:
             assert data.relation_holds(spec["relation"], placed[0].centre, placed[1].centre, data.RELATION_MARGIN)

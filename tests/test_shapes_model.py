@@ -16,8 +16,16 @@ SHIPPED = Path(__file__).resolve().parents[1] / "models" / "shapes"
 def _sample(pipe, prompts, seed=0, steps=2, cfg=3.0):
     lat = torch.randn(len(prompts), 4, 8, 8, generator=torch.Generator().manual_seed(seed)).to(pipe.transformer.dtype)
     pipe.set_progress_bar_config(disable=True)
-    return pipe(prompts, latents=lat, num_inference_steps=steps, guidance_scale=cfg, height=32, width=32,
-                max_sequence_length=0, output_type="pt").images
+    return pipe(
+        prompts,
+        latents=lat,
+        num_inference_steps=steps,
+        guidance_scale=cfg,
+        height=32,
+        width=32,
+        max_sequence_length=0,
+        output_type="pt",
+    ).images
 
 
 def test_tokenizer_makes_each_word_one_token_deterministically():
@@ -52,8 +60,18 @@ def test_default_spec_matches_the_latent_layout():
 def test_pretrain_runs_resumes_and_exports(tmp_path):
     from stepgrpo.shapes.pretrain import PretrainConfig, pretrain
 
-    cfg = PretrainConfig(workdir=str(tmp_path / "w"), out=str(tmp_path / "out"), spec=tiny_spec(), vae_minutes=0.01,
-                         minutes=0.01, vae_batch=4, batch=4, stats_images=256, eval_minutes=0, threads=1)
+    cfg = PretrainConfig(
+        workdir=str(tmp_path / "w"),
+        out=str(tmp_path / "out"),
+        spec=tiny_spec(),
+        vae_minutes=0.01,
+        minutes=0.01,
+        vae_batch=4,
+        batch=4,
+        stats_images=256,
+        eval_minutes=0,
+        threads=1,
+    )
     first = pretrain(cfg)
     state = json.loads((tmp_path / "w" / "ckpt" / "state.json").read_text())
     assert state["stage"] == "flow" and state["step"] == first["flow_steps"] >= 1

@@ -50,7 +50,9 @@ def _with(spec, **change):
     return {"objects": [o | change for o in spec["objects"]], "relation": spec["relation"]}
 
 
-@pytest.mark.parametrize("prompt", ["a red circle", "three yellow squares", "two purple triangles", "four blue circles"])
+@pytest.mark.parametrize(
+    "prompt", ["a red circle", "three yellow squares", "two purple triangles", "four blue circles"]
+)
 def test_each_mistake_costs_exactly_its_category(reward, prompt):
     spec = data.parse(prompt)
     o = spec["objects"][0]

@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from storage import CorruptChunkError, Run, StageLockedError
@@ -47,7 +46,10 @@ def child(code: str, *args: str) -> subprocess.Popen:
     """Start `python -c HELPERS + code args...` with the repository importable."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.Popen(
-        [sys.executable, "-c", HELPERS + code, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [sys.executable, "-c", HELPERS + code, *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
     )
 
@@ -192,7 +194,9 @@ def flip_byte(path: Path, offset: int) -> None:
 def test_flipped_byte_in_a_chunk_is_detected_naming_array_and_chunk(published):
     store = published.stage_path(0, "rollout")
     flip_byte(store / "states" / "c.2.0.0.0.0", 1000)
-    with pytest.raises(CorruptChunkError, match=r"rollout\.zarr/states chunk \(2, 0, 0, 0, 0\) \(trajectory 2\) failed its crc32c"):
+    with pytest.raises(
+        CorruptChunkError, match=r"rollout\.zarr/states chunk \(2, 0, 0, 0, 0\) \(trajectory 2\) failed its crc32c"
+    ):
         published.read_rollout(0)
     # the other trajectories are still readable
     assert published.read_rollout(0, [0, 1, 3]).states[2].tobytes() == expected(3)["states"].tobytes()

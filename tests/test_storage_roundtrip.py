@@ -41,12 +41,25 @@ def rollout_inputs(seed: int = 0, dtype: torch.dtype = torch.float16) -> dict:
 
 def write_rollout(run: Run, iteration: int, x: dict, dtype: str = "float16", order=(0, 2)) -> dict:
     with run.begin_rollout(
-        iteration, sigmas=x["sigmas"], seeds=x["seeds"], prompt_ids=x["prompt_ids"], group_ids=x["group_ids"],
-        latent_shape=(C, H, W), latent_dtype=dtype, kernel="sde", kernel_params={"eta": 0.7, "window": [1, 3]},
+        iteration,
+        sigmas=x["sigmas"],
+        seeds=x["seeds"],
+        prompt_ids=x["prompt_ids"],
+        group_ids=x["group_ids"],
+        latent_shape=(C, H, W),
+        latent_dtype=dtype,
+        kernel="sde",
+        kernel_params={"eta": 0.7, "window": [1, 3]},
     ) as w:
         for start in order:  # two slices of two trajectories, in the given order
             sl = slice(start, start + 2)
-            w.write(start, states=x["states"][sl], log_probs=x["log_probs"][sl], stds=x["stds"][sl], ode_final=x["ode_final"][sl])
+            w.write(
+                start,
+                states=x["states"][sl],
+                log_probs=x["log_probs"][sl],
+                stds=x["stds"][sl],
+                ode_final=x["ode_final"][sl],
+            )
         return w.publish(inputs={"seed": 0})
 
 
@@ -156,15 +169,26 @@ def test_publish_rules(tmp_path):
     with pytest.raises(NotPublishedError, match="publish the rollout"):
         run.begin_completion(0, "heun")
     with run.begin_rollout(
-        0, sigmas=x["sigmas"], seeds=x["seeds"], prompt_ids=x["prompt_ids"], group_ids=x["group_ids"],
-        latent_shape=(C, H, W), latent_dtype="float16", kernel="sde", kernel_params={},
+        0,
+        sigmas=x["sigmas"],
+        seeds=x["seeds"],
+        prompt_ids=x["prompt_ids"],
+        group_ids=x["group_ids"],
+        latent_shape=(C, H, W),
+        latent_dtype="float16",
+        kernel="sde",
+        kernel_params={},
     ) as w:
-        w.write(0, states=x["states"][:3], log_probs=x["log_probs"][:3], stds=x["stds"][:3], ode_final=x["ode_final"][:3])
+        w.write(
+            0, states=x["states"][:3], log_probs=x["log_probs"][:3], stds=x["stds"][:3], ode_final=x["ode_final"][:3]
+        )
         with pytest.raises(IncompleteStageError, match=r"states: \[3\]"):
             w.publish()
         with pytest.raises(ValueError, match="expected shape"):
             w.write(3, states=x["states"][3:, :2])
-        w.write(3, states=x["states"][3:], log_probs=x["log_probs"][3:], stds=x["stds"][3:], ode_final=x["ode_final"][3:])
+        w.write(
+            3, states=x["states"][3:], log_probs=x["log_probs"][3:], stds=x["stds"][3:], ode_final=x["ode_final"][3:]
+        )
         w.publish()
     assert run.stage_manifest(0, "rollout") is not None
     with pytest.raises(AlreadyPublishedError):
@@ -187,7 +211,10 @@ def test_runs_with_different_ids_are_isolated(tmp_path):
     write_rollout(a, 0, x)
     assert b.stage_manifest(0, "rollout") is None
     assert {p.relative_to(b.path).as_posix() for p in b.path.rglob("*")} == {
-        "manifest.json", "checkpoints", "checkpoints/iter_0", "checkpoints/iter_0/state.json",
+        "manifest.json",
+        "checkpoints",
+        "checkpoints/iter_0",
+        "checkpoints/iter_0/state.json",
         "checkpoints/iter_0/_published.json",
     }
 

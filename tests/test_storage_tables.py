@@ -18,11 +18,23 @@ def run(tmp_path) -> Run:
     """A run with a published rollout of B=4 trajectories, T=3 steps (sizes the grids)."""
     run = Run.create(tmp_path, "r", {})
     with run.begin_rollout(
-        0, sigmas=np.linspace(1, 0, T + 1), seeds=np.arange(B), prompt_ids=np.zeros(B), group_ids=[0, 0, 1, 1],
-        latent_shape=(1, 2, 2), latent_dtype="float32", kernel="sde", kernel_params={},
+        0,
+        sigmas=np.linspace(1, 0, T + 1),
+        seeds=np.arange(B),
+        prompt_ids=np.zeros(B),
+        group_ids=[0, 0, 1, 1],
+        latent_shape=(1, 2, 2),
+        latent_dtype="float32",
+        kernel="sde",
+        kernel_params={},
     ) as w:
-        w.write(0, states=np.zeros((B, T + 1, 1, 2, 2)), log_probs=np.zeros((B, T)), stds=np.zeros((B, T)),
-                ode_final=np.zeros((B, 1, 2, 2)))
+        w.write(
+            0,
+            states=np.zeros((B, T + 1, 1, 2, 2)),
+            log_probs=np.zeros((B, T)),
+            stds=np.zeros((B, T)),
+            ode_final=np.zeros((B, 1, 2, 2)),
+        )
         w.publish()
     return run
 
@@ -36,7 +48,9 @@ def test_rewards_round_trip_with_strict_and_sub_scores(run):
     traj, k = all_states()
     value = np.random.default_rng(0).random(len(traj)).astype(np.float32)  # float32 scores: exact in float64
     count = np.where(k == T, 1.0, np.nan)  # a sub-score only defined for final states
-    run.append_rewards(0, "shapes", "1", traj, k, torch.from_numpy(value), strict=(value > 0.5), sub={"count": count, "colour": value})
+    run.append_rewards(
+        0, "shapes", "1", traj, k, torch.from_numpy(value), strict=(value > 0.5), sub={"count": count, "colour": value}
+    )
     table = run.read_rewards(0, "shapes", "1")
     assert table.num_rows == B * (T + 1)
     assert table.column("value").to_numpy().astype(np.float32).tobytes() == value.tobytes()
@@ -63,7 +77,9 @@ def test_reward_without_strict_has_nulls_and_missing_states_are_nan(run):
 
 
 def test_nan_or_inf_rewards_are_refused_naming_rows(run):
-    with pytest.raises(ValueError, match=r"2 values are NaN or infinite, \(traj, k, value\): \[\(1, 2, nan\), \(3, 0, inf\)\]"):
+    with pytest.raises(
+        ValueError, match=r"2 values are NaN or infinite, \(traj, k, value\): \[\(1, 2, nan\), \(3, 0, inf\)\]"
+    ):
         run.append_rewards(0, "shapes", "1", traj=[0, 1, 3], k=[0, 2, 0], value=[0.1, float("nan"), float("inf")])
     assert run.read_rewards().num_rows == 0  # nothing of the refused append was stored
 
@@ -119,8 +135,9 @@ def test_advantages_round_trip_and_selection(run):
         run.append_advantages(0, "x", {}, [2], [1], [float("-inf")])
     with pytest.raises(ValueError, match="already stored"):
         run.append_advantages(0, "dense", opts, [0], [1], [0.0])
-    assert run.advantages_digest(0, "dense", digest) != run.advantages_digest(0, "flow_grpo", run.read_advantages(
-        scheme="flow_grpo").column("options_digest")[0].as_py())
+    assert run.advantages_digest(0, "dense", digest) != run.advantages_digest(
+        0, "flow_grpo", run.read_advantages(scheme="flow_grpo").column("options_digest")[0].as_py()
+    )
 
 
 def test_grid_needs_a_published_rollout(tmp_path):

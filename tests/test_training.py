@@ -60,14 +60,29 @@ def batch(seed: int = 0):
 
 
 def run_update(overrides, seed=0):
-    cfg = load_config(None, [f"sampler.steps={T}", f"run.prompts_per_iteration={GROUPS}", f"run.group_size={G}",
-                             "optim.kl_beta=0", "optim.clip_range=0.2", *overrides])
+    cfg = load_config(
+        None,
+        [
+            f"sampler.steps={T}",
+            f"run.prompts_per_iteration={GROUPS}",
+            f"run.group_size={G}",
+            "optim.kl_beta=0",
+            "optim.clip_range=0.2",
+            *overrides,
+        ],
+    )
     out, adv, groups = batch(seed)
     pol = Policy()
     opt = training.make_optimizer(pol.trainable_parameters(), cfg)
     start = {n: p.detach().clone() for n, p in pol.transformer.named_parameters()}
-    summary = training.update(pol, opt, cfg, training.Batch(out.states, out.log_probs, adv, groups, None, SIGMAS, "flow", 0.7),
-                              torch.Generator().manual_seed(1), initial=start)
+    summary = training.update(
+        pol,
+        opt,
+        cfg,
+        training.Batch(out.states, out.log_probs, adv, groups, None, SIGMAS, "flow", 0.7),
+        torch.Generator().manual_seed(1),
+        initial=start,
+    )
     return pol, opt, summary
 
 
@@ -111,20 +126,39 @@ def test_signal_cosine_is_the_cosine_of_the_two_halves_gradients():
     # One optimizer step, diagnostics on: recompute the two halves' gradients by hand.
     cfg_over = ["optim.optimizer_steps=1", "optim.micro_batch=16"]
     _, _, s = run_update(cfg_over)
-    cfg = load_config(None, [f"sampler.steps={T}", f"run.prompts_per_iteration={GROUPS}", f"run.group_size={G}",
-                             "optim.kl_beta=0", "optim.clip_range=0.2", *cfg_over])
+    cfg = load_config(
+        None,
+        [
+            f"sampler.steps={T}",
+            f"run.prompts_per_iteration={GROUPS}",
+            f"run.group_size={G}",
+            "optim.kl_beta=0",
+            "optim.clip_range=0.2",
+            *cfg_over,
+        ],
+    )
     out, adv, groups = batch(0)
     order = torch.arange(GROUPS * G)[torch.randperm(GROUPS * G, generator=torch.Generator().manual_seed(1))]
     seen = list(dict.fromkeys(groups[order].tolist()))
-    halves = [order[torch.isin(groups[order], torch.tensor(seen[:2]))], order[torch.isin(groups[order], torch.tensor(seen[2:]))]]
+    halves = [
+        order[torch.isin(groups[order], torch.tensor(seen[:2]))],
+        order[torch.isin(groups[order], torch.tensor(seen[2:]))],
+    ]
     grads = []
     from stepgrpo_core.loss import grpo_loss
     from stepgrpo_core.rollout import step_log_prob
 
     for half in halves:
         pol = Policy()
-        loss = sum(grpo_loss(step_log_prob(pol.velocity, out.states[half], SIGMAS, None, k, "flow", 0.7).log_prob,
-                             out.log_probs[half, k], adv[half, k], clip_range=0.2).loss for k in cfg.trained_steps())
+        loss = sum(
+            grpo_loss(
+                step_log_prob(pol.velocity, out.states[half], SIGMAS, None, k, "flow", 0.7).log_prob,
+                out.log_probs[half, k],
+                adv[half, k],
+                clip_range=0.2,
+            ).loss
+            for k in cfg.trained_steps()
+        )
         loss.backward()
         grads.append(torch.cat([p.grad.reshape(-1) for p in pol.trainable_parameters()]))
     expected = float(torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0))

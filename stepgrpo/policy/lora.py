@@ -105,5 +105,8 @@ def load_lora(transformer: torch.nn.Module, directory: str | Path) -> None:
         )
     for key, value in state.items():
         if value.shape != expected[key].shape:
-            raise ValueError(f"LoRA weight {key}: saved shape {tuple(value.shape)}, policy {tuple(expected[key].shape)}; rank differs")
+            raise ValueError(
+                f"LoRA weight {key}: saved shape {tuple(value.shape)}, policy {tuple(expected[key].shape)}; rank "
+                "differs"
+            )
     set_peft_model_state_dict(transformer, state, adapter_name=ADAPTER)

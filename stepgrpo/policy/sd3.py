@@ -65,8 +65,13 @@ class ImageDecoder:
         self.vae, self.dtype, self.device, self.max_batch = vae, dtype, device, max_batch
 
     @classmethod
-    def from_pretrained(cls, path_or_hub_id: str | Path | None = None, dtype: str | torch.dtype | None = None,
-                        device: str | torch.device | None = "cpu", max_batch: int = DEFAULT_MAX_BATCH) -> ImageDecoder:
+    def from_pretrained(
+        cls,
+        path_or_hub_id: str | Path | None = None,
+        dtype: str | torch.dtype | None = None,
+        device: str | torch.device | None = "cpu",
+        max_batch: int = DEFAULT_MAX_BATCH,
+    ) -> ImageDecoder:
         """The `vae` of a `StableDiffusion3Pipeline` directory or hub id (default: the shipped model)."""
         from diffusers import AutoencoderKL
 
@@ -156,7 +161,8 @@ class SD3Policy:
         side = cfg.sample_size if resolution is None else resolution // self.vae_scale_factor
         if resolution is not None and resolution % (self.vae_scale_factor * cfg.patch_size):
             raise ValueError(
-                f"resolution {resolution} must be a multiple of vae scale x patch = {self.vae_scale_factor * cfg.patch_size}"
+                f"resolution {resolution} must be a multiple of vae scale x patch = "
+                f"{self.vae_scale_factor * cfg.patch_size}"
             )
         self.latent_shape: tuple[int, int, int] = (cfg.in_channels, side, side)
         self.nfe = 0
@@ -191,7 +197,8 @@ class SD3Policy:
             hint = (
                 "build the shipped model with `stepgrpo pretrain`"
                 if path_or_hub_id is None
-                else "pass a StableDiffusion3Pipeline directory or a hub id like stabilityai/stable-diffusion-3.5-medium"
+                else "pass a StableDiffusion3Pipeline directory or a hub id like "
+                "stabilityai/stable-diffusion-3.5-medium"
             )
             raise FileNotFoundError(f"no SD3 pipeline directory at {source}; {hint}")
         device = resolve_device(device)
@@ -224,7 +231,9 @@ class SD3Policy:
         """
         device = resolve_device(device)
         dtype = resolve_dtype(dtype, device)
-        return cls(pipe, dtype, device, guidance_scale, lora, max_batch, resolution, max_sequence_length, negative_prompt)
+        return cls(
+            pipe, dtype, device, guidance_scale, lora, max_batch, resolution, max_sequence_length, negative_prompt
+        )
 
     # ---- the model interface ----
 

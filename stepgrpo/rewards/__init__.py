@@ -99,8 +99,9 @@ def _weighted_parts_identity(parts: str | Mapping[str, float] | Sequence[Mapping
         return reward_identity(parts)
     if isinstance(parts, Mapping):
         return _weighted_identity([(reward_identity(name), w) for name, w in parts.items()])
-    return _weighted_identity([(reward_identity({"name": p["name"], "options": p.get("options") or {}}),
-                                p.get("weight", 1.0)) for p in parts])
+    return _weighted_identity(
+        [(reward_identity({"name": p["name"], "options": p.get("options") or {}}), p.get("weight", 1.0)) for p in parts]
+    )
 
 
 def _weighted_defaults(spec: str) -> WeightedSum:

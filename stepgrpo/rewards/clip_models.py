@@ -107,9 +107,7 @@ class ClipEmbedder:
                 max_length=self.max_length,
                 return_tensors="pt",
             ).to(self.device)
-            out = self.model.get_text_features(
-                input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]
-            )
+            out = self.model.get_text_features(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
             feats.append(self._pooled(out).float())
         return nn.functional.normalize(torch.cat(feats), dim=-1)
 

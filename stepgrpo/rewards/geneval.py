@@ -131,7 +131,9 @@ def validate_spec(meta: Mapping[str, Any], labels: Sequence[str] | None = None) 
                 raise ValueError(f"{where}: needs 'class' and an integer 'count' >= 1")
             if known is not None and clause["class"] not in known:
                 known_names = sorted(known)
-                raise ValueError(f"{where}: class {clause['class']!r} is not one of the detector's classes {known_names}")
+                raise ValueError(
+                    f"{where}: class {clause['class']!r} is not one of the detector's classes {known_names}"
+                )
             if group == "include" and "color" in clause and clause["color"] not in COLOURS:
                 raise ValueError(f"{where}: color must be one of {COLOURS}")
             if group == "include" and "position" in clause:
@@ -237,7 +239,9 @@ def check(
             colour, reason = clause["color"], "count failed"
             if ok:
                 if any(d.colour is None for d in found):
-                    raise ValueError(f"include[{i}]: a {cls} detection has no colour (classify what needs_colour names)")
+                    raise ValueError(
+                        f"include[{i}]: a {cls} detection has no colour (classify what needs_colour names)"
+                    )
                 seen = [d.colour for d in found]
                 ok = seen.count(colour) >= count
                 reason = f"expected {colour} {cls}>={count}, found colours {seen}"
@@ -268,6 +272,7 @@ def check(
 
 def aggregate(rows: Sequence[Sequence[Requirement]]) -> RewardOutput:
     """`N` images' requirements -> scores (fraction met), strict (all met), sub (fraction per kind)."""
+
     def fraction(reqs: Sequence[Requirement]) -> float:
         return sum(r.met for r in reqs) / len(reqs) if reqs else math.nan
 
@@ -437,11 +442,21 @@ class GenEval:
         return aggregate([check(s, d, r.position_threshold) for s, d in zip(specs, kept)])
 
 
-def _identity(detector: str, clip: str, threshold: float, counting_threshold: float, max_objects: int,
-              max_overlap: float, position_threshold: float, **_: Any) -> tuple[str, str]:
+def _identity(
+    detector: str,
+    clip: str,
+    threshold: float,
+    counting_threshold: float,
+    max_objects: int,
+    max_overlap: float,
+    position_threshold: float,
+    **_: Any,
+) -> tuple[str, str]:
     rules = Rules(threshold, counting_threshold, max_objects, max_overlap, position_threshold)
-    options = "" if rules == Rules() else (
-        f"+t{threshold:g},c{counting_threshold:g},m{max_objects},o{max_overlap:g},p{position_threshold:g}"
+    options = (
+        ""
+        if rules == Rules()
+        else (f"+t{threshold:g},c{counting_threshold:g},m{max_objects},o{max_overlap:g},p{position_threshold:g}")
     )
     return "geneval", "1" + _tag(detector, DETECTOR) + _tag(clip, CLIP_MODEL) + options
 

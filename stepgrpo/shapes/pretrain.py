@@ -97,7 +97,9 @@ def _log(workdir: Path, msg: str) -> None:
 # Checkpoints: one directory, replaced atomically (write `ckpt.new`, then swap names)
 
 
-def _save_checkpoint(workdir: Path, state: dict[str, Any], tensors: dict[str, dict[str, torch.Tensor]], opt: dict) -> None:
+def _save_checkpoint(
+    workdir: Path, state: dict[str, Any], tensors: dict[str, dict[str, torch.Tensor]], opt: dict
+) -> None:
     new, cur, old = workdir / "ckpt.new", workdir / "ckpt", workdir / "ckpt.old"
     shutil.rmtree(new, ignore_errors=True)
     new.mkdir(parents=True)
@@ -174,8 +176,11 @@ def _train_vae(cfg: PretrainConfig, pipe, state: dict[str, Any], ckpt: Path | No
         losses.append(loss.item())
         state["step"] = step + 1
         if state["step"] % 25 == 0:
-            _log(workdir, f"vae step {state['step']} loss {np.mean(losses):.5f} lr {opt.param_groups[0]['lr']:.2e} "
-                 f"({elapsed / 60:.1f}/{cfg.vae_minutes} min)")
+            _log(
+                workdir,
+                f"vae step {state['step']} loss {np.mean(losses):.5f} lr {opt.param_groups[0]['lr']:.2e} "
+                f"({elapsed / 60:.1f}/{cfg.vae_minutes} min)",
+            )
             losses = []
         if time.monotonic() - last_ckpt > cfg.checkpoint_minutes * 60:
             state["elapsed_s"] = time.monotonic() - t0
@@ -185,8 +190,11 @@ def _train_vae(cfg: PretrainConfig, pipe, state: dict[str, Any], ckpt: Path | No
     vae.eval()
     shift, scale = _latent_stats(vae, specs, cfg)
     vae.register_to_config(shift_factor=shift, scaling_factor=scale)
-    _log(workdir, f"vae: done after {state['step']} steps; latent shift {shift:.4f} scale {scale:.4f}; "
-         f"reconstructions score {_reconstruction_score(vae, cfg):.3f} (shapes reward)")
+    _log(
+        workdir,
+        f"vae: done after {state['step']} steps; latent shift {shift:.4f} scale {scale:.4f}; "
+        f"reconstructions score {_reconstruction_score(vae, cfg):.3f} (shapes reward)",
+    )
     state.update(stage="flow", vae_steps=state["step"], vae_elapsed_s=time.monotonic() - t0, step=0, elapsed_s=0.0)
     state["vae_factors"] = {"shift_factor": shift, "scaling_factor": scale}
     state.pop("rng", None)
@@ -311,8 +319,11 @@ def _train_flow(cfg: PretrainConfig, pipe, state: dict[str, Any], ckpt: Path | N
         losses.append(loss.item())
         state["step"] = step + 1
         if state["step"] % 50 == 0:
-            _log(workdir, f"flow step {state['step']} loss {np.mean(losses):.4f} "
-                 f"({elapsed / 60:.1f}/{cfg.minutes} min, {elapsed / max(state['step'], 1):.2f} s/step)")
+            _log(
+                workdir,
+                f"flow step {state['step']} loss {np.mean(losses):.4f} "
+                f"({elapsed / 60:.1f}/{cfg.minutes} min, {elapsed / max(state['step'], 1):.2f} s/step)",
+            )
             losses = []
         save_now = time.monotonic() - last_ckpt > cfg.checkpoint_minutes * 60
         eval_now = elapsed >= next_eval
@@ -361,10 +372,15 @@ def _evaluate_ema(cfg: PretrainConfig, pipe, ema, state: dict[str, Any]) -> None
     result = evaluate(ema_pipeline(pipe, ema), seeds=(0,), guidance_scale=cfg.eval_cfg)
     m = result["mean"]
     line = " ".join(f"{k} {m[k]:.3f}" for k in ("score", "strict", "count", "colour", "shape", "spatial"))
-    _log(Path(cfg.workdir), f"eval step {state['step']} ({state['elapsed_s'] / 60:.1f} min, cfg {cfg.eval_cfg}): "
-         f"{line} [{time.monotonic() - t:.0f} s]")
+    _log(
+        Path(cfg.workdir),
+        f"eval step {state['step']} ({state['elapsed_s'] / 60:.1f} min, cfg {cfg.eval_cfg}): "
+        f"{line} [{time.monotonic() - t:.0f} s]",
+    )
     with open(Path(cfg.workdir) / "evals.jsonl", "a") as f:
-        f.write(json.dumps({"step": state["step"], "minutes": state["elapsed_s"] / 60, "cfg": cfg.eval_cfg, **m}) + "\n")
+        f.write(
+            json.dumps({"step": state["step"], "minutes": state["elapsed_s"] / 60, "cfg": cfg.eval_cfg, **m}) + "\n"
+        )
 
 
 # ----------------------------------------------------------------------------------------------
