@@ -8,7 +8,7 @@ from prefect import flow
 
 from stepgrpo.config import validate_config
 from stepgrpo.runs import open_stored, stored_iterations
-from tasks import bind, score
+from tasks import bind, rollout, score
 
 
 @flow(name="credit", log_prints=True)
@@ -26,6 +26,7 @@ def credit(
     name = reward or _training_reward(cfg)
     stage, done = bind(stored), []
     for i in iterations if iterations is not None else stored_iterations(stored):
+        rollout.stored(stored, i, verify=True)  # the trajectories the advantages belong to
         done.append(stage.credit(stored, cfg, i, score.stored(stored, i, name)))
         print(
             f"iteration {i}: {scheme} advantages std {done[-1].adv_std:.4f}, "

@@ -22,7 +22,7 @@ def evaluate(run: str, iteration: int | None = None, overrides: list[str] | None
     prompts = stage.prompts(stored, cfg)
     if iteration is None:
         iteration = latest_checkpoint(stored)
-    checkpoint = None if iteration < 0 else update.stored(stored, iteration)
+    checkpoint = None if iteration < 0 else update.stored(stored, iteration, verify=True)
     result = evaluation_record(stored, stage.evaluate(stored, cfg, iteration, prompts, checkpoint))
     print(
         f"held-out {result['reward_name']} after {result['label']}: {result['reward_mean']:.4f}; grid {result['grid']}"

@@ -27,8 +27,8 @@ def rescore(
     stage, done = bind(stored), []
     method = cfg.completion.method
     for i in iterations if iterations is not None else stored_iterations(stored):
-        sampled = rollout.stored(stored, i)
-        clean = complete.stored(stored, method, i) if method else sampled
+        sampled = rollout.stored(stored, i, verify=True)
+        clean = complete.stored(stored, method, i, verify=True) if method else sampled
         done.append(stage.score(stored, cfg, i, clean, sampled))
         print(f"iteration {i}: {done[-1].reward_name} mean {done[-1].reward_mean:.4f} (images {done[-1].images})")
     return {"run_dir": str(stored.path), "scores": [s.record() for s in done]}

@@ -40,9 +40,14 @@ class Checkpoints:
         return self._begin(iteration, "checkpoint", None)
 
     def save_checkpoint(
-        self, iteration: int, tensors: Mapping[str, Mapping[str, torch.Tensor]], state: Mapping[str, Any]
+        self,
+        iteration: int,
+        tensors: Mapping[str, Mapping[str, torch.Tensor]],
+        state: Mapping[str, Any],
+        inputs: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Save tensor groups (`<group>.safetensors`) and JSON `state`, published atomically."""
+        """Save tensor groups (`<group>.safetensors`) and JSON `state`, published atomically;
+        `inputs` (the cache key, timings) go in the manifest and are not digested."""
         from safetensors.torch import save_file
 
         check_json(dict(state), "checkpoint state")
@@ -54,7 +59,7 @@ class Checkpoints:
                     str(writer.path / f"{group}.safetensors"),
                 )
             (writer.path / STATE_FILE).write_text(json.dumps(dict(state), sort_keys=True) + "\n")
-            return writer.publish()
+            return writer.publish(inputs=inputs)
 
     def latest_checkpoint(self) -> int | None:
         """The highest iteration with a published checkpoint, or None."""

@@ -23,12 +23,15 @@ import os
 import secrets
 import shutil
 import subprocess
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from storage import tables
+from storage.arrays import StageStore
 from storage.checkpoints import Checkpoint, Checkpoints
-from storage.errors import AlreadyPublishedError, NotPublishedError, SchemaVersionError
+from storage.errors import AlreadyPublishedError, CorruptChunkError, NotPublishedError, SchemaVersionError
 from storage.publish import (
     acquire_lock,
     canonical_json,
@@ -44,7 +47,7 @@ from storage.publish import (
 from storage.run_tables import RunTables
 from storage.schema import PUBLISHED_FILE, SCHEMA_VERSION, StoreSpec, check_name
 from storage.stage_stores import CompletionData, ImagesData, RolloutData, StageStores, spec_of
-from storage.writer import StageWriter
+from storage.writer import StageWriter, digest_files
 
 __all__ = [
     "Checkpoint",
@@ -228,7 +231,67 @@ class Run(StageStores, RunTables, Checkpoints):
             release_lock(lock_path(final), token)
             raise AlreadyPublishedError(f"{what} is already published (stages are immutable); read it instead")
         fresh_partial(final)  # a crashed attempt's leftovers go
+        if final.exists():  # a directory under the final name without its manifest: kept aside, never deleted
+            self.set_aside(iteration, stage)
         return StageWriter(self.run_id, final, iteration, stage, token, owner=True, spec=spec)
+
+    # --- verification ---------------------------------------------------------------------------
+
+    def verify(self, iteration: int, stage: str) -> None:
+        """Check a published stage against its manifest: every chunk's checksum, the store's
+        attributes and its content digest (Zarr stages), the files' digest (checkpoints). Raises
+        `CorruptChunkError` naming the stage and what differs, `NotPublishedError` if unpublished."""
+        manifest = self.stage_manifest(iteration, stage)
+        what = f"run {self.run_id} iteration {iteration} {stage}"
+        if manifest is None:
+            raise NotPublishedError(f"{what} is not published")
+        path = self.stage_path(iteration, stage)
+        if stage == "checkpoint":
+            found = digest_files(path)[0]
+        else:
+            try:
+                store = StageStore.open(path, spec_of(stage))
+            except Exception as err:  # zarr metadata that does not parse
+                raise CorruptChunkError(f"{what}: its Zarr metadata cannot be read ({err})") from None
+            if store.attrs != manifest.get("attrs"):
+                raise CorruptChunkError(f"{what}: the store's attributes differ from its published manifest")
+            found = store.verify_and_digest()[0]  # a bad chunk raises, naming the array and chunk
+        if found != manifest.get("digest"):
+            raise CorruptChunkError(f"{what}: its content no longer matches its published digest (damaged or edited)")
+
+    def verify_prompts(self) -> None:
+        """Check the prompt table against the digest in its footer (`CorruptChunkError` if not)."""
+        manifest = self.prompts_manifest()
+        if manifest is None:
+            raise NotPublishedError(f"run {self.run_id} has no prompts yet")
+        try:
+            found = tables.table_digest(self.read_prompts())
+        except CorruptChunkError:
+            raise
+        except Exception as err:
+            raise CorruptChunkError(f"run {self.run_id} prompts.parquet cannot be read ({err})") from None
+        if found != manifest.get("digest"):
+            raise CorruptChunkError(
+                f"run {self.run_id} prompts.parquet no longer matches its digest (damaged or edited)"
+            )
+
+    def set_aside_file(self, path: Path) -> Path:
+        """Move a damaged file of the run out of the way (never deleted); returns its new path."""
+        target = path.with_name(
+            f"{path.name}.damaged-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(2)}"
+        )
+        os.rename(path, target)
+        return target
+
+    def set_aside(self, iteration: int, stage: str) -> Path:
+        """Move a damaged (or unpublished) stage directory out of the way, never deleting it:
+        `<name>.damaged-<UTC time>-<token>` beside it. Returns the new path."""
+        final = self.stage_path(iteration, stage)
+        target = final.with_name(
+            f"{final.name}.damaged-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(2)}"
+        )
+        os.rename(final, target)
+        return target
 
     def attach(self, iteration: int, stage: str, token: str) -> StageWriter:
         """Join a begun stage from another process with the begin's `writer.token`."""

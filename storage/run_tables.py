@@ -7,18 +7,22 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 
 from storage import tables
-from storage.errors import NotPublishedError
+from storage.errors import CorruptChunkError, NotPublishedError
 from storage.publish import canonical_json, check_json, options_digest, write_file_atomic
 from storage.schema import ADVANTAGES_KEY, ADVANTAGES_SCHEMA, REWARDS_KEY, REWARDS_SCHEMA
 
 if TYPE_CHECKING:
     import torch
+
+
+TABLES = {"rewards": (REWARDS_SCHEMA, REWARDS_KEY), "advantages": (ADVANTAGES_SCHEMA, ADVANTAGES_KEY)}
 
 
 class RunTables:
@@ -50,6 +54,17 @@ class RunTables:
 
         return pq.read_table(self.path / "prompts.parquet").replace_schema_metadata(None)
 
+    def damaged_parts(self, table: str) -> list[Path]:
+        """The parts of `table` ("rewards", "advantages") whose rows do not match their name's digest."""
+        schema, key = TABLES[table]
+        bad = []
+        for part in sorted((self.path / table).glob("part-*.parquet")):
+            try:
+                tables.verify_part(part, schema, key)
+            except CorruptChunkError:
+                bad.append(part)
+        return bad
+
     # --- rewards --------------------------------------------------------------------------------
 
     def append_rewards(
@@ -62,16 +77,22 @@ class RunTables:
         value: Any,
         strict: Any | None = None,
         sub: Mapping[str, Any] | None = None,
+        info: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Append one reward's scores: `traj, k, value` (`strict`, each `sub[name]`) are `[N]`.
+        """Append one reward's scores: `traj, k, value` (`strict`, each `sub[name]`) are `[N]`;
+        `info` (JSON) is kept in the part's footer (`rows_info`).
 
         Raises ValueError naming the rows if a value is NaN/inf or a row is already stored.
         Returns `{"file", "rows", "digest"}`.
         """
         table = tables.rewards_table(iteration, reward_name, reward_version, traj, k, value, strict, sub)
         return tables.append_rows(
-            self.path / "rewards", REWARDS_SCHEMA, REWARDS_KEY, table, f"run {self.run_id} rewards"
+            self.path / "rewards", REWARDS_SCHEMA, REWARDS_KEY, table, f"run {self.run_id} rewards", info
         )
+
+    def rows_info(self, table: str, digest: str) -> dict[str, Any]:
+        """The `info` the rows of `digest` in `table` ("rewards", "advantages") were appended with."""
+        return tables.part_info(self.path / table, digest)
 
     def read_rewards(
         self,
@@ -123,7 +144,14 @@ class RunTables:
     # --- advantages -----------------------------------------------------------------------------
 
     def append_advantages(
-        self, iteration: int, scheme: str, options: Mapping[str, Any], traj: Any, k: Any, value: Any
+        self,
+        iteration: int,
+        scheme: str,
+        options: Mapping[str, Any],
+        traj: Any,
+        k: Any,
+        value: Any,
+        info: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Append one scheme's advantages (`traj, k, value` `[N]`); rows carry `options_digest(options)`.
 
@@ -138,7 +166,9 @@ class RunTables:
         if not sidecar.exists():
             write_file_atomic(sidecar, canonical_json({"scheme": scheme, "options": dict(options)}).encode())
         table = tables.advantages_table(iteration, scheme, digest, traj, k, value)
-        record = tables.append_rows(folder, ADVANTAGES_SCHEMA, ADVANTAGES_KEY, table, f"run {self.run_id} advantages")
+        record = tables.append_rows(
+            folder, ADVANTAGES_SCHEMA, ADVANTAGES_KEY, table, f"run {self.run_id} advantages", info
+        )
         return {**record, "options_digest": digest}
 
     def scheme_options(self, options_digest: str) -> dict[str, Any]:

@@ -24,6 +24,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
+from storage.errors import CorruptChunkError
 from storage.publish import acquire_lock, canonical_json, check_json, release_lock
 from storage.schema import (
     ADVANTAGES_SCHEMA,
@@ -59,11 +60,42 @@ def _files(table_dir: Path) -> list[str]:
     return sorted(str(p) for p in table_dir.glob("part-*.parquet"))
 
 
+# Parts whose content was checked against the digest in their name, by (path, size, mtime, inode):
+# a part is verified once per process, and again whenever its file changes.
+_verified: set[tuple[str, int, int, int]] = set()
+
+
+def verify_part(path: Path, schema: pa.Schema, key: Sequence[str]) -> None:
+    """Check that a part's rows still give the digest its name carries; `CorruptChunkError` names
+    the file when they do not (a flipped byte, a truncated or edited file)."""
+    st = path.stat()
+    ident = (str(path), st.st_size, st.st_mtime_ns, st.st_ino)
+    if ident in _verified:
+        return
+    expected = path.name.removeprefix("part-").removesuffix(".parquet")
+    try:
+        table = _sort(pq.read_table(path, schema=schema).replace_schema_metadata(None), key)
+        found = table_digest(table)[: len(expected)]
+    except (OSError, pa.ArrowException) as err:
+        raise CorruptChunkError(
+            f"{path}: not a readable Parquet part ({err}); restore it from a copy of the run"
+        ) from None
+    if found != expected:
+        raise CorruptChunkError(
+            f"{path}: its rows no longer match the digest in its name (damaged or edited); restore it from a copy "
+            "of the run, or move it out of the table and re-score the iteration (`stepgrpo rescore`)"
+        )
+    _verified.add(ident)
+
+
 def read_rows(table_dir: Path, schema: pa.Schema, key: Sequence[str], where: Mapping[str, Any]) -> pa.Table:
-    """Rows of the table in `table_dir` whose columns equal the non-None values in `where`, sorted by key."""
+    """Rows of the table in `table_dir` whose columns equal the non-None values in `where`, sorted by
+    key. Every part is checked against its name's digest (`verify_part`) before it is read."""
     files = _files(table_dir)
     if not files:
         return schema.empty_table()
+    for f in files:
+        verify_part(Path(f), schema, key)
     expr = None
     for column, value in where.items():
         if value is not None:
@@ -73,8 +105,16 @@ def read_rows(table_dir: Path, schema: pa.Schema, key: Sequence[str], where: Map
     return _sort(table, key)
 
 
-def append_rows(table_dir: Path, schema: pa.Schema, key: Sequence[str], table: pa.Table, what: str) -> dict[str, Any]:
-    """Append `table` as one immutable file; refuse rows whose key is already stored.
+def append_rows(
+    table_dir: Path,
+    schema: pa.Schema,
+    key: Sequence[str],
+    table: pa.Table,
+    what: str,
+    info: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Append `table` as one immutable file; refuse rows whose key is already stored. `info`
+    (plain JSON, e.g. how long computing the rows took) goes in the part's footer, not its digest.
 
     Returns `{"file", "rows", "digest"}`; appending identical rows again returns the same record.
     """
@@ -103,7 +143,8 @@ def append_rows(table_dir: Path, schema: pa.Schema, key: Sequence[str], table: p
                     "Bump the version (reward) or change the options (scheme) to store new values."
                 )
         tmp = table_dir / f".{name}.{secrets.token_hex(4)}.tmp"
-        pq.write_table(table, tmp)
+        footer = {FOOTER_KEY: canonical_json(dict(info))} if info else None
+        pq.write_table(table.replace_schema_metadata(footer) if footer else table, tmp)
         os.rename(tmp, table_dir / name)
     finally:
         release_lock(lock, token)
@@ -257,6 +298,12 @@ def write_once(path: Path, table: pa.Table, what: str) -> dict[str, Any]:
     finally:
         tmp.unlink(missing_ok=True)
     return record
+
+
+def part_info(table_dir: Path, digest: str) -> dict[str, Any]:
+    """The `info` a part was appended with (`append_rows`), by the digest of its rows; {} if none."""
+    meta = read_footer(table_dir / f"part-{digest[:32]}.parquet")
+    return meta or {}
 
 
 def read_footer(path: Path) -> dict[str, Any] | None:

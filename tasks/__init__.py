@@ -4,14 +4,13 @@
         rollout -> [complete] -> score -> credit -> update -> [evaluate]
 
 Each module holds the Prefect task, the stage body it runs (`execute`, idempotent) and the
-result of a published stage read back (`stored`). `bind(run)` gives the tasks with their results
-persisted inside the run directory, so a run carries its own task cache.
+result of a published stage read back (`stored`). A task persists nothing: a stage is reused when
+its published output verifies under its key (`tasks.base`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from storage.run import Run
@@ -30,8 +29,6 @@ if TYPE_CHECKING:
         UpdateResult,
     )
 
-RESULTS_DIR = "prefect-results"  # inside the run directory
-
 
 @dataclass(frozen=True)
 class Stages:
@@ -48,7 +45,8 @@ class Stages:
 
 
 def bind(run: Run) -> Stages:
-    """The stage tasks with their results persisted under `<run>/prefect-results/`."""
+    """The stage tasks for `run`. They keep no results of their own: the run directory is their
+    cache (`tasks.base`)."""
     from tasks.calibrate import calibrate
     from tasks.complete import complete
     from tasks.credit import credit
@@ -58,6 +56,4 @@ def bind(run: Run) -> Stages:
     from tasks.score import score
     from tasks.update import update
 
-    storage = Path(run.path).resolve() / RESULTS_DIR
-    tasks = (prompts, calibrate, rollout, complete, score, credit, update, evaluate)
-    return Stages(**{t.name: t.with_options(result_storage=storage) for t in tasks})
+    return Stages(prompts, calibrate, rollout, complete, score, credit, update, evaluate)

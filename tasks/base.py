@@ -1,11 +1,11 @@
-"""What every stage task shares: the Prefect task it is, and the check that its output is published.
+"""What every stage task shares: the Prefect task it is, and when a published stage may be reused.
 
-A stage task takes `(run, cfg[, iteration], *upstream results)` and returns its typed result
-(`stepgrpo.results`), persisted by Prefect with the JSON serializer under the run's
-`prefect-results/` (`tasks.bind`) under the key of `tasks.keys`. The stage body behind it is
-idempotent: when its output is already published under the same key (a resumed run whose task
-record is gone), it returns the stored result without computing. A stage that crashed half-way
-left nothing published (storage's atomic publish), so it is simply redone.
+The run directory is the truth (DESIGN.md): a stage task keeps no result of its own (Prefect
+caches and persists nothing), so nothing in or out of a run directory is ever decoded by a format
+that can run code. Its body asks `reuse` whether the stage is published under its key and its data
+still verify against the stage's manifest; if so it reads the result back (cheap), else it
+computes. Damaged data are moved aside, never deleted, and recomputed: a stage is deterministic
+given its key, so a recomputed stage has the digest its downstream stages were keyed on.
 """
 
 from __future__ import annotations
@@ -14,25 +14,62 @@ from collections.abc import Callable
 from typing import Any
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from stepgrpo.errors import StageError
-from tasks.keys import cache_key
+from storage.errors import CorruptChunkError, StorageError
+from storage.run import Run
+from tasks.keys import Key
+
+# What to do about a damaged stage that a flow reads but cannot compute (rescore, credit, evaluate).
+RESUME_FIX = "resume the run with `stepgrpo train` and its config to compute it again, or restore it from a copy"
 
 
 def stage_task(stage: str) -> Callable[[Callable[..., Any]], Any]:
-    """`@stage_task("rollout")`: a cached, persisted Prefect task named after its stage."""
-    return task(name=stage, cache_key_fn=cache_key(stage), persist_result=True, result_serializer="json")
+    """`@stage_task("rollout")`: a Prefect task named after its stage that caches nothing."""
+    return task(name=stage, cache_policy=NO_CACHE, persist_result=False)
 
 
-def published(manifest: dict[str, Any] | None, key: str, what: str) -> bool:
-    """Whether a stage's output is published under `key` (None: not published). Published from
-    other inputs is an error: a run's stages are immutable."""
-    if manifest is None:
-        return False
-    stored = manifest.get("inputs", {}).get("key")
-    if stored is not None and stored != key:
+def warn(message: str) -> None:
+    print(f"warning: {message}")
+
+
+def check_key(recorded: str | None, key: Key, what: str) -> None:
+    """A stage published from other inputs is an error: a run's stages are immutable."""
+    if not key.accepts(recorded):
         raise StageError(
-            f"{what} is already published from other inputs (key {stored[:12]} != {key[:12]}); "
+            f"{what} is already published from other inputs (key {recorded[:12]} != {key.value[:12]}); "
             "the run's stages are immutable: start a new run id"
         )
+
+
+def reuse(run: Run, iteration: int, stage: str, key: Key, what: str) -> bool:
+    """Whether `stage` of `iteration` is published under `key` and verifies; a damaged one is set
+    aside (and so recomputed by the caller)."""
+    manifest = run.stage_manifest(iteration, stage)
+    if manifest is None:
+        return False
+    check_key(manifest.get("inputs", {}).get("key"), key, what)
+    try:
+        run.verify(iteration, stage)
+    except CorruptChunkError as err:
+        moved = run.set_aside(iteration, stage)
+        warn(f"{err}; kept aside as {moved.name}, computing it again")
+        return False
     return True
+
+
+def verified(run: Run, iteration: int, stage: str, what: str, fix: str) -> None:
+    """For flows that read a stage but cannot recompute it: a clear error if it does not verify."""
+    try:
+        run.verify(iteration, stage)
+    except StorageError as err:
+        raise StageError(f"{what}: {err}; {fix}") from None
+
+
+def repair_table(run: Run, table: str) -> None:
+    """Set aside the parts of a table (`rewards`, `advantages`) that do not match their digests,
+    so the stage that appended them appends them again."""
+    for part in run.damaged_parts(table):
+        moved = run.set_aside_file(part)
+        warn(f"{part} does not match the digest in its name; kept aside as {moved.name}, its rows are computed again")

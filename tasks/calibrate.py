@@ -8,7 +8,6 @@ every state, and moves `psi[k]` by the sign of the step gains that the kernel's 
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -25,8 +24,8 @@ from stepgrpo.scoring import score_images
 from stepgrpo_core.kernels import KERNELS
 from storage.publish import write_file_atomic
 from storage.run import Run
-from tasks.base import stage_task
-from tasks.keys import stage_key
+from tasks.base import stage_task, warn
+from tasks.keys import Key, stage_key
 
 CALIBRATION_FILE = "calibration/psi.json"
 
@@ -49,14 +48,38 @@ def check_calibrated(cfg: Config) -> None:
         raise StageError("calibration needs step rewards: set completion.method (DenseGRPO uses 'remaining')")
 
 
-def execute(run: Run, cfg: Config, key: str) -> CalibrateResult:
+def execute(run: Run, cfg: Config, key: Key) -> CalibrateResult:
+    found = read(run)
+    if found is not None and key.accepts(found.key):
+        return found
+    return compute(run, cfg, key.value)
+
+
+def read(run: Run) -> CalibrateResult | None:
+    """The run's stored calibration, or None; a record that does not parse or whose table does not
+    match its digest is set aside (never deleted)."""
+    path = Path(run.path) / CALIBRATION_FILE
+    if not path.is_file():
+        return None
+    try:
+        found = CalibrateResult.from_json(path.read_text())
+        if found.digest == digest_of(found.psi):
+            return found
+    except ValueError:
+        pass
+    warn(
+        f"{path} is damaged (it does not parse or its table does not match its digest); kept aside as "
+        f"{run.set_aside_file(path).name}, calibrating again"
+    )
+    return None
+
+
+def compute(run: Run, cfg: Config, key: str) -> CalibrateResult:
     from stepgrpo_core.calibration import initial_psi, update_psi
     from stepgrpo_core.completions import complete
     from stepgrpo_core.credit import assign
 
     path = Path(run.path) / CALIBRATION_FILE
-    if path.is_file() and json.loads(path.read_text()).get("key") == key:
-        return CalibrateResult.from_json(path.read_text())
     check_calibrated(cfg)
     t0 = time.perf_counter()
     pol = workspace.policy_after(run, cfg, None)

@@ -20,8 +20,8 @@ from stepgrpo.prompts import stored_prompts
 from stepgrpo.results import CompleteResult, RolloutResult, UpdateResult
 from stepgrpo.sampling import complete_chunks
 from storage.run import Run
-from tasks.base import published, stage_task
-from tasks.keys import stage_key
+from tasks.base import RESUME_FIX, reuse, stage_task, verified
+from tasks.keys import Key, stage_key
 
 # Completion attr: states k >= this evolve deterministically (after the SDE window); their
 # completion is x_T, so they are neither completed nor scored (their rewards are R_T's).
@@ -54,45 +54,51 @@ def complete(
     )
 
 
-def execute(run: Run, cfg: Config, iteration: int, key: str) -> CompleteResult:
+def execute(run: Run, cfg: Config, iteration: int, key: Key) -> CompleteResult:
     method = cfg.completion.method
-    stage = clean_stage(method)
-    if not published(run.stage_manifest(iteration, stage), key, f"iteration {iteration} completion {method}"):
-        t0 = time.perf_counter()
-        pol = workspace.policy_at(run, cfg, iteration)
-        data = run.read_rollout(iteration)
-        prompts = stored_prompts(run)
-        through = window_end(data.kernel_params, len(data.sigmas) - 1)
-        writer = run.begin_completion(
-            iteration,
-            method_dir(method),
-            latent_dtype=cfg.model.dtype,
-            attrs={"method_spec": method, DETERMINISTIC_FROM: through},
-        )
-        nfe = 0
-        with writer:
-            for c0, out in complete_chunks(
-                pol,
-                method,
-                data.states,
-                torch.from_numpy(data.sigmas),
-                prompts.texts,
-                data.prompt_ids,
-                max(1, cfg.model.max_batch),
-                through,
-                f"complete {iteration}",
-            ):
-                writer.write(c0, latents=out.latents.cpu())
-                nfe += out.nfe
-            writer.publish(attrs={"nfe": nfe}, inputs={"key": key, "seconds": time.perf_counter() - t0})
+    if not reuse(run, iteration, clean_stage(method), key, f"iteration {iteration} completion {method}"):
+        compute(run, cfg, iteration, key.value)
     return stored(run, method, iteration)
 
 
-def stored(run: Run, method: str, iteration: int) -> CompleteResult:
-    """The result of the published completion of `iteration` by `method`."""
+def compute(run: Run, cfg: Config, iteration: int, key: str) -> None:
+    method = cfg.completion.method
+    t0 = time.perf_counter()
+    pol = workspace.policy_at(run, cfg, iteration)
+    data = run.read_rollout(iteration)
+    prompts = stored_prompts(run)
+    through = window_end(data.kernel_params, len(data.sigmas) - 1)
+    writer = run.begin_completion(
+        iteration,
+        method_dir(method),
+        latent_dtype=cfg.model.dtype,
+        attrs={"method_spec": method, DETERMINISTIC_FROM: through},
+    )
+    nfe = 0
+    with writer:
+        for c0, out in complete_chunks(
+            pol,
+            method,
+            data.states,
+            torch.from_numpy(data.sigmas),
+            prompts.texts,
+            data.prompt_ids,
+            max(1, cfg.model.max_batch),
+            through,
+            f"complete {iteration}",
+        ):
+            writer.write(c0, latents=out.latents.cpu())
+            nfe += out.nfe
+        writer.publish(attrs={"nfe": nfe}, inputs={"key": key, "seconds": time.perf_counter() - t0})
+
+
+def stored(run: Run, method: str, iteration: int, verify: bool = False) -> CompleteResult:
+    """The result of the published completion of `iteration` by `method` (`verify`: check it first)."""
     m = run.stage_manifest(iteration, clean_stage(method))
     if m is None:
         raise StageError(f"run {run.run_id} iteration {iteration} has no stored completion {method!r}")
+    if verify:
+        verified(run, iteration, clean_stage(method), f"iteration {iteration} completion {method}", RESUME_FIX)
     return CompleteResult(
         digest=m["digest"],
         iteration=iteration,

@@ -19,7 +19,7 @@ from stepgrpo.results import CreditResult, ScoreResult
 from stepgrpo_core.credit import SCHEMES, assign
 from storage.publish import options_digest
 from storage.run import Run
-from tasks.base import stage_task
+from tasks.base import repair_table, stage_task
 
 
 @stage_task("credit")
@@ -34,10 +34,48 @@ def stored_options(cfg: Config, reward_name: str, reward_version: str) -> dict[s
 
 
 def execute(run: Run, cfg: Config, iteration: int, reward_name: str, reward_version: str) -> CreditResult:
+    repair_table(run, "advantages")
+    digest = options_digest(stored_options(cfg, reward_name, reward_version))
+    if run.read_advantages(iteration, cfg.credit.scheme, digest).num_rows == 0:
+        compute(run, cfg, iteration, reward_name, reward_version)
+    result = _assign(run, cfg, iteration, reward_name, reward_version)  # the summary numbers (cheap)
+    adv = run.advantage_grid(iteration, cfg.credit.scheme, digest)
+    rows = run.advantages_digest(iteration, cfg.credit.scheme, digest)
+    return CreditResult(
+        digest=rows,
+        iteration=iteration,
+        scheme=cfg.credit.scheme,
+        options_digest=digest,
+        seconds=run.rows_info("advantages", rows).get("seconds", 0.0),
+        adv_mean=float(adv.mean()),
+        adv_std=float(adv.std(unbiased=False)),
+        adv_abs_max=float(adv.abs().max()),
+        zero_std_ratio=float(result.zero_std_ratio),
+        turning_points=int(result.turning_mask.sum()),
+        gain_mean=result.gains.mean(0).tolist(),
+    )
+
+
+def compute(run: Run, cfg: Config, iteration: int, reward_name: str, reward_version: str) -> None:
+    """Append the advantages of `cfg.credit` from the stored rows of one reward version."""
     t0 = time.perf_counter()
+    result = _assign(run, cfg, iteration, reward_name, reward_version)
+    B, T = result.advantages.shape
+    run.append_advantages(
+        iteration,
+        cfg.credit.scheme,
+        stored_options(cfg, reward_name, reward_version),
+        np.repeat(np.arange(B), T),
+        np.tile(np.arange(T), B),
+        result.advantages.double().reshape(-1).numpy(),
+        info={"seconds": time.perf_counter() - t0},
+    )
+
+
+def _assign(run: Run, cfg: Config, iteration: int, reward_name: str, reward_version: str) -> Any:
+    """`stepgrpo_core.credit.assign` on the stored rewards (a scheme that reads only R_T also works
+    on rewards of the final samples only)."""
     scheme = cfg.credit.scheme
-    options = stored_options(cfg, reward_name, reward_version)
-    digest = options_digest(options)
     rewards = run.reward_grid(iteration, reward_name, reward_version).float()
     if not bool(torch.isfinite(rewards[:, -1]).all()):
         raise StageError(
@@ -51,28 +89,4 @@ def execute(run: Run, cfg: Config, iteration: int, reward_name: str, reward_vers
             )
         rewards = rewards[:, -1:].expand_as(rewards).clone()  # the scheme reads R_T only
     group_ids = torch.from_numpy(run.read_array(iteration, "rollout", "group_ids")).long()
-    result = assign(scheme, rewards, group_ids, **cfg.credit.options)
-    if run.read_advantages(iteration, scheme, digest).num_rows == 0:
-        B, T = result.advantages.shape
-        run.append_advantages(
-            iteration,
-            scheme,
-            options,
-            np.repeat(np.arange(B), T),
-            np.tile(np.arange(T), B),
-            result.advantages.double().reshape(-1).numpy(),
-        )
-    adv = result.advantages
-    return CreditResult(
-        digest=run.advantages_digest(iteration, scheme, digest),
-        iteration=iteration,
-        scheme=scheme,
-        options_digest=digest,
-        seconds=time.perf_counter() - t0,
-        adv_mean=float(adv.mean()),
-        adv_std=float(adv.std(unbiased=False)),
-        adv_abs_max=float(adv.abs().max()),
-        zero_std_ratio=float(result.zero_std_ratio),
-        turning_points=int(result.turning_mask.sum()),
-        gain_mean=result.gains.mean(0).tolist(),
-    )
+    return assign(scheme, rewards, group_ids, **cfg.credit.options)

@@ -26,8 +26,8 @@ from stepgrpo.scoring import cat_outputs, score_images
 from stepgrpo_core.rollout import rollout as sample
 from storage.publish import write_file_atomic
 from storage.run import Run
-from tasks.base import stage_task
-from tasks.keys import stage_key
+from tasks.base import stage_task, warn
+from tasks.keys import Key, stage_key
 
 EVAL_DIR = "eval"
 GRID_IMAGES = 64
@@ -47,16 +47,26 @@ def label(iteration: int | None) -> str:
 
 
 def read(run: Run, name: str) -> EvaluateResult | None:
-    """The stored evaluation `eval/<name>.json`, or None."""
+    """The stored evaluation `eval/<name>.json`, or None; one that does not parse is set aside."""
     path = Path(run.path) / EVAL_DIR / f"{name}.json"
-    return EvaluateResult.model_validate(json.loads(path.read_text())) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        return EvaluateResult.model_validate(json.loads(path.read_text()))
+    except ValueError:
+        warn(f"{path} does not parse; kept aside as {run.set_aside_file(path).name}, evaluating again")
+        return None
 
 
-def execute(run: Run, cfg: Config, iteration: int | None, key: str) -> EvaluateResult:
-    name = label(iteration)
-    stored = read(run, name)
-    if stored is not None and stored.key == key:
+def execute(run: Run, cfg: Config, iteration: int | None, key: Key) -> EvaluateResult:
+    stored = read(run, label(iteration))
+    if stored is not None and key.accepts(stored.key):
         return stored
+    return compute(run, cfg, iteration, key.value)
+
+
+def compute(run: Run, cfg: Config, iteration: int | None, key: str) -> EvaluateResult:
+    name = label(iteration)
     t0 = time.perf_counter()
     pol = workspace.policy_after(run, cfg, iteration)
     reward = workspace.reward(cfg.reward)

@@ -1,19 +1,25 @@
 """Cache keys of the stage tasks (DESIGN.md, "Caching and restart: the contract"), derived here only.
 
-A stage's key is the digest of exactly: the stage name, the run directory, the config fields the
+A stage's key is the digest of exactly: the stage name, the config fields the
 stage reads (`stepgrpo.config.STAGE_FIELDS`), what it records of its upstream results
 (`StageResult.key_inputs`: their content digests and the names they carry), the model's identity
 (the fingerprint recorded in the run's manifest) except for the stages that read no model, the
 reward's declared name / version / options for the stages that score, the iteration, and
 `CODE_SALT`. Nothing else, and computing it loads nothing: changing the reward changes the keys of
-score and what follows it, never of rollout or complete.
+score and what follows it, never of rollout or complete. No path is part of a key, so a copied,
+moved or remounted run resumes.
+
+A published stage records its key in its manifest; the stage counts as done for a key only if the
+recorded key is that key (`Key.accepts`) and its data verify against its manifest (`tasks.base`).
+Runs made before keys were relocatable recorded the key with the run's absolute path in it: that
+key is accepted too, for a run that has not moved.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from stepgrpo.config import CODE_SALT, Config, digest_of, stage_fields
 from stepgrpo.results import StageResult
@@ -26,12 +32,18 @@ REWARD_STAGES = frozenset({"score", "evaluate", "calibrate"})
 MODEL_FREE_STAGES = frozenset({"prompts", "credit"})
 # What the key records for an absent upstream: the base model's weights, no calibrated table.
 ABSENT = {"checkpoint": "init", "psi": None}
-# The layout of the task results Prefect keeps; bumped when a result type changes shape, so a
-# record of another shape is never returned (the stage then re-reads its published output).
-RESULT_FORMAT = "typed-1"
-ARGUMENTS = ("run", "cfg", "iteration")  # a stage task's parameters that are not upstream results
-
 Upstream = StageResult | str | None
+
+
+class Key(NamedTuple):
+    """A stage's key (`value`, recorded when the stage publishes) and the key a run made before
+    keys were relocatable recorded for the same inputs (`legacy`)."""
+
+    value: str
+    legacy: str
+
+    def accepts(self, recorded: str | None) -> bool:
+        return recorded is None or recorded in (self.value, self.legacy)
 
 
 def key_inputs(upstream: Mapping[str, Upstream]) -> dict[str, Any]:
@@ -58,12 +70,11 @@ def model_identity(run: Run, cfg: Config) -> str:
     return workspace.model_identity(cfg.model.path)
 
 
-def stage_key(stage: str, run: Run, cfg: Config, iteration: int, upstream: Mapping[str, Upstream]) -> str:
+def stage_key(stage: str, run: Run, cfg: Config, iteration: int, upstream: Mapping[str, Upstream]) -> Key:
     from stepgrpo import workspace
 
     parts: dict[str, Any] = {
         "stage": stage,
-        "run_dir": str(Path(run.path).resolve()),
         "iteration": iteration,
         "fields": stage_fields(cfg, stage),
         "inputs": key_inputs(upstream),
@@ -73,20 +84,5 @@ def stage_key(stage: str, run: Run, cfg: Config, iteration: int, upstream: Mappi
         parts["model"] = model_identity(run, cfg)
     if stage in REWARD_STAGES:
         parts["reward"] = workspace.reward_identity(cfg.reward)
-    return digest_of(parts)
-
-
-def task_key(stage: str, parameters: Mapping[str, Any]) -> str:
-    """The key of a stage task's call from its parameters (`run, cfg[, iteration], *upstream`)."""
-    upstream = {k: v for k, v in parameters.items() if k not in ARGUMENTS}
-    return stage_key(stage, parameters["run"], parameters["cfg"], parameters.get("iteration", 0), upstream)
-
-
-def cache_key(stage: str) -> Callable[[Any, dict[str, Any]], str]:
-    """A Prefect `cache_key_fn`: the stage key and the result format."""
-
-    def key_fn(context: Any, parameters: dict[str, Any]) -> str:
-        return f"{stage}-{task_key(stage, parameters)}-{RESULT_FORMAT}"
-
-    key_fn.__name__ = f"{stage}_cache_key"
-    return key_fn
+    legacy = {**parts, "run_dir": str(Path(run.path).resolve())}
+    return Key(digest_of(parts), digest_of(legacy))

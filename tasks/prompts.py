@@ -6,8 +6,9 @@ from stepgrpo.config import Config
 from stepgrpo.errors import StageError
 from stepgrpo.prompts import prompt_source
 from stepgrpo.results import PromptsResult
+from storage.errors import CorruptChunkError
 from storage.run import Run
-from tasks.base import stage_task
+from tasks.base import stage_task, warn
 
 
 @stage_task("prompts")
@@ -18,9 +19,18 @@ def prompts(run: Run, cfg: Config) -> PromptsResult:
 
 def execute(run: Run, cfg: Config) -> PromptsResult:
     manifest = run.prompts_manifest()
-    if manifest is None:
-        source = prompt_source(cfg)
-        if "train" not in source.splits:
-            raise StageError(f"run.prompts {cfg.run.prompts!r} holds no training prompts")
-        manifest = run.write_prompts(list(range(len(source.texts))), source.texts, source.splits, source.metadata)
+    if manifest is not None:
+        try:
+            run.verify_prompts()
+            return PromptsResult(digest=manifest["digest"], rows=manifest["rows"])
+        except CorruptChunkError as err:
+            warn(f"{err}; kept aside as {run.set_aside_file(run.path / 'prompts.parquet').name}, writing it again")
+    return compute(run, cfg)
+
+
+def compute(run: Run, cfg: Config) -> PromptsResult:
+    source = prompt_source(cfg)
+    if "train" not in source.splits:
+        raise StageError(f"run.prompts {cfg.run.prompts!r} holds no training prompts")
+    manifest = run.write_prompts(list(range(len(source.texts))), source.texts, source.splits, source.metadata)
     return PromptsResult(digest=manifest["digest"], rows=manifest["rows"])

@@ -21,8 +21,8 @@ from stepgrpo.results import CalibrateResult, PromptsResult, RolloutResult, Upda
 from stepgrpo.sampling import iteration_plan, sample_iteration
 from stepgrpo_core.kernels import KERNELS
 from storage.run import Run
-from tasks.base import published, stage_task
-from tasks.keys import stage_key
+from tasks.base import RESUME_FIX, reuse, stage_task, verified
+from tasks.keys import Key, stage_key
 
 
 @stage_task("rollout")
@@ -51,54 +51,60 @@ def kernel_noise(cfg: Config, psi: CalibrateResult | None) -> float | torch.Tens
     return torch.tensor(psi.psi, dtype=torch.float32)
 
 
-def execute(run: Run, cfg: Config, iteration: int, noise: float | torch.Tensor, key: str) -> RolloutResult:
-    if not published(run.stage_manifest(iteration, "rollout"), key, f"iteration {iteration} rollout"):
-        t0 = time.perf_counter()
-        pol = workspace.policy_at(run, cfg, iteration)
-        prompts = stored_prompts(run)
-        plan = iteration_plan(cfg, prompts.splits, iteration)
-        start, end = cfg.sampler.window()
-        writer = run.begin_rollout(
-            iteration,
-            sigmas=pol.sigmas(cfg.sampler.steps).cpu().numpy(),
-            seeds=np.repeat(plan.seeds, cfg.run.group_size),
-            prompt_ids=plan.prompt_ids,
-            group_ids=plan.group_ids,
-            latent_shape=pol.latent_shape,
-            latent_dtype=cfg.model.dtype,
-            kernel=cfg.sampler.kernel,
-            kernel_params={
-                "noise": noise.tolist() if isinstance(noise, torch.Tensor) else float(noise),
-                "window": [start, end - start],
-            },
-        )
-        nfe0, nfe_ode = pol.nfe, 0
-        with writer:
-            for chunk in sample_iteration(pol, cfg, prompts.texts, plan, iteration, noise):
-                nfe_ode += chunk.nfe_ode
-                writer.write(
-                    int(chunk.rows[0]),
-                    states=chunk.sde.states.cpu(),
-                    log_probs=chunk.sde.log_probs.cpu(),
-                    stds=chunk.sde.stds.cpu(),
-                    ode_final=chunk.ode_final.cpu(),
-                )
-            writer.publish(
-                inputs={
-                    "key": key,
-                    "nfe": pol.nfe - nfe0 - nfe_ode,
-                    "nfe_ode": nfe_ode,
-                    "seconds": time.perf_counter() - t0,
-                }
-            )
+def execute(run: Run, cfg: Config, iteration: int, noise: float | torch.Tensor, key: Key) -> RolloutResult:
+    if not reuse(run, iteration, "rollout", key, f"iteration {iteration} rollout"):
+        compute(run, cfg, iteration, noise, key.value)
     return stored(run, iteration)
 
 
-def stored(run: Run, iteration: int) -> RolloutResult:
-    """The result of the published rollout of `iteration`."""
+def compute(run: Run, cfg: Config, iteration: int, noise: float | torch.Tensor, key: str) -> None:
+    t0 = time.perf_counter()
+    pol = workspace.policy_at(run, cfg, iteration)
+    prompts = stored_prompts(run)
+    plan = iteration_plan(cfg, prompts.splits, iteration)
+    start, end = cfg.sampler.window()
+    writer = run.begin_rollout(
+        iteration,
+        sigmas=pol.sigmas(cfg.sampler.steps).cpu().numpy(),
+        seeds=np.repeat(plan.seeds, cfg.run.group_size),
+        prompt_ids=plan.prompt_ids,
+        group_ids=plan.group_ids,
+        latent_shape=pol.latent_shape,
+        latent_dtype=cfg.model.dtype,
+        kernel=cfg.sampler.kernel,
+        kernel_params={
+            "noise": noise.tolist() if isinstance(noise, torch.Tensor) else float(noise),
+            "window": [start, end - start],
+        },
+    )
+    nfe0, nfe_ode = pol.nfe, 0
+    with writer:
+        for chunk in sample_iteration(pol, cfg, prompts.texts, plan, iteration, noise):
+            nfe_ode += chunk.nfe_ode
+            writer.write(
+                int(chunk.rows[0]),
+                states=chunk.sde.states.cpu(),
+                log_probs=chunk.sde.log_probs.cpu(),
+                stds=chunk.sde.stds.cpu(),
+                ode_final=chunk.ode_final.cpu(),
+            )
+        writer.publish(
+            inputs={
+                "key": key,
+                "nfe": pol.nfe - nfe0 - nfe_ode,
+                "nfe_ode": nfe_ode,
+                "seconds": time.perf_counter() - t0,
+            }
+        )
+
+
+def stored(run: Run, iteration: int, verify: bool = False) -> RolloutResult:
+    """The result of the published rollout of `iteration` (`verify`: check its data first)."""
     m = run.stage_manifest(iteration, "rollout")
     if m is None:
         raise StageError(f"run {run.run_id} iteration {iteration} has no published rollout")
+    if verify:
+        verified(run, iteration, "rollout", f"iteration {iteration} rollout", RESUME_FIX)
     return RolloutResult(
         digest=m["digest"],
         iteration=iteration,

@@ -18,9 +18,9 @@ from stepgrpo.errors import StageError
 from stepgrpo.prompts import stored_prompts
 from stepgrpo.results import CompleteResult, RolloutResult, ScoreResult
 from stepgrpo.scoring import decode_distinct, reward_summary, score_images
-from storage.errors import AlreadyPublishedError, StageLockedError
+from storage.errors import AlreadyPublishedError, CorruptChunkError, StageLockedError
 from storage.run import Run
-from tasks.base import stage_task
+from tasks.base import repair_table, stage_task, warn
 from tasks.complete import clean_latents, clean_stage, scored_states
 
 
@@ -35,14 +35,15 @@ def score(
 def execute(run: Run, cfg: Config, iteration: int) -> ScoreResult:
     identity = workspace.reward_identity(cfg.reward)
     name, version = identity["name"], identity["version"]
-    t0, images_from = time.perf_counter(), "none"
+    repair_table(run, "rewards")
     if run.read_rewards(iteration, name, version).num_rows == 0:
-        images_from = _score(run, cfg, iteration, name, version)
-    return stored(run, iteration, name, version, seconds=time.perf_counter() - t0, images=images_from)
+        compute(run, cfg, iteration, name, version)
+    return stored(run, iteration, name, version)
 
 
-def _score(run: Run, cfg: Config, iteration: int, name: str, version: str) -> str:
-    """Score and append the rows; returns where the images came from."""
+def compute(run: Run, cfg: Config, iteration: int, name: str, version: str) -> None:
+    """Score and append the rows, with how long it took and where the images came from."""
+    t0 = time.perf_counter()
     reward = workspace.reward(cfg.reward)
     images, k_of, images_from = _images(run, cfg, iteration)
     B, K = images.shape[:2]
@@ -76,15 +77,19 @@ def _score(run: Run, cfg: Config, iteration: int, name: str, version: str) -> st
         out.scores[take].double().numpy(),
         strict=None if out.strict is None else out.strict[take].double().numpy(),
         sub={s: v[take].double().numpy() for s, v in out.sub.items()} or None,
+        info={"seconds": time.perf_counter() - t0, "images": images_from},
     )
-    return images_from
 
 
 def _images(run: Run, cfg: Config, iteration: int) -> tuple[np.ndarray, np.ndarray, str]:
     """`[B, K, 3, Y, X]` uint8 images of the clean latents, their state indices `k [K]`, and where
     they came from ("stored", "decoded" or "decoded+stored")."""
     source = clean_stage(cfg.completion.method)
-    stored_images = run.read_images(iteration, source)
+    try:
+        stored_images = run.read_images(iteration, source)
+    except CorruptChunkError as err:
+        warn(f"{err}; kept aside as {run.set_aside(iteration, run.images_stage(source)).name}, decoding again")
+        stored_images = None
     if stored_images is not None:
         return stored_images.images, stored_images.k, "stored"
     k, _ = scored_states(run, cfg.completion.method, iteration)
@@ -108,10 +113,9 @@ def _images(run: Run, cfg: Config, iteration: int) -> tuple[np.ndarray, np.ndarr
     return images, k, "decoded+stored"
 
 
-def stored(
-    run: Run, iteration: int, name: str, version: str | None = None, seconds: float = 0.0, images: str = "none"
-) -> ScoreResult:
-    """The result of the stored rows of reward `name` (`version`: the latest stored when None)."""
+def stored(run: Run, iteration: int, name: str, version: str | None = None) -> ScoreResult:
+    """The result of the stored rows of reward `name` (`version`: the latest stored when None),
+    with the seconds and the images' source recorded when they were computed."""
     if version is None:
         versions = sorted(set(run.read_rewards(iteration, name).column("reward_version").to_pylist()))
         if not versions:
@@ -127,12 +131,14 @@ def stored(
         run.reward_grid(iteration, name, version, field="strict"),
         torch.from_numpy(run.read_array(iteration, "rollout", "group_ids")).long(),
     )
+    digest = run.rewards_digest(iteration, name, version)
+    info = run.rows_info("rewards", digest)
     return ScoreResult(
-        digest=run.rewards_digest(iteration, name, version),
+        digest=digest,
         iteration=iteration,
         reward_name=name,
         reward_version=version,
-        images=images,
-        seconds=seconds,
+        images=info.get("images", "none"),
+        seconds=info.get("seconds", 0.0),
         **summary,
     )

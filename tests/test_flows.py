@@ -65,19 +65,19 @@ def tiny(tiny_model) -> list[str]:
 
 @pytest.fixture
 def calls(monkeypatch) -> collections.Counter:
-    """Counts executions of each stage body (`tasks.<stage>.execute`)."""
+    """Counts computations of each stage (`tasks.<stage>.compute`: a reused stage is not computed)."""
     import importlib
 
     counter: collections.Counter = collections.Counter()
     for name in STAGES:
         module = importlib.import_module(f"tasks.{name}")
-        original = module.execute
+        original = module.compute
 
         def wrapped(*args, _name=name, _original=original, **kwargs):
             counter[_name] += 1
             return _original(*args, **kwargs)
 
-        monkeypatch.setattr(module, "execute", wrapped)
+        monkeypatch.setattr(module, "compute", wrapped)
     return counter
 
 
