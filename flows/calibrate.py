@@ -7,7 +7,7 @@ from typing import Any
 from prefect import flow
 
 from stepgrpo.config import load_config
-from stepgrpo.runs import open_run, resolve_run_dir
+from stepgrpo.runs import open_run, owned, resolve_run_dir
 from tasks import bind
 
 
@@ -20,8 +20,9 @@ def calibrate(
 ) -> dict[str, Any]:
     """Calibrate `psi` into the run (created if new); `stepgrpo train` with the same run then uses it."""
     cfg = load_config(config_path, overrides or [])
-    run = open_run(cfg, resolve_run_dir(cfg, run_dir, run_id))
-    stage = bind(run)
-    result = stage.calibrate(run, cfg, stage.prompts(run, cfg))
+    with owned(resolve_run_dir(cfg, run_dir, run_id)) as path:
+        run = open_run(cfg, path)
+        stage = bind(run)
+        result = stage.calibrate(run, cfg, stage.prompts(run, cfg))
     print(f"psi after {len(result.rounds)} rounds: {[round(p, 4) for p in result.psi]}")
     return {"run_dir": str(run.path), **result.record()}

@@ -7,7 +7,7 @@ from typing import Any
 from prefect import flow
 
 from stepgrpo.config import validate_config
-from stepgrpo.runs import open_stored, stored_iterations
+from stepgrpo.runs import owned_stored, stored_iterations
 from tasks import bind, rollout, score
 
 
@@ -21,18 +21,18 @@ def credit(
 ) -> dict[str, Any]:
     """Advantages under `scheme` for every stored iteration, from the rewards of `reward`
     (default: the run's training reward)."""
-    stored, cfg = open_stored(run)
-    cfg = validate_config(cfg.model_dump(mode="json") | {"credit": {"scheme": scheme, "options": options or {}}})
-    name = reward or _training_reward(cfg)
-    stage, done = bind(stored), []
-    for i in iterations if iterations is not None else stored_iterations(stored):
-        rollout.stored(stored, i, verify=True)  # the trajectories the advantages belong to
-        done.append(stage.credit(stored, cfg, i, score.stored(stored, i, name)))
-        print(
-            f"iteration {i}: {scheme} advantages std {done[-1].adv_std:.4f}, "
-            f"zero-std groups {done[-1].zero_std_ratio:.2f}"
-        )
-    return {"run_dir": str(stored.path), "advantages": [a.record() for a in done]}
+    with owned_stored(run) as (stored, cfg):
+        cfg = validate_config(cfg.model_dump(mode="json") | {"credit": {"scheme": scheme, "options": options or {}}})
+        name = reward or _training_reward(cfg)
+        stage, done = bind(stored), []
+        for i in iterations if iterations is not None else stored_iterations(stored):
+            rollout.stored(stored, i, verify=True)  # the trajectories the advantages belong to
+            done.append(stage.credit(stored, cfg, i, score.stored(stored, i, name)))
+            print(
+                f"iteration {i}: {scheme} advantages std {done[-1].adv_std:.4f}, "
+                f"zero-std groups {done[-1].zero_std_ratio:.2f}"
+            )
+        return {"run_dir": str(stored.path), "advantages": [a.record() for a in done]}
 
 
 def _training_reward(cfg: Any) -> str:

@@ -7,7 +7,7 @@ from typing import Any
 from prefect import flow
 
 from flows.progress import evaluation_record
-from stepgrpo.runs import latest_checkpoint, open_stored
+from stepgrpo.runs import latest_checkpoint, owned_stored
 from tasks import bind, update
 
 
@@ -17,14 +17,15 @@ def evaluate(run: str, iteration: int | None = None, overrides: list[str] | None
 
     `overrides` (`key=value`) may change evaluation settings such as `run.eval_prompts` or `reward.name`.
     """
-    stored, cfg = open_stored(run, overrides or [])
-    stage = bind(stored)
-    prompts = stage.prompts(stored, cfg)
-    if iteration is None:
-        iteration = latest_checkpoint(stored)
-    checkpoint = None if iteration < 0 else update.stored(stored, iteration, verify=True)
-    result = evaluation_record(stored, stage.evaluate(stored, cfg, iteration, prompts, checkpoint))
-    print(
-        f"held-out {result['reward_name']} after {result['label']}: {result['reward_mean']:.4f}; grid {result['grid']}"
-    )
-    return result
+    with owned_stored(run, overrides or []) as (stored, cfg):
+        stage = bind(stored)
+        prompts = stage.prompts(stored, cfg)
+        if iteration is None:
+            iteration = latest_checkpoint(stored)
+        checkpoint = None if iteration < 0 else update.stored(stored, iteration, verify=True)
+        result = evaluation_record(stored, stage.evaluate(stored, cfg, iteration, prompts, checkpoint))
+        print(
+            f"held-out {result['reward_name']} after {result['label']}: {result['reward_mean']:.4f}; grid "
+            f"{result['grid']}"
+        )
+        return result

@@ -13,7 +13,7 @@ from typing import Any
 from prefect import flow
 
 from stepgrpo.config import validate_config
-from stepgrpo.runs import open_stored, stored_iterations
+from stepgrpo.runs import owned_stored, stored_iterations
 from tasks import bind, complete, rollout
 
 
@@ -22,13 +22,15 @@ def rescore(
     run: str, reward: str, reward_options: dict[str, Any] | None = None, iterations: list[int] | None = None
 ) -> dict[str, Any]:
     """Score every stored iteration (or `iterations`) of `run` with `reward`."""
-    stored, cfg = open_stored(run)
-    cfg = validate_config(cfg.model_dump(mode="json") | {"reward": {"name": reward, "options": reward_options or {}}})
-    stage, done = bind(stored), []
-    method = cfg.completion.method
-    for i in iterations if iterations is not None else stored_iterations(stored):
-        sampled = rollout.stored(stored, i, verify=True)
-        clean = complete.stored(stored, method, i, verify=True) if method else sampled
-        done.append(stage.score(stored, cfg, i, clean, sampled))
-        print(f"iteration {i}: {done[-1].reward_name} mean {done[-1].reward_mean:.4f} (images {done[-1].images})")
-    return {"run_dir": str(stored.path), "scores": [s.record() for s in done]}
+    with owned_stored(run) as (stored, cfg):
+        cfg = validate_config(
+            cfg.model_dump(mode="json") | {"reward": {"name": reward, "options": reward_options or {}}}
+        )
+        stage, done = bind(stored), []
+        method = cfg.completion.method
+        for i in iterations if iterations is not None else stored_iterations(stored):
+            sampled = rollout.stored(stored, i, verify=True)
+            clean = complete.stored(stored, method, i, verify=True) if method else sampled
+            done.append(stage.score(stored, cfg, i, clean, sampled))
+            print(f"iteration {i}: {done[-1].reward_name} mean {done[-1].reward_mean:.4f} (images {done[-1].images})")
+        return {"run_dir": str(stored.path), "scores": [s.record() for s in done]}

@@ -12,9 +12,10 @@ from typing import Any
 from prefect import flow
 
 from flows.progress import TrainingLog
-from stepgrpo.config import load_config
-from stepgrpo.runs import open_run, resolve_run_dir
+from stepgrpo.config import Config, load_config
+from stepgrpo.runs import open_run, owned, resolve_run_dir
 from stepgrpo_core.kernels import KERNELS
+from storage.run import Run
 from tasks import bind
 from tasks.update import export_lora
 
@@ -28,7 +29,12 @@ def train(
 ) -> dict[str, Any]:
     """Train a LoRA with GRPO and step-level credit (config file + `key=value` overrides)."""
     cfg = load_config(config_path, overrides or [])
-    run = open_run(cfg, resolve_run_dir(cfg, run_dir, run_id))
+    with owned(resolve_run_dir(cfg, run_dir, run_id)) as path:  # one process at a time
+        return iterate(open_run(cfg, path), cfg)
+
+
+def iterate(run: Run, cfg: Config) -> dict[str, Any]:
+    """The algorithm, on a run this process owns."""
     stage = bind(run)
 
     prompts = stage.prompts(run, cfg)

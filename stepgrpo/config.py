@@ -37,7 +37,7 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
@@ -422,7 +422,14 @@ def _read_config_file(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]
         raise ConfigError(f"config file {str(path)!r} does not exist")
     if path.resolve() in seen:
         raise ConfigError(f"config file {str(path)!r} is its own base (through {' -> '.join(p.name for p in seen)})")
-    loaded = yaml.safe_load(path.read_text()) or {}
+    try:
+        loaded = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        where = getattr(err, "problem_mark", None)
+        line = f", line {where.line + 1}" if where is not None else ""
+        raise ConfigError(
+            f"config file {str(path)!r} is not valid YAML{line}: {getattr(err, 'problem', err)}"
+        ) from None
     if not isinstance(loaded, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
     base = loaded.pop(BASE_KEY, None)

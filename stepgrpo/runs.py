@@ -8,24 +8,95 @@ model files (`tasks.keys`).
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from stepgrpo.config import Config, apply_overrides, validate_config
 from stepgrpo.errors import StageError
 from storage.run import Run, find_run
+from storage.schema import NAME_RE
 
 MODEL_FACT = "model_identity"  # manifest fact: `workspace.model_identity` of the run's model
 
+# Locks this process holds, by lock path: (the lock, how many holders in this process).
+_held: dict[str, tuple[Any, int]] = {}
+
+
+def lock_path(run_dir: Path) -> Path:
+    """The run's lock, beside it (so it is taken before the run directory exists)."""
+    return run_dir.parent / f".{run_dir.name}.lock"
+
+
+@contextmanager
+def owned(run_dir: str | Path) -> Iterator[Path]:
+    """Hold the run's lock for the block: one process owns a run at a time, and a second one is
+    refused at once with a message naming the holder. An OS-level lock (`filelock`): the kernel
+    releases it when its holder dies, so a killed run is resumed without clean-up. Re-entrant
+    within a process (the CLI takes it before the flow starts, the flow takes it again)."""
+    from filelock import FileLock, Timeout
+
+    run_dir = Path(run_dir).resolve()
+    path = lock_path(run_dir)
+    name = str(path)
+    if name in _held:
+        lock, count = _held[name]
+        _held[name] = (lock, count + 1)
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(name, timeout=0)
+        try:
+            lock.acquire()
+        except Timeout:
+            raise StageError(
+                f"run {run_dir.name} is in use: {_holder(path)}; wait for it to finish, or stop it"
+            ) from None
+        holder = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "command": " ".join(sys.argv[:4]),
+        }
+        Path(name + ".holder").write_text(json.dumps(holder) + "\n")
+        _held[name] = (lock, 1)
+    try:
+        yield run_dir
+    finally:
+        lock, count = _held[name]
+        if count > 1:
+            _held[name] = (lock, count - 1)
+        else:
+            del _held[name]
+            Path(name + ".holder").unlink(missing_ok=True)
+            lock.release()
+
+
+def _holder(path: Path) -> str:
+    try:
+        h = json.loads(Path(str(path) + ".holder").read_text())
+        return f"held by pid {h['pid']} on {h['host']} since {h['since']} ({h['command']})"
+    except (OSError, ValueError, KeyError):
+        return f"another process holds {path.name}"
+
 
 def resolve_run_dir(cfg: Config, run_dir: str | None = None, run_id: str | None = None) -> Path:
-    """`--run-dir` as given; else `<runs_root>/<run_id>`; else a new id `<name>-<UTC time>`."""
+    """`--run-dir` as given; else `<runs_root>/<run_id>`; else a new id `<name>-<UTC time>`.
+    A run id is one name: it never leaves `run.runs_root`."""
     if run_dir:
         return Path(run_dir).resolve()
     if not run_id:
         run_id = f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    if not NAME_RE.match(run_id):
+        raise StageError(
+            f"run id {run_id!r} is not one name (letters, digits, _ . -, not starting with . or -): a run id names "
+            f"a directory inside run.runs_root ({cfg.run.runs_root}); give a path with --run-dir instead"
+        )
     return (Path(cfg.run.runs_root) / run_id).resolve()
 
 
@@ -43,12 +114,8 @@ def open_run(cfg: Config, run_dir: str | Path) -> Run:
     except ValueError as err:
         if "different config" not in str(err):
             raise
-        changed = config_diff(Run.open(run_dir).config, cfg.model_dump(mode="json"))
-        raise StageError(
-            f"run {run_dir.name} was created with another config (changed: {', '.join(changed)}); "
-            "resume it with the same config, pick a new --run-id, or use `stepgrpo rescore` / "
-            "`stepgrpo credit` to try another reward / scheme on its stored trajectories"
-        ) from None
+        check_resumable(cfg, run_dir)
+        raise
     recorded = run.fact(MODEL_FACT)
     if recorded is None:
         run.record_fact(MODEL_FACT, identity)  # a run created before models were fingerprinted
@@ -58,6 +125,20 @@ def open_run(cfg: Config, run_dir: str | Path) -> Run:
             "(their fingerprint differs); restore that model or start a new --run-id"
         )
     return run
+
+
+def check_resumable(cfg: Config, run_dir: Path) -> None:
+    """An existing run directory must hold a run of the same config (checked before anything starts)."""
+    if not (run_dir / "manifest.json").exists():
+        return
+    stored = Run.open(run_dir).config
+    changed = config_diff(stored, cfg.model_dump(mode="json"))
+    if changed:
+        raise StageError(
+            f"run {run_dir.name} was created with another config (changed: {', '.join(changed)}); "
+            "resume it with the same config, pick a new --run-id, or use `stepgrpo rescore` / "
+            "`stepgrpo credit` to try another reward / scheme on its stored trajectories"
+        )
 
 
 def config_diff(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:
@@ -78,6 +159,13 @@ def open_stored(run: str | Path, overrides: Sequence[str] = ()) -> tuple[Run, Co
     path = find_run(run)
     stored = Run.open(path)
     return stored, validate_config(apply_overrides(stored.config, overrides))
+
+
+@contextmanager
+def owned_stored(run: str | Path, overrides: Sequence[str] = ()) -> Iterator[tuple[Run, Config]]:
+    """`open_stored` for the block, holding the run's lock (`owned`)."""
+    with owned(find_run(run)) as path:
+        yield open_stored(path, overrides)
 
 
 def stored_iterations(run: Run) -> list[int]:

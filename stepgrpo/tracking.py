@@ -28,6 +28,52 @@ def tracking_uri(run_dir: str | Path) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(run_dir).resolve() / 'mlflow.db'}"
 
 
+STORE_FILE = "mlflow.db"
+
+
+def ensure_local_store(run_dir: Path) -> None:
+    """Make the run's SQLite store whole before anything logs to it: a new store is created and
+    migrated under a temporary name, then renamed into place (a process killed meanwhile leaves no
+    half-migrated `mlflow.db`); an existing store that cannot be read is kept aside and recreated."""
+    store = run_dir / STORE_FILE
+    if store.is_file():
+        if _readable(store):
+            return
+        aside = store.with_name(f"{STORE_FILE}.damaged-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+        os.rename(store, aside)
+        print(
+            f"warning: {store} could not be read (an interrupted creation?); kept aside as {aside.name}, "
+            "starting a new one"
+        )
+    tmp = run_dir / f".{STORE_FILE}.{os.getpid()}.creating"
+    tmp.unlink(missing_ok=True)
+    _migrate(tmp)
+    os.replace(tmp, store)
+
+
+def _migrate(path: Path) -> None:
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    s = SqlAlchemyStore(f"sqlite:///{path}", (path.parent / "mlflow-artifacts").as_uri())
+    s.engine.dispose()
+
+
+def _readable(path: Path) -> bool:
+    """Whether `path` is a whole MLflow store of this MLflow's schema: read with `sqlite3` itself,
+    so that no MLflow engine is left attached to a file that may be renamed away."""
+    import sqlite3
+
+    from mlflow.store.db.utils import _get_latest_schema_revision
+
+    try:
+        with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
+            (version,) = db.execute("SELECT version_num FROM alembic_version").fetchone()
+            db.execute("SELECT count(*) FROM experiments").fetchone()
+    except (sqlite3.Error, TypeError):
+        return False
+    return version == _get_latest_schema_revision()
+
+
 class Tracker:
     """One MLflow run. `Tracker.start(...)` opens it; use as a context manager to end it.
 
@@ -46,6 +92,8 @@ class Tracker:
         from mlflow.tracking import MlflowClient
 
         uri = tracking_uri(run_dir)
+        if not os.environ.get("MLFLOW_TRACKING_URI"):
+            ensure_local_store(Path(run_dir))
         client = MlflowClient(tracking_uri=uri)
         exp = client.get_experiment_by_name(experiment)
         if exp is None:

@@ -78,46 +78,85 @@ def _run(fn: Any, *args: Any, **kwargs: Any) -> Any:
         raise typer.Exit(1) from None
 
 
-def _check_config(config: Path | None, overrides: list[str] | None, calibrated: bool = False) -> None:
-    """Validate before any flow starts (and before a Prefect server is started)."""
+def _check_config(
+    config: Path | None,
+    overrides: list[str] | None,
+    run_dir: Path | None,
+    run_id: str | None,
+    calibrated: bool = False,
+) -> Path:
+    """Everything checkable before a flow (and its Prefect server) starts; returns the run directory."""
+    from stepgrpo.checks import check_config
     from stepgrpo.config import load_config
-    from stepgrpo.workspace import resolve_model_path
+    from stepgrpo.runs import check_resumable, resolve_run_dir
 
     cfg = load_config(config, overrides or [])
-    resolve_model_path(cfg.model.path)
-    if calibrated:
-        from tasks.calibrate import check_calibrated
+    check_config(cfg, calibrated=calibrated)
+    path = resolve_run_dir(cfg, str(run_dir) if run_dir else None, run_id)
+    check_resumable(cfg, path)
+    return path
 
-        check_calibrated(cfg)
 
+def _check_run(
+    run: str,
+    reward: str | None = None,
+    reward_options: dict[str, Any] | None = None,
+    scheme: str | None = None,
+    scheme_options: dict[str, Any] | None = None,
+    overrides: list[str] | None = None,
+) -> Path:
+    """Open the run (manifest and schema version checked) and validate names and options."""
+    from stepgrpo.checks import check_model
+    from stepgrpo.errors import StageError
+    from stepgrpo.runs import open_stored
+    from storage.run import find_run
 
-def _check_run(run: str, reward: str | None = None, scheme: str | None = None) -> None:
-    """Open the run (schema version checked) and validate names before any flow starts."""
-    from storage.run import Run, find_run
-
-    Run.open(find_run(run))
+    path = find_run(run)
+    _, cfg = open_stored(path, overrides or [])
+    if overrides:
+        check_model(cfg.model.path)
     if reward is not None:
-        from stepgrpo.rewards import REWARDS
+        from stepgrpo.rewards import REWARDS, reward_identity
 
         REWARDS.validate(reward)
+        try:
+            reward_identity({"name": reward, "options": reward_options or {}})
+        except TypeError as err:
+            raise StageError(f"--options: {err}") from None
     if scheme is not None:
         from stepgrpo_core.credit import SCHEMES
+        from stepgrpo_core.credit import scheme_options as known
 
         SCHEMES.validate(scheme)
+        unknown = sorted(set(scheme_options or {}) - set(known(scheme)))
+        if unknown:
+            raise StageError(
+                f"--options: scheme {scheme!r} has no options {unknown}; its options: {sorted(known(scheme))}"
+            )
+    return path
+
+
+def _owned(path: Path, flow: Any, **kwargs: Any) -> Any:
+    """Run `flow` holding the run's lock (taken here, before its Prefect server starts)."""
+    from stepgrpo.runs import owned
+
+    with owned(path):
+        return flow(**kwargs)
 
 
 @app.command()
 def train(config: ConfigOpt = None, set_: SetOpt = None, run_dir: RunDirOpt = None, run_id: RunIdOpt = None) -> None:
     """Train: iterations of rollout -> complete -> score -> credit -> update, evaluated before and after."""
-    _run(_check_config, config, set_)
+    path = _run(_check_config, config, set_, run_dir, run_id)
     from flows.train import train as train_flow
 
     out = _run(
+        _owned,
+        path,
         train_flow,
         config_path=str(config) if config else None,
         overrides=list(set_ or []),
-        run_dir=str(run_dir) if run_dir else None,
-        run_id=run_id,
+        run_dir=str(path),
     )
     from stepgrpo.report import print_summary
 
@@ -131,11 +170,11 @@ def rescore(
     options: Annotated[str | None, typer.Option(help="Reward options as JSON.")] = None,
 ) -> None:
     """Score the stored trajectories of RUN with another reward (no transformer call)."""
-    _run(_check_run, run, reward=reward)
     parsed = _json(options)
+    path = _run(_check_run, run, reward=reward, reward_options=parsed)
     from flows.rescore import rescore as rescore_flow
 
-    out = _run(rescore_flow, run=run, reward=reward, reward_options=parsed)
+    out = _run(_owned, path, rescore_flow, run=str(path), reward=reward, reward_options=parsed)
     table = Table("iteration", "reward", "version", "mean", "strict", "images", title=f"rescored {out['run_dir']}")
     for s in out["scores"]:
         table.add_row(
@@ -157,11 +196,11 @@ def credit(
     reward: Annotated[str | None, typer.Option(help="Which stored reward to use (default: the run's).")] = None,
 ) -> None:
     """Recompute the advantages of RUN with another scheme, from its stored rewards only."""
-    _run(_check_run, run, scheme=scheme)
     parsed = _json(options)
+    path = _run(_check_run, run, scheme=scheme, scheme_options=parsed)
     from flows.credit import credit as credit_flow
 
-    out = _run(credit_flow, run=run, scheme=scheme, options=parsed, reward=reward)
+    out = _run(_owned, path, credit_flow, run=str(path), scheme=scheme, options=parsed, reward=reward)
     table = Table(
         "iteration",
         "scheme",
@@ -188,15 +227,16 @@ def calibrate(
     config: ConfigOpt = None, set_: SetOpt = None, run_dir: RunDirOpt = None, run_id: RunIdOpt = None
 ) -> None:
     """DenseGRPO psi calibration into a run (then `train` with the same config and run id)."""
-    _run(_check_config, config, set_, calibrated=True)
+    path = _run(_check_config, config, set_, run_dir, run_id, calibrated=True)
     from flows.calibrate import calibrate as calibrate_flow
 
     out = _run(
+        _owned,
+        path,
         calibrate_flow,
         config_path=str(config) if config else None,
         overrides=list(set_ or []),
-        run_dir=str(run_dir) if run_dir else None,
-        run_id=run_id,
+        run_dir=str(path),
     )
     console.print(f"psi: {[round(p, 4) for p in out['psi']]}\nrun directory: {out['run_dir']}")
 
@@ -208,10 +248,10 @@ def evaluate(
     set_: SetOpt = None,
 ) -> None:
     """Held-out reward of RUN's policy and an image grid."""
-    _run(_check_run, run)
+    path = _run(_check_run, run, overrides=list(set_ or []))
     from flows.evaluate import evaluate as evaluate_flow
 
-    out = _run(evaluate_flow, run=run, iteration=iteration, overrides=list(set_ or []))
+    out = _run(_owned, path, evaluate_flow, run=str(path), iteration=iteration, overrides=list(set_ or []))
     console.print(
         f"held-out {out['reward_name']} ({out['label']}): {out['reward_mean']:.4f}"
         + (f", strict {out['reward_strict']:.4f}" if "reward_strict" in out else "")
@@ -241,10 +281,14 @@ def runs(root: Annotated[Path, typer.Option(help="Directory holding run director
         "run id", "config", "created", "iterations", "checkpoints", "held-out reward (base -> last)", title=str(root)
     )
     for path in sorted(p for p in root.glob("*") if (p / "manifest.json").is_file()):
-        m = json.loads((path / "manifest.json").read_text())
-        iters = [d for d in path.glob("iter_*") if (d / "rollout.zarr" / "_published.json").is_file()]
-        ckpts = [d for d in (path / "checkpoints").glob("iter_*") if (d / "_published.json").is_file()]
-        evals = _evals(path)
+        try:
+            m = json.loads((path / "manifest.json").read_text())
+            iters = [d for d in path.glob("iter_*") if (d / "rollout.zarr" / "_published.json").is_file()]
+            ckpts = [d for d in (path / "checkpoints").glob("iter_*") if (d / "_published.json").is_file()]
+            evals = _evals(path)
+        except (OSError, ValueError, KeyError, TypeError) as err:  # one broken run does not hide the others
+            table.add_row(path.name, f"[red]unreadable: {escape(str(err))[:80]}[/]", "", "", "", "")
+            continue
         reward = (
             f"{evals[0][1]:.4f} -> {evals[-1][1]:.4f}" if len(evals) > 1 else (f"{evals[0][1]:.4f}" if evals else "")
         )
@@ -260,9 +304,33 @@ def runs(root: Annotated[Path, typer.Option(help="Directory holding run director
 
 
 @app.command()
-def inspect(run: RunArg) -> None:
-    """A table of RUN's iterations: stages published and rewards."""
+def inspect(
+    run: RunArg,
+    verify: Annotated[bool, typer.Option("--verify", help="Check every stored byte against its digests.")] = False,
+) -> None:
+    """A table of RUN's iterations: stages published and rewards (--verify: check all stored data)."""
+    if verify:
+        _run(_verify, run)
+        return
     _run(_inspect, run)
+
+
+def _verify(run: str) -> None:
+    """Every published stage, table part, checkpoint and the prompts against their digests; exit 1 if any differs."""
+    from storage.run import Run, find_run
+
+    r = Run.open(find_run(run))
+    problems = r.verify_all()
+    for what, error in problems:
+        err_console.print(f"[bold red]damaged:[/] {what}: {escape(error)}", highlight=False, soft_wrap=True)
+    checked = r.stored_items()
+    if problems:
+        err_console.print(
+            f"{len(problems)} of {len(checked)} stored items do not verify; resume the run with "
+            "`stepgrpo train` (same config) to recompute them, or restore them from a copy"
+        )
+        raise typer.Exit(1)
+    console.print(f"run {r.run_id}: {len(checked)} stored items verify")
 
 
 def _inspect(run: str) -> None:

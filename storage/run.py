@@ -31,7 +31,7 @@ from typing import Any
 from storage import tables
 from storage.arrays import StageStore
 from storage.checkpoints import Checkpoint, Checkpoints
-from storage.errors import AlreadyPublishedError, CorruptChunkError, NotPublishedError, SchemaVersionError
+from storage.errors import AlreadyPublishedError, CorruptChunkError, NotPublishedError, SchemaVersionError, StorageError
 from storage.publish import (
     acquire_lock,
     canonical_json,
@@ -158,6 +158,13 @@ class Run(StageStores, RunTables, Checkpoints):
         path = Path(path)
         try:
             manifest = json.loads((path / MANIFEST_FILE).read_text())
+            if not isinstance(manifest, dict) or "run_id" not in manifest or "config" not in manifest:
+                raise StorageError(f"{path / MANIFEST_FILE} is not a run manifest (no run_id / config); restore it")
+        except json.JSONDecodeError as err:
+            raise StorageError(
+                f"{path / MANIFEST_FILE} is not JSON ({err.msg}, line {err.lineno}); the run cannot be opened until "
+                "it is restored (from a copy of the run)"
+            ) from None
         except FileNotFoundError:
             raise FileNotFoundError(
                 f"{path} is not a run directory (no {MANIFEST_FILE}); create it with Run.create"
@@ -258,6 +265,38 @@ class Run(StageStores, RunTables, Checkpoints):
             found = store.verify_and_digest()[0]  # a bad chunk raises, naming the array and chunk
         if found != manifest.get("digest"):
             raise CorruptChunkError(f"{what}: its content no longer matches its published digest (damaged or edited)")
+
+    def stored_items(self) -> list[tuple[str, Any]]:
+        """Everything the run stores that has a digest: `("prompts", None)`, `(f"iteration {k} {stage}",
+        (k, stage))` for each published stage, `("rewards/part-...", path)` for each table part."""
+        items: list[tuple[str, Any]] = []
+        if self.prompts_manifest() is not None:
+            items.append(("prompts", None))
+        stages = {"rollout", "checkpoint"}
+        for d in self.path.glob("iter_*/*/*.zarr"):
+            stages.add(f"{d.parent.name}/{d.stem}")
+        for stage in sorted(stages):
+            items += [(f"iteration {k} {stage}", (k, stage)) for k in self.iterations(stage)]
+        for table in ("rewards", "advantages"):
+            items += [(f"{table}/{p.name}", p) for p in sorted((self.path / table).glob("part-*.parquet"))]
+        return items
+
+    def verify_all(self) -> list[tuple[str, str]]:
+        """Check every stored item (`stored_items`); returns `(item, what is wrong)` for those that fail."""
+        from storage.run_tables import TABLES
+
+        problems = []
+        for what, item in self.stored_items():
+            try:
+                if item is None:
+                    self.verify_prompts()
+                elif isinstance(item, Path):
+                    tables.verify_part(item, *TABLES[item.parent.name])
+                else:
+                    self.verify(*item)
+            except StorageError as err:
+                problems.append((what, str(err)))
+        return problems
 
     def verify_prompts(self) -> None:
         """Check the prompt table against the digest in its footer (`CorruptChunkError` if not)."""

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from stepgrpo import workspace
+from stepgrpo.checks import check_calibrated
 from stepgrpo.config import Config, digest_of
-from stepgrpo.errors import StageError
 from stepgrpo.prompts import stored_prompts
 from stepgrpo.results import CalibrateResult, PromptsResult
 from stepgrpo.sampling import generator, sample_groups
@@ -34,18 +34,6 @@ CALIBRATION_FILE = "calibration/psi.json"
 def calibrate(run: Run, cfg: Config, prompts: PromptsResult) -> CalibrateResult:
     """Calibrate the run's `psi` table (once)."""
     return execute(run, cfg, stage_key("calibrate", run, cfg, 0, {"prompts": prompts}))
-
-
-def check_calibrated(cfg: Config) -> None:
-    """The config's kernel must be one whose noise is calibrated (`psi`)."""
-    if not KERNELS.facts(cfg.sampler.kernel)["calibrated"]:
-        calibrated = [k for k in KERNELS.names() if KERNELS.facts(k)["calibrated"]]
-        raise StageError(
-            f"sampler.kernel {cfg.sampler.kernel!r} has a fixed noise, nothing to calibrate; "
-            f"calibration is for {', '.join(calibrated)} (set sampler.kernel)"
-        )
-    if cfg.completion.method is None:
-        raise StageError("calibration needs step rewards: set completion.method (DenseGRPO uses 'remaining')")
 
 
 def execute(run: Run, cfg: Config, key: Key) -> CalibrateResult:

@@ -8,6 +8,7 @@ stream (`to_q`, `to_k`, `to_v`, `to_out.0`) and the text stream (`add_q_proj`, `
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,18 +68,36 @@ def save_lora(transformer: torch.nn.Module, directory: str | Path) -> Path:
     """Write `pytorch_lora_weights.safetensors` to `directory` (created) for `load_lora_weights`.
 
     The adapter's config (rank, alpha, targets) goes into the file's metadata, so a fresh
-    `StableDiffusion3Pipeline.load_lora_weights(directory)` applies the right alpha / r scale.
+    `StableDiffusion3Pipeline.load_lora_weights(directory)` applies the right alpha / r scale. The
+    same weights give the same bytes in any process (the config's sets are written sorted), and an
+    export that is already there with those bytes is left as it is; another one is replaced
+    atomically.
     """
+    import shutil
+    import tempfile
+
     from diffusers import StableDiffusion3Pipeline
 
     if ADAPTER not in getattr(transformer, "peft_config", {}):
         raise ValueError("the policy has no LoRA adapter to save; build it with lora=LoraSpec(...)")
-    StableDiffusion3Pipeline.save_lora_weights(
-        str(directory),
-        transformer_lora_layers=lora_state_dict(transformer),
-        transformer_lora_adapter_metadata=transformer.peft_config[ADAPTER].to_dict(),
-    )
-    return Path(directory)
+    meta = {
+        k: sorted(v) if isinstance(v, set | frozenset) else v
+        for k, v in transformer.peft_config[ADAPTER].to_dict().items()
+    }
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".lora-", dir=directory))
+    try:
+        StableDiffusion3Pipeline.save_lora_weights(
+            str(tmp), transformer_lora_layers=lora_state_dict(transformer), transformer_lora_adapter_metadata=meta
+        )
+        for new in tmp.iterdir():
+            old = directory / new.name
+            if not (old.is_file() and old.read_bytes() == new.read_bytes()):
+                os.replace(new, old)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return directory
 
 
 def load_lora(transformer: torch.nn.Module, directory: str | Path) -> None:

@@ -251,15 +251,16 @@ class SD3Policy:
         prompts = list(prompts)
         if not prompts or not all(isinstance(p, str) for p in prompts):
             raise ValueError("encode needs a non-empty list of prompt strings")
-        pe, npe, pooled, npooled = self.pipe.encode_prompt(
-            prompt=prompts,
-            prompt_2=None,
-            prompt_3=None,
-            device=self.device,
-            do_classifier_free_guidance=self.do_cfg,
-            negative_prompt=[self.negative_prompt] * len(prompts) if self.do_cfg else None,
-            max_sequence_length=self.max_sequence_length,
-        )
+        with _one_truncation_warning():
+            pe, npe, pooled, npooled = self.pipe.encode_prompt(
+                prompt=prompts,
+                prompt_2=None,
+                prompt_3=None,
+                device=self.device,
+                do_classifier_free_guidance=self.do_cfg,
+                negative_prompt=[self.negative_prompt] * len(prompts) if self.do_cfg else None,
+                max_sequence_length=self.max_sequence_length,
+            )
         cond = {"prompt_embeds": pe, "pooled_prompt_embeds": pooled}
         if self.do_cfg:
             cond |= {"negative_prompt_embeds": npe, "negative_pooled_prompt_embeds": npooled}
@@ -388,3 +389,34 @@ class SD3Policy:
         """Load adapter weights written by `save_lora` (same rank and targets)."""
         self._require_lora()
         lora_lib.load_lora(self.transformer, directory)
+
+
+_truncation_said = False
+
+
+@contextlib.contextmanager
+def _one_truncation_warning() -> Any:
+    """diffusers logs every truncated prompt whole, on every encode (megabytes for long prompts):
+    say it once per process, in one line, instead."""
+    import logging
+
+    global _truncation_said
+    log = logging.getLogger("diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3")
+    seen: list[logging.LogRecord] = []
+
+    class Catch(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            if "was truncated" in record.getMessage():
+                seen.append(record)
+                return False
+            return True
+
+    catch = Catch()
+    log.addFilter(catch)
+    try:
+        yield
+    finally:
+        log.removeFilter(catch)
+        if seen and not _truncation_said:
+            _truncation_said = True
+            log.warning("some prompts are longer than the text encoders read; they are truncated (said once)")

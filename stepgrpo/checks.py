@@ -1,0 +1,85 @@
+"""Everything about a command's input that can be checked before a Prefect server starts or a
+directory is made: the config, the model's components, the prompt files, the reward's options.
+
+Each check raises an error that names the problem and the fix (`ConfigError`, `StageError`,
+`ModelNotFoundError`); `stepgrpo_cli` and the flows run them first.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from stepgrpo.config import Config
+from stepgrpo.errors import StageError
+
+# What a component directory of a diffusers pipeline must hold, by the library its class comes from.
+COMPONENT_FILES = {
+    "diffusers": ("config.json", "scheduler_config.json"),
+    "transformers": ("config.json", "tokenizer_config.json"),
+}
+
+
+def check_model(path: str) -> None:
+    """A local pipeline directory names its components in `model_index.json`; each must be there."""
+    from stepgrpo.workspace import resolve_model_path
+
+    resolved = Path(resolve_model_path(path))
+    if not resolved.is_dir():
+        return  # a hub id: the hub checks it when it is downloaded
+    index = resolved / "model_index.json"
+    if not index.is_file():
+        raise StageError(
+            f"model.path {path!r}: {index} is missing; a StableDiffusion3Pipeline directory has one "
+            "(save one with `pipeline.save_pretrained(dir)`)"
+        )
+    try:
+        components = json.loads(index.read_text())
+    except json.JSONDecodeError as err:
+        raise StageError(f"model.path {path!r}: {index} is not JSON ({err.msg}, line {err.lineno})") from None
+    for name, spec in components.items():
+        if name.startswith("_") or not isinstance(spec, list) or len(spec) != 2 or spec[0] is None:
+            continue
+        folder = resolved / name
+        wanted = COMPONENT_FILES.get(spec[0], ("config.json",))
+        if not folder.is_dir() or not any((folder / f).is_file() for f in wanted):
+            raise StageError(
+                f"model.path {path!r}: component {name}/ ({spec[1]}) is missing or has no "
+                f"{' or '.join(wanted)}; model_index.json lists it, so the pipeline cannot load"
+            )
+
+
+def check_config(cfg: Config, calibrated: bool = False) -> None:
+    """The model's components, the prompt files, the reward's options and, for calibration, the kernel."""
+    from stepgrpo.prompts import prompt_source
+    from stepgrpo.workspace import reward_identity
+
+    check_model(cfg.model.path)
+    prompts = prompt_source(cfg)
+    if not prompts.ids("train"):
+        raise StageError(
+            f"run.prompts {cfg.run.prompts!r} holds no prompt: one prompt a line (.txt), "
+            "or one JSON object with a 'prompt' field a line (.jsonl)"
+        )
+    if cfg.run.heldout_prompts is not None and not prompts.ids("test"):
+        raise StageError(f"run.heldout_prompts {cfg.run.heldout_prompts!r} holds no prompt")
+    try:
+        reward_identity(cfg.reward)
+    except TypeError as err:
+        raise StageError(f"reward.options: {err}") from None
+    if calibrated:
+        check_calibrated(cfg)
+
+
+def check_calibrated(cfg: Config) -> None:
+    """The config's kernel must be one whose noise is calibrated (`psi`), with step rewards."""
+    from stepgrpo_core.kernels import KERNELS
+
+    if not KERNELS.facts(cfg.sampler.kernel)["calibrated"]:
+        calibrated = [k for k in KERNELS.names() if KERNELS.facts(k)["calibrated"]]
+        raise StageError(
+            f"sampler.kernel {cfg.sampler.kernel!r} has a fixed noise, nothing to calibrate; "
+            f"calibration is for {', '.join(calibrated)} (set sampler.kernel)"
+        )
+    if cfg.completion.method is None:
+        raise StageError("calibration needs step rewards: set completion.method (DenseGRPO uses 'remaining')")
