@@ -200,6 +200,8 @@ def read_run(run_dir: Path) -> RunRecord:
     evals = {}
     for f in sorted((run_dir / "eval").glob("*.json")):
         e = json.loads(f.read_text())
+        if f.stem != e["label"]:
+            continue  # an evaluation with other settings than the run's
         e["finished"] = f.stat().st_mtime
         evals[e["label"]] = e
     n = len(run.iterations("checkpoint"))

@@ -455,6 +455,8 @@ def _evals(path: Path) -> list[tuple[str, float]]:
     out = []
     for f in (path / "eval").glob("*.json"):
         e = json.loads(f.read_text())
+        if f.stem != e["label"]:
+            continue  # an evaluation with other settings than the run's (`evaluate --set ...`)
         out.append(
             (e["label"], e["reward_mean"], -1 if e["label"] == "base" else int(e["label"].removeprefix("iter_")))
         )

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from storage.errors import StageLockedError
+from storage.errors import CorruptChunkError, StageLockedError
 from storage.schema import PUBLISHED_FILE
 
 LOCK_POLL_S = 0.05  # how often a waiting writer retries a held lock
@@ -183,9 +183,16 @@ def publish_dir(tmp: Path, final: Path, manifest: Mapping[str, Any]) -> None:
 def read_published(final: Path) -> dict[str, Any] | None:
     """The manifest of the stage published at `final`, or None if it is not published."""
     try:
-        return json.loads((final / PUBLISHED_FILE).read_text())
+        manifest = json.loads((final / PUBLISHED_FILE).read_text())
     except FileNotFoundError:
         return None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CorruptChunkError(
+            f"{final / PUBLISHED_FILE} is not JSON ({err}): the stage's manifest is damaged"
+        ) from None
+    if not isinstance(manifest, dict):
+        raise CorruptChunkError(f"{final / PUBLISHED_FILE} is not a stage manifest: the stage's manifest is damaged")
+    return manifest
 
 
 def write_file_atomic(path: Path, data: bytes) -> None:

@@ -47,7 +47,7 @@ from storage.publish import (
 from storage.run_tables import RunTables
 from storage.schema import PUBLISHED_FILE, SCHEMA_VERSION, StoreSpec, check_name
 from storage.stage_stores import CompletionData, ImagesData, RolloutData, StageStores, spec_of
-from storage.writer import StageWriter, digest_files
+from storage.writer import StageWriter, digest_files, metadata_digest
 
 __all__ = [
     "Checkpoint",
@@ -262,6 +262,9 @@ class Run(StageStores, RunTables, Checkpoints):
                 raise CorruptChunkError(f"{what}: its Zarr metadata cannot be read ({err})") from None
             if store.attrs != manifest.get("attrs"):
                 raise CorruptChunkError(f"{what}: the store's attributes differ from its published manifest")
+            recorded = manifest.get("metadata_digest")  # stages published before it was recorded have none
+            if recorded is not None and metadata_digest(path) != recorded:
+                raise CorruptChunkError(f"{what}: a zarr.json metadata file differs from the one published")
             found = store.verify_and_digest()[0]  # a bad chunk raises, naming the array and chunk
         if found != manifest.get("digest"):
             raise CorruptChunkError(f"{what}: its content no longer matches its published digest (damaged or edited)")
@@ -303,12 +306,7 @@ class Run(StageStores, RunTables, Checkpoints):
         manifest = self.prompts_manifest()
         if manifest is None:
             raise NotPublishedError(f"run {self.run_id} has no prompts yet")
-        try:
-            found = tables.table_digest(self.read_prompts())
-        except CorruptChunkError:
-            raise
-        except Exception as err:
-            raise CorruptChunkError(f"run {self.run_id} prompts.parquet cannot be read ({err})") from None
+        found = tables.table_digest(self.read_prompts())  # read_prompts checks it too
         if found != manifest.get("digest"):
             raise CorruptChunkError(
                 f"run {self.run_id} prompts.parquet no longer matches its digest (damaged or edited)"

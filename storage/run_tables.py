@@ -47,12 +47,21 @@ class RunTables:
         return tables.read_footer(self.path / "prompts.parquet")
 
     def read_prompts(self) -> pa.Table:
-        """The prompts table (`storage.schema.PROMPTS_SCHEMA`; `metadata` is a JSON string)."""
-        if self.prompts_manifest() is None:
-            raise NotPublishedError(f"run {self.run_id} has no prompts yet; write them with write_prompts")
+        """The prompts table (`storage.schema.PROMPTS_SCHEMA`; `metadata` is a JSON string),
+        checked against the digest in its footer (`CorruptChunkError` if it does not match)."""
         import pyarrow.parquet as pq
 
-        return pq.read_table(self.path / "prompts.parquet").replace_schema_metadata(None)
+        path = self.path / "prompts.parquet"
+        try:
+            manifest = self.prompts_manifest()
+            if manifest is None:
+                raise NotPublishedError(f"run {self.run_id} has no prompts yet; write them with write_prompts")
+            table = pq.read_table(path).replace_schema_metadata(None)
+        except (OSError, pa.ArrowException, ValueError) as err:
+            raise CorruptChunkError(f"{path} cannot be read ({err}): the prompt table is damaged") from None
+        if tables.table_digest(table) != manifest.get("digest"):
+            raise CorruptChunkError(f"{path} no longer matches its digest: the prompt table is damaged")
+        return table
 
     def damaged_parts(self, table: str) -> list[Path]:
         """The parts of `table` ("rewards", "advantages") whose rows do not match their name's digest."""

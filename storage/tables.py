@@ -310,6 +310,8 @@ def read_footer(path: Path) -> dict[str, Any] | None:
     """The manifest stored in a Parquet file's footer by `write_once`, or None if there is no file."""
     try:
         meta = pq.read_schema(path).metadata or {}
+        return json.loads(meta[FOOTER_KEY]) if FOOTER_KEY in meta else {}
     except FileNotFoundError:
         return None
-    return json.loads(meta[FOOTER_KEY]) if FOOTER_KEY in meta else {}
+    except (OSError, pa.ArrowException, ValueError) as err:
+        raise CorruptChunkError(f"{path} cannot be read ({err}): the file is damaged") from None

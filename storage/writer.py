@@ -102,6 +102,7 @@ class StageWriter:
             }
             manifest.update(
                 digest=digest,
+                metadata_digest=metadata_digest(self.path),
                 counts={**{k: v for k, v in counts.items() if v is not None}, "bytes": nbytes},
                 attrs=store.attrs,
             )
@@ -129,6 +130,16 @@ class StageWriter:
             self.abort()
         elif self.owner and self.manifest is None:
             release_lock(self.lock, self.token)  # left unpublished: the next begin redoes it
+
+
+def metadata_digest(root: Path) -> str:
+    """sha256 over a Zarr store's metadata files (`zarr.json` of the group and of every array), by
+    relative path: the bytes the content digest does not cover."""
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("zarr.json")):
+        digest.update(canonical_json([path.relative_to(root).as_posix()]).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 def digest_files(root: Path) -> tuple[str, int, int]:

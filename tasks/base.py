@@ -46,11 +46,11 @@ def check_key(recorded: str | None, key: Key, what: str) -> None:
 def reuse(run: Run, iteration: int, stage: str, key: Key, what: str) -> bool:
     """Whether `stage` of `iteration` is published under `key` and verifies; a damaged one is set
     aside (and so recomputed by the caller)."""
-    manifest = run.stage_manifest(iteration, stage)
-    if manifest is None:
-        return False
-    check_key(manifest.get("inputs", {}).get("key"), key, what)
     try:
+        manifest = run.stage_manifest(iteration, stage)
+        if manifest is None:
+            return False
+        check_key(manifest.get("inputs", {}).get("key"), key, what)
         run.verify(iteration, stage)
     except CorruptChunkError as err:
         moved = run.set_aside(iteration, stage)

@@ -58,15 +58,26 @@ def read(run: Run, name: str) -> EvaluateResult | None:
         return None
 
 
+def file_name(run: Run, cfg: Config, iteration: int | None) -> str:
+    """`base`, `iter_<k>`: the run's own evaluations; an evaluation with other settings (`stepgrpo
+    evaluate --set ...`) is kept beside them as `<label>-<digest of its settings>`, never over them."""
+    from stepgrpo.config import digest_of, stage_fields, validate_config
+
+    ours = stage_fields(cfg, "evaluate")
+    if ours == stage_fields(validate_config(run.config), "evaluate"):
+        return label(iteration)
+    return f"{label(iteration)}-{digest_of(ours)[:8]}"
+
+
 def execute(run: Run, cfg: Config, iteration: int | None, key: Key) -> EvaluateResult:
-    stored = read(run, label(iteration))
+    name = file_name(run, cfg, iteration)
+    stored = read(run, name)
     if stored is not None and key.accepts(stored.key):
         return stored
-    return compute(run, cfg, iteration, key.value)
+    return compute(run, cfg, iteration, name, key.value)
 
 
-def compute(run: Run, cfg: Config, iteration: int | None, key: str) -> EvaluateResult:
-    name = label(iteration)
+def compute(run: Run, cfg: Config, iteration: int | None, name: str, key: str) -> EvaluateResult:
     t0 = time.perf_counter()
     pol = workspace.policy_after(run, cfg, iteration)
     reward = workspace.reward(cfg.reward)
@@ -108,7 +119,7 @@ def compute(run: Run, cfg: Config, iteration: int | None, key: str) -> EvaluateR
         if finite.numel():
             sub[sub_name] = float(finite.mean())
     result = EvaluateResult(
-        label=name,
+        label=label(iteration),
         iteration=iteration,
         key=key,
         reward_name=reward.name,

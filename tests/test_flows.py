@@ -454,3 +454,165 @@ def test_the_credit_flow_loads_no_model(trained, monkeypatch):
     monkeypatch.setattr(rewards, "build_reward", refuse)
     out = credit(trained["run_dir"], "dense")
     assert [a["scheme"] for a in out["advantages"]] == ["dense", "dense"]
+
+
+# ------------------------------------------------- the run directory is the truth (issue: reliability)
+
+
+def _copy(trained: dict, tmp_path: Path, name: str = "copy") -> Path:
+    import shutil
+
+    copy = tmp_path / name
+    shutil.copytree(trained["run_dir"], copy)
+    return copy
+
+
+def _flip(path: Path, offset: int | None = None) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2 if offset is None else offset] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def _edit_a_value(part: Path) -> None:
+    """Change one reward value of a Parquet part, keeping the file valid (a flipped value byte)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(part)
+    values = table.column("value").to_pylist()
+    values[0] += 1.0
+    pq.write_table(table.set_column(table.schema.get_field_index("value"), "value", pa.array(values)), part)
+
+
+def test_planted_result_records_run_nothing(trained, tiny, tmp_path, calls):
+    """Records that made Prefect unpickle code on resume (a record naming its own serializer) are
+    never read: stage tasks persist nothing and Prefect reads nothing from a run directory."""
+    import base64
+    import pickle
+
+    from flows.rescore import rescore
+    from flows.train import train
+
+    copy = _copy(trained, tmp_path)
+    sentinel = tmp_path / "code-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (exec, (f"open({str(sentinel)!r}, 'w').write('ran')",))
+
+    record = {
+        "metadata": {
+            "storage_key": "k",
+            "expiration": None,
+            "serializer": {"type": "pickle", "picklelib": "pickle"},
+            "prefect_version": "3",
+            "storage_block_id": None,
+        },
+        "result": base64.b64encode(pickle.dumps(Payload())).decode(),
+    }
+    planted = copy / "prefect-results"
+    planted.mkdir(exist_ok=True)
+    for name in [p.name for p in planted.iterdir()] + ["rescore", "score", "rollout", "0" * 64]:
+        (planted / name).write_text(json.dumps(record))
+    again = train(overrides=tiny, run_dir=str(copy))
+    rescored = rescore(str(copy), "jpeg_compressibility")
+    assert not sentinel.exists()
+    assert sum(calls.values()) == 0  # resumed from the stored stages, nothing computed
+    assert [e["reward_mean"] for e in again["evaluations"]] == [e["reward_mean"] for e in trained["evaluations"]]
+    assert [s["reward_mean"] for s in rescored["scores"]] == [
+        float(Run_open(copy).reward_grid(i, "jpeg_compressibility")[:, -1].mean()) for i in (0, 1)
+    ]
+
+
+def Run_open(path):  # noqa: N802
+    from storage.run import Run
+
+    return Run.open(path)
+
+
+def test_a_moved_run_resumes_rescores_and_recredits(trained, tiny, tmp_path, calls):
+    from flows.credit import credit
+    from flows.rescore import rescore
+    from flows.train import train
+
+    moved = _copy(trained, tmp_path, "elsewhere")
+    again = train(overrides=tiny, run_dir=str(moved))
+    assert sum(calls.values()) == 0, calls
+    assert [e["scores"] for e in again["evaluations"]] == [e["scores"] for e in trained["evaluations"]]
+    rescore(str(moved), "jpeg_incompressibility")
+    credit(str(moved), "dense")
+    assert calls["score"] <= 2 and calls["rollout"] == calls["update"] == 0
+
+
+def test_resume_recomputes_a_damaged_stage_and_keeps_the_damaged_copy(trained, tiny, tmp_path, calls):
+    from flows.train import train
+    from storage.run import Run
+
+    copy = _copy(trained, tmp_path)
+    run = Run.open(copy)
+    digest = run.stage_manifest(1, "rollout")["digest"]
+    chunk = sorted((copy / "iter_1" / "rollout.zarr" / "states").glob("c.*"))[-1]
+    _flip(chunk)
+    (copy / "iter_0" / "completions" / "remaining.zarr" / "_published.json").unlink()  # a half-deleted stage
+    part = copy / "rewards" / f"part-{run.rewards_digest(0, 'jpeg_compressibility', '1')[:32]}.parquet"
+    _edit_a_value(part)
+    train(overrides=tiny, run_dir=str(copy))
+    assert calls["rollout"] == 1 and calls["complete"] == 1 and calls["score"] == 1, calls
+    assert calls["update"] == 0  # the recomputed stages have the digests their downstream stages were keyed on
+    run = Run.open(copy)
+    assert run.stage_manifest(1, "rollout")["digest"] == digest and run.verify_all() == []
+    assert list((copy / "iter_1").glob("rollout.zarr.damaged-*")) and list((copy / "rewards").glob("part-*.damaged-*"))
+
+
+def test_offline_flows_and_verify_detect_a_flipped_byte(trained, tmp_path):
+    from typer.testing import CliRunner
+
+    from flows.credit import credit
+    from flows.evaluate import evaluate
+    from flows.rescore import rescore
+    from stepgrpo_cli import app
+
+    copy = _copy(trained, tmp_path)
+    _flip(sorted((copy / "iter_0" / "rollout.zarr" / "states").glob("c.*"))[0])
+    with pytest.raises(StageError, match="iteration 0 rollout"):
+        rescore(str(copy), "shapes")
+    with pytest.raises(StageError, match="iteration 0 rollout"):
+        credit(str(copy), "dense")
+    result = CliRunner().invoke(app, ["inspect", str(copy), "--verify"])
+    assert result.exit_code == 1 and "iteration 0 rollout" in result.output
+    _flip(copy / "checkpoints" / "iter_1" / "lora.safetensors")
+    with pytest.raises(StageError, match="checkpoint 1"):
+        evaluate(str(copy))
+    clean = CliRunner().invoke(app, ["inspect", trained["run_dir"], "--verify"])
+    assert clean.exit_code == 0 and "verify" in clean.output
+
+
+def test_a_second_process_is_refused_while_one_owns_the_run(trained, tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from stepgrpo.runs import owned
+
+    copy = _copy(trained, tmp_path)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"from stepgrpo.runs import owned\nimport time\nwith owned({str(copy)!r}):\n"
+            "    print('held', flush=True)\n    time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(StageError, match=f"in use: held by pid {holder.pid}"):
+            with owned(copy):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+    time.sleep(0.2)
+    with owned(copy):  # the kernel released the dead holder's lock
+        pass

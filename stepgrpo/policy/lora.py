@@ -93,11 +93,26 @@ def save_lora(transformer: torch.nn.Module, directory: str | Path) -> Path:
         )
         for new in tmp.iterdir():
             old = directory / new.name
-            if not (old.is_file() and old.read_bytes() == new.read_bytes()):
+            data = canonical_safetensors(new.read_bytes()) if new.suffix == ".safetensors" else new.read_bytes()
+            if not (old.is_file() and old.read_bytes() == data):
+                new.write_bytes(data)
                 os.replace(new, old)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return directory
+
+
+def canonical_safetensors(data: bytes) -> bytes:
+    """The same safetensors file with its JSON header's keys sorted. safetensors writes the
+    metadata map in an order that differs between processes; the tensors' offsets are relative to
+    the data section, so reordering the header changes no byte of the data."""
+    import json
+    import struct
+
+    (size,) = struct.unpack("<Q", data[:8])
+    header = json.dumps(json.loads(data[8 : 8 + size]), sort_keys=True, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)  # the header is padded with spaces to 8 bytes, as safetensors pads it
+    return struct.pack("<Q", len(header)) + header + data[8 + size :]
 
 
 def load_lora(transformer: torch.nn.Module, directory: str | Path) -> None:

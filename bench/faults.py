@@ -1,0 +1,381 @@
+"""Faults: kill -9 at random moments, a flipped byte in every kind of stored file, two writers at once.
+
+Every run is the real console script (`stepgrpo train ...`, a process of its own) on the shipped
+model with a small recipe that still publishes every kind of stage (rollout, completions, decoded
+images, rewards, advantages, checkpoints, evaluations, the MLflow store, the exported LoRA).
+
+1. kill -9: a reference run trains uninterrupted. Then, `--kills` times, a run is killed at a
+   moment drawn (seeded) from its whole length, or the moment its MLflow store is being created,
+   and resumed by the same command. A trial passes when the resumed run's checkpoints and exported
+   LoRA are byte-identical to the reference's, every stored item matches (bench/digests.py), and
+   no stage published before the kill was published again.
+2. A flipped byte: in a copy of the reference run, one byte of one file of each kind is flipped;
+   then `train` (resume), `rescore`, `credit` and `inspect --verify` run on their own copy. Each
+   must notice: exit non-zero naming the damage, or (resume) keep the damaged data aside and
+   compute it again, ending with a run that verifies. A command that never reads a kind of file
+   is reported as such (`-`), not counted.
+3. Two writers: two `train` processes on one new run id at once, and a `rescore` while a `train`
+   owns the run. One is refused naming the holder; the other finishes; the run verifies.
+
+    .venv/bin/python bench/faults.py                 # writes bench/out/faults/faults.json
+    .venv/bin/python bench/faults.py --kills 3       # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import _common  # noqa: F401  (sets sys.path to the repository root)
+from _common import BENCH_DIR, OUT_DIR, ROOT, write_json
+
+sys.path.insert(1, str(BENCH_DIR))  # _common takes bench/ off the path (bench/storage.py shadows the package)
+from digests import items  # noqa: E402
+
+RECIPE = [
+    "run.iterations=2",
+    "run.prompts_per_iteration=2",
+    "run.group_size=4",
+    "run.eval_prompts=8",
+    "run.eval_seeds=1",
+    "run.eval_every=1",
+    "sampler.steps=4",
+    "sampler.eval_steps=4",
+    "optim.micro_batch=8",
+    "completion.method=remaining",
+    "credit.scheme=stepwise",
+]
+CONFIG = "configs/demo.yaml"
+
+
+def env(out: Path) -> dict[str, str]:
+    return dict(
+        os.environ,
+        STEPGRPO_THREADS="1",
+        STEPGRPO_PROGRESS="0",
+        PREFECT_HOME=str(out / "prefect-home"),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        MLFLOW_DISABLE_TELEMETRY="true",
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180",
+    )
+
+
+def stepgrpo(*args: str) -> list[str]:
+    return [str(Path(sys.executable).parent / "stepgrpo"), *args]
+
+
+def train_cmd(run_dir: Path) -> list[str]:
+    return stepgrpo("train", "--config", CONFIG, "--run-dir", str(run_dir), *[a for o in RECIPE for a in ("--set", o)])
+
+
+def run(cmd: list[str], out: Path, log: Path) -> tuple[int, str]:
+    with log.open("w") as f:
+        rc = subprocess.run(cmd, cwd=ROOT, env=env(out), stdout=f, stderr=subprocess.STDOUT).returncode
+    return rc, log.read_text()
+
+
+def file_digests(run_dir: Path) -> dict[str, str]:
+    """sha256 of every file of the checkpoints and of the exported LoRA: what must be byte-identical."""
+    files = sorted(run_dir.glob("checkpoints/iter_*/*")) + sorted(run_dir.glob("lora/*"))
+    return {
+        f.relative_to(run_dir).as_posix(): hashlib.sha256(f.read_bytes()).hexdigest()
+        for f in files
+        if f.is_file() and f.name != "_published.json"
+    }
+
+
+def published(run_dir: Path) -> dict[str, float]:
+    """Every published stage's manifest and its modification time."""
+    return {p.relative_to(run_dir).as_posix(): p.stat().st_mtime_ns for p in run_dir.rglob("_published.json")}
+
+
+# ---------------------------------------------------------------------------------- 1. kill -9
+
+
+def kill_trial(out: Path, k: int, at: float | str, reference: Path) -> dict[str, Any]:
+    run_dir = out / "kills" / f"trial_{k}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    log = run_dir.parent / f"trial_{k}.killed.log"
+    with log.open("w") as f:
+        proc = subprocess.Popen(
+            train_cmd(run_dir), cwd=ROOT, env=env(out), stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        t0 = time.perf_counter()
+        while proc.poll() is None:
+            elapsed = time.perf_counter() - t0
+            if (at == "mlflow" and list(run_dir.glob(".mlflow.db.*.creating"))) or (at != "mlflow" and elapsed >= at):
+                os.killpg(proc.pid, signal.SIGKILL)  # the flow and its temporary Prefect server
+                break
+            time.sleep(0.01)
+        proc.wait()
+        killed_at = time.perf_counter() - t0
+    finished_anyway = proc.returncode == 0
+    before = published(run_dir) if run_dir.exists() else {}
+    rc, text = run(train_cmd(run_dir), out, run_dir.parent / f"trial_{k}.resumed.log")
+    after = published(run_dir) if run_dir.exists() else {}
+    republished = sorted(k_ for k_, t in before.items() if after.get(k_) != t)
+    ours, theirs = file_digests(run_dir), file_digests(reference)
+    a, b = items(run_dir), items(reference)
+    differ = sorted(x for x in set(a) | set(b) if a.get(x) != b.get(x))
+    ok = rc == 0 and ours == theirs and not differ and not republished
+    return {
+        "trial": k,
+        "kill_at": at if at == "mlflow" else round(at, 2),
+        "killed_after_s": round(killed_at, 2),
+        "finished_before_kill": finished_anyway,
+        "stages_published_before": len(before),
+        "resume_rc": rc,
+        "bit_identical_files": ours == theirs,
+        "items_differ": differ,
+        "republished": republished,
+        "pass": ok,
+    }
+
+
+# ----------------------------------------------------------------------------- 2. flipped bytes
+
+
+def flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+KINDS = {  # kind -> the file to flip in a run directory
+    "rollout chunk": lambda r: sorted((r / "iter_1" / "rollout.zarr" / "states").glob("c.*"))[0],
+    "rollout zarr.json": lambda r: r / "iter_1" / "rollout.zarr" / "states" / "zarr.json",
+    "completion chunk": lambda r: sorted((r / "iter_1" / "completions" / "remaining.zarr" / "latents").glob("c.*"))[0],
+    "images chunk": lambda r: sorted((r / "iter_1" / "images" / "remaining.zarr" / "images").glob("c.*"))[0],
+    "stage manifest": lambda r: r / "iter_1" / "rollout.zarr" / "_published.json",
+    "rewards part": lambda r: sorted((r / "rewards").glob("part-*.parquet"))[0],
+    "advantages part": lambda r: sorted((r / "advantages").glob("part-*.parquet"))[0],
+    "prompts table": lambda r: r / "prompts.parquet",
+    "checkpoint tensors": lambda r: r / "checkpoints" / "iter_1" / "lora.safetensors",
+    "checkpoint state": lambda r: r / "checkpoints" / "iter_1" / "state.json",
+    "run manifest": lambda r: r / "manifest.json",
+}
+# Which commands read which kinds (a command that never reads a file cannot notice its damage).
+READS = {
+    "resume": set(KINDS),
+    "rescore": {
+        "rollout chunk",
+        "rollout zarr.json",
+        "completion chunk",
+        "images chunk",
+        "stage manifest",
+        "rewards part",
+        "prompts table",
+        "run manifest",
+    },
+    "credit": {
+        "rollout chunk",
+        "rollout zarr.json",
+        "stage manifest",
+        "rewards part",
+        "advantages part",
+        "run manifest",
+    },
+    "inspect --verify": set(KINDS),
+}
+
+
+def flip_trial(out: Path, reference: Path, kind: str, command: str) -> dict[str, Any]:
+    import storage.run
+
+    run_dir = out / "flips" / f"{kind.replace(' ', '_')}-{command.split()[0]}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.copytree(reference, run_dir)
+    target = KINDS[kind](run_dir)
+    flip(target)
+    cmd = {
+        "resume": train_cmd(run_dir),
+        "rescore": stepgrpo("rescore", str(run_dir), "--reward", "jpeg_compressibility"),
+        "credit": stepgrpo("credit", str(run_dir), "--scheme", "dense"),
+        "inspect --verify": stepgrpo("inspect", str(run_dir), "--verify"),
+    }[command]
+    rc, text = run(cmd, out, run_dir.parent / f"{run_dir.name}.log")
+    named = (
+        "damaged" in text
+        or "does not match" in text
+        or "no longer match" in text
+        or "differs" in text
+        or "not JSON" in text
+        or "cannot be read" in text
+        or "not a readable" in text
+        or "published from other inputs" in text
+        or "another config" in text
+    )
+    if command == "resume":
+        problems = storage.run.Run.open(run_dir).verify_all() if rc == 0 else None
+        detected = (rc == 0 and named and problems == []) or (rc != 0 and named)
+    else:
+        detected = rc != 0 and named
+    return {
+        "kind": kind,
+        "command": command,
+        "file": target.relative_to(run_dir).as_posix(),
+        "rc": rc,
+        "detected": detected,
+        "reads": kind in READS[command],
+        "said": next((line.strip() for line in text.splitlines() if "damaged" in line or "error" in line), "")[:200],
+    }
+
+
+# ------------------------------------------------------------------------------ 3. two writers
+
+
+def concurrency(out: Path, reference: Path) -> list[dict[str, Any]]:
+    import storage.run
+
+    results = []
+    run_dir = out / "concurrent" / "same-id"
+    shutil.rmtree(run_dir.parent, ignore_errors=True)
+    run_dir.parent.mkdir(parents=True)
+    logs = [run_dir.parent / f"train_{i}.log" for i in (0, 1)]
+    procs = [
+        subprocess.Popen(train_cmd(run_dir), cwd=ROOT, env=env(out), stdout=log.open("w"), stderr=subprocess.STDOUT)
+        for log in logs
+    ]
+    rcs = [p.wait() for p in procs]
+    texts = [log.read_text() for log in logs]
+    refused = [i for i, t in enumerate(texts) if "is in use: held by pid" in t]
+    a, b = items(run_dir), items(reference)
+    results.append(
+        {
+            "case": "two train processes, one new run id",
+            "exit_codes": rcs,
+            "refused": len(refused),
+            "finished": rcs.count(0),
+            "verifies": storage.run.Run.open(run_dir).verify_all() == [],
+            "same_as_reference": a == b,
+            "pass": sorted(rcs) == [0, 1] and len(refused) == 1 and a == b,
+        }
+    )
+    # a rescore while a train owns the run (the train resumes the finished run, then re-exports)
+    copy = run_dir.parent / "busy"
+    shutil.copytree(reference, copy)
+    trainer = subprocess.Popen(
+        train_cmd(copy),
+        cwd=ROOT,
+        env=env(out),
+        stdout=(copy.parent / "busy.train.log").open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    while not (copy.parent / ".busy.lock.holder").exists() and trainer.poll() is None:
+        time.sleep(0.05)
+    rc, text = run(
+        stepgrpo("rescore", str(copy), "--reward", "jpeg_compressibility"), out, copy.parent / "busy.rescore.log"
+    )
+    trc = trainer.wait()
+    results.append(
+        {
+            "case": "rescore while train owns the run",
+            "exit_codes": [trc, rc],
+            "refused": int("is in use" in text),
+            "finished": int(trc == 0),
+            "verifies": storage.run.Run.open(copy).verify_all() == [],
+            "same_as_reference": None,
+            "pass": trc == 0 and rc == 1 and "is in use" in text,
+        }
+    )
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=OUT_DIR / "faults")
+    p.add_argument("--kills", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip", nargs="*", default=[], choices=["kills", "flips", "concurrency"])
+    a = p.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    reference = a.out / "reference"
+    if not (reference / "lora").is_dir():
+        shutil.rmtree(reference, ignore_errors=True)
+        t0 = time.perf_counter()
+        rc, text = run(train_cmd(reference), a.out, a.out / "reference.log")
+        if rc != 0:
+            sys.exit(f"the reference run failed; see {a.out / 'reference.log'}")
+        write_json(a.out / "reference.json", {"seconds": time.perf_counter() - t0})
+    length = json.loads((a.out / "reference.json").read_text())["seconds"]
+    result_file = a.out / "faults.json"
+    results: dict[str, Any] = json.loads(result_file.read_text()) if result_file.is_file() else {}
+    results["recipe"] = {"config": CONFIG, "overrides": RECIPE, "reference_seconds": round(length, 1)}
+
+    if "kills" not in a.skip:
+        rng = random.Random(a.seed)
+        moments: list[float | str] = ["mlflow"] + [rng.uniform(0.5, length) for _ in range(a.kills - 1)]
+        trials = []
+        for k, at in enumerate(moments):
+            trials.append(kill_trial(a.out, k, at, reference))
+            t = trials[-1]
+            print(
+                f"kill {k:2d} at {t['kill_at']!s:>7}: published before {t['stages_published_before']:2d}, "
+                f"resume rc {t['resume_rc']}, bit-identical {t['bit_identical_files']}, "
+                f"republished {len(t['republished'])}, differing items {len(t['items_differ'])} -> "
+                f"{'pass' if t['pass'] else 'FAIL'}",
+                flush=True,
+            )
+        results["kills"] = trials
+        write_json(result_file, results)
+    if "flips" not in a.skip:
+        flips = []
+        for kind in KINDS:
+            for command in READS:
+                flips.append(flip_trial(a.out, reference, kind, command))
+                f = flips[-1]
+                print(
+                    f"flip {kind:19s} {command:17s} reads {f['reads']!s:5} rc {f['rc']} detected {f['detected']}: "
+                    f"{f['said'][:90]}",
+                    flush=True,
+                )
+        results["flips"] = flips
+        write_json(result_file, results)
+    if "concurrency" not in a.skip:
+        results["concurrency"] = concurrency(a.out, reference)
+        for c in results["concurrency"]:
+            print(
+                f"{c['case']}: exit codes {c['exit_codes']}, refused {c['refused']}, verifies {c['verifies']} -> "
+                f"{'pass' if c['pass'] else 'FAIL'}",
+                flush=True,
+            )
+        write_json(result_file, results)
+    report(results)
+
+
+def report(results: dict[str, Any]) -> None:
+    kills = results.get("kills", [])
+    if kills:
+        print(
+            f"\nkill -9: {sum(t['pass'] for t in kills)}/{len(kills)} resumed with byte-identical checkpoints and "
+            f"LoRA, {sum(len(t['republished']) for t in kills)} published stages recomputed"
+        )
+    flips = results.get("flips", [])
+    if flips:
+        print("\nflipped byte: detected / commands that read the file")
+        print(f"{'file kind':20s} " + " ".join(f"{c:>17s}" for c in READS))
+        for kind in KINDS:
+            row = [f for f in flips if f["kind"] == kind]
+            cells = [
+                ("yes" if f["detected"] else "NO") if f["reads"] else ("(yes)" if f["detected"] else "-") for f in row
+            ]
+            print(f"{kind:20s} " + " ".join(f"{c:>17s}" for c in cells))
+        counted = [f for f in flips if f["reads"]]
+        print(f"detected {sum(f['detected'] for f in counted)}/{len(counted)} where the command reads the file")
+    for c in results.get("concurrency", []):
+        print(f"{c['case']}: {'pass' if c['pass'] else 'FAIL'} (exit codes {c['exit_codes']})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""The bad-input catalogue: every input that can be checked early fails before a Prefect server
+starts or a directory is made, with exit 1, a message that names the problem, and nothing left
+published (docs/RELIABILITY.md). No case here starts a flow."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import prefect  # noqa: F401  (Prefect binds its log handlers at import: not inside CliRunner's streams)
+import pytest
+from typer.testing import CliRunner
+
+from stepgrpo_cli import app
+
+SHIPPED = Path(__file__).resolve().parents[1] / "models" / "shapes"
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    return runner.invoke(app, list(args))
+
+
+@pytest.fixture
+def here(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def _model_without(tmp: Path, component: str | None = None, index: bool = True) -> Path:
+    model = tmp / "model"
+    shutil.copytree(SHIPPED, model, ignore=shutil.ignore_patterns("*.png"))
+    if component:
+        shutil.rmtree(model / component)
+    if not index:
+        (model / "model_index.json").unlink()
+    return model
+
+
+def _write(tmp: Path, name: str, text: str) -> Path:
+    path = tmp / name
+    path.write_text(text)
+    return path
+
+
+# (name, how to make the case in a temporary directory -> CLI arguments after `train`, what the message says)
+TRAIN_CASES = {
+    "unknown field": (lambda t: ["--set", "optim.lrr=1"], ["optim.lrr", "unknown field"]),
+    "a value of the wrong type": (lambda t: ["--set", "optim.lr=fast"], ["optim.lr"]),
+    "an infinite learning rate": (lambda t: ["--set", "optim.lr=.inf"], ["optim.lr", "finite"]),
+    "a NaN clip range": (lambda t: ["--set", "optim.clip_range=.nan"], ["optim.clip_range", "finite"]),
+    "a --set without =": (lambda t: ["--set", "optim.lr"], ["expected key=value"]),
+    "a missing config file": (lambda t: ["--config", str(t / "nope.yaml")], ["nope.yaml", "does not exist"]),
+    "malformed YAML": (
+        lambda t: ["--config", str(_write(t, "bad.yaml", "optim:\n  lr: [1,\n"))],
+        ["bad.yaml", "not valid YAML"],
+    ),
+    "a config that is its own base": (
+        lambda t: ["--config", str(_write(t, "loop.yaml", "base: loop.yaml\n"))],
+        ["its own base"],
+    ),
+    "an unknown reward": (lambda t: ["--set", "reward.name=nope"], ["unknown reward 'nope'"]),
+    "an unknown reward option": (
+        lambda t: ["--set", "reward.name=jpeg_compressibility", "--set", "reward.options={colour: 1}"],
+        ["reward.options", "colour"],
+    ),
+    "an unknown credit scheme": (lambda t: ["--set", "credit.scheme=vibes"], ["unknown credit scheme"]),
+    "an unknown scheme option": (
+        lambda t: [
+            "--set",
+            "credit.scheme=dense",
+            "--set",
+            "completion.method=remaining",
+            "--set",
+            "credit.options={x: 1}",
+        ],
+        ["options ['x']", "dense"],
+    ),
+    "an unknown kernel": (lambda t: ["--set", "sampler.kernel=brownian"], ["unknown kernel 'brownian'"]),
+    "an unknown completion method": (lambda t: ["--set", "completion.method=guess"], ["completion"]),
+    "step credit without completions": (
+        lambda t: ["--set", "credit.scheme=stepwise", "--set", "completion.method=null"],
+        ["needs step rewards"],
+    ),
+    "an SDE window outside the grid": (lambda t: ["--set", "sampler.sde_window_start=50"], ["sde_window"]),
+    "more optimizer steps than trajectories": (
+        lambda t: ["--set", "optim.optimizer_steps=100000"],
+        ["optimizer_steps"],
+    ),
+    "a model path that does not exist": (
+        lambda t: ["--set", "model.path=no/such/model"],
+        ["model.path 'no/such/model'"],
+    ),
+    "a model without vae/": (
+        lambda t: ["--set", f"model.path={_model_without(t, 'vae')}"],
+        ["component vae/", "model_index.json"],
+    ),
+    "a model without text_encoder_2/": (
+        lambda t: ["--set", f"model.path={_model_without(t, 'text_encoder_2')}"],
+        ["component text_encoder_2/"],
+    ),
+    "a model without model_index.json": (
+        lambda t: ["--set", f"model.path={_model_without(t, index=False)}"],
+        ["model_index.json is missing"],
+    ),
+    "a missing prompts file": (lambda t: ["--set", f"run.prompts={t / 'nope.txt'}"], ["nope.txt", "does not exist"]),
+    "an empty prompts file": (lambda t: ["--set", f"run.prompts={_write(t, 'empty.txt', '')}"], ["holds no prompt"]),
+    "an empty held-out file": (
+        lambda t: [
+            "--set",
+            f"run.prompts={_write(t, 'p.txt', 'a red circle')}",
+            "--set",
+            f"run.heldout_prompts={_write(t, 'h.txt', chr(10))}",
+        ],
+        ["run.heldout_prompts", "holds no prompt"],
+    ),
+    "a .jsonl line that is not JSON": (
+        lambda t: ["--set", f"run.prompts={_write(t, 'p.jsonl', '{oops')}"],
+        ["p.jsonl:1", "not a JSON object"],
+    ),
+    "a .jsonl line without a prompt": (
+        lambda t: ["--set", f"run.prompts={_write(t, 'q.jsonl', json.dumps({'tag': 'counting'}))}"],
+        ["q.jsonl:1", "'prompt'"],
+    ),
+    "a run id that climbs out": (lambda t: ["--run-id", "../x"], ["not one name", "--run-dir"]),
+    "an absolute run id": (lambda t: ["--run-id", "/tmp/x"], ["not one name"]),
+    "a run id with a folder": (lambda t: ["--run-id", "a/b"], ["not one name"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TRAIN_CASES))
+def test_train_refuses_bad_input_early(here, case):
+    make, says = TRAIN_CASES[case]
+    args = make(here)
+    if "--run-id" not in args:
+        args += ["--run-id", "x"]
+    result = invoke("train", "--set", "run.runs_root=runs", *args)
+    assert result.exit_code == 1, (case, result.output)
+    for text in says:
+        assert text in result.output, (case, text, result.output)
+    assert not (here / "runs").exists() and not (here.parent / "x").exists()  # nothing was made
+
+
+def test_calibrate_refuses_a_kernel_with_a_fixed_noise(here):
+    result = invoke("calibrate", "--set", "run.runs_root=runs", "--set", "sampler.kernel=flow", "--run-id", "c")
+    assert result.exit_code == 1 and "nothing to calibrate" in result.output
+    assert not (here / "runs").exists()
+
+
+@pytest.fixture
+def stored_run(here):
+    """A run directory with its manifest only (as after a crash before its first stage)."""
+    from stepgrpo.config import load_config
+    from storage.run import Run
+
+    cfg = load_config(None, ["run.runs_root=runs"])
+    return Run.create(here / "runs", "r", cfg.model_dump(mode="json")).path
+
+
+def _published(run: Path) -> list[Path]:
+    return sorted(p for p in run.rglob("*") if p.name != "manifest.json")
+
+
+OFFLINE_CASES = {
+    "resuming with another config": (
+        lambda r: ["train", "--set", "run.runs_root=runs", "--set", "optim.lr=0.5", "--run-id", "r"],
+        ["changed: optim.lr"],
+    ),
+    "a missing run": (lambda r: ["rescore", str(r.parent / "nope"), "--reward", "shapes"], ["no run"]),
+    "an unknown reward to re-score with": (lambda r: ["rescore", str(r), "--reward", "nope"], ["known rewards"]),
+    "reward options that are not JSON": (
+        lambda r: ["rescore", str(r), "--reward", "shapes", "--options", "{x"],
+        ["not JSON"],
+    ),
+    "an unknown reward option": (
+        lambda r: ["rescore", str(r), "--reward", "jpeg_compressibility", "--options", '{"colour": 1}'],
+        ["--options", "colour"],
+    ),
+    "an unknown scheme": (lambda r: ["credit", str(r), "--scheme", "nope"], ["known credit schemes"]),
+    "an unknown scheme option": (
+        lambda r: ["credit", str(r), "--scheme", "dense", "--options", '{"x": 1}'],
+        ["has no options", "x"],
+    ),
+    "an evaluation override of an unknown field": (
+        lambda r: ["evaluate", str(r), "--set", "run.eval_promptz=2"],
+        ["eval_promptz", "unknown field"],
+    ),
+    "inspecting a missing run": (lambda r: ["inspect", str(r.parent / "nope")], ["no run"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OFFLINE_CASES))
+def test_commands_on_a_run_refuse_bad_input_early(stored_run, case):
+    make, says = OFFLINE_CASES[case]
+    result = invoke(*make(stored_run))
+    assert result.exit_code == 1, (case, result.output)
+    for text in says:
+        assert text in result.output, (case, text, result.output)
+    assert _published(stored_run) == []  # nothing was written into the run
+
+
+def test_a_broken_manifest_is_named(stored_run):
+    (stored_run / "manifest.json").write_text("{not json")
+    for args in (["rescore", str(stored_run), "--reward", "shapes"], ["inspect", str(stored_run)]):
+        result = invoke(*args)
+        assert result.exit_code == 1 and "manifest.json is not JSON" in result.output, result.output
+    listed = invoke("runs", "--root", str(stored_run.parent))
+    assert listed.exit_code == 0 and "unreadable" in listed.output  # the other runs would still be listed
+
+
+def test_the_catalogue_has_the_cases_the_reliability_doc_promises():
+    assert len(TRAIN_CASES) + len(OFFLINE_CASES) + 2 >= 30
