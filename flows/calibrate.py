@@ -6,6 +6,7 @@ from typing import Any
 
 from prefect import flow
 
+from stepgrpo.checks import check_config
 from stepgrpo.config import load_config
 from stepgrpo.runs import open_run, owned, resolve_run_dir
 from tasks import bind
@@ -20,6 +21,7 @@ def calibrate(
 ) -> dict[str, Any]:
     """Calibrate `psi` into the run (created if new); `stepgrpo train` with the same run then uses it."""
     cfg = load_config(config_path, overrides or [])
+    check_config(cfg, calibrated=True)
     with owned(resolve_run_dir(cfg, run_dir, run_id)) as path:
         run = open_run(cfg, path)
         stage = bind(run)

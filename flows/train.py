@@ -12,6 +12,7 @@ from typing import Any
 from prefect import flow
 
 from flows.progress import TrainingLog
+from stepgrpo.checks import check_config
 from stepgrpo.config import Config, load_config
 from stepgrpo.runs import open_run, owned, resolve_run_dir
 from stepgrpo_core.kernels import KERNELS
@@ -29,6 +30,7 @@ def train(
 ) -> dict[str, Any]:
     """Train a LoRA with GRPO and step-level credit (config file + `key=value` overrides)."""
     cfg = load_config(config_path, overrides or [])
+    check_config(cfg)  # before anything is made (a deployment's parameters arrive here unchecked)
     with owned(resolve_run_dir(cfg, run_dir, run_id)) as path:  # one process at a time
         return iterate(open_run(cfg, path), cfg)
 

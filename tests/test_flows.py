@@ -536,8 +536,10 @@ def test_a_moved_run_resumes_rescores_and_recredits(trained, tiny, tmp_path, cal
     from flows.train import train
 
     moved = _copy(trained, tmp_path, "elsewhere")
+    exported = (moved / "lora" / "pytorch_lora_weights.safetensors").stat().st_mtime_ns
     again = train(overrides=tiny, run_dir=str(moved))
     assert sum(calls.values()) == 0, calls
+    assert (moved / "lora" / "pytorch_lora_weights.safetensors").stat().st_mtime_ns == exported  # not rewritten
     assert [e["scores"] for e in again["evaluations"]] == [e["scores"] for e in trained["evaluations"]]
     rescore(str(moved), "jpeg_incompressibility")
     credit(str(moved), "dense")
