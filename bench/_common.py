@@ -233,7 +233,10 @@ def read_run(run_dir: Path) -> RunRecord:
             {
                 "rollout": ro["inputs"].get("seconds", float("nan")),
                 "complete": cm["inputs"].get("seconds", float("nan")) if cm else 0.0,
-                "update": state.get("seconds", float("nan")),
+                # the manifest holds it (older checkpoints kept it in state.json)
+                "update": run.stage_manifest(i, "checkpoint")["inputs"].get(
+                    "seconds", state.get("seconds", float("nan"))
+                ),
             }
         )
         nfes.append({"rollout": int(ro["inputs"].get("nfe", 0)), "complete": int(cm["attrs"]["nfe"]) if cm else 0})
@@ -260,13 +263,18 @@ def read_run(run_dir: Path) -> RunRecord:
                 "iteration": it,
                 "reward": e["reward_mean"],
                 "strict": e.get("reward_strict", float("nan")),
-                **{f"sub_{k}": v for k, v in EvaluateResult.model_validate(e).sub.items()},
+                **{f"sub_{k}": v for k, v in EvaluateResult.model_validate(_record(e)).sub.items()},
                 "seconds": e["seconds"],
                 "nfe": e["nfe"],
             }
         )
     heldout.sort(key=lambda h: h["iteration"])
     return RunRecord(rewards, stricts, secs, stage_secs, nfes, gains, heldout, setup, {"turning_points": turning})
+
+
+def _record(e: dict[str, Any]) -> dict[str, Any]:
+    """An evaluation file's record without what `read_run` added to it."""
+    return {k: v for k, v in e.items() if k != "finished"}
 
 
 # ------------------------------------------------------------------------- the bare loop

@@ -122,7 +122,7 @@ def calibration_cost(a: argparse.Namespace, out: Path) -> dict[str, Any]:
     prompts.execute(run, cfg)
     pol = workspace.policy(cfg)
     n0 = pol.nfe
-    res = calibrate.execute(run, cfg, key=f"bench-{time.time()}")
+    res = calibrate.compute(run, cfg, key=f"bench-{time.time()}")
     c = cfg.calibration
     return {
         "seconds": res.seconds,

@@ -11,7 +11,7 @@ images, rewards, advantages, checkpoints, evaluations, the MLflow store, the exp
    no stage published before the kill was published again.
 2. A flipped byte: in a copy of the reference run, one byte of one file of each kind is flipped;
    then `train` (resume), `rescore`, `credit` and `inspect --verify` run on their own copy. Each
-   must notice: exit non-zero naming the damage, or (resume) keep the damaged data aside and
+   must notice: exit non-zero naming the damage, or say it, keep the damaged data aside and
    compute it again, ending with a run that verifies. A command that never reads a kind of file
    is reported as such (`-`), not counted.
 3. Two writers: two `train` processes on one new run id at once, and a `rescore` while a `train`
@@ -216,11 +216,10 @@ def flip_trial(out: Path, reference: Path, kind: str, command: str) -> dict[str,
         or "published from other inputs" in text
         or "another config" in text
     )
-    if command == "resume":
-        problems = storage.run.Run.open(run_dir).verify_all() if rc == 0 else None
-        detected = (rc == 0 and named and problems == []) or (rc != 0 and named)
-    else:
-        detected = rc != 0 and named
+    # noticed: stopped naming the damage, or said it, kept the damaged data aside, recomputed it and
+    # left a run that verifies
+    repaired = rc == 0 and named and storage.run.Run.open(run_dir).verify_all() == []
+    detected = named and (rc != 0 or repaired)
     return {
         "kind": kind,
         "command": command,

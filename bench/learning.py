@@ -89,10 +89,13 @@ def run_seed(config: str, seed: int, overrides: list[str], out: Path) -> dict[st
 def read_seed(done: dict[str, Any]) -> dict[str, Any]:
     """The seed's evaluations (iteration -> record) and its paired gains over its base."""
     from stepgrpo.report import paired_gain
+    from stepgrpo.results import EvaluateResult
 
     evals = {}
     for f in (done["run_dir"] / "eval").glob("*.json"):
-        e = json.loads(f.read_text())
+        e = EvaluateResult.model_validate(json.loads(f.read_text())).record()  # older records: flat sub-scores
+        if f.stem != e["label"]:
+            continue  # an evaluation with other settings than the run's
         it = 0 if e["label"] == "base" else int(e["label"].removeprefix("iter_")) + 1
         evals[it] = e
     base = evals[0]
@@ -109,7 +112,7 @@ def read_seed(done: dict[str, Any]) -> dict[str, Any]:
                 "gain": gain[0],
                 "gain_lo": gain[1],
                 "gain_hi": gain[2],
-                **{k: v for k, v in e.items() if k.startswith("sub_")},
+                **{f"sub_{k}": v for k, v in e.get("sub", {}).items()},
             }
         )
     iterations = points[-1]["iteration"]

@@ -25,7 +25,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from storage.errors import CorruptChunkError
-from storage.publish import acquire_lock, canonical_json, check_json, release_lock
+from storage.publish import acquire_lock, canonical_json, check_json, release_lock, write_file_atomic
 from storage.schema import (
     ADVANTAGES_SCHEMA,
     PROMPTS_SCHEMA,
@@ -65,13 +65,39 @@ def _files(table_dir: Path) -> list[str]:
 _verified: set[tuple[str, int, int, int]] = set()
 
 
+PARTS_FILE = "_parts.json"  # in a table's folder: the sha256 of each part's bytes, by name
+
+
+def _bytes_index(table_dir: Path) -> dict[str, str]:
+    """The recorded byte digests of a table's parts ({} if none, or if the index does not parse:
+    it only adds a check, and the rows' digests are checked in any case)."""
+    try:
+        index = json.loads((table_dir / PARTS_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return index if isinstance(index, dict) else {}
+
+
+def _record_bytes(table_dir: Path, name: str, sha256: str) -> None:
+    """Add a part's byte digest to the index (under the table's append lock)."""
+    index = _bytes_index(table_dir) | {name: sha256}
+    write_file_atomic(table_dir / PARTS_FILE, (json.dumps(index, indent=1, sort_keys=True) + "\n").encode())
+
+
 def verify_part(path: Path, schema: pa.Schema, key: Sequence[str]) -> None:
-    """Check that a part's rows still give the digest its name carries; `CorruptChunkError` names
-    the file when they do not (a flipped byte, a truncated or edited file)."""
+    """Check a part: its bytes against the digest recorded when it was appended (any flipped byte),
+    and its rows against the digest its name carries (parts appended before bytes were recorded).
+    `CorruptChunkError` names the file when either differs (a flipped byte, a truncated or edited file)."""
     st = path.stat()
     ident = (str(path), st.st_size, st.st_mtime_ns, st.st_ino)
     if ident in _verified:
         return
+    recorded = _bytes_index(path.parent).get(path.name)
+    if recorded is not None and hashlib.sha256(path.read_bytes()).hexdigest() != recorded:
+        raise CorruptChunkError(
+            f"{path}: its bytes no longer match the digest recorded when it was appended (damaged or edited); "
+            "restore it from a copy of the run, or move it out of the table and re-score the iteration"
+        )
     expected = path.name.removeprefix("part-").removesuffix(".parquet")
     try:
         table = _sort(pq.read_table(path, schema=schema).replace_schema_metadata(None), key)
@@ -145,6 +171,7 @@ def append_rows(
         tmp = table_dir / f".{name}.{secrets.token_hex(4)}.tmp"
         footer = {FOOTER_KEY: canonical_json(dict(info))} if info else None
         pq.write_table(table.replace_schema_metadata(footer) if footer else table, tmp)
+        _record_bytes(table_dir, name, hashlib.sha256(tmp.read_bytes()).hexdigest())  # before it is visible
         os.rename(tmp, table_dir / name)
     finally:
         release_lock(lock, token)

@@ -51,12 +51,24 @@ def reuse(run: Run, iteration: int, stage: str, key: Key, what: str) -> bool:
         if manifest is None:
             return False
         check_key(manifest.get("inputs", {}).get("key"), key, what)
+    except CorruptChunkError as err:
+        return _set_aside(run, iteration, stage, err)
+    return intact(run, iteration, stage)
+
+
+def intact(run: Run, iteration: int, stage: str) -> bool:
+    """Whether a published stage verifies; a damaged one is set aside (so it is computed again)."""
+    try:
         run.verify(iteration, stage)
     except CorruptChunkError as err:
-        moved = run.set_aside(iteration, stage)
-        warn(f"{err}; kept aside as {moved.name}, computing it again")
-        return False
+        return _set_aside(run, iteration, stage, err)
     return True
+
+
+def _set_aside(run: Run, iteration: int, stage: str, err: Exception) -> bool:
+    moved = run.set_aside(iteration, stage)
+    warn(f"{err}; kept aside as {moved.name}, computing it again")
+    return False
 
 
 def verified(run: Run, iteration: int, stage: str, what: str, fix: str) -> None:

@@ -20,7 +20,7 @@ from stepgrpo.results import CompleteResult, RolloutResult, ScoreResult
 from stepgrpo.scoring import decode_distinct, reward_summary, score_images
 from storage.errors import AlreadyPublishedError, CorruptChunkError, StageLockedError
 from storage.run import Run
-from tasks.base import repair_table, stage_task, warn
+from tasks.base import intact, repair_table, stage_task, warn
 from tasks.complete import clean_latents, clean_stage, scored_states
 
 
@@ -36,6 +36,9 @@ def execute(run: Run, cfg: Config, iteration: int) -> ScoreResult:
     identity = workspace.reward_identity(cfg.reward)
     name, version = identity["name"], identity["version"]
     repair_table(run, "rewards")
+    images = run.images_stage(clean_stage(cfg.completion.method))
+    if run.stage_manifest(iteration, images) is not None:  # the decoded images other rewards will read
+        intact(run, iteration, images)
     if run.read_rewards(iteration, name, version).num_rows == 0:
         compute(run, cfg, iteration, name, version)
     return stored(run, iteration, name, version)
