@@ -145,3 +145,20 @@ def test_grid_needs_a_published_rollout(tmp_path):
     run.append_rewards(0, "shapes", "1", [0], [0], [1.0])
     with pytest.raises(NotPublishedError, match="no published rollout"):
         run.reward_grid(0, "shapes")
+
+
+def test_a_part_whose_rows_decode_the_same_but_whose_bytes_changed_is_damaged(tmp_path):
+    """Bytes outside the rows (statistics, metadata) are covered by the digest recorded at append."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from storage import CorruptChunkError, Run
+
+    run = Run.create(tmp_path, "r", {"a": 1})
+    run.append_rewards(0, "x", "1", np.arange(4), np.zeros(4, int), np.arange(4.0))
+    part = next((run.path / "rewards").glob("part-*.parquet"))
+    table = pq.read_table(part)
+    pq.write_table(table.replace_schema_metadata({"edited": "yes"}), part)  # the same rows, other bytes
+    assert run.damaged_parts("rewards") == [part]
+    with pytest.raises(CorruptChunkError, match="bytes no longer match"):
+        run.read_rewards(0)
