@@ -71,6 +71,17 @@ def _set_aside(run: Run, iteration: int, stage: str, err: Exception) -> bool:
     return False
 
 
+def manifest(run: Run, iteration: int, stage: str, what: str, verify: bool = False) -> dict[str, Any]:
+    """A published stage's manifest, for reading its result back (`verify`: check its data first,
+    for flows that read a stage but cannot compute it)."""
+    found = run.stage_manifest(iteration, stage)
+    if found is None:
+        raise StageError(f"run {run.run_id}: {what} is not published")
+    if verify:
+        verified(run, iteration, stage, what, RESUME_FIX)
+    return found
+
+
 def verified(run: Run, iteration: int, stage: str, what: str, fix: str) -> None:
     """For flows that read a stage but cannot recompute it: a clear error if it does not verify."""
     try:

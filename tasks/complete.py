@@ -15,12 +15,11 @@ import torch
 
 from stepgrpo import workspace
 from stepgrpo.config import Config
-from stepgrpo.errors import StageError
 from stepgrpo.prompts import stored_prompts
 from stepgrpo.results import CompleteResult, RolloutResult, UpdateResult
 from stepgrpo.sampling import complete_chunks
 from storage.run import Run
-from tasks.base import RESUME_FIX, reuse, stage_task, verified
+from tasks.base import manifest, reuse, stage_task
 from tasks.keys import Key, stage_key
 
 # Completion attr: states k >= this evolve deterministically (after the SDE window); their
@@ -94,11 +93,7 @@ def compute(run: Run, cfg: Config, iteration: int, key: str) -> None:
 
 def stored(run: Run, method: str, iteration: int, verify: bool = False) -> CompleteResult:
     """The result of the published completion of `iteration` by `method` (`verify`: check it first)."""
-    m = run.stage_manifest(iteration, clean_stage(method))
-    if m is None:
-        raise StageError(f"run {run.run_id} iteration {iteration} has no stored completion {method!r}")
-    if verify:
-        verified(run, iteration, clean_stage(method), f"iteration {iteration} completion {method}", RESUME_FIX)
+    m = manifest(run, iteration, clean_stage(method), f"iteration {iteration} completion {method}", verify)
     return CompleteResult(
         digest=m["digest"],
         iteration=iteration,

@@ -21,7 +21,7 @@ from stepgrpo.results import CalibrateResult, PromptsResult, RolloutResult, Upda
 from stepgrpo.sampling import iteration_plan, sample_iteration
 from stepgrpo_core.kernels import KERNELS
 from storage.run import Run
-from tasks.base import RESUME_FIX, reuse, stage_task, verified
+from tasks.base import manifest, reuse, stage_task
 from tasks.keys import Key, stage_key
 
 
@@ -100,11 +100,7 @@ def compute(run: Run, cfg: Config, iteration: int, noise: float | torch.Tensor, 
 
 def stored(run: Run, iteration: int, verify: bool = False) -> RolloutResult:
     """The result of the published rollout of `iteration` (`verify`: check its data first)."""
-    m = run.stage_manifest(iteration, "rollout")
-    if m is None:
-        raise StageError(f"run {run.run_id} iteration {iteration} has no published rollout")
-    if verify:
-        verified(run, iteration, "rollout", f"iteration {iteration} rollout", RESUME_FIX)
+    m = manifest(run, iteration, "rollout", f"iteration {iteration} rollout", verify)
     return RolloutResult(
         digest=m["digest"],
         iteration=iteration,

@@ -14,12 +14,11 @@ import torch
 
 from stepgrpo import training, workspace
 from stepgrpo.config import Config
-from stepgrpo.errors import StageError
 from stepgrpo.prompts import stored_prompts
 from stepgrpo.results import CreditResult, RolloutResult, UpdateResult
 from stepgrpo.sampling import encode, generator
 from storage.run import Run
-from tasks.base import RESUME_FIX, reuse, stage_task, verified
+from tasks.base import manifest, reuse, stage_task
 from tasks.keys import Key, stage_key
 
 
@@ -101,11 +100,7 @@ def compute(run: Run, cfg: Config, iteration: int, scheme: str, options_digest: 
 
 def stored(run: Run, iteration: int, verify: bool = False) -> UpdateResult:
     """The result of the published checkpoint of `iteration` (`verify`: check its files first)."""
-    m = run.stage_manifest(iteration, "checkpoint")
-    if m is None:
-        raise StageError(f"run {run.run_id} has no checkpoint for iteration {iteration}")
-    if verify:
-        verified(run, iteration, "checkpoint", f"checkpoint {iteration}", RESUME_FIX)
+    m = manifest(run, iteration, "checkpoint", f"checkpoint {iteration}", verify)
     state = json.loads((run.stage_path(iteration, "checkpoint") / "state.json").read_text())
     seconds = m["inputs"].get("seconds", state.get("seconds", 0.0))  # older checkpoints kept it in state.json
     return UpdateResult(digest=m["digest"], iteration=iteration, seconds=seconds, stats=state["update"])
