@@ -297,7 +297,11 @@ def main() -> None:
     p.add_argument("--kills", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip", nargs="*", default=[], choices=["kills", "flips", "concurrency"])
+    p.add_argument("--report", action="store_true", help="print the tables of OUT/faults.json and stop")
     a = p.parse_args()
+    if a.report:
+        report(json.loads((a.out / "faults.json").read_text()))
+        return
     a.out.mkdir(parents=True, exist_ok=True)
     reference = a.out / "reference"
     if not (reference / "lora").is_dir():
@@ -358,7 +362,17 @@ def report(results: dict[str, Any]) -> None:
     if kills:
         print(
             f"\nkill -9: {sum(t['pass'] for t in kills)}/{len(kills)} resumed with byte-identical checkpoints and "
-            f"LoRA, {sum(len(t['republished']) for t in kills)} published stages recomputed"
+            f"LoRA and every item equal to the uninterrupted run's, "
+            f"{sum(len(t['republished']) for t in kills)} published stages recomputed"
+        )
+        phases: dict[int, int] = {}
+        for t in kills:
+            phases[t["stages_published_before"]] = phases.get(t["stages_published_before"], 0) + 1
+        print(
+            "  stages published when killed: "
+            + ", ".join(f"{n}: {c} kills" for n, c in sorted(phases.items()))
+            + f"; runs that had finished: {sum(t['finished_before_kill'] for t in kills)}; "
+            f"killed while creating the MLflow store: {sum(t['kill_at'] == 'mlflow' for t in kills)}"
         )
     flips = results.get("flips", [])
     if flips:
