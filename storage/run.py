@@ -303,20 +303,11 @@ class Run(StageStores, RunTables, Checkpoints):
 
     def verify_prompts(self) -> None:
         """Check the prompt table against the digest in its footer (`CorruptChunkError` if not)."""
-        manifest = self.prompts_manifest()
-        if manifest is None:
-            raise NotPublishedError(f"run {self.run_id} has no prompts yet")
-        found = tables.table_digest(self.read_prompts())  # read_prompts checks it too
-        if found != manifest.get("digest"):
-            raise CorruptChunkError(
-                f"run {self.run_id} prompts.parquet no longer matches its digest (damaged or edited)"
-            )
+        self.read_prompts()  # it checks the digest
 
     def set_aside_file(self, path: Path) -> Path:
         """Move a damaged file of the run out of the way (never deleted); returns its new path."""
-        target = path.with_name(
-            f"{path.name}.damaged-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(2)}"
-        )
+        target = path.with_name(_damaged_name(path.name))
         os.rename(path, target)
         return target
 
@@ -324,9 +315,7 @@ class Run(StageStores, RunTables, Checkpoints):
         """Move a damaged (or unpublished) stage directory out of the way, never deleting it:
         `<name>.damaged-<UTC time>-<token>` beside it. Returns the new path."""
         final = self.stage_path(iteration, stage)
-        target = final.with_name(
-            f"{final.name}.damaged-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(2)}"
-        )
+        target = final.with_name(_damaged_name(final.name))
         os.rename(final, target)
         return target
 
@@ -348,3 +337,8 @@ def find_run(run: str | os.PathLike[str], runs_root: str | os.PathLike[str] = "r
     raise NotPublishedError(
         f"no run {str(run)!r}: neither a run directory nor a run id under {runs_root}/ (see `stepgrpo runs`)"
     )
+
+
+def _damaged_name(name: str) -> str:
+    """`<name>.damaged-<UTC time>-<token>`: where damaged data are kept aside."""
+    return f"{name}.damaged-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(2)}"

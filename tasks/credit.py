@@ -35,11 +35,12 @@ def stored_options(cfg: Config, reward_name: str, reward_version: str) -> dict[s
 
 def execute(run: Run, cfg: Config, iteration: int, reward_name: str, reward_version: str) -> CreditResult:
     repair_table(run, "advantages")
+    t0 = time.perf_counter()
+    result = _assign(run, cfg, iteration, reward_name, reward_version)  # cheap: the summary needs it in any case
     digest = options_digest(stored_options(cfg, reward_name, reward_version))
     if run.read_advantages(iteration, cfg.credit.scheme, digest).num_rows == 0:
-        compute(run, cfg, iteration, reward_name, reward_version)
-    result = _assign(run, cfg, iteration, reward_name, reward_version)  # the summary numbers (cheap)
-    adv = run.advantage_grid(iteration, cfg.credit.scheme, digest)
+        compute(run, cfg, iteration, reward_name, reward_version, result, t0)
+    adv = result.advantages  # equal to the stored rows (float32 values stored as float64)
     rows = run.advantages_digest(iteration, cfg.credit.scheme, digest)
     return CreditResult(
         digest=rows,
@@ -56,10 +57,10 @@ def execute(run: Run, cfg: Config, iteration: int, reward_name: str, reward_vers
     )
 
 
-def compute(run: Run, cfg: Config, iteration: int, reward_name: str, reward_version: str) -> None:
-    """Append the advantages of `cfg.credit` from the stored rows of one reward version."""
-    t0 = time.perf_counter()
-    result = _assign(run, cfg, iteration, reward_name, reward_version)
+def compute(
+    run: Run, cfg: Config, iteration: int, reward_name: str, reward_version: str, result: Any, t0: float
+) -> None:
+    """Append the advantages `result` (`_assign`, begun at `t0`) of one reward version's rows."""
     B, T = result.advantages.shape
     run.append_advantages(
         iteration,

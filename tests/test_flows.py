@@ -492,6 +492,7 @@ def test_planted_result_records_run_nothing(trained, tiny, tmp_path, calls):
 
     from flows.rescore import rescore
     from flows.train import train
+    from storage.run import Run
 
     copy = _copy(trained, tmp_path)
     sentinel = tmp_path / "code-ran"
@@ -520,14 +521,8 @@ def test_planted_result_records_run_nothing(trained, tiny, tmp_path, calls):
     assert sum(calls.values()) == 0  # resumed from the stored stages, nothing computed
     assert [e["reward_mean"] for e in again["evaluations"]] == [e["reward_mean"] for e in trained["evaluations"]]
     assert [s["reward_mean"] for s in rescored["scores"]] == [
-        float(Run_open(copy).reward_grid(i, "jpeg_compressibility")[:, -1].mean()) for i in (0, 1)
+        float(Run.open(copy).reward_grid(i, "jpeg_compressibility")[:, -1].mean()) for i in (0, 1)
     ]
-
-
-def Run_open(path):  # noqa: N802
-    from storage.run import Run
-
-    return Run.open(path)
 
 
 def test_a_moved_run_resumes_rescores_and_recredits(trained, tiny, tmp_path, calls):
