@@ -15,6 +15,7 @@ from flows.progress import TrainingLog
 from stepgrpo.checks import check_config
 from stepgrpo.config import Config, load_config
 from stepgrpo.runs import open_run, owned, resolve_run_dir
+from stepgrpo.workers import workers
 from stepgrpo_core.kernels import KERNELS
 from storage.run import Run
 from tasks import bind
@@ -31,7 +32,7 @@ def train(
     """Train a LoRA with GRPO and step-level credit (config file + `key=value` overrides)."""
     cfg = load_config(config_path, overrides or [])
     check_config(cfg)  # before anything is made (a deployment's parameters arrive here unchecked)
-    with owned(resolve_run_dir(cfg, run_dir, run_id)) as path:  # one process at a time
+    with owned(resolve_run_dir(cfg, run_dir, run_id)) as path, workers(cfg, path):  # one process at a time
         return iterate(open_run(cfg, path), cfg)
 
 

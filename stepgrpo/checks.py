@@ -67,8 +67,27 @@ def check_config(cfg: Config, calibrated: bool = False) -> None:
         reward_identity(cfg.reward)
     except TypeError as err:
         raise StageError(f"reward.options: {err}") from None
+    check_scale(cfg)
     if calibrated:
         check_calibrated(cfg)
+
+
+def check_scale(cfg: Config) -> None:
+    """Shards of whole model calls; Ray installed when the config asks for it."""
+    from stepgrpo.sharding import check_shards
+    from stepgrpo.workers import check_ray_installed
+
+    try:
+        check_shards(cfg)
+    except ValueError as err:
+        raise StageError(str(err)) from None
+    if cfg.scale.workers == "ray":
+        check_ray_installed()
+    if cfg.scale.update_processes > cfg.run.prompts_per_iteration * cfg.run.group_size:
+        raise StageError(
+            f"scale.update_processes={cfg.scale.update_processes} exceeds the trajectories of an iteration: "
+            "each process needs at least one"
+        )
 
 
 def check_calibrated(cfg: Config) -> None:

@@ -261,6 +261,31 @@ class StorageConfig(_Section):
     fp16 SD3 latent); turn off for large images if disk matters more than re-scoring time."""
 
 
+class ScaleConfig(_Section):
+    """Where the stages run (docs/SCALING.md). Never part of a cache key: a run computes the same
+    bytes in-process and on any number of workers, and may be resumed with other settings here."""
+
+    workers: Literal["process", "ray"] = "process"
+    """`process`: every stage in this process (no Ray needed). `ray`: rollout, complete, score and
+    evaluate run as shards of whole prompt groups on Ray workers, one Prefect task a shard
+    (`pip install -e .[ray]`)."""
+    address: str | None = None
+    """With `ray`: an existing cluster (`ray://head:10001`, `auto`); None starts a local one for the run."""
+    num_workers: int = Field(2, ge=1)
+    """With `ray` and no `address`: the local cluster's CPUs; also how many shards a stage is split
+    into when `groups_per_shard` is 0."""
+    groups_per_shard: int = Field(0, ge=0)
+    """Prompt groups a shard samples, completes and scores (0: the stage split evenly over the workers,
+    or one shard in-process). A multiple of the groups in one model call (`model.max_batch` rows)."""
+    cpus_per_shard: float = Field(1.0, gt=0)
+    """Ray CPUs a shard task requests."""
+    gpus_per_shard: float = Field(0.0, ge=0)
+    """Ray GPUs a shard task requests (0.5: two shards share a GPU); set `model.device: cuda`."""
+    update_processes: int = Field(1, ge=1)
+    """Data-parallel processes of the policy update (torch.distributed: gloo on CPU, NCCL on GPUs),
+    each with a disjoint part of every optimizer step's trajectories; 1: the update in this process."""
+
+
 class Config(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
@@ -271,6 +296,7 @@ class Config(_Section):
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
     run: RunConfig = Field(default_factory=RunConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
+    scale: ScaleConfig = Field(default_factory=ScaleConfig)
 
     @model_validator(mode="after")
     def _steps_in_grid(self) -> Config:

@@ -132,7 +132,8 @@ def check_resumable(cfg: Config, run_dir: Path) -> None:
     if not (run_dir / "manifest.json").exists():
         return
     stored = Run.open(run_dir).config
-    changed = config_diff(stored, cfg.model_dump(mode="json"))
+    # `scale` says where stages run, not what they compute: a run resumes on other workers
+    changed = [f for f in config_diff(stored, cfg.model_dump(mode="json")) if f.split(".")[0] != "scale"]
     if changed:
         raise StageError(
             f"run {run_dir.name} was created with another config (changed: {', '.join(changed)}); "

@@ -88,23 +88,25 @@ def sample_groups(
     window: tuple[int, int] | None = None,
     ode_reference: bool = False,
     progress: str = "sample",
+    groups: range | None = None,
 ) -> Iterator[GroupChunk]:
     """Sample `len(group_noise)` groups of `group_size` trajectories, `groups_per_call` at a time.
 
     Group `g` starts from the noise of `generator(*group_noise[g])`, shared by its members; the
     call that starts at group `c0` draws its SDE noise from `generator(*sde_seed(c0))`. With
     `ode_reference`, each group's `x_0` is also sampled by the ODE (one per group: its members
-    share prompt and noise).
+    share prompt and noise). `groups`: only these groups (a shard's; it starts at a call boundary).
     """
     from stepgrpo_core.rollout import rollout
 
     G, P = group_size, len(group_noise)
-    for c0 in track(range(0, P, groups_per_call), progress):
-        groups = range(c0, min(P, c0 + groups_per_call))
+    groups = groups or range(P)
+    for c0 in track(range(groups.start, groups.stop, groups_per_call), progress):
+        called = range(c0, min(groups.stop, c0 + groups_per_call))
         x0 = torch.cat(
-            [pol.initial_noise(1, generator(*group_noise[g], device=pol.device)).expand(G, -1, -1, -1) for g in groups]
+            [pol.initial_noise(1, generator(*group_noise[g], device=pol.device)).expand(G, -1, -1, -1) for g in called]
         )
-        rows = np.arange(c0 * G, (groups[-1] + 1) * G)
+        rows = np.arange(c0 * G, (called[-1] + 1) * G)
         cond = encode(pol, texts, prompt_ids[rows])
         sde = rollout(
             pol.velocity,
@@ -126,10 +128,19 @@ def sample_groups(
 
 
 def sample_iteration(
-    pol: Any, cfg: Config, texts: Sequence[str], plan: Plan, iteration: int, noise: float | torch.Tensor
+    pol: Any,
+    cfg: Config,
+    texts: Sequence[str],
+    plan: Plan,
+    iteration: int,
+    noise: float | torch.Tensor,
+    groups: range | None = None,
 ) -> Iterator[GroupChunk]:
-    """The rollout of `iteration`: its plan's groups on the `cfg.sampler` grid, kernel and SDE
-    window, whole groups per call up to `model.max_batch` rows, with each group's ODE reference."""
+    """The rollout of `iteration` (or of its `groups`): its plan's groups on the `cfg.sampler` grid,
+    kernel and SDE window, whole groups per call up to `model.max_batch` rows (`groups_per_call`),
+    with each group's ODE reference."""
+    from stepgrpo.sharding import groups_per_call
+
     G = cfg.run.group_size
     start, end = cfg.sampler.window()
     return sample_groups(
@@ -143,9 +154,10 @@ def sample_iteration(
         noise=noise,
         window=(start, end - start),
         sde_seed=lambda c0: (cfg.run.seed, "sde", iteration, c0),
-        groups_per_call=max(1, cfg.model.max_batch // G),
+        groups_per_call=groups_per_call(cfg),
         ode_reference=True,
         progress=f"rollout {iteration}",
+        groups=groups,
     )
 
 

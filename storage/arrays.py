@@ -234,6 +234,16 @@ class StageStore:
         _each(lambda i: self._read_chunk(spec, coords[i], out[i : i + 1]), len(rows), out[:1].nbytes)
         return out
 
+    def rows_intact(self, rows: range) -> bool:
+        """Whether every per-trajectory chunk of `rows` is there and passes its checksum."""
+        try:
+            for spec in self.spec.arrays:
+                if spec.per_trajectory:
+                    self.read(spec.name, list(rows))
+        except CorruptChunkError:
+            return False
+        return True
+
     def missing_trajectories(self) -> dict[str, list[int]]:
         """Per-trajectory arrays -> trajectories whose chunk was never written."""
         missing: dict[str, list[int]] = {}

@@ -32,6 +32,7 @@ from storage import tables
 from storage.arrays import StageStore
 from storage.checkpoints import Checkpoint, Checkpoints
 from storage.errors import AlreadyPublishedError, CorruptChunkError, NotPublishedError, SchemaVersionError, StorageError
+from storage.ledger import LEDGER, open_ledger, resumable
 from storage.publish import (
     acquire_lock,
     canonical_json,
@@ -39,6 +40,7 @@ from storage.publish import (
     check_token,
     fresh_partial,
     lock_path,
+    partial_path,
     read_published,
     release_lock,
     utc_now,
@@ -227,7 +229,10 @@ class Run(StageStores, RunTables, Checkpoints):
                 found.append(k)
         return sorted(found)
 
-    def _begin(self, iteration: int, stage: str, spec: StoreSpec | None) -> StageWriter:
+    def _begin(self, iteration: int, stage: str, spec: StoreSpec | None, resume: str | None = None) -> StageWriter:
+        """Take the stage's lock and start its `.partial` directory. With `resume` (the stage's
+        key), a partial left by an interrupted attempt under the same key is kept with its
+        finished shards (`stepgrpo.sharding`), and an error keeps it for the next attempt."""
         final = self.stage_path(iteration, stage)
         what = f"run {self.run_id} iteration {iteration} stage {stage}"
         if read_published(final) is not None:
@@ -237,10 +242,24 @@ class Run(StageStores, RunTables, Checkpoints):
         if read_published(final) is not None:  # published while we waited for the lock
             release_lock(lock_path(final), token)
             raise AlreadyPublishedError(f"{what} is already published (stages are immutable); read it instead")
-        fresh_partial(final)  # a crashed attempt's leftovers go
+        resumed = resume is not None and resumable(final, resume)
+        if not resumed:
+            fresh_partial(final)  # a crashed attempt's leftovers go
+            if resume is not None:
+                open_ledger(partial_path(final) / LEDGER, resume)
         if final.exists():  # a directory under the final name without its manifest: kept aside, never deleted
             self.set_aside(iteration, stage)
-        return StageWriter(self.run_id, final, iteration, stage, token, owner=True, spec=spec)
+        return StageWriter(
+            self.run_id,
+            final,
+            iteration,
+            stage,
+            token,
+            owner=True,
+            spec=spec,
+            resumable=resume is not None,
+            resumed=resumed,
+        )
 
     # --- verification ---------------------------------------------------------------------------
 

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from storage.arrays import StageStore
-from storage.errors import NotPublishedError
+from storage.errors import NotPublishedError, StorageError
 from storage.schema import COMPLETION, IMAGES, ROLLOUT, StoreSpec, latent_storage_dtype
 from storage.writer import StageWriter, abort_on_error
 
@@ -72,12 +73,14 @@ class StageStores:
         kernel: str,
         kernel_params: Mapping[str, Any],
         attrs: Mapping[str, Any] | None = None,
+        resume: str | None = None,
     ) -> StageWriter:
         """Begin the rollout of `iteration`: the plan (`sigmas [T+1]`, `seeds, prompt_ids, group_ids [B]`)
         is written now; `states`, `log_probs`, `stds`, `ode_final` are written per trajectory with `writer.write`.
 
         `latent_shape` is `(C, H, W)`; `latent_dtype` the compute dtype ("float16", "float32",
         "bfloat16" -> stored as float32). Raises StageLockedError if another writer holds the stage.
+        `resume`: the stage's key, to continue an interrupted sharded attempt (`Run._begin`).
         """
         B, T = len(seeds), len(sigmas) - 1
         C, H, W = (int(x) for x in latent_shape)
@@ -93,15 +96,24 @@ class StageStores:
             "latent_dtype": latent_storage_dtype(latent_dtype),
             "source_dtype": latent_dtype,
         }
-        writer = self._begin(iteration, "rollout", ROLLOUT)
+        writer = self._begin(iteration, "rollout", ROLLOUT, resume)
         with abort_on_error(writer):
-            StageStore(writer.path, ROLLOUT, stage_attrs).create(
-                {"sigmas": sigmas, "seeds": seeds, "prompt_ids": prompt_ids, "group_ids": group_ids}
+            _create(
+                writer,
+                ROLLOUT,
+                stage_attrs,
+                {"sigmas": sigmas, "seeds": seeds, "prompt_ids": prompt_ids, "group_ids": group_ids},
             )
         return writer
 
     def begin_completion(
-        self, iteration: int, method: str, *, latent_dtype: str | None = None, attrs: Mapping[str, Any] | None = None
+        self,
+        iteration: int,
+        method: str,
+        *,
+        latent_dtype: str | None = None,
+        attrs: Mapping[str, Any] | None = None,
+        resume: str | None = None,
     ) -> StageWriter:
         """Begin the completion of `iteration`'s rollout by `method`; dims come from the published
         rollout, `latent_dtype` defaults to the rollout's. Write `latents=[n,T+1,C,H,W]` per
@@ -122,13 +134,20 @@ class StageStores:
             "source_dtype": source,
             "rollout_digest": rollout["digest"],
         }
-        writer = self._begin(iteration, f"completions/{method}", COMPLETION)
+        writer = self._begin(iteration, f"completions/{method}", COMPLETION, resume)
         with abort_on_error(writer):
-            StageStore(writer.path, COMPLETION, stage_attrs).create({})
+            _create(writer, COMPLETION, stage_attrs, {})
         return writer
 
     def begin_images(
-        self, iteration: int, source: str, *, k: Any, image_shape: Sequence[int], attrs: Mapping[str, Any] | None = None
+        self,
+        iteration: int,
+        source: str,
+        *,
+        k: Any,
+        image_shape: Sequence[int],
+        attrs: Mapping[str, Any] | None = None,
+        resume: str | None = None,
     ) -> StageWriter:
         """Begin storing decoded images of `iteration` under `images/<name>`.
 
@@ -154,9 +173,9 @@ class StageStores:
             "Y": y,
             "X": x,
         }
-        writer = self._begin(iteration, self.images_stage(source), IMAGES)
+        writer = self._begin(iteration, self.images_stage(source), IMAGES, resume)
         with abort_on_error(writer):
-            StageStore(writer.path, IMAGES, stage_attrs).create({"k": k})
+            _create(writer, IMAGES, stage_attrs, {"k": k})
         return writer
 
     @staticmethod
@@ -231,6 +250,14 @@ class StageStores:
             source_digest=store.attrs["source_digest"],
             manifest=manifest,
         )
+
+
+def _create(writer: StageWriter, spec: StoreSpec, attrs: dict[str, Any], whole: Mapping[str, Any]) -> None:
+    """Write a new stage's metadata; a resumed attempt's partial must have been begun with the same."""
+    if not writer.resumed:
+        StageStore(writer.path, spec, attrs).create(whole)
+    elif writer.store().attrs != json.loads(json.dumps(attrs)):
+        raise StorageError(f"{writer.what}: the interrupted attempt was begun with other attributes under the same key")
 
 
 def spec_of(stage: str) -> StoreSpec:

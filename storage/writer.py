@@ -12,6 +12,7 @@ import zarr
 
 from storage.arrays import StageStore
 from storage.errors import StorageError
+from storage.ledger import LEDGER, close_ledger
 from storage.publish import (
     canonical_json,
     check_json,
@@ -34,7 +35,16 @@ class StageWriter:
     """
 
     def __init__(
-        self, run_id: str, final: Path, iteration: int, stage: str, token: str, owner: bool, spec: StoreSpec | None
+        self,
+        run_id: str,
+        final: Path,
+        iteration: int,
+        stage: str,
+        token: str,
+        owner: bool,
+        spec: StoreSpec | None,
+        resumable: bool = False,
+        resumed: bool = False,
     ) -> None:
         self.run_id = run_id
         self.iteration = iteration
@@ -45,6 +55,9 @@ class StageWriter:
         self.path = partial_path(self.final)  # file stages (checkpoint) write their files here
         self.lock = lock_path(self.final)
         self.spec = spec
+        self.resumable = resumable  # an error keeps the partial and its finished shards (`storage.ledger`)
+        self.resumed = resumed  # the partial is an interrupted attempt's, under the same key
+        self.ledger = self.path / LEDGER
         self._store: StageStore | None = None
         self.manifest: dict[str, Any] | None = None
 
@@ -85,6 +98,7 @@ class StageWriter:
             "inputs": dict(inputs or {}),
             "published_at": utc_now(),
         }
+        close_ledger(self.ledger)  # finished shards are data now, checked below like any chunk
         if self.spec is not None:
             if attrs:
                 check_json(dict(attrs), f"{self.what} attrs")
@@ -117,9 +131,11 @@ class StageWriter:
         return manifest
 
     def abort(self) -> None:
-        """Discard this attempt: delete the `.partial` directory and release the lock (owner only)."""
+        """Discard this attempt: delete the `.partial` directory (kept when resumable) and release
+        the lock (owner only)."""
         if self.owner and self.manifest is None:
-            shutil.rmtree(self.path, ignore_errors=True)
+            if not self.resumable:
+                shutil.rmtree(self.path, ignore_errors=True)
             release_lock(self.lock, self.token)
 
     def __enter__(self) -> StageWriter:

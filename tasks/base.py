@@ -11,6 +11,7 @@ given its key, so a recomputed stage has the digest its downstream stages were k
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from prefect import task
@@ -18,6 +19,7 @@ from prefect.cache_policies import NO_CACHE
 
 from stepgrpo.errors import StageError
 from storage.errors import CorruptChunkError, StorageError
+from storage.ledger import finished as ledger_result
 from storage.run import Run
 from tasks.keys import Key
 
@@ -28,6 +30,36 @@ RESUME_FIX = "resume the run with `stepgrpo train` and its config to compute it 
 def stage_task(stage: str) -> Callable[[Callable[..., Any]], Any]:
     """`@stage_task("rollout")`: a Prefect task named after its stage that caches nothing."""
     return task(name=stage, cache_policy=NO_CACHE, persist_result=False)
+
+
+def shard_task(stage: str) -> Callable[[Callable[..., Any]], Any]:
+    """`@shard_task("rollout")`: the Prefect task of one shard of a stage (`stepgrpo.workers`). It
+    writes its rows and then its ledger record (`storage.ledger`); it returns nothing."""
+    return task(name=f"{stage}-shard", cache_policy=NO_CACHE, persist_result=False)
+
+
+def fan_out(
+    shard: Any,
+    ledger: Path,
+    key: str,
+    shards: list[range],
+    params: dict[str, Any],
+    what: str,
+    intact: Callable[[range], bool] | None = None,
+) -> list[dict[str, Any]]:
+    """Run `shard` for every shard not finished under `key` (its record missing, or its rows no
+    longer `intact`) on the flow's workers; return every shard's recorded result, in order."""
+    from stepgrpo.workers import run_shards
+
+    def todo(r: range) -> bool:
+        return ledger_result(ledger, r, key) is None or (intact is not None and not intact(r))
+
+    run_shards(shard, shards, {**params, "key": key}, what, todo)
+    results = [ledger_result(ledger, r, key) for r in shards]
+    missing = [f"{r.start}-{r.stop - 1}" for r, res in zip(shards, results) if res is None]
+    if missing:
+        raise StageError(f"{what}: shard(s) of rows {', '.join(missing)} finished without recording it")
+    return results  # type: ignore[return-value]
 
 
 def warn(message: str) -> None:

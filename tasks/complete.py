@@ -15,11 +15,14 @@ import torch
 
 from stepgrpo import workspace
 from stepgrpo.config import Config
+from stepgrpo.faults import maybe_fail
 from stepgrpo.prompts import stored_prompts
 from stepgrpo.results import CompleteResult, RolloutResult, UpdateResult
 from stepgrpo.sampling import complete_chunks
+from stepgrpo.sharding import shard_ranges
+from storage.ledger import record
 from storage.run import Run
-from tasks.base import manifest, reuse, stage_task
+from tasks.base import fan_out, manifest, reuse, shard_task, stage_task
 from tasks.keys import Key, stage_key
 
 # Completion attr: states k >= this evolve deterministically (after the SDE window); their
@@ -61,34 +64,54 @@ def execute(run: Run, cfg: Config, iteration: int, key: Key) -> CompleteResult:
 
 
 def compute(run: Run, cfg: Config, iteration: int, key: str) -> None:
+    """Complete the rollout's shards on the flow's workers, then publish."""
     method = cfg.completion.method
     t0 = time.perf_counter()
-    pol = workspace.policy_at(run, cfg, iteration)
-    data = run.read_rollout(iteration)
-    prompts = stored_prompts(run)
-    through = window_end(data.kernel_params, len(data.sigmas) - 1)
+    rollout = run.stage_manifest(iteration, "rollout")
+    through = window_end(rollout["attrs"]["kernel_params"], int(rollout["attrs"]["T"]))
     writer = run.begin_completion(
         iteration,
         method_dir(method),
         latent_dtype=cfg.model.dtype,
         attrs={"method_spec": method, DETERMINISTIC_FROM: through},
+        resume=key,
     )
-    nfe = 0
     with writer:
-        for c0, out in complete_chunks(
-            pol,
-            method,
-            data.states,
-            torch.from_numpy(data.sigmas),
-            prompts.texts,
-            data.prompt_ids,
-            max(1, cfg.model.max_batch),
-            through,
-            f"complete {iteration}",
-        ):
-            writer.write(c0, latents=out.latents.cpu())
-            nfe += out.nfe
+        done = fan_out(
+            complete_shard,
+            writer.ledger,
+            key,
+            shard_ranges(cfg, int(rollout["attrs"]["B"])),
+            {"run": run, "cfg": cfg, "iteration": iteration, "through": through, "token": writer.token},
+            f"iteration {iteration} completion {method}",
+            intact=writer.store().rows_intact,
+        )
+        nfe = sum(r["nfe"] for r in done)
         writer.publish(attrs={"nfe": nfe}, inputs={"key": key, "seconds": time.perf_counter() - t0})
+
+
+@shard_task("complete")
+def complete_shard(run: Run, cfg: Config, iteration: int, through: int, token: str, key: str, shard: range) -> None:
+    """Complete the states of the trajectories `shard` into the begun completion, then record it."""
+    pol = workspace.policy_at(run, cfg, iteration)
+    data = run.read_rollout(iteration, slice(shard.start, shard.stop))
+    writer = run.attach(iteration, clean_stage(cfg.completion.method), token)
+    nfe = 0
+    for c0, out in complete_chunks(
+        pol,
+        cfg.completion.method,
+        data.states,
+        torch.from_numpy(data.sigmas),
+        stored_prompts(run).texts,
+        data.prompt_ids,
+        max(1, cfg.model.max_batch),
+        through,
+        f"complete {iteration}",
+    ):
+        writer.write(shard.start + c0, latents=out.latents.cpu())
+        nfe += out.nfe
+        maybe_fail("complete", shard.start)
+    record(writer.ledger, shard, key, {"nfe": nfe})
 
 
 def stored(run: Run, method: str, iteration: int, verify: bool = False) -> CompleteResult:
@@ -117,9 +140,11 @@ def scored_states(run: Run, method: str | None, iteration: int) -> tuple[np.ndar
     return np.array([*range(through), T]), np.arange(through, T)
 
 
-def clean_latents(run: Run, method: str | None, iteration: int, k: np.ndarray) -> np.ndarray:
-    """Latents of the scored states `k` `[B, K, C, H, W]`: completions, or `ode_final` and `x_T`."""
+def clean_latents(run: Run, method: str | None, iteration: int, k: np.ndarray, rows: range | None = None) -> np.ndarray:
+    """Latents of the scored states `k` `[n, K, C, H, W]` of trajectories `rows` (all when None):
+    completions, or `ode_final` and `x_T`."""
+    some = slice(rows.start, rows.stop) if rows is not None else None
     if method is None:
-        final = run.read_array(iteration, "rollout", "states")[:, -1]  # a trajectory's states are one chunk
-        return np.stack([run.read_array(iteration, "rollout", "ode_final"), final], axis=1)
-    return run.read_completion(iteration, method_dir(method)).latents[:, k]
+        final = run.read_array(iteration, "rollout", "states", some)[:, -1]  # a trajectory's states are one chunk
+        return np.stack([run.read_array(iteration, "rollout", "ode_final", some), final], axis=1)
+    return run.read_completion(iteration, method_dir(method), some).latents[:, k]

@@ -17,16 +17,19 @@ import torch
 from stepgrpo import workspace
 from stepgrpo.config import Config
 from stepgrpo.errors import StageError
+from stepgrpo.faults import maybe_fail
 from stepgrpo.images import dequantize
 from stepgrpo.prompts import stored_prompts
 from stepgrpo.report import write_grid
 from stepgrpo.results import EvaluateResult, PromptsResult, UpdateResult
 from stepgrpo.sampling import encode, generator
 from stepgrpo.scoring import cat_outputs, score_images
+from stepgrpo.sharding import blocks_per_shard
 from stepgrpo_core.rollout import rollout as sample
+from storage.ledger import close_ledger, open_ledger, record
 from storage.publish import write_file_atomic
 from storage.run import Run
-from tasks.base import stage_task, warn
+from tasks.base import fan_out, shard_task, stage_task, warn
 from tasks.keys import Key, stage_key
 
 EVAL_DIR = "eval"
@@ -77,44 +80,33 @@ def execute(run: Run, cfg: Config, iteration: int | None, key: Key) -> EvaluateR
     return compute(run, cfg, iteration, name, key.value)
 
 
+def eval_blocks(cfg: Config, n_prompts: int) -> list[tuple[int, int]]:
+    """The model calls of an evaluation, `(seed, first prompt)`: `model.max_batch` prompts a call."""
+    return [(s, c0) for s in range(cfg.run.eval_seeds) for c0 in range(0, n_prompts, cfg.model.max_batch)]
+
+
 def compute(run: Run, cfg: Config, iteration: int | None, name: str, key: str) -> EvaluateResult:
+    """Sample and score the evaluation's calls in shards on the flow's workers, then write it."""
     t0 = time.perf_counter()
-    pol = workspace.policy_after(run, cfg, iteration)
-    reward = workspace.reward(cfg.reward)
-    prompts = stored_prompts(run)
-    ids = np.array((prompts.ids("test") or prompts.ids("train"))[: cfg.run.eval_prompts])
-    sigmas = pol.sigmas(cfg.sampler.eval_steps)
-    outputs, first_images, nfe0 = [], None, pol.nfe
-    for s in range(cfg.run.eval_seeds):
-        for c0 in range(0, len(ids), cfg.model.max_batch):
-            rows = ids[c0 : c0 + cfg.model.max_batch]
-            x0 = torch.cat(
-                [pol.initial_noise(1, generator(cfg.run.seed, "eval", s, int(p), device=pol.device)) for p in rows]
-            )
-            out = sample(pol.velocity, x0, sigmas, encode(pol, prompts.texts, rows), kernel="ode")
-            images = pol.decoder.decode_uint8(out.states[:, -1])
-            outputs.append(
-                score_images(
-                    reward,
-                    images,
-                    prompts.texts_of(rows),
-                    prompts.metadata_of(rows),
-                    chunk=len(rows),
-                    device=pol.decoder.device,
-                )
-            )
-            if s == 0 and c0 == 0:
-                first_images = dequantize(images[:GRID_IMAGES])
-    scored = cat_outputs(outputs)
-    value = scored.scores
-    if not bool(torch.isfinite(value).all()):
-        bad = torch.nonzero(~torch.isfinite(value)).reshape(-1).tolist()[:10]
-        raise StageError(f"evaluation reward {reward.name!r} returned NaN/inf for held-out rows {bad}")
-    grid = Path(EVAL_DIR) / f"{name}.png"
-    if first_images is not None:
-        write_grid(Path(run.path) / grid, first_images)
+    reward = workspace.reward_identity(cfg.reward)
+    ids = held_out(run, cfg)
+    calls = eval_blocks(cfg, len(ids))
+    per = blocks_per_shard(cfg, len(calls), cfg.model.max_batch)
+    ledger = Path(run.path) / EVAL_DIR / f".{name}.shards"
+    open_ledger(ledger, key)
+    done = fan_out(
+        evaluate_shard,
+        ledger,
+        key,
+        [range(c, min(len(calls), c + per)) for c in range(0, len(calls), per)],
+        {"run": run, "cfg": cfg, "iteration": iteration, "name": name},
+        f"evaluation {name}",
+    )
+    value = torch.tensor([v for r in done for v in r["scores"]])
+    strict = None if done[0]["strict"] is None else torch.tensor([v for r in done for v in r["strict"]])
     sub = {}
-    for sub_name, v in scored.sub.items():
+    for sub_name in done[0]["sub"]:
+        v = torch.tensor([x for r in done for x in r["sub"][sub_name]])
         finite = v[torch.isfinite(v)]
         if finite.numel():
             sub[sub_name] = float(finite.mean())
@@ -122,23 +114,75 @@ def compute(run: Run, cfg: Config, iteration: int | None, name: str, key: str) -
         label=label(iteration),
         iteration=iteration,
         key=key,
-        reward_name=reward.name,
-        reward_version=str(reward.version),
+        reward_name=reward["name"],
+        reward_version=reward["version"],
         prompts=len(ids),
         seeds=cfg.run.eval_seeds,
         reward_mean=float(value.mean()),
         reward_std=float(value.std(unbiased=False)),
-        nfe=pol.nfe - nfe0,
+        nfe=sum(r["nfe"] for r in done),
         scores=value.tolist(),
-        grid=grid.as_posix(),
+        grid=(Path(EVAL_DIR) / f"{name}.png").as_posix(),
         seconds=time.perf_counter() - t0,
-        reward_strict=None if scored.strict is None else float(scored.strict.mean()),
-        strict_scores=None if scored.strict is None else scored.strict.tolist(),
+        reward_strict=None if strict is None else float(strict.mean()),
+        strict_scores=None if strict is None else strict.tolist(),
         sub=sub,
     )
-    (Path(run.path) / EVAL_DIR).mkdir(parents=True, exist_ok=True)
     write_file_atomic(
         Path(run.path) / EVAL_DIR / f"{name}.json",
         (result.model_dump_json(indent=1, exclude_none=True) + "\n").encode(),
     )
+    close_ledger(ledger)
     return result
+
+
+def held_out(run: Run, cfg: Config) -> np.ndarray:
+    """The prompt rows an evaluation samples: the first `run.eval_prompts` held-out (else train) prompts."""
+    prompts = stored_prompts(run)
+    return np.array((prompts.ids("test") or prompts.ids("train"))[: cfg.run.eval_prompts])
+
+
+@shard_task("evaluate")
+def evaluate_shard(run: Run, cfg: Config, iteration: int | None, name: str, key: str, shard: range) -> None:
+    """Sample (ODE) and score the evaluation's calls `shard` (`eval_blocks`), then record the scores;
+    the shard with the first call writes the image grid."""
+    t0 = time.perf_counter()
+    pol = workspace.policy_after(run, cfg, iteration)
+    reward = workspace.reward(cfg.reward)
+    prompts = stored_prompts(run)
+    ids = held_out(run, cfg)
+    sigmas = pol.sigmas(cfg.sampler.eval_steps)
+    outputs, nfe0 = [], pol.nfe
+    for s, c0 in eval_blocks(cfg, len(ids))[shard.start : shard.stop]:
+        rows = ids[c0 : c0 + cfg.model.max_batch]
+        x0 = torch.cat(
+            [pol.initial_noise(1, generator(cfg.run.seed, "eval", s, int(p), device=pol.device)) for p in rows]
+        )
+        out = sample(pol.velocity, x0, sigmas, encode(pol, prompts.texts, rows), kernel="ode")
+        images = pol.decoder.decode_uint8(out.states[:, -1])
+        scored = score_images(
+            reward,
+            images,
+            prompts.texts_of(rows),
+            prompts.metadata_of(rows),
+            chunk=len(rows),
+            device=pol.decoder.device,
+        )
+        if not bool(torch.isfinite(scored.scores).all()):
+            bad = torch.nonzero(~torch.isfinite(scored.scores)).reshape(-1).tolist()[:10]
+            raise StageError(
+                f"evaluation reward {reward.name!r} returned NaN/inf for held-out rows {[c0 + b for b in bad]}"
+            )
+        outputs.append(scored)
+        if s == 0 and c0 == 0:
+            write_grid(Path(run.path) / EVAL_DIR / f"{name}.png", dequantize(images[:GRID_IMAGES]))
+        maybe_fail("evaluate", shard.start)
+    scored = cat_outputs(outputs)
+    result = {
+        "scores": scored.scores.tolist(),
+        "strict": None if scored.strict is None else scored.strict.tolist(),
+        "sub": {n: v.tolist() for n, v in scored.sub.items()},
+        "nfe": pol.nfe - nfe0,
+        "seconds": time.perf_counter() - t0,
+    }
+    record(Path(run.path) / EVAL_DIR / f".{name}.shards", shard, key, result)

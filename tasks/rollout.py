@@ -16,12 +16,15 @@ import torch
 from stepgrpo import workspace
 from stepgrpo.config import Config
 from stepgrpo.errors import StageError
+from stepgrpo.faults import maybe_fail
 from stepgrpo.prompts import stored_prompts
 from stepgrpo.results import CalibrateResult, PromptsResult, RolloutResult, UpdateResult
 from stepgrpo.sampling import iteration_plan, sample_iteration
+from stepgrpo.sharding import shard_ranges
 from stepgrpo_core.kernels import KERNELS
+from storage.ledger import record
 from storage.run import Run
-from tasks.base import manifest, reuse, stage_task
+from tasks.base import fan_out, manifest, reuse, shard_task, stage_task
 from tasks.keys import Key, stage_key
 
 
@@ -58,10 +61,10 @@ def execute(run: Run, cfg: Config, iteration: int, noise: float | torch.Tensor, 
 
 
 def compute(run: Run, cfg: Config, iteration: int, noise: float | torch.Tensor, key: str) -> None:
+    """Sample the iteration's shards (`stepgrpo.sharding`) on the flow's workers, then publish."""
     t0 = time.perf_counter()
-    pol = workspace.policy_at(run, cfg, iteration)
-    prompts = stored_prompts(run)
-    plan = iteration_plan(cfg, prompts.splits, iteration)
+    pol = workspace.policy(cfg)  # the grid and latent shape; the shards set the weights they sample with
+    plan = iteration_plan(cfg, stored_prompts(run).splits, iteration)
     start, end = cfg.sampler.window()
     writer = run.begin_rollout(
         iteration,
@@ -76,26 +79,54 @@ def compute(run: Run, cfg: Config, iteration: int, noise: float | torch.Tensor, 
             "noise": noise.tolist() if isinstance(noise, torch.Tensor) else float(noise),
             "window": [start, end - start],
         },
+        resume=key,
     )
-    nfe0, nfe_ode = pol.nfe, 0
     with writer:
-        for chunk in sample_iteration(pol, cfg, prompts.texts, plan, iteration, noise):
-            nfe_ode += chunk.nfe_ode
-            writer.write(
-                int(chunk.rows[0]),
-                states=chunk.sde.states.cpu(),
-                log_probs=chunk.sde.log_probs.cpu(),
-                stds=chunk.sde.stds.cpu(),
-                ode_final=chunk.ode_final.cpu(),
-            )
+        done = fan_out(
+            sample_shard,
+            writer.ledger,
+            key,
+            shard_ranges(cfg, len(plan.prompt_ids)),
+            {"run": run, "cfg": cfg, "iteration": iteration, "noise": noise, "token": writer.token},
+            f"iteration {iteration} rollout",
+            intact=writer.store().rows_intact,
+        )
         writer.publish(
             inputs={
                 "key": key,
-                "nfe": pol.nfe - nfe0 - nfe_ode,
-                "nfe_ode": nfe_ode,
+                "nfe": sum(r["nfe"] for r in done),
+                "nfe_ode": sum(r["nfe_ode"] for r in done),
                 "seconds": time.perf_counter() - t0,
             }
         )
+
+
+@shard_task("rollout")
+def sample_shard(
+    run: Run, cfg: Config, iteration: int, noise: float | torch.Tensor, token: str, key: str, shard: range
+) -> None:
+    """Sample the trajectories `shard` (whole groups) into the begun rollout, then record it."""
+    t0 = time.perf_counter()
+    pol = workspace.policy_at(run, cfg, iteration)
+    prompts = stored_prompts(run)
+    plan = iteration_plan(cfg, prompts.splits, iteration)
+    writer = run.attach(iteration, "rollout", token)
+    G = cfg.run.group_size
+    nfe0, nfe_ode = pol.nfe, 0
+    for chunk in sample_iteration(
+        pol, cfg, prompts.texts, plan, iteration, noise, range(shard.start // G, shard.stop // G)
+    ):
+        nfe_ode += chunk.nfe_ode
+        writer.write(
+            int(chunk.rows[0]),
+            states=chunk.sde.states.cpu(),
+            log_probs=chunk.sde.log_probs.cpu(),
+            stds=chunk.sde.stds.cpu(),
+            ode_final=chunk.ode_final.cpu(),
+        )
+        maybe_fail("rollout", shard.start)
+    result = {"nfe": pol.nfe - nfe0 - nfe_ode, "nfe_ode": nfe_ode, "seconds": time.perf_counter() - t0}
+    record(writer.ledger, shard, key, result)
 
 
 def stored(run: Run, iteration: int, verify: bool = False) -> RolloutResult:

@@ -7,20 +7,25 @@ States after the SDE window are `x_T`: their rows repeat R_T's.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from stepgrpo import workspace
-from stepgrpo.config import Config
+from stepgrpo.config import Config, digest_of
 from stepgrpo.errors import StageError
+from stepgrpo.faults import maybe_fail
 from stepgrpo.prompts import stored_prompts
 from stepgrpo.results import CompleteResult, RolloutResult, ScoreResult
-from stepgrpo.scoring import decode_distinct, reward_summary, score_images
+from stepgrpo.scoring import cat_outputs, decode_distinct, reward_summary, score_images
+from stepgrpo.sharding import block_rows, blocks, shard_ranges
 from storage.errors import AlreadyPublishedError, CorruptChunkError, StageLockedError
+from storage.ledger import close_ledger, open_ledger, record
 from storage.run import Run
-from tasks.base import intact, repair_table, stage_task, warn
+from tasks.base import fan_out, intact, repair_table, shard_task, stage_task, warn
 from tasks.complete import clean_latents, clean_stage, scored_states
 
 
@@ -45,75 +50,145 @@ def execute(run: Run, cfg: Config, iteration: int) -> ScoreResult:
 
 
 def compute(run: Run, cfg: Config, iteration: int, name: str, version: str) -> None:
-    """Score and append the rows, with how long it took and where the images came from."""
+    """Score the iteration's shards on the flow's workers (decoding and storing the images they
+    need), then append every row at once, with how long it took and where the images came from."""
     t0 = time.perf_counter()
-    reward = workspace.reward(cfg.reward)
-    images, k_of, images_from = _images(run, cfg, iteration)
-    B, K = images.shape[:2]
-    flat = torch.from_numpy(images.reshape(B * K, *images.shape[2:]))
-    traj, k = np.repeat(np.arange(B), K), np.tile(k_of, B)
-    prompts = stored_prompts(run)
-    pids = run.read_array(iteration, "rollout", "prompt_ids")[traj]
-    out = score_images(
-        reward,
-        flat,
-        prompts.texts_of(pids),
-        prompts.metadata_of(pids),
-        chunk=max(1, cfg.model.max_batch),
-        progress=f"score {iteration}",
-    )
-    bad = torch.nonzero(~torch.isfinite(out.scores)).reshape(-1).tolist()
-    if bad:
-        rows = ", ".join(f"(traj {int(traj[b])}, k {int(k[b])})" for b in bad[:10])
-        raise StageError(
-            f"reward {name!r} returned NaN/inf for {len(bad)} rows of iteration {iteration}: {rows}; nothing was stored"
+    method = cfg.completion.method
+    source = clean_stage(method)
+    k, copies = scored_states(run, method, iteration)
+    attrs = run.stage_manifest(iteration, "rollout")["attrs"]
+    B = int(attrs["B"])
+    key = digest_of([run.stage_manifest(iteration, source)["digest"], name, version, k.tolist()])
+    from_store = _stored_images(run, iteration, source)
+    images = None
+    if not from_store and cfg.storage.images:
+        shape = workspace.decoder(cfg.model).image_shape((attrs["C"], attrs["H"], attrs["W"]))
+        try:
+            images = run.begin_images(iteration, source, k=k, image_shape=shape, resume=key)
+        except (AlreadyPublishedError, StageLockedError):
+            pass  # another scorer stored (or is storing) the same bytes: decode without storing
+    ledger = ledger_of(run, iteration, key)
+    open_ledger(ledger, key)
+    with images or contextlib.nullcontext():
+        done = fan_out(
+            score_shard,
+            ledger,
+            key,
+            shard_ranges(cfg, B),
+            {
+                "run": run,
+                "cfg": cfg,
+                "iteration": iteration,
+                "k": k.tolist(),
+                "from_store": from_store,
+                "images_token": images.token if images is not None else None,
+            },
+            f"iteration {iteration} score {name}",
+            intact=images.store().rows_intact if images is not None else None,
         )
-    _, copies = scored_states(run, cfg.completion.method, iteration)
+        if images is not None:
+            images.publish()
+    K = len(k)
+    scores = torch.tensor([v for r in done for v in r["scores"]], dtype=torch.float64)
+    strict = None if done[0]["strict"] is None else torch.tensor([v for r in done for v in r["strict"]]).double()
+    sub = {n: torch.tensor([v for r in done for v in r["sub"][n]]).double() for n in done[0]["sub"]}
     take = torch.from_numpy(np.concatenate([np.arange(B * K), np.repeat(np.arange(B) * K + K - 1, len(copies))]))
-    traj, k = np.concatenate([traj, np.repeat(np.arange(B), len(copies))]), np.concatenate([k, np.tile(copies, B)])
+    traj = np.concatenate([np.repeat(np.arange(B), K), np.repeat(np.arange(B), len(copies))])
+    ks = np.concatenate([np.tile(k, B), np.tile(copies, B)])
     run.append_rewards(
         iteration,
         name,
         version,
         traj,
-        k,
-        out.scores[take].double().numpy(),
-        strict=None if out.strict is None else out.strict[take].double().numpy(),
-        sub={s: v[take].double().numpy() for s, v in out.sub.items()} or None,
-        info={"seconds": time.perf_counter() - t0, "images": images_from},
+        ks,
+        scores[take].numpy(),
+        strict=None if strict is None else strict[take].numpy(),
+        sub={n: v[take].numpy() for n, v in sub.items()} or None,
+        info={"seconds": time.perf_counter() - t0, "images": done[0]["images"]},
     )
+    close_ledger(ledger)
 
 
-def _images(run: Run, cfg: Config, iteration: int) -> tuple[np.ndarray, np.ndarray, str]:
-    """`[B, K, 3, Y, X]` uint8 images of the clean latents, their state indices `k [K]`, and where
-    they came from ("stored", "decoded" or "decoded+stored")."""
-    source = clean_stage(cfg.completion.method)
+def _stored_images(run: Run, iteration: int, source: str) -> bool:
+    """Whether decoded images of `source`'s current latents are stored (damaged ones are set aside)."""
+    stage = run.images_stage(source)
     try:
-        stored_images = run.read_images(iteration, source)
+        return run.read_images(iteration, source, []) is not None
     except CorruptChunkError as err:
-        warn(f"{err}; kept aside as {run.set_aside(iteration, run.images_stage(source)).name}, decoding again")
-        stored_images = None
-    if stored_images is not None:
-        return stored_images.images, stored_images.k, "stored"
-    k, _ = scored_states(run, cfg.completion.method, iteration)
-    latents = clean_latents(run, cfg.completion.method, iteration, k)
-    B, K = latents.shape[:2]
-    flat = decode_distinct(
-        workspace.decoder(cfg.model),
-        latents.reshape(B * K, *latents.shape[2:]),
-        max(1, cfg.model.max_batch),
-        f"decode {iteration}",
-    )
-    images = flat.reshape(B, K, *flat.shape[1:])
-    if not cfg.storage.images:
-        return images, k, "decoded"
-    try:
-        with run.begin_images(iteration, source, k=k, image_shape=images.shape[2:]) as writer:
-            writer.write(0, images=images)
-            writer.publish()
-    except (AlreadyPublishedError, StageLockedError):
-        return images, k, "decoded"  # another scorer stored (or is storing) the same bytes
-    return images, k, "decoded+stored"
+        warn(f"{err}; kept aside as {run.set_aside(iteration, stage).name}, decoding again")
+        return False
+
+
+@shard_task("score")
+def score_shard(
+    run: Run,
+    cfg: Config,
+    iteration: int,
+    k: list[int],
+    from_store: bool,
+    images_token: str | None,
+    key: str,
+    shard: range,
+) -> None:
+    """Score the trajectories `shard`, block by block (`stepgrpo.sharding`): their stored images,
+    or their clean latents decoded (and stored with `images_token`); then record the scores."""
+    t0 = time.perf_counter()
+    method = cfg.completion.method
+    source = clean_stage(method)
+    reward = workspace.reward(cfg.reward)  # loaded once per process: once per worker
+    prompts = stored_prompts(run)
+    pids = run.read_array(iteration, "rollout", "prompt_ids")
+    writer = run.attach(iteration, run.images_stage(source), images_token) if images_token else None
+    k_of = np.asarray(k, np.int64)
+    outputs = []
+    for block in blocks(shard, block_rows(cfg)):
+        if from_store:
+            images = run.read_images(iteration, source, slice(block.start, block.stop)).images
+        else:
+            latents = clean_latents(run, method, iteration, k_of, block)
+            n, K = latents.shape[:2]
+            flat = decode_distinct(
+                workspace.decoder(cfg.model),
+                latents.reshape(n * K, *latents.shape[2:]),
+                max(1, cfg.model.max_batch),
+                f"decode {iteration}",
+            )
+            images = flat.reshape(n, K, *flat.shape[1:])
+            if writer is not None:
+                writer.write(block.start, images=images)
+        n, K = images.shape[:2]
+        traj = np.repeat(np.arange(block.start, block.stop), K)
+        out = score_images(
+            reward,
+            torch.from_numpy(images.reshape(n * K, *images.shape[2:])),
+            prompts.texts_of(pids[traj]),
+            prompts.metadata_of(pids[traj]),
+            chunk=max(1, cfg.model.max_batch),
+            progress=f"score {iteration}",
+        )
+        bad = torch.nonzero(~torch.isfinite(out.scores)).reshape(-1).tolist()
+        if bad:
+            rows = ", ".join(f"(traj {int(traj[b])}, k {int(k_of[b % K])})" for b in bad[:10])
+            raise StageError(
+                f"reward {reward.name!r} returned NaN/inf for {len(bad)} rows of iteration {iteration}: {rows}; "
+                "nothing was stored"
+            )
+        outputs.append(out)
+        maybe_fail("score", shard.start)
+    scored = cat_outputs(outputs)
+    result = {
+        "scores": scored.scores.double().tolist(),
+        "strict": None if scored.strict is None else scored.strict.double().tolist(),
+        "sub": {n: v.double().tolist() for n, v in scored.sub.items()},
+        "images": "stored" if from_store else "decoded+stored" if writer is not None else "decoded",
+        "seconds": time.perf_counter() - t0,
+    }
+    record(ledger_of(run, iteration, key), shard, key, result)
+
+
+def ledger_of(run: Run, iteration: int, key: str) -> Path:
+    """The ledger of the score stage of `iteration` under `key` (beside the iteration's stages)."""
+    return run.stage_path(iteration, "rollout").parent / f".score-{key[:16]}.shards"
 
 
 def stored(run: Run, iteration: int, name: str, version: str | None = None) -> ScoreResult:

@@ -83,6 +83,14 @@ class ImageDecoder:
         vae = AutoencoderKL.from_pretrained(source, subfolder="vae", torch_dtype=dtype)
         return cls(vae.to(device).requires_grad_(False).eval(), dtype, device, max_batch)
 
+    def image_shape(self, latent_shape: tuple[int, ...]) -> tuple[int, int, int]:
+        """`(3, Y, X)` of the images `decode` makes of latents of shape `(C, H, W)`."""
+        C, H, W = (int(v) for v in latent_shape)
+        if self.vae is None:
+            return C, H, W
+        f = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        return 3, H * f, W * f
+
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """`[N, C, H, W]` clean latents -> images `[N, 3, H_img, W_img]` fp32 in [0, 1], in chunks.

@@ -1,0 +1,33 @@
+"""Fault injection for the tests and `bench/faults.py`: make one shard fail or die half-way.
+
+`STEPGRPO_FAULT=<raise|kill>:<stage>:<first row>:<marker file>` makes the shard of `<stage>` that
+starts at `<first row>` raise (or end its process with `os._exit`, as `kill -9` would) after it
+wrote its first rows, once: the fault fires only while `<marker file>` does not exist, and
+creates it. Unset, this does nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+class InjectedFault(RuntimeError):
+    """The failure `STEPGRPO_FAULT` asked for."""
+
+
+def maybe_fail(stage: str, first_row: int) -> None:
+    spec = os.environ.get("STEPGRPO_FAULT")
+    if not spec:
+        return
+    mode, at_stage, at_row, marker = spec.split(":", 3)
+    if at_stage != stage or int(at_row) != first_row:
+        return
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)  # once
+    except FileExistsError:
+        return
+    os.close(fd)
+    if mode == "kill":
+        os._exit(137)
+    raise InjectedFault(f"STEPGRPO_FAULT: {stage} shard at row {first_row} fails here ({Path(marker).name})")
