@@ -32,8 +32,10 @@ def train(
     """Train a LoRA with GRPO and step-level credit (config file + `key=value` overrides)."""
     cfg = load_config(config_path, overrides or [])
     check_config(cfg)  # before anything is made (a deployment's parameters arrive here unchecked)
-    with owned(resolve_run_dir(cfg, run_dir, run_id)) as path, workers(cfg, path):  # one process at a time
-        return iterate(open_run(cfg, path), cfg)
+    with owned(resolve_run_dir(cfg, run_dir, run_id)) as path:  # one process at a time
+        run = open_run(cfg, path)
+        with workers(cfg, path):
+            return iterate(run, cfg)
 
 
 def iterate(run: Run, cfg: Config) -> dict[str, Any]:

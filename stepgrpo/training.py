@@ -66,6 +66,43 @@ def rng_tensor() -> torch.Tensor:
     return torch.random.get_rng_state().clone()
 
 
+class DataParallel:
+    """One rank of a data-parallel update over a `torch.distributed` process group (gloo on CPU,
+    NCCL on GPUs): which rows are this rank's, and the sums across ranks."""
+
+    def __init__(self, rank: int, world: int, device: str | torch.device = "cpu") -> None:
+        self.rank, self.world, self.device = rank, world, torch.device(device)
+
+    def mine(self, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's share of `rows`: every `world`-th, from its rank."""
+        return rows[self.rank :: self.world]
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` summed over the ranks (a new tensor)."""
+        import torch.distributed as dist
+
+        out = t.detach().to(self.device, copy=True)
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return out.to(t.device)
+
+    def sum_grads(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Replace every parameter's gradient by its sum over the ranks: one all-reduce of the
+        flattened gradients (a rank with no rows in a part contributes zeros)."""
+        total = self.sum(_flat(params, grad=True))
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad = total[offset : offset + n].view_as(p).to(p.dtype)
+            offset += n
+
+    def extreme(self, value: float, which: str) -> float:
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN if which == "min" else dist.ReduceOp.MAX)
+        return float(t)
+
+
 @dataclass(frozen=True)
 class Batch:
     """An iteration's stored trajectories, as the update reads them.
@@ -94,6 +131,7 @@ def update(
     ema: dict[str, torch.Tensor] | None = None,
     initial: Mapping[str, torch.Tensor] | None = None,
     signal: dict[str, torch.Tensor] | None = None,
+    parallel: DataParallel | None = None,
 ) -> dict[str, Any]:
     """One iteration's policy update on `batch`; returns its diagnostics (`Diagnostics.summary`).
 
@@ -103,10 +141,16 @@ def update(
         initial: the LoRA weights before training (for the distance travelled); None skips it.
         signal: the running sums of the two halves' gradients over past iterations (`accumulate_signal`),
             updated in place; empty or None starts them.
+        parallel: this process's rank of a data-parallel update (`DataParallel`); None: one process.
 
     Per inner epoch the trajectories are shuffled and split into `optim.optimizer_steps` parts; each
     AdamW step takes the mean gradient over one part's trajectories and the trained steps
     (Flow-GRPO). Trajectories whose advantages are all zero (dropped groups) are skipped.
+
+    Data-parallel, every rank draws the same order and parts; each takes every `world`-th row of
+    each part (and of each half), weighs its loss by the whole part's size, and the ranks sum their
+    gradients before clipping: each optimizer step sees the gradient the one-process update sees,
+    up to the order of the float sums, whatever the number of processes.
     """
     states, old_log_probs, group_ids, cond = batch.states, batch.old_log_probs, batch.group_ids, batch.cond
     sigmas, kernel, noise = batch.sigmas, batch.kernel, batch.noise
@@ -131,7 +175,7 @@ def update(
             opt.zero_grad(set_to_none=True)
             for k in steps:
                 for half in halves:
-                    for idx in half.split(o.micro_batch):
+                    for idx in (parallel.mine(half) if parallel else half).split(o.micro_batch):
                         loss = _step_loss(
                             pol,
                             velocity,
@@ -149,8 +193,11 @@ def update(
                         (loss.loss * (len(idx) / (len(part) * len(steps)))).backward()
                         diag.add_loss(k, first, len(idx), loss)
                     if first and o.diagnostics:
-                        diag.add_half(_flat(trained, grad=True))
+                        accumulated = _flat(trained, grad=True)
+                        diag.add_half(parallel.sum(accumulated) if parallel else accumulated)
                 diag.end_step(k)
+            if parallel:
+                parallel.sum_grads(trained)
             diag.grad_norms.append(float(torch.nn.utils.clip_grad_norm_(trained, o.max_grad_norm)))
             step_start = _flat(trained, grad=False)
             opt.step()
@@ -162,6 +209,8 @@ def update(
     if initial is not None:
         diag.lora_distance = float((after - torch.cat([initial[n].reshape(-1).to(after) for n in named])).norm())
     diag.trained_trajectories = len(rows)
+    if parallel:
+        diag.gather(parallel)
     out = diag.summary()
     if signal is not None and len(diag.halves) == 2:
         out.update(accumulate_signal(signal, *diag.halves))
@@ -311,6 +360,25 @@ class Diagnostics:
         self.energy[k] = float(torch.stack(self._pending).sum(0).square().sum())
         self.halves = self._pending if not self.halves else [a + b for a, b in zip(self.halves, self._pending)]
         self._pending = []
+
+    def gather(self, parallel: DataParallel) -> None:
+        """Sum the per-row statistics of every rank of a data-parallel update (the gradient-based
+        ones are computed from summed gradients already)."""
+        keys = [(k, f) for k in self.steps for f in (True, False)]
+        names = sorted(self.sums)
+        totals = sorted(self.totals)
+        local = [self.rows.get(key, 0.0) for key in keys]
+        local += [self.sums[n].get(key, 0.0) for n in names for key in keys]
+        local += [self.totals[n] for n in totals]
+        summed = parallel.sum(torch.tensor(local, dtype=torch.float64)).tolist()
+        rows, rest = summed[: len(keys)], summed[len(keys) :]
+        self.rows = {key: r for key, r in zip(keys, rows) if r > 0}
+        for i, n in enumerate(names):
+            values = rest[i * len(keys) : (i + 1) * len(keys)]
+            self.sums[n] = {key: v for key, v, r in zip(keys, values, rows) if r > 0}
+        self.totals = dict(zip(totals, rest[len(names) * len(keys) :]))
+        self.ratio_min = parallel.extreme(self.ratio_min, "min")
+        self.ratio_max = parallel.extreme(self.ratio_max, "max")
 
     def summary(self) -> dict[str, Any]:
         n = sum(self.rows.values())

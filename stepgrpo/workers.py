@@ -151,7 +151,6 @@ def check_shared(run_dir: Path) -> None:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    run_dir.mkdir(parents=True, exist_ok=True)
     token = secrets.token_hex(8)
     probe = run_dir / f".probe-{token}.json"
     probe.write_text(f'"{token}"')

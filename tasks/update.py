@@ -45,6 +45,26 @@ def execute(run: Run, cfg: Config, iteration: int, scheme: str, options_digest: 
 
 
 def compute(run: Run, cfg: Config, iteration: int, scheme: str, options_digest: str, key: str) -> None:
+    """The update in this process, or over `scale.update_processes` data-parallel processes."""
+    if cfg.scale.update_processes > 1:
+        from stepgrpo.parallel import launch_update
+
+        launch_update(run, cfg, iteration, scheme, options_digest, key)
+    else:
+        train(run, cfg, iteration, scheme, options_digest, key)
+
+
+def train(
+    run: Run,
+    cfg: Config,
+    iteration: int,
+    scheme: str,
+    options_digest: str,
+    key: str,
+    parallel: training.DataParallel | None = None,
+) -> None:
+    """Update from the previous checkpoint and publish checkpoint `iteration` (rank 0 of a
+    data-parallel update publishes; every rank computes the same weights)."""
     t0 = time.perf_counter()
     pol = workspace.policy_at(run, cfg, iteration)
     nfe0 = pol.nfe
@@ -79,7 +99,10 @@ def compute(run: Run, cfg: Config, iteration: int, scheme: str, options_digest: 
         ema=ema,
         initial=workspace.initial_lora(cfg),
         signal=signal if cfg.optim.diagnostics else None,
+        parallel=parallel,
     )
+    if parallel is not None and parallel.rank != 0:
+        return
     tensors = {
         "lora": workspace.lora_state(pol),
         "optimizer": training.optimizer_tensors(opt),
@@ -89,13 +112,11 @@ def compute(run: Run, cfg: Config, iteration: int, scheme: str, options_digest: 
         tensors["ema"] = ema
     if signal:
         tensors["signal"] = signal
+    inputs = {"key": key, "seconds": time.perf_counter() - t0, "nfe": pol.nfe - nfe0}
+    if parallel is not None:
+        inputs["processes"] = parallel.world
     # timings and counters go in the manifest, not the digested files: equal inputs, equal checkpoint bytes
-    run.save_checkpoint(
-        iteration,
-        tensors,
-        training.checkpoint_state(iteration, summary),
-        inputs={"key": key, "seconds": time.perf_counter() - t0, "nfe": pol.nfe - nfe0},
-    )
+    run.save_checkpoint(iteration, tensors, training.checkpoint_state(iteration, summary), inputs=inputs)
 
 
 def stored(run: Run, iteration: int, verify: bool = False) -> UpdateResult:
