@@ -114,8 +114,8 @@ def open_run(cfg: Config, run_dir: str | Path) -> Run:
     except ValueError as err:
         if "different config" not in str(err):
             raise
-        check_resumable(cfg, run_dir)
-        raise
+        check_resumable(cfg, run_dir)  # refuses any change but where the stages run (`scale`)
+        run = Run.open(run_dir)
     recorded = run.fact(MODEL_FACT)
     if recorded is None:
         run.record_fact(MODEL_FACT, identity)  # a run created before models were fingerprinted

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
@@ -181,10 +181,7 @@ def _read_probe(path: str) -> str | None:
         return None
 
 
-def run_shards(
-    task: Any, shards: Sequence[range], params: dict[str, Any], what: str, todo: Callable[[range], bool]
-) -> None:
-    """Run `task(**params, shard=r)` for every shard `r` that `todo(r)` says is not finished."""
-    calls = [{**params, "shard": r} for r in shards if todo(r)]
-    if calls:
-        current().map(task, calls, what)
+def run_shards(task: Any, shards: Sequence[range], params: dict[str, Any], what: str) -> None:
+    """Run `task(**params, shard=r)` for every shard `r` on the flow's workers."""
+    if shards:
+        current().map(task, [{**params, "shard": r} for r in shards], what)

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import threading
+from collections import Counter
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 HASH_LIMIT = 256 * 2**20  # files up to this size are content-hashed for the model identity
 
 _lock = threading.Lock()  # tasks may run in threads; model loading is not re-entrant
+LOADS: Counter[str] = Counter()  # models this process loaded, by kind ("policy", "decoder", "reward")
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -114,6 +116,7 @@ def policy(cfg: Config) -> SD3Policy:
             finally:
                 torch.random.set_rng_state(state)
             _policies[key] = (pol, lora_state(pol))
+            LOADS["policy"] += 1
         return _policies[key][0]
 
 
@@ -158,6 +161,7 @@ def decoder(model: ModelConfig) -> ImageDecoder:
             _decoders[key] = ImageDecoder.from_pretrained(
                 resolve_model_path(model.path), dtype=model.dtype, device=model.device, max_batch=model.max_batch
             )
+            LOADS["decoder"] += 1
         return _decoders[key]
 
 
@@ -185,6 +189,7 @@ def reward(cfg: RewardConfig) -> Any:
                     "version"
                 )
             _rewards[key] = built
+            LOADS["reward"] += 1
         return _rewards[key]
 
 

@@ -6,6 +6,7 @@
     stepgrpo calibrate [--config F] ...       # DenseGRPO psi into a run
     stepgrpo evaluate RUN [--iteration K]
     stepgrpo pretrain ...                     # build the shipped shapes model
+    stepgrpo reward-server --reward NAME      # serve a reward over HTTP (reward `http`)
     stepgrpo runs                             # the runs under runs/
     stepgrpo inspect RUN                      # iterations, stages published, rewards
 
@@ -272,6 +273,31 @@ def pretrain(ctx: typer.Context) -> None:
         _run(main, list(ctx.args))
         return
     _run(pretrain_flow)
+
+
+@app.command("reward-server")
+def reward_server(
+    reward: Annotated[str, typer.Option(help="A registered reward or a `name:weight,...` sum.")],
+    options: Annotated[str, typer.Option(help="The reward's options as JSON.")] = "{}",
+    host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8100,
+) -> None:
+    """Serve REWARD over HTTP for the `http` reward of runs elsewhere (stepgrpo.rewards.remote)."""
+    from stepgrpo.rewards import build_reward
+    from stepgrpo.rewards.remote import serve
+
+    try:
+        parsed = json.loads(options)
+        built = build_reward({"name": reward, "options": parsed} if parsed else reward)
+        server = serve(built, host, port)
+    except (ValueError, TypeError, KeyError, OSError) as err:
+        err_console.print(f"error: {escape(str(err))}")
+        raise typer.Exit(1) from None
+    console.print(f"serving {built.name} v{built.version} on http://{host}:{server.server_port} (Ctrl-C stops)")
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        server.server_close()
 
 
 @app.command()

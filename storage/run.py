@@ -32,7 +32,7 @@ from storage import tables
 from storage.arrays import StageStore
 from storage.checkpoints import Checkpoint, Checkpoints
 from storage.errors import AlreadyPublishedError, CorruptChunkError, NotPublishedError, SchemaVersionError, StorageError
-from storage.ledger import LEDGER, open_ledger, resumable
+from storage.ledger import resumable
 from storage.publish import (
     acquire_lock,
     canonical_json,
@@ -40,7 +40,6 @@ from storage.publish import (
     check_token,
     fresh_partial,
     lock_path,
-    partial_path,
     read_published,
     release_lock,
     utc_now,
@@ -244,9 +243,7 @@ class Run(StageStores, RunTables, Checkpoints):
             raise AlreadyPublishedError(f"{what} is already published (stages are immutable); read it instead")
         resumed = resume is not None and resumable(final, resume)
         if not resumed:
-            fresh_partial(final)  # a crashed attempt's leftovers go
-            if resume is not None:
-                open_ledger(partial_path(final) / LEDGER, resume)
+            fresh_partial(final)  # a crashed attempt's leftovers go (its ledger is opened after the metadata)
         if final.exists():  # a directory under the final name without its manifest: kept aside, never deleted
             self.set_aside(iteration, stage)
         return StageWriter(
@@ -257,7 +254,7 @@ class Run(StageStores, RunTables, Checkpoints):
             token,
             owner=True,
             spec=spec,
-            resumable=resume is not None,
+            resume=resume,
             resumed=resumed,
         )
 

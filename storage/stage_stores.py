@@ -14,6 +14,7 @@ import numpy as np
 
 from storage.arrays import StageStore
 from storage.errors import NotPublishedError, StorageError
+from storage.ledger import open_ledger
 from storage.schema import COMPLETION, IMAGES, ROLLOUT, StoreSpec, latent_storage_dtype
 from storage.writer import StageWriter, abort_on_error
 
@@ -255,7 +256,9 @@ class StageStores:
 def _create(writer: StageWriter, spec: StoreSpec, attrs: dict[str, Any], whole: Mapping[str, Any]) -> None:
     """Write a new stage's metadata; a resumed attempt's partial must have been begun with the same."""
     if not writer.resumed:
-        StageStore(writer.path, spec, attrs).create(whole)
+        StageStore(writer.path, spec, attrs).create(whole)  # zarr clears the directory: the ledger comes after
+        if writer.resume is not None:
+            open_ledger(writer.ledger, writer.resume)
     elif writer.store().attrs != json.loads(json.dumps(attrs)):
         raise StorageError(f"{writer.what}: the interrupted attempt was begun with other attributes under the same key")
 

@@ -43,7 +43,7 @@ class StageWriter:
         token: str,
         owner: bool,
         spec: StoreSpec | None,
-        resumable: bool = False,
+        resume: str | None = None,
         resumed: bool = False,
     ) -> None:
         self.run_id = run_id
@@ -55,7 +55,8 @@ class StageWriter:
         self.path = partial_path(self.final)  # file stages (checkpoint) write their files here
         self.lock = lock_path(self.final)
         self.spec = spec
-        self.resumable = resumable  # an error keeps the partial and its finished shards (`storage.ledger`)
+        self.resume = resume  # the key of a resumable stage: an error keeps the partial and its ledger
+        self.resumable = resume is not None
         self.resumed = resumed  # the partial is an interrupted attempt's, under the same key
         self.ledger = self.path / LEDGER
         self._store: StageStore | None = None

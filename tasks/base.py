@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -46,20 +46,29 @@ def fan_out(
     params: dict[str, Any],
     what: str,
     intact: Callable[[range], bool] | None = None,
-) -> list[dict[str, Any]]:
+) -> Shards:
     """Run `shard` for every shard not finished under `key` (its record missing, or its rows no
-    longer `intact`) on the flow's workers; return every shard's recorded result, in order."""
+    longer `intact`) on the flow's workers."""
     from stepgrpo.workers import run_shards
 
     def todo(r: range) -> bool:
         return ledger_result(ledger, r, key) is None or (intact is not None and not intact(r))
 
-    run_shards(shard, shards, {**params, "key": key}, what, todo)
+    pending = [r for r in shards if todo(r)]
+    run_shards(shard, pending, {**params, "key": key}, what)
     results = [ledger_result(ledger, r, key) for r in shards]
     missing = [f"{r.start}-{r.stop - 1}" for r, res in zip(shards, results) if res is None]
     if missing:
         raise StageError(f"{what}: shard(s) of rows {', '.join(missing)} finished without recording it")
-    return results  # type: ignore[return-value]
+    return Shards(results, {"total": len(shards), "computed": [[r.start, r.stop] for r in pending]})  # type: ignore[arg-type]
+
+
+class Shards(NamedTuple):
+    """What `fan_out` returns: each shard's recorded result, and which shards this call computed
+    (recorded in the stage's manifest: a resumed stage says what it did not redo)."""
+
+    results: list[dict[str, Any]]
+    summary: dict[str, Any]
 
 
 def warn(message: str) -> None:

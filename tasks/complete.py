@@ -86,8 +86,10 @@ def compute(run: Run, cfg: Config, iteration: int, key: str) -> None:
             f"iteration {iteration} completion {method}",
             intact=writer.store().rows_intact,
         )
-        nfe = sum(r["nfe"] for r in done)
-        writer.publish(attrs={"nfe": nfe}, inputs={"key": key, "seconds": time.perf_counter() - t0})
+        nfe = sum(r["nfe"] for r in done.results)
+        writer.publish(
+            attrs={"nfe": nfe}, inputs={"key": key, "seconds": time.perf_counter() - t0, "shards": done.summary}
+        )
 
 
 @shard_task("complete")

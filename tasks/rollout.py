@@ -94,9 +94,10 @@ def compute(run: Run, cfg: Config, iteration: int, noise: float | torch.Tensor, 
         writer.publish(
             inputs={
                 "key": key,
-                "nfe": sum(r["nfe"] for r in done),
-                "nfe_ode": sum(r["nfe_ode"] for r in done),
+                "nfe": sum(r["nfe"] for r in done.results),
+                "nfe_ode": sum(r["nfe_ode"] for r in done.results),
                 "seconds": time.perf_counter() - t0,
+                "shards": done.summary,
             }
         )
 

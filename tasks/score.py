@@ -8,6 +8,7 @@ States after the SDE window are `x_T`: their rows repeat R_T's.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from pathlib import Path
 
@@ -69,12 +70,13 @@ def compute(run: Run, cfg: Config, iteration: int, name: str, version: str) -> N
             pass  # another scorer stored (or is storing) the same bytes: decode without storing
     ledger = ledger_of(run, iteration, key)
     open_ledger(ledger, key)
+    shards = shard_ranges(cfg, B)
     with images or contextlib.nullcontext():
-        done = fan_out(
+        shards_done = fan_out(
             score_shard,
             ledger,
             key,
-            shard_ranges(cfg, B),
+            shards,
             {
                 "run": run,
                 "cfg": cfg,
@@ -87,7 +89,8 @@ def compute(run: Run, cfg: Config, iteration: int, name: str, version: str) -> N
             intact=images.store().rows_intact if images is not None else None,
         )
         if images is not None:
-            images.publish()
+            images.publish(inputs={"key": key, "shards": shards_done.summary})
+    done = shards_done.results
     K = len(k)
     scores = torch.tensor([v for r in done for v in r["scores"]], dtype=torch.float64)
     strict = None if done[0]["strict"] is None else torch.tensor([v for r in done for v in r["strict"]]).double()
@@ -104,7 +107,12 @@ def compute(run: Run, cfg: Config, iteration: int, name: str, version: str) -> N
         scores[take].numpy(),
         strict=None if strict is None else strict[take].numpy(),
         sub={n: v[take].numpy() for n, v in sub.items()} or None,
-        info={"seconds": time.perf_counter() - t0, "images": done[0]["images"]},
+        info={
+            "seconds": time.perf_counter() - t0,
+            "images": done[0]["images"],
+            "shards": [{"rows": [r.start, r.stop], **d["worker"]} for r, d in zip(shards, done)],
+            "computed": shards_done.summary["computed"],
+        },
     )
     close_ledger(ledger)
 
@@ -182,6 +190,7 @@ def score_shard(
         "sub": {n: v.double().tolist() for n, v in scored.sub.items()},
         "images": "stored" if from_store else "decoded+stored" if writer is not None else "decoded",
         "seconds": time.perf_counter() - t0,
+        "worker": {"pid": os.getpid(), "reward_loads": workspace.LOADS["reward"]},
     }
     record(ledger_of(run, iteration, key), shard, key, result)
 

@@ -1,0 +1,272 @@
+"""Scale-out (docs/SCALING.md): shards on a local Ray cluster of 2 workers store the in-process
+bytes, a killed or failed shard is redone alone, the data-parallel update matches the one-process
+update, a reward behind HTTP scores what the local reward scores, and the in-process path never
+imports Ray."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from stepgrpo.errors import StageError
+from stepgrpo.paths import REPO_ROOT
+from storage.run import Run
+
+pytestmark = pytest.mark.slow
+
+# 8 groups of 3, 6 rows a model call: 4 shards of 2 groups, one evaluation call per seed.
+SHARDED = ["scale.groups_per_shard=2"]
+RAY = ["scale.workers=ray", "scale.num_workers=2", *SHARDED]
+
+
+@pytest.fixture(scope="module")
+def harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> list[str]:
+    from stepgrpo.shapes.model import build_pipeline, tiny_spec
+
+    path = tmp_path_factory.mktemp("model") / "tiny-sd3"
+    build_pipeline(tiny_spec(), seed=0).save_pretrained(str(path))
+    return [
+        f"model.path={path}",
+        "model.lora_rank=4",
+        "model.lora_alpha=8",
+        "model.guidance_scale=1.0",
+        "model.max_batch=6",
+        "sampler.steps=4",
+        "sampler.eval_steps=4",
+        "reward.name=jpeg_compressibility",
+        "completion.method=remaining",
+        "credit.scheme=stepwise",
+        "run.iterations=2",
+        "run.prompts_per_iteration=8",
+        "run.group_size=3",
+        "run.eval_prompts=6",
+        "run.eval_seeds=2",
+        "optim.micro_batch=4",
+        "optim.optimizer_steps=2",
+        "optim.lr=1e-3",
+    ]
+
+
+def _train(tiny: list[str], run_dir: Path, *extra: str) -> dict:
+    from flows.train import train
+
+    return train(overrides=[*tiny, *extra], run_dir=str(run_dir))
+
+
+@pytest.fixture(scope="module")
+def reference(harness, tiny, tmp_path_factory) -> Path:
+    """The in-process run (one shard a stage, one update process)."""
+    run_dir = tmp_path_factory.mktemp("runs") / "in-process"
+    _train(tiny, run_dir)
+    return run_dir
+
+
+def stored(run_dir: Path) -> dict[str, object]:
+    """Everything a run stores that must not depend on where it was computed."""
+    run = Run.open(run_dir)
+    out: dict[str, object] = {}
+    for i in (0, 1):
+        for stage in ("rollout", "completions/remaining", "images/remaining"):
+            out[f"{i} {stage}"] = run.stage_manifest(i, stage)["digest"]
+        data = run.read_rollout(i)
+        out[f"{i} states"] = data.states.tobytes()
+        out[f"{i} log_probs"] = data.log_probs.tobytes()
+        out[f"{i} rewards"] = run.reward_grid(i, "jpeg_compressibility", "1").numpy().tobytes()
+        schemes = run.read_advantages(i).column("options_digest").to_pylist()
+        out[f"{i} advantages"] = run.advantage_grid(i, "stepwise", schemes[0]).numpy().tobytes()
+    for name in ("base", "iter_1"):
+        out[f"eval {name}"] = json.loads((run_dir / "eval" / f"{name}.json").read_text())["scores"]
+    return out
+
+
+def lora(run_dir: Path, i: int) -> torch.Tensor:
+    weights = load_file(str(run_dir / "checkpoints" / f"iter_{i}" / "lora.safetensors"))
+    return torch.cat([weights[k].reshape(-1).double() for k in sorted(weights)])
+
+
+def test_ray_shards_store_the_in_process_bytes_and_a_killed_worker_is_retried(
+    harness, tiny, reference, tmp_path, monkeypatch
+):
+    # The rollout shard at row 6 ends its worker process half-way (as kill -9 would), once.
+    monkeypatch.setenv("STEPGRPO_FAULT", f"kill:rollout:6:{tmp_path / 'killed'}")
+    run_dir = tmp_path / "ray"
+    _train(tiny, run_dir, *RAY)
+    assert (tmp_path / "killed").exists()  # the fault fired
+    assert stored(run_dir) == stored(reference)
+    for i in (0, 1):
+        assert torch.equal(lora(run_dir, i), lora(reference, i))
+    run = Run.open(run_dir)
+    assert run.stage_manifest(0, "rollout")["inputs"]["shards"]["total"] == 4
+    # the reward is loaded once per worker process, not once per shard
+    shards = [
+        s
+        for i in (0, 1)
+        for s in run.rows_info("rewards", run.rewards_digest(i, "jpeg_compressibility", "1"))["shards"]
+    ]
+    assert len(shards) == 8 and all(s["reward_loads"] == 1 for s in shards)
+    assert len({s["pid"] for s in shards}) < len(shards)
+
+
+def test_a_failed_shard_is_the_only_one_computed_again(harness, tiny, reference, tmp_path, monkeypatch):
+    monkeypatch.setenv("STEPGRPO_FAULT", f"raise:complete:12:{tmp_path / 'failed'}")
+    run_dir = tmp_path / "ray"
+    with pytest.raises(StageError, match=r"1 of 4 shard\(s\) failed \(rows 12-17\)"):
+        _train(tiny, run_dir, *RAY)
+    partial = run_dir / "iter_0" / "completions" / ".remaining.zarr.partial"
+    assert sorted(p.name for p in (partial / "_shards").glob("shard-*")) == [
+        "shard-0000000-0000006.json",
+        "shard-0000006-0000012.json",
+        "shard-0000018-0000024.json",
+    ]
+    _train(tiny, run_dir, *RAY)  # the same command again
+    run = Run.open(run_dir)
+    assert run.stage_manifest(0, "completions/remaining")["inputs"]["shards"]["computed"] == [[12, 18]]
+    assert not partial.exists()
+    assert stored(run_dir) == stored(reference)
+
+
+def test_in_process_shards_resume_the_same_way(harness, tiny, reference, tmp_path, monkeypatch):
+    monkeypatch.setenv("STEPGRPO_FAULT", f"raise:rollout:6:{tmp_path / 'failed'}")
+    run_dir = tmp_path / "process"
+    with pytest.raises(Exception, match="STEPGRPO_FAULT"):
+        _train(tiny, run_dir, *SHARDED)
+    _train(tiny, run_dir, *SHARDED)
+    assert Run.open(run_dir).stage_manifest(0, "rollout")["inputs"]["shards"]["computed"] == [
+        [6, 12],
+        [12, 18],
+        [18, 24],
+    ]
+    assert stored(run_dir) == stored(reference)
+
+
+def test_the_two_process_update_matches_the_one_process_update(harness, tiny, reference, tmp_path):
+    """On the same inputs: the reference run with its last checkpoint removed, resumed with two
+    update processes (the update of iteration 1 loads iteration 0's AdamW state). A fresh
+    two-process run drifts from the reference after its first update: its weights differ in the
+    8th digit, and the next rollout's 8-bit images (what the reward scores) amplify that."""
+    import shutil
+
+    run_dir = tmp_path / "two-processes"
+    shutil.copytree(reference, run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "iter_1")
+    _train(tiny, run_dir, "scale.update_processes=2")
+    run = Run.open(run_dir)
+    assert run.stage_manifest(1, "checkpoint")["inputs"]["processes"] == 2
+    assert "processes" not in run.stage_manifest(0, "checkpoint")["inputs"]  # reused, not recomputed
+    a, b = lora(reference, 1), lora(run_dir, 1)
+    assert not torch.equal(a, lora(reference, 0))  # iteration 1 moved the weights
+    assert float((a - b).norm() / a.norm()) < 1e-6
+    ref_state = json.loads((reference / "checkpoints" / "iter_1" / "state.json").read_text())["update"]
+    state = json.loads((run_dir / "checkpoints" / "iter_1" / "state.json").read_text())["update"]
+    assert state["trained_trajectories"] == ref_state["trained_trajectories"]
+    assert state["loss"] == pytest.approx(ref_state["loss"], rel=1e-4, abs=1e-7)
+    assert state["grad_norm"] == pytest.approx(ref_state["grad_norm"], rel=1e-4)
+
+
+def test_shards_must_hold_whole_model_calls(tiny, tmp_path):
+    from stepgrpo.checks import check_config
+    from stepgrpo.config import load_config
+
+    cfg = load_config(None, [*tiny, "scale.groups_per_shard=3"])
+    with pytest.raises(StageError, match=r"groups_per_shard=3 would split a model call: one call takes 2 group"):
+        check_config(cfg)
+
+
+def test_a_remote_cluster_needs_a_prefect_server_it_can_reach(tiny, monkeypatch):
+    from stepgrpo.config import load_config
+    from stepgrpo.workers import ray_runner
+
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:4200/api")
+    cfg = load_config(None, [*tiny, "scale.workers=ray", "scale.address=ray://head.example:10001"])
+    with pytest.raises(StageError, match="start a Prefect server the workers can reach"):
+        with ray_runner(cfg):
+            pass
+
+
+# ------------------------------------------------------------------ a reward behind HTTP
+
+
+@pytest.fixture
+def served():
+    from stepgrpo.rewards import build_reward
+    from stepgrpo.rewards.remote import serve
+
+    server = serve(build_reward("shapes"), port=0)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_the_http_reward_scores_what_the_local_reward_scores(served):
+    from stepgrpo.images import from_uint8
+    from stepgrpo.rewards import build_reward, reward_identity
+    from stepgrpo.shapes import data
+
+    rng = np.random.default_rng(0)
+    specs = [data.all_specs()[i] for i in rng.integers(0, 900, 12)]
+    images = from_uint8(np.stack([data.render(s, rng) for s in specs]))
+    images[6:] = torch.rand(6, *images.shape[1:], generator=torch.Generator().manual_seed(0))  # not on the 8-bit grid
+    prompts, metadata = [data.prompt_of(s) for s in specs], specs
+    local = build_reward("shapes")
+    spec = {"name": "http", "options": {"url": served, "name": local.name, "version": local.version, "batch": 5}}
+    assert reward_identity(spec) == (local.name, local.version)  # declared: no request made
+    remote = build_reward(spec)
+    a, b = local(images, prompts, metadata), remote(images, prompts, metadata)
+    assert torch.equal(a.scores, b.scores)
+    assert torch.equal(a.strict, b.strict)
+    assert a.sub.keys() == b.sub.keys() and all(
+        torch.allclose(a.sub[n], b.sub[n], rtol=0, atol=0, equal_nan=True) for n in a.sub
+    )
+
+
+def test_the_http_reward_refuses_a_server_serving_another_reward(served):
+    from stepgrpo.rewards import build_reward
+
+    remote = build_reward({"name": "http", "options": {"url": served, "name": "pickscore", "version": "1"}})
+    with pytest.raises(RuntimeError, match="serves shapes v.*but the config declares pickscore v1"):
+        remote(torch.zeros(1, 3, 8, 8), ["a red circle"], [{}])
+
+
+def test_the_http_reward_names_an_unreachable_server():
+    from stepgrpo.rewards import build_reward
+
+    remote = build_reward({"name": "http", "options": {"url": "http://127.0.0.1:9", "name": "x", "version": "1"}})
+    with pytest.raises(RuntimeError, match="cannot be reached.*stepgrpo reward-server"):
+        remote(torch.zeros(1, 3, 8, 8), ["a red circle"], [{}])
+
+
+def test_the_in_process_path_never_imports_ray(tiny, tmp_path):
+    script = f"""
+import sys
+from flows.train import train
+train(overrides={[*tiny, "run.iterations=1", "run.prompts_per_iteration=2"]!r}, run_dir={str(tmp_path / "run")!r})
+print("RAY" if any(m == "ray" or m.startswith(("ray.", "prefect_ray")) for m in sys.modules) else "NO RAY")
+"""
+    env_keys = ("PATH", "HOME", "PREFECT_SERVER_ANALYTICS_ENABLED", "MLFLOW_DISABLE_TELEMETRY", "PREFECT_HOME")
+    import os
+
+    env = {k: os.environ[k] for k in env_keys if k in os.environ}
+    env.update(STEPGRPO_PROGRESS="0", PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="120")
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "NO RAY"
