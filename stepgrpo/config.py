@@ -279,6 +279,9 @@ class ScaleConfig(_Section):
     or one shard in-process). A multiple of the groups in one model call (`model.max_batch` rows)."""
     cpus_per_shard: float = Field(1.0, gt=0)
     """Ray CPUs a shard task requests."""
+    shard_retries: int = Field(3, ge=0)
+    """Times Ray runs a shard again on another worker when its worker dies (killed, out of memory, a
+    lost node); a shard that raises is not retried (the stage fails naming it; rerun the command)."""
     gpus_per_shard: float = Field(0.0, ge=0)
     """Ray GPUs a shard task requests (0.5: two shards share a GPU); set `model.device: cuda`."""
     update_processes: int = Field(1, ge=1)

@@ -89,7 +89,7 @@ def workers(cfg: Config, run_dir: str | os.PathLike[str]) -> Iterator[InProcess 
         return
     with ray_runner(cfg) as runner:
         check_shared(Path(run_dir))
-        options: dict[str, Any] = {"num_cpus": cfg.scale.cpus_per_shard}
+        options: dict[str, Any] = {"num_cpus": cfg.scale.cpus_per_shard, "max_retries": cfg.scale.shard_retries}
         if cfg.scale.gpus_per_shard:
             options["num_gpus"] = cfg.scale.gpus_per_shard
         token = _current.set(RayWorkers(runner, options))

@@ -123,18 +123,19 @@ def test_ray_shards_store_the_in_process_bytes_and_a_killed_worker_is_retried(
     assert len({s["pid"] for s in shards}) < len(shards)
 
 
-def test_a_failed_shard_is_the_only_one_computed_again(harness, tiny, reference, tmp_path, monkeypatch):
-    monkeypatch.setenv("STEPGRPO_FAULT", f"raise:complete:12:{tmp_path / 'failed'}")
+def test_a_killed_shard_is_the_only_one_computed_again(harness, tiny, reference, tmp_path, monkeypatch):
+    # No retry: the stage fails when the completion shard at row 12 dies half-way; run it again.
+    monkeypatch.setenv("STEPGRPO_FAULT", f"kill:complete:12:{tmp_path / 'killed'}")
     run_dir = tmp_path / "ray"
     with pytest.raises(StageError, match=r"1 of 4 shard\(s\) failed \(rows 12-17\)"):
-        _train(tiny, run_dir, *RAY)
+        _train(tiny, run_dir, *RAY, "scale.shard_retries=0")
     partial = run_dir / "iter_0" / "completions" / ".remaining.zarr.partial"
     assert sorted(p.name for p in (partial / "_shards").glob("shard-*")) == [
         "shard-0000000-0000006.json",
         "shard-0000006-0000012.json",
         "shard-0000018-0000024.json",
     ]
-    _train(tiny, run_dir, *RAY)  # the same command again
+    _train(tiny, run_dir, *RAY, "scale.shard_retries=0")  # the same command again
     run = Run.open(run_dir)
     assert run.stage_manifest(0, "completions/remaining")["inputs"]["shards"]["computed"] == [[12, 18]]
     assert not partial.exists()
