@@ -8,6 +8,7 @@ from prefect import flow
 
 from flows.progress import evaluation_record
 from stepgrpo.runs import latest_checkpoint, owned_stored
+from stepgrpo.workers import workers
 from tasks import bind, update
 
 
@@ -23,7 +24,8 @@ def evaluate(run: str, iteration: int | None = None, overrides: list[str] | None
         if iteration is None:
             iteration = latest_checkpoint(stored)
         checkpoint = None if iteration < 0 else update.stored(stored, iteration, verify=True)
-        result = evaluation_record(stored, stage.evaluate(stored, cfg, iteration, prompts, checkpoint))
+        with workers(cfg, stored.path):  # `--set scale.workers=ray` evaluates in shards on Ray
+            result = evaluation_record(stored, stage.evaluate(stored, cfg, iteration, prompts, checkpoint))
         print(
             f"held-out {result['reward_name']} after {result['label']}: {result['reward_mean']:.4f}; grid "
             f"{result['grid']}"

@@ -14,6 +14,7 @@ from prefect import flow
 
 from stepgrpo.config import validate_config
 from stepgrpo.runs import owned_stored, stored_iterations
+from stepgrpo.workers import workers
 from tasks import bind, complete, rollout
 
 
@@ -28,9 +29,12 @@ def rescore(
         )
         stage, done = bind(stored), []
         method = cfg.completion.method
-        for i in iterations if iterations is not None else stored_iterations(stored):
-            sampled = rollout.stored(stored, i, verify=True)
-            clean = complete.stored(stored, method, i, verify=True) if method else sampled
-            done.append(stage.score(stored, cfg, i, clean, sampled))
-            print(f"iteration {i}: {done[-1].reward_name} mean {done[-1].reward_mean:.4f} (images {done[-1].images})")
+        with workers(cfg, stored.path):  # the run's `scale`: shards on Ray when it was trained there
+            for i in iterations if iterations is not None else stored_iterations(stored):
+                sampled = rollout.stored(stored, i, verify=True)
+                clean = complete.stored(stored, method, i, verify=True) if method else sampled
+                done.append(stage.score(stored, cfg, i, clean, sampled))
+                print(
+                    f"iteration {i}: {done[-1].reward_name} mean {done[-1].reward_mean:.4f} (images {done[-1].images})"
+                )
         return {"run_dir": str(stored.path), "scores": [s.record() for s in done]}

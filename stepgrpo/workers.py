@@ -33,7 +33,7 @@ class InProcess:
 
     name = "process"
 
-    def map(self, task: Any, calls: Sequence[dict[str, Any]], what: str) -> None:
+    def map(self, task: Any, calls: Sequence[dict[str, Any]], what: str, unit: str = "rows") -> None:
         for params in calls:
             task.fn(**params)
 
@@ -47,7 +47,7 @@ class RayWorkers:
         self.runner = runner
         self.options = options
 
-    def map(self, task: Any, calls: Sequence[dict[str, Any]], what: str) -> None:
+    def map(self, task: Any, calls: Sequence[dict[str, Any]], what: str, unit: str = "rows") -> None:
         """Submit every shard, wait for all of them (the finished ones keep their records), then
         raise naming the shards that failed."""
         from prefect_ray.context import remote_options
@@ -61,7 +61,7 @@ class RayWorkers:
             except Exception as err:  # a shard's error, or its worker died
                 failed.append((params, err))
         if failed:
-            shards = ", ".join(f"rows {p['shard'].start}-{p['shard'].stop - 1}" for p, _ in failed)
+            shards = ", ".join(f"{unit} {p['shard'].start}-{p['shard'].stop - 1}" for p, _ in failed)
             first = failed[0][1]
             raise StageError(
                 f"{what}: {len(failed)} of {len(calls)} shard(s) failed ({shards}): {type(first).__name__}: {first}; "
@@ -181,7 +181,7 @@ def _read_probe(path: str) -> str | None:
         return None
 
 
-def run_shards(task: Any, shards: Sequence[range], params: dict[str, Any], what: str) -> None:
-    """Run `task(**params, shard=r)` for every shard `r` on the flow's workers."""
+def run_shards(task: Any, shards: Sequence[range], params: dict[str, Any], what: str, unit: str = "rows") -> None:
+    """Run `task(**params, shard=r)` for every shard `r` (a range of `unit`) on the flow's workers."""
     if shards:
-        current().map(task, [{**params, "shard": r} for r in shards], what)
+        current().map(task, [{**params, "shard": r} for r in shards], what, unit)

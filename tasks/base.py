@@ -46,6 +46,7 @@ def fan_out(
     params: dict[str, Any],
     what: str,
     intact: Callable[[range], bool] | None = None,
+    unit: str = "rows",
 ) -> Shards:
     """Run `shard` for every shard not finished under `key` (its record missing, or its rows no
     longer `intact`) on the flow's workers."""
@@ -55,12 +56,17 @@ def fan_out(
         return ledger_result(ledger, r, key) is None or (intact is not None and not intact(r))
 
     pending = [r for r in shards if todo(r)]
-    run_shards(shard, pending, {**params, "key": key}, what)
+    run_shards(shard, pending, {**params, "key": key}, what, unit)
     results = [ledger_result(ledger, r, key) for r in shards]
     missing = [f"{r.start}-{r.stop - 1}" for r, res in zip(shards, results) if res is None]
     if missing:
-        raise StageError(f"{what}: shard(s) of rows {', '.join(missing)} finished without recording it")
-    return Shards(results, {"total": len(shards), "computed": [[r.start, r.stop] for r in pending]})  # type: ignore[arg-type]
+        raise StageError(f"{what}: shard(s) of {unit} {', '.join(missing)} finished without recording it")
+    summary = {
+        "total": len(shards),
+        "computed": [[r.start, r.stop] for r in pending],
+        "seconds": [res.get("seconds") for res in results],  # each shard's own time (the stage's minus them: overhead)
+    }
+    return Shards(results, summary)  # type: ignore[arg-type]
 
 
 class Shards(NamedTuple):

@@ -95,6 +95,7 @@ def compute(run: Run, cfg: Config, iteration: int, key: str) -> None:
 @shard_task("complete")
 def complete_shard(run: Run, cfg: Config, iteration: int, through: int, token: str, key: str, shard: range) -> None:
     """Complete the states of the trajectories `shard` into the begun completion, then record it."""
+    t0 = time.perf_counter()
     pol = workspace.policy_at(run, cfg, iteration)
     data = run.read_rollout(iteration, slice(shard.start, shard.stop))
     writer = run.attach(iteration, clean_stage(cfg.completion.method), token)
@@ -113,7 +114,7 @@ def complete_shard(run: Run, cfg: Config, iteration: int, through: int, token: s
         writer.write(shard.start + c0, latents=out.latents.cpu())
         nfe += out.nfe
         maybe_fail("complete", shard.start)
-    record(writer.ledger, shard, key, {"nfe": nfe})
+    record(writer.ledger, shard, key, {"nfe": nfe, "seconds": time.perf_counter() - t0})
 
 
 def stored(run: Run, method: str, iteration: int, verify: bool = False) -> CompleteResult:

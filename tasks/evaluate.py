@@ -101,6 +101,7 @@ def compute(run: Run, cfg: Config, iteration: int | None, name: str, key: str) -
         [range(c, min(len(calls), c + per)) for c in range(0, len(calls), per)],
         {"run": run, "cfg": cfg, "iteration": iteration, "name": name},
         f"evaluation {name}",
+        unit="model calls",
     ).results
     value = torch.tensor([v for r in done for v in r["scores"]])
     strict = None if done[0]["strict"] is None else torch.tensor([v for r in done for v in r["strict"]])
