@@ -123,6 +123,15 @@ TRAIN_CASES = {
         lambda t: ["--set", f"run.prompts={_write(t, 'q.jsonl', json.dumps({'tag': 'counting'}))}"],
         ["q.jsonl:1", "'prompt'"],
     ),
+    "shards that split a model call": (
+        lambda t: ["--set", "model.max_batch=8", "--set", "scale.groups_per_shard=3"],
+        ["scale.groups_per_shard=3 would split a model call", "use a multiple of 2"],
+    ),
+    "unknown workers": (lambda t: ["--set", "scale.workers=slurm"], ["scale.workers", "'process' or 'ray'"]),
+    "more update processes than trajectories": (
+        lambda t: ["--set", "scale.update_processes=1000"],
+        ["scale.update_processes=1000 exceeds the trajectories"],
+    ),
     "a run id that climbs out": (lambda t: ["--run-id", "../x"], ["not one name", "--run-dir"]),
     "an absolute run id": (lambda t: ["--run-id", "/tmp/x"], ["not one name"]),
     "a run id with a folder": (lambda t: ["--run-id", "a/b"], ["not one name"]),

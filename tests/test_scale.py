@@ -271,3 +271,25 @@ print("RAY" if any(m == "ray" or m.startswith(("ray.", "prefect_ray")) for m in 
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "NO RAY"
+
+
+def test_a_node_that_cannot_see_the_run_directory_stops_the_run(tmp_path, monkeypatch):
+    """`check_shared` on a cluster whose one node reads nothing at the probe's path (as a node
+    without the shared filesystem would): Ray's calls are replaced, the check's logic is real."""
+    import ray
+
+    from stepgrpo.workers import check_shared
+
+    class Remote:
+        def options(self, **_):
+            return self
+
+        def remote(self, path):
+            return path
+
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "NodeID": "ab" * 28, "NodeManagerAddress": "10.0.0.7"}])
+    monkeypatch.setattr(ray, "remote", lambda **_: lambda fn: Remote())
+    monkeypatch.setattr(ray, "get", lambda refs: [None for _ in refs])  # the node found no file there
+    with pytest.raises(StageError, match=r"not visible from Ray node 10.0.0.7.*filesystem every node mounts"):
+        check_shared(tmp_path)
+    assert not list(tmp_path.glob(".probe-*"))  # the probe is removed either way
