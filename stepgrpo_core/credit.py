@@ -82,8 +82,9 @@ class Groups:
 
 Scheme = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (rewards, gains, groups, **opts) -> (A, turning mask)
 # Fact `step_rewards`: the scheme reads a reward for every state (needs a completion method);
-# False: it reads only R_T, the final sample's.
-SCHEMES: Registry[Scheme] = Registry("credit scheme", step_rewards=True)
+# False: it reads only R_T, the final sample's. Fact `version`: bumped when a scheme computes other
+# advantages from the same rewards and options (stored advantages name it: `tasks.credit`).
+SCHEMES: Registry[Scheme] = Registry("credit scheme", step_rewards=True, version="1")
 
 
 def _no_turning(gains: torch.Tensor) -> torch.Tensor:
@@ -138,20 +139,27 @@ def turning_points(
     return turn
 
 
-def balance_turning_points(turn: torch.Tensor, aggregated: torch.Tensor) -> torch.Tensor:
-    """Keep `min(#pos, #neg)` turning points of each sign of `aggregated`, the largest |value| first.
+def balance_turning_points(turn: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """Balance the turning points of a batch as TP-GRPO's code does (METHODS.md, scheme 4).
 
-    `turn [B, T]` bool, `aggregated [B, T]`. Over the whole batch. Ties in |value| are broken by
-    position (row-major, earlier first). A zero aggregated value has no sign: never kept.
+    `turn [B, T]` bool, `delta [B]` each trajectory's `R_T - R_0`. The turning points are split by
+    the sign of their trajectory's `delta` and ranked by `|delta|`; the `min(#pos, #neg)` largest
+    of each sign are kept. When they all share one sign (or there are none), all are kept: there
+    is nothing to balance. Ties in `|delta|` (a trajectory's turning points share it) go to the
+    earlier position (row-major).
     """
-    flat_turn, flat_agg = turn.reshape(-1), aggregated.reshape(-1)
-    pos, neg = flat_turn & (flat_agg > 0), flat_turn & (flat_agg < 0)
+    B, T = turn.shape
+    flat_turn = turn.reshape(-1)
+    flat_delta = delta.reshape(B, 1).expand(B, T).reshape(-1)
+    pos, neg = flat_turn & (flat_delta > 0), flat_turn & (flat_delta < 0)
     keep_n = int(min(pos.sum(), neg.sum()))
+    if keep_n == 0:
+        return turn.clone()
     kept = torch.zeros_like(flat_turn)
     for sign_mask in (pos, neg):
         idx = sign_mask.nonzero().reshape(-1)  # ascending position
-        # stable sort on -|value|: equal magnitudes keep their position order
-        order = torch.sort(-flat_agg[idx].abs(), stable=True).indices
+        # stable sort on -|delta|: equal magnitudes keep their position order
+        order = torch.sort(-flat_delta[idx].abs(), stable=True).indices
         kept[idx[order[:keep_n]]] = True
     return kept.reshape(turn.shape)
 
@@ -168,11 +176,13 @@ def turning_point_rewards(
     turn = turning_points(rewards, gains, consistency=consistency, first_step=first_step)
     aggregated = rewards[:, -1:] - rewards[:, :-1]  # [B, T] R_T - R_k
     if balance:
-        turn = balance_turning_points(turn, aggregated)
+        turn = balance_turning_points(turn, rewards[:, -1] - rewards[:, 0])
     return torch.where(turn, aggregated, gains), turn
 
 
-@SCHEMES.register("turning_point")
+# version 2: balancing by the trajectory's R_T - R_0, every turning point kept when all share one
+# sign (version 1 ranked by R_T - R_k and kept none of a one-signed batch).
+@SCHEMES.register("turning_point", version="2")
 def turning_point(
     rewards, gains, groups: Groups, consistency: bool = True, first_step: bool = True, balance: bool = True
 ):

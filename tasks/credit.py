@@ -29,8 +29,13 @@ def credit(run: Run, cfg: Config, iteration: int, rewards: ScoreResult) -> Credi
 
 
 def stored_options(cfg: Config, reward_name: str, reward_version: str) -> dict[str, Any]:
-    """What the advantages are stored under: the scheme's options and the reward they came from."""
-    return {"options": dict(cfg.credit.options), "reward": reward_name, "reward_version": reward_version}
+    """What the advantages are stored under: the scheme's options, the reward they came from and,
+    from its second version on, the scheme's version (so version 1's rows keep their digest)."""
+    stored = {"options": dict(cfg.credit.options), "reward": reward_name, "reward_version": reward_version}
+    version = SCHEMES.facts(cfg.credit.scheme)["version"]
+    if version != "1":
+        stored["scheme_version"] = version
+    return stored
 
 
 def execute(run: Run, cfg: Config, iteration: int, reward_name: str, reward_version: str) -> CreditResult:

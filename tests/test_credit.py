@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stepgrpo_core.credit import STD_EPS, assign, scheme_options, turning_point_rewards
+from stepgrpo_core.credit import STD_EPS, assign, scheme_options, turning_point_rewards, turning_points
 
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True)
 
@@ -59,22 +59,14 @@ def ref_turning(R, consistency=True, first_step=True, balance=True):
             if ok and consistency:
                 ok = sign(step[b][k]) * sign(R[b][T] - R[b][k + 1]) > 0
             turn[b][k] = ok
-    if balance:
-        pos = [
-            (-abs(R[b][T] - R[b][k]), b * T + k)
-            for b in range(B)
-            for k in range(T)
-            if turn[b][k] and R[b][T] - R[b][k] > 0
-        ]
-        neg = [
-            (-abs(R[b][T] - R[b][k]), b * T + k)
-            for b in range(B)
-            for k in range(T)
-            if turn[b][k] and R[b][T] - R[b][k] < 0
-        ]
-        n = min(len(pos), len(neg))
-        kept = {i for _, i in sorted(pos)[:n]} | {i for _, i in sorted(neg)[:n]}
-        turn = [[b * T + k in kept for k in range(T)] for b in range(B)]
+    if balance:  # by the trajectory's delta; a one-signed batch keeps every turning point
+        points = [(R[b][T] - R[b][0], b * T + k) for b in range(B) for k in range(T) if turn[b][k]]
+        pos = sorted((-abs(d), i) for d, i in points if d > 0)
+        neg = sorted((-abs(d), i) for d, i in points if d < 0)
+        if pos and neg:
+            n = min(len(pos), len(neg))
+            kept = {i for _, i in pos[:n]} | {i for _, i in neg[:n]}
+            turn = [[b * T + k in kept for k in range(T)] for b in range(B)]
     for b in range(B):
         for k in range(T):
             if turn[b][k]:
@@ -288,17 +280,47 @@ def test_negative_trend():
     assert turn == [[False, True, False, False]] and step[0][1] == -4
 
 
-def test_balancing_keeps_equal_numbers_of_each_sign():
-    # candidates: A_ step 1 (+4), C_ steps 0 (+3) and 2 (+2.5), F_ step 1 (-4): one of each kept,
-    # the largest |value| of each sign; C_'s turning points revert to their gains.
+Y_ = [0, 2, 1, 3, 4]  # delta = 4, g = [2, -1, 2, 1], s = [+, -, +, +]: steps 0 and 2 turn (R_4 - R_k = 4, 3)
+
+
+def test_balancing_keeps_equal_numbers_of_each_sign_ranked_by_the_trajectory_delta():
+    # Turning points: A_ step 1 (delta +3), C_ steps 0 and 2 (delta +3), F_ step 1 (delta -3).
+    # 3 positive, 1 negative: one of each is kept; equal |delta|: the earlier position wins (A_).
     step, turn = tp([A_, C_, F_])
     assert turn == [[False, True, False, False], [False] * 4, [False, True, False, False]]
-    assert step[1] == [1, -0.5, 1.5, 1]
-    assert sum(map(sum, turn)) == 2
-    # equal magnitudes: the earlier position wins
-    assert tp([A_, A_, F_])[1] == [[False, True, False, False], [False] * 4, [False, True, False, False]]
-    # one sign only: min(#pos, #neg) = 0, nothing kept
-    assert tp([A_, C_])[1] == [[False] * 4, [False] * 4]
+    assert step[0] == [-1, 4, 1, 1] and step[1] == [1, -0.5, 1.5, 1]  # C_'s revert to their gains
+    # Ranked by the trajectory's R_T - R_0, not the turning point's R_T - R_k: A_ step 1 and Y_
+    # step 0 both aggregate to +4, but Y_'s delta (4) beats A_'s (3), so Y_ step 0 is the one kept.
+    step, turn = tp([A_, Y_, F_])
+    assert turn == [[False] * 4, [True, False, False, False], [False, True, False, False]]
+    assert step[1] == [4, -1, 2, 1] and step[2] == [1, -4, -1, -1]
+
+
+def test_a_one_signed_batch_keeps_every_turning_point():
+    # Every turning point's trajectory improves (delta > 0): nothing to balance, all kept, as the
+    # authors' code does (version 1 of the scheme kept none here).
+    step, turn = tp([A_, C_])
+    assert turn == [[False, True, False, False], [True, False, True, False]]
+    assert step == [[-1, 4, 1, 1], [3, -0.5, 2.5, 1]]
+    assert tp([F_, F_])[1] == [[False, True, False, False]] * 2  # all negative: all kept too
+    assert tp([B_, E_])[1] == [[False] * 4] * 2  # no turning point at all
+    # random one-signed batches of 16 x 10: turning points survive balancing
+    g = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        R = torch.randn(16, 11, generator=g).cumsum(1)
+        R[:, -1] = R[:, 0] + 0.1 + torch.rand(16, generator=g) * 3 + R[:, :-1].max(1).values.abs()
+        before = turning_points(R, R[:, 1:] - R[:, :-1]).sum()
+        assert before > 0 and turning_point_rewards(R)[1].sum() == before
+
+
+def test_turning_point_advantages_are_stored_under_the_scheme_version():
+    from stepgrpo.config import load_config
+    from tasks.credit import stored_options
+
+    tp_cfg = load_config(None, ["credit.scheme=turning_point", "completion.method=remaining"])
+    assert stored_options(tp_cfg, "shapes", "1")["scheme_version"] == "2"
+    dense = load_config(None, ["credit.scheme=dense", "completion.method=remaining"])
+    assert "scheme_version" not in stored_options(dense, "shapes", "1")  # version 1: the digest runs made before
 
 
 def test_turning_point_scheme_normalizes_per_group_and_step():
