@@ -362,3 +362,17 @@ def test_inputs_are_validated():
     rewards[0, 2] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
         assign("dense", rewards, gids)
+
+
+def test_the_turning_point_count_benchmark_runs():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "turning_points.py"
+    done = subprocess.run([sys.executable, str(script), "--batches", "2"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("one-signed") and "v1      [0, 0]" in done.stdout
+    before, v2 = lines[1].split(None, 1)[1], lines[3].split(None, 1)[1]
+    assert before == v2  # a one-signed batch keeps every turning point
