@@ -10,6 +10,7 @@ given its key, so a recomputed stage has the digest its downstream stages were k
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -34,8 +35,20 @@ def stage_task(stage: str) -> Callable[[Callable[..., Any]], Any]:
 
 def shard_task(stage: str) -> Callable[[Callable[..., Any]], Any]:
     """`@shard_task("rollout")`: the Prefect task of one shard of a stage (`stepgrpo.workers`). It
-    writes its rows and then its ledger record (`storage.ledger`); it returns nothing."""
-    return task(name=f"{stage}-shard", cache_policy=NO_CACHE, persist_result=False)
+    writes its rows and then its ledger record (`storage.ledger`); it returns nothing. On a Ray
+    worker it first takes the torch threads of its CPU request (`workers.shard_threads`)."""
+
+    def decorate(fn: Callable[..., Any]) -> Any:
+        @functools.wraps(fn)
+        def shard(*args: Any, **kwargs: Any) -> None:
+            from stepgrpo.workers import shard_threads
+
+            shard_threads()
+            return fn(*args, **kwargs)
+
+        return task(name=f"{stage}-shard", cache_policy=NO_CACHE, persist_result=False)(shard)
+
+    return decorate
 
 
 def fan_out(
