@@ -13,8 +13,9 @@ from typing import Any
 import numpy as np
 
 from storage.arrays import StageStore
-from storage.errors import NotPublishedError, StorageError
+from storage.errors import NotPublishedError
 from storage.ledger import open_ledger
+from storage.publish import fresh_partial
 from storage.schema import COMPLETION, IMAGES, ROLLOUT, StoreSpec, latent_storage_dtype
 from storage.writer import StageWriter, abort_on_error
 
@@ -254,13 +255,22 @@ class StageStores:
 
 
 def _create(writer: StageWriter, spec: StoreSpec, attrs: dict[str, Any], whole: Mapping[str, Any]) -> None:
-    """Write a new stage's metadata; a resumed attempt's partial must have been begun with the same."""
-    if not writer.resumed:
-        StageStore(writer.path, spec, attrs).create(whole)  # zarr clears the directory: the ledger comes after
-        if writer.resume is not None:
-            open_ledger(writer.ledger, writer.resume)
-    elif writer.store().attrs != json.loads(json.dumps(attrs)):
-        raise StorageError(f"{writer.what}: the interrupted attempt was begun with other attributes under the same key")
+    """Write a new stage's metadata. A resumed attempt's partial keeps its shards only if it was
+    begun with the same attributes; otherwise (it cannot be, under the same key, unless the code
+    changed) it is started over: an unpublished attempt is not data anyone read."""
+    if writer.resumed:
+        try:
+            same = StageStore.open(writer.path, spec).attrs == json.loads(json.dumps(attrs))
+        except Exception:  # its metadata do not parse
+            same = False
+        if same:
+            return
+        fresh_partial(writer.final)
+        writer.resumed = False
+        writer.drop_store()
+    StageStore(writer.path, spec, attrs).create(whole)  # zarr clears the directory: the ledger comes after
+    if writer.resume is not None:
+        open_ledger(writer.ledger, writer.resume)
 
 
 def spec_of(stage: str) -> StoreSpec:

@@ -73,6 +73,10 @@ class StageWriter:
             self._store = StageStore.open(self.path, self.spec)
         return self._store
 
+    def drop_store(self) -> None:
+        """Forget the opened store (its directory was started over)."""
+        self._store = None
+
     def write(self, start: int, **arrays: Any) -> None:
         """Write trajectories `start .. start+n` of per-trajectory arrays, e.g. `states=[n,T+1,C,H,W]`.
 

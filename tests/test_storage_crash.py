@@ -217,3 +217,49 @@ def test_truncated_or_missing_chunk_is_detected(published):
     chunk.unlink()
     with pytest.raises(CorruptChunkError, match=r"\(trajectory 6\) is missing"):
         published.read_array(0, "rollout", "states", [6])
+
+
+def _begin_resumable(run, key, kernel="sde"):
+    import numpy as np
+
+    T, latent = 4, (4, 16, 16)
+    return run.begin_rollout(
+        0,
+        sigmas=np.linspace(1, 0, T + 1),
+        seeds=np.arange(B),
+        prompt_ids=np.arange(B) // 2,
+        group_ids=np.arange(B) // 2,
+        latent_shape=latent,
+        latent_dtype="float16",
+        kernel=kernel,
+        kernel_params={"eta": 1.0},
+        resume=key,
+    )
+
+
+def test_a_resumable_stage_keeps_its_finished_shards_only_under_the_same_key(tmp_path):
+    from storage.ledger import finished, record
+
+    run = Run.create(tmp_path, "r", {})
+    with pytest.raises(RuntimeError):
+        with _begin_resumable(run, "key-a") as w:
+            for b in range(4):
+                w.write(b, **traj(b))
+            record(w.ledger, range(0, 4), "key-a", {"nfe": 1})
+            w.write(4, **traj(4))  # half of the second shard, then a failure
+            raise RuntimeError("a shard failed")
+    partial = partial_path(run.stage_path(0, "rollout"))
+    assert partial.exists() and not lock_path(run.stage_path(0, "rollout")).exists()  # kept, unlocked
+    with _begin_resumable(run, "key-a") as w:  # the same key: resumed with its record and rows
+        assert w.resumed and finished(w.ledger, range(0, 4), "key-a") == {"nfe": 1}
+        assert w.store().rows_intact(range(0, 4)) and not w.store().rows_intact(range(4, 8))
+    with _begin_resumable(run, "key-b") as w:  # another key: started over
+        assert not w.resumed and finished(w.ledger, range(0, 4), "key-b") is None
+        assert not w.store().rows_intact(range(0, 4))
+    with _begin_resumable(run, "key-b", kernel="other") as w:  # same key, other attributes: started over
+        assert not w.resumed and w.store().attrs["kernel"] == "other"
+        for b in range(B):
+            w.write(b, **traj(b))
+        w.publish()
+    assert not partial.exists() and not (run.stage_path(0, "rollout") / "_shards").exists()
+    run.verify(0, "rollout")
