@@ -61,6 +61,28 @@ def cat_outputs(outputs: Sequence[RewardOutput]) -> RewardOutput:
     )
 
 
+def output_json(out: RewardOutput) -> dict[str, Any]:
+    """A `RewardOutput` as plain JSON (a shard's record; `output_of_json` reads it back exactly)."""
+    return {
+        "scores": out.scores.tolist(),
+        "strict": None if out.strict is None else out.strict.tolist(),
+        "sub": {n: v.tolist() for n, v in out.sub.items()},
+    }
+
+
+def output_of_json(records: Sequence[Mapping[str, Any]]) -> RewardOutput:
+    """One `RewardOutput` (float32) of the `output_json` records of consecutive shards."""
+    return RewardOutput(
+        scores=torch.tensor([v for r in records for v in r["scores"]], dtype=torch.float32),
+        strict=None
+        if records[0]["strict"] is None
+        else torch.tensor([v for r in records for v in r["strict"]], dtype=torch.float32),
+        sub={
+            n: torch.tensor([v for r in records for v in r["sub"][n]], dtype=torch.float32) for n in records[0]["sub"]
+        },
+    )
+
+
 def score_images(
     reward: Any,
     images: torch.Tensor,

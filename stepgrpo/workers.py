@@ -31,8 +31,6 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
 class InProcess:
     """Shards run one after another in this process."""
 
-    name = "process"
-
     def map(self, task: Any, calls: Sequence[dict[str, Any]], what: str, unit: str = "rows") -> None:
         for params in calls:
             task.fn(**params)
@@ -40,8 +38,6 @@ class InProcess:
 
 class RayWorkers:
     """Shards run as Prefect task runs on Ray workers (`prefect_ray.RayTaskRunner`)."""
-
-    name = "ray"
 
     def __init__(self, runner: Any, options: dict[str, Any]) -> None:
         self.runner = runner

@@ -23,7 +23,7 @@ from stepgrpo.prompts import stored_prompts
 from stepgrpo.report import write_grid
 from stepgrpo.results import EvaluateResult, PromptsResult, UpdateResult
 from stepgrpo.sampling import encode, generator
-from stepgrpo.scoring import cat_outputs, score_images
+from stepgrpo.scoring import cat_outputs, output_json, output_of_json, score_images
 from stepgrpo.sharding import blocks_per_shard
 from stepgrpo_core.rollout import rollout as sample
 from storage.ledger import close_ledger, open_ledger, record
@@ -92,7 +92,7 @@ def compute(run: Run, cfg: Config, iteration: int | None, name: str, key: str) -
     ids = held_out(run, cfg)
     calls = eval_blocks(cfg, len(ids))
     per = blocks_per_shard(cfg, len(calls), cfg.model.max_batch)
-    ledger = Path(run.path) / EVAL_DIR / f".{name}.shards"
+    ledger = ledger_of(run, name)
     open_ledger(ledger, key)
     done = fan_out(
         evaluate_shard,
@@ -103,11 +103,10 @@ def compute(run: Run, cfg: Config, iteration: int | None, name: str, key: str) -
         f"evaluation {name}",
         unit="model calls",
     ).results
-    value = torch.tensor([v for r in done for v in r["scores"]])
-    strict = None if done[0]["strict"] is None else torch.tensor([v for r in done for v in r["strict"]])
+    scored = output_of_json(done)
+    value, strict = scored.scores, scored.strict
     sub = {}
-    for sub_name in done[0]["sub"]:
-        v = torch.tensor([x for r in done for x in r["sub"][sub_name]])
+    for sub_name, v in scored.sub.items():
         finite = v[torch.isfinite(v)]
         if finite.numel():
             sub[sub_name] = float(finite.mean())
@@ -178,12 +177,10 @@ def evaluate_shard(run: Run, cfg: Config, iteration: int | None, name: str, key:
         if s == 0 and c0 == 0:
             write_grid(Path(run.path) / EVAL_DIR / f"{name}.png", dequantize(images[:GRID_IMAGES]))
         maybe_fail("evaluate", shard.start)
-    scored = cat_outputs(outputs)
-    result = {
-        "scores": scored.scores.tolist(),
-        "strict": None if scored.strict is None else scored.strict.tolist(),
-        "sub": {n: v.tolist() for n, v in scored.sub.items()},
-        "nfe": pol.nfe - nfe0,
-        "seconds": time.perf_counter() - t0,
-    }
-    record(Path(run.path) / EVAL_DIR / f".{name}.shards", shard, key, result)
+    result = {**output_json(cat_outputs(outputs)), "nfe": pol.nfe - nfe0, "seconds": time.perf_counter() - t0}
+    record(ledger_of(run, name), shard, key, result)
+
+
+def ledger_of(run: Run, name: str) -> Path:
+    """The ledger of evaluation `name` (beside its JSON file)."""
+    return Path(run.path) / EVAL_DIR / f".{name}.shards"

@@ -21,7 +21,7 @@ from stepgrpo.errors import StageError
 from stepgrpo.faults import maybe_fail
 from stepgrpo.prompts import stored_prompts
 from stepgrpo.results import CompleteResult, RolloutResult, ScoreResult
-from stepgrpo.scoring import cat_outputs, decode_distinct, reward_summary, score_images
+from stepgrpo.scoring import cat_outputs, decode_distinct, output_json, output_of_json, reward_summary, score_images
 from stepgrpo.sharding import block_rows, blocks, shard_ranges
 from storage.errors import AlreadyPublishedError, CorruptChunkError, StageLockedError
 from storage.ledger import close_ledger, open_ledger, record
@@ -92,9 +92,7 @@ def compute(run: Run, cfg: Config, iteration: int, name: str, version: str) -> N
             images.publish(inputs={"key": key, "shards": shards_done.summary})
     done = shards_done.results
     K = len(k)
-    scores = torch.tensor([v for r in done for v in r["scores"]], dtype=torch.float64)
-    strict = None if done[0]["strict"] is None else torch.tensor([v for r in done for v in r["strict"]]).double()
-    sub = {n: torch.tensor([v for r in done for v in r["sub"][n]]).double() for n in done[0]["sub"]}
+    scored = output_of_json(done)
     take = torch.from_numpy(np.concatenate([np.arange(B * K), np.repeat(np.arange(B) * K + K - 1, len(copies))]))
     traj = np.concatenate([np.repeat(np.arange(B), K), np.repeat(np.arange(B), len(copies))])
     ks = np.concatenate([np.tile(k, B), np.tile(copies, B)])
@@ -104,9 +102,9 @@ def compute(run: Run, cfg: Config, iteration: int, name: str, version: str) -> N
         version,
         traj,
         ks,
-        scores[take].numpy(),
-        strict=None if strict is None else strict[take].numpy(),
-        sub={n: v[take].numpy() for n, v in sub.items()} or None,
+        scored.scores[take].double().numpy(),
+        strict=None if scored.strict is None else scored.strict[take].double().numpy(),
+        sub={n: v[take].double().numpy() for n, v in scored.sub.items()} or None,
         info={
             "seconds": time.perf_counter() - t0,
             "images": done[0]["images"],
@@ -183,11 +181,8 @@ def score_shard(
             )
         outputs.append(out)
         maybe_fail("score", shard.start)
-    scored = cat_outputs(outputs)
     result = {
-        "scores": scored.scores.double().tolist(),
-        "strict": None if scored.strict is None else scored.strict.double().tolist(),
-        "sub": {n: v.double().tolist() for n, v in scored.sub.items()},
+        **output_json(cat_outputs(outputs)),
         "images": "stored" if from_store else "decoded+stored" if writer is not None else "decoded",
         "seconds": time.perf_counter() - t0,
         "worker": {"pid": os.getpid(), "reward_loads": workspace.LOADS["reward"]},
