@@ -239,7 +239,13 @@ def read_run(run_dir: Path) -> RunRecord:
                 ),
             }
         )
-        nfes.append({"rollout": int(ro["inputs"].get("nfe", 0)), "complete": int(cm["attrs"]["nfe"]) if cm else 0})
+        nfes.append(
+            {
+                "rollout": int(ro["inputs"].get("nfe", 0)),
+                "complete": int(cm["attrs"]["nfe"]) if cm else 0,
+                "update": int(run.stage_manifest(i, "checkpoint")["inputs"].get("nfe", 0)),
+            }
+        )
         end = (run.stage_path(i, "checkpoint") / "_published.json").stat().st_mtime
         between = [e for e in evals.values() if e["label"] != "base" and prev_end < e["finished"] <= end]
         secs.append(end - prev_end - sum(e["seconds"] for e in between))

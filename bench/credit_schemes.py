@@ -1,32 +1,36 @@
-"""Credit schemes compared on the shapes task, through the real pipeline (issue 5).
+"""The credit schemes compared at the shipped recipes that learn, at equal trajectories and at
+equal compute, with the papers' ablations and a table of their claims.
 
-Every configuration is one run of the product's `train` flow (Prefect tasks, Zarr / Parquet run
-directory, MLflow), in this process, on the shipped `models/shapes` model and the rule-based
-`shapes` reward, with the same budget: the same iterations, prompts per iteration, group size,
-sampler, LoRA and optimiser settings, and the same seeds (so seed `s` of every scheme sees the
-same prompts and initial noise in every iteration). Configurations:
+Every run is one `stepgrpo train --config configs/shapes_<scheme>.yaml --set run.seed=S` (a
+process of its own, one torch thread, exactly what a user runs; `bench/learning.py` runs it). The
+four schemes share everything but their credit: the shipped model and `shapes` reward, 8 prompts x
+8 samples an iteration, the `flow` SDE on steps 0-2, one AdamW step an iteration. Seed `S` of
+every scheme sees the same prompts and initial noise in every iteration, and its held-out
+evaluations (126 prompts x 2 noise seeds) use the same prompts and noise as its base evaluation,
+so every comparison between two runs of one seed pairs sample by sample.
 
-- main: `outcome` (Flow-GRPO, scores x_T only), `stepwise`, `dense`, `turning_point`, each with
-  `remaining` completion (every state run down the rest of the grid);
-- ablations, on `dense`: the `psi` kernel with DenseGRPO's calibrated noise table
-  (`dense_psi`) against the flow kernel's noise `a = 0.7` (`dense`); completion `substeps:2`
-  (`dense_substeps2`) and `tweedie` (`dense_tweedie`) against `remaining` (`dense`); and
-  `turning_point` without its balancing rule (`turning_point_nobal`): with small batches the rule
-  often keeps no turning point at all, and `turning_point` then equals `dense`.
+Configurations (`CONFIGS`): the comparison (`outcome`, `stepwise`, `dense`, `turning_point`) and
+the papers' ablations, each paired with the configuration it changes (`ABLATIONS`): the DDIM SDE
+against Flow-GRPO's (`stepwise_ddim`), DenseGRPO's calibrated `psi` against uniform noise
+(`dense_psi`), completion with 2 substeps and with one Tweedie step against the remaining grid
+(`dense_substeps2`, `dense_tweedie`), TP-GRPO without its balancing rule (`turning_point_nobal`).
 
-`outcome` may run longer (`--outcome-iterations`): it costs about a third as much per iteration,
-so its extra iterations show where it stands at equal wall-clock; every per-iteration statistic
-uses the first `--iterations` only.
+Budgets:
+- equal trajectories: every scheme after `--iterations`;
+- equal compute: `outcome` trains `--outcome-iterations` (its config's 300), and is evaluated at
+  the iteration where its cumulative transformer NFEs (rollout + completion + update forwards), or
+  its cumulative training seconds, equal a step-level scheme's after `--iterations`, per seed.
 
-Outputs in `--out` (default `bench/out/credit_schemes[_quick]`): `curves.csv` (per run and
-iteration: training reward, wall seconds, NFEs), `heldout.csv` (held-out evaluations),
-`gains.csv` (mean gain per step k), `summary.csv` / `summary.md` (final held-out reward with a
-95 % Student-t interval over seeds, paired differences to `outcome`, iterations and seconds to
-reach thresholds), PNG plots, and `records/<run>.json`. A run whose record exists is not redone,
-so an interrupted benchmark continues where it stopped; `--report-only` redraws from records.
+Printed and written to `--out` (default `bench/out/credit_schemes`): `summary.md` (every table),
+`claims.md` (each claim of the three papers, the measurement, its interval and a verdict by a
+stated rule), `heldout.csv`, `curves.csv`, `gains.csv`, `ablations.csv`, `sde_gap.csv`,
+`analysis.json`, and `heldout.png` (held-out gain against iterations, NFEs and seconds),
+`gain_heatmap.png`, `ablations.png`. Runs are resumable: a finished run is read back, not redone;
+`--report-only` only reads and reports.
 
-    python bench/credit_schemes.py --quick      # <= 10 min on 2 CPU cores
-    python bench/credit_schemes.py              # the full comparison (see docs/BENCHMARKS.md)
+    .venv/bin/python bench/credit_schemes.py --jobs 2      # the comparison of docs/BENCHMARKS.md
+    .venv/bin/python bench/credit_schemes.py --quick       # every path at tiny settings (~4 min)
+    python bench/credit_schemes.py --gpu                   # on a CUDA machine: 8x the trajectories
 """
 
 from __future__ import annotations
@@ -35,617 +39,962 @@ import argparse
 import csv
 import json
 import math
-import shutil
+import os
+import statistics
+import subprocess
+import sys
 import time
-from dataclasses import asdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import _common  # noqa: I001  (first: fixes sys.path, see its docstring)
-from _common import COMMON, OUT_DIR, first_reach, mean_ci, moving_average, read_run, write_json
+import _common  # noqa: F401  (first: sets sys.path to the repository root)
+from _common import OUT_DIR, ROOT, machine, mean_ci, read_run, relative, write_json
 
-# name -> (scheme, completion method or None, kernel)
-CONFIGS: dict[str, tuple[str, str | None, str]] = {
-    "outcome": ("outcome", None, "flow"),
-    "stepwise": ("stepwise", "remaining", "flow"),
-    "dense": ("dense", "remaining", "flow"),
-    "turning_point": ("turning_point", "remaining", "flow"),
-    "dense_psi": ("dense", "remaining", "psi"),
-    "dense_substeps2": ("dense", "substeps:2", "flow"),
-    "dense_tweedie": ("dense", "tweedie", "flow"),
-    "turning_point_nobal": ("turning_point", "remaining", "flow"),
+from bench.learning import run_seed
+
+# name -> (shipped config, overrides on it)
+CONFIGS: dict[str, tuple[str, list[str]]] = {
+    "outcome": ("configs/shapes_outcome.yaml", []),
+    "stepwise": ("configs/shapes_stepwise.yaml", []),
+    "dense": ("configs/shapes_dense.yaml", []),
+    "turning_point": ("configs/shapes_turning_point.yaml", []),
+    "stepwise_ddim": ("configs/shapes_stepwise.yaml", ["sampler.kernel=ddim", "sampler.noise=1.0"]),
+    "dense_psi": ("configs/shapes_dense.yaml", ["sampler.kernel=psi"]),
+    "dense_substeps2": ("configs/shapes_dense.yaml", ["completion.method=substeps:2"]),
+    "dense_tweedie": ("configs/shapes_dense.yaml", ["completion.method=tweedie"]),
+    "turning_point_nobal": ("configs/shapes_turning_point.yaml", ["credit.options.balance=false"]),
 }
-# scheme options of a configuration (default: the scheme's defaults)
-OPTIONS: dict[str, dict[str, object]] = {"turning_point_nobal": {"balance": "false"}}
 MAIN = ("outcome", "stepwise", "dense", "turning_point")
-ABLATIONS = {
-    "exploration noise (dense, remaining)": ("dense", "dense_psi"),
-    "completion (dense)": ("dense", "dense_substeps2", "dense_tweedie"),
-    "turning-point balancing": ("turning_point", "turning_point_nobal"),
+STEP_LEVEL = MAIN[1:]
+# ablation -> (base configuration, changed configuration, what changes)
+ABLATIONS: dict[str, tuple[str, str, str]] = {
+    "ddim_sde": ("stepwise", "stepwise_ddim", "Stepwise-Flow-GRPO: DDIM SDE (eta 1) instead of Flow-GRPO's (a 0.7)"),
+    "psi": ("dense", "dense_psi", "DenseGRPO: calibrated psi instead of uniform a 0.7"),
+    "substeps2": ("dense", "dense_substeps2", "DenseGRPO: completion with n = 2 substeps instead of n = t"),
+    "tweedie": ("dense", "dense_tweedie", "DenseGRPO: completion with n = 1 (Tweedie) instead of n = t"),
+    "tp_balance": ("turning_point_nobal", "turning_point", "TP-GRPO: balancing on instead of off"),
 }
 COLOURS = {
     "outcome": "black",
     "stepwise": "tab:blue",
     "dense": "tab:orange",
     "turning_point": "tab:green",
+    "stepwise_ddim": "tab:cyan",
     "dense_psi": "tab:red",
     "dense_substeps2": "tab:purple",
     "dense_tweedie": "tab:brown",
     "turning_point_nobal": "tab:olive",
 }
-EXPERIMENT = "bench-credit-schemes"  # MLflow experiment of every run
-THRESHOLDS = (0.02, 0.05)  # training-reward gains over the base whose first crossing is reported
-SMOOTH = 3  # iterations in the trailing mean of the training reward (thresholds, curves)
-
-PRESETS = {
-    # quick: every configuration once, the main ones with 2 seeds; checks the whole path
-    "quick": {
-        "iterations": 4,
-        "outcome_iterations": 4,
-        "prompts": 4,
-        "group_size": 4,
-        "eval_prompts": 32,
-        "eval_every": 2,
-        "seeds": [0, 1],
+PRESETS: dict[str, dict[str, Any]] = {
+    # the comparison of docs/BENCHMARKS.md: ~2 h on 2 cores (two runs at a time, one thread each)
+    "full": {
+        "iterations": 100,
+        "eval_every": 25,
+        "outcome_iterations": None,
+        "seeds": [0, 1, 2],
         "ablation_seeds": [0],
     },
-    # full: sized to fit ~30 min on 2 busy CPU cores with one torch thread (docs/BENCHMARKS.md)
-    "full": {
-        "iterations": 8,
-        "outcome_iterations": 12,
-        "prompts": 4,
-        "group_size": 4,
-        "eval_prompts": 64,
-        "eval_every": 4,
+    # every code path at tiny settings: a test runs it
+    "quick": {
+        "iterations": 2,
+        "eval_every": 1,
+        "outcome_iterations": 6,
+        "seeds": [0, 1],
+        "ablation_seeds": [0],
+        "set": [
+            "run.prompts_per_iteration=2",
+            "run.group_size=4",
+            "run.eval_prompts=8",
+            "run.eval_seeds=1",
+            "calibration.rounds=1",
+            "calibration.prompts=2",
+        ],
+    },
+    # a CUDA GPU: 8x the trajectories an iteration (64 prompts x 8), every run at once on 16 CPU cores.
+    # Sized by estimate to ~10 minutes of one H200 (not yet measured): the tiny model's batches take
+    # milliseconds there, so the CPU side (decoding, the rule-based reward, storage) sets the pace.
+    "gpu": {
+        "iterations": 60,
+        "eval_every": 20,
+        "outcome_iterations": 180,
         "seeds": [0, 1, 2],
-        "ablation_seeds": [0, 1, 2],
+        "ablation_seeds": [0],
+        "jobs": 16,
+        "set": ["model.device=cuda", "model.max_batch=1024", "run.prompts_per_iteration=64", "optim.micro_batch=512"],
     },
 }
 
 
-def overrides(name: str, seed: int, iterations: int, a: argparse.Namespace, runs_root: Path) -> list[str]:
-    scheme, method, kernel = CONFIGS[name]
-    values = (
-        dict(COMMON)
-        | {
-            "model.path": a.model,
-            "sampler.kernel": kernel,
-            "completion.method": method,
-            "credit.scheme": scheme,
-            "run.iterations": iterations,
-            "run.prompts_per_iteration": a.prompts,
-            "run.group_size": a.group_size,
-            "run.eval_prompts": a.eval_prompts,
-            "run.eval_every": a.eval_every,
-            "run.seed": seed,
-            "run.runs_root": str(runs_root),
-            "run.name": EXPERIMENT,
-        }
-        | {f"credit.options.{k}": v for k, v in OPTIONS.get(name, {}).items()}
-        | dict(item.split("=", 1) for item in a.set)
+# --------------------------------------------------------------------------------- running
+
+
+@dataclass
+class Settings:
+    iterations: int
+    eval_every: int
+    outcome_iterations: int | None  # None: the config's own (300)
+    seeds: list[int]
+    ablation_seeds: list[int]
+    overrides: list[str]  # applied to every run
+    jobs: int
+    out: Path
+
+
+def run_overrides(name: str, s: Settings) -> list[str]:
+    """The `--set` overrides of configuration `name` (outcome keeps its config's iterations and
+    evaluation period unless told otherwise: the runs of `bench/learning.py` are reused)."""
+    own = list(CONFIGS[name][1]) + list(s.overrides)
+    if name == "outcome":
+        if s.outcome_iterations is not None:
+            own += [f"run.iterations={s.outcome_iterations}", f"run.eval_every={s.eval_every}"]
+        return own
+    return own + [f"run.iterations={s.iterations}", f"run.eval_every={s.eval_every}"]
+
+
+def env_of(out: Path, tag: str) -> dict[str, str]:
+    return dict(
+        os.environ,
+        STEPGRPO_THREADS=os.environ.get("STEPGRPO_THREADS", "1"),
+        STEPGRPO_PROGRESS="0",
+        PREFECT_HOME=str(out / f"prefect-home-{tag}"),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        MLFLOW_DISABLE_TELEMETRY="true",
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180",
     )
-    return [f"{k}={'null' if v is None else v}" for k, v in values.items()]
 
 
-def shared_tracking(out: Path) -> None:
-    """One MLflow store for every run of the benchmark (`MLFLOW_TRACKING_URI`, as a user with a
-    tracking server would set it): the per-run SQLite default would create a database per run."""
-    if _common.os.environ.get("MLFLOW_TRACKING_URI"):
+def train_all(s: Settings, jobs: list[tuple[str, int]]) -> None:
+    """Every (configuration, seed) that has no finished run yet, `s.jobs` at a time."""
+
+    def one(job: tuple[str, int]) -> None:
+        name, seed = job
+        out = (s.out / name).resolve()
+        out.mkdir(parents=True, exist_ok=True)
+        if finished(out, seed, CONFIGS[name][0], run_overrides(name, s)):
+            return
+        t0 = time.perf_counter()
+        run_seed(CONFIGS[name][0], seed, run_overrides(name, s), out)
+        print(f"{name} seed {seed}: {time.perf_counter() - t0:.0f} s", flush=True)
+
+    with ThreadPoolExecutor(max(1, s.jobs)) as pool:
+        list(pool.map(one, jobs))
+
+
+def finished(out: Path, seed: int, config: str, overrides: list[str]) -> bool:
+    """Whether `bench/learning.py`'s timing record of this exact run exists (it is written after
+    the run finished)."""
+    timing = out / f"seed_{seed}.seconds.json"
+    return timing.is_file() and json.loads(timing.read_text()).get("argv") == [config, *overrides]
+
+
+def evaluate_at(run_dir: Path, iterations: int, out: Path) -> None:
+    """Held-out evaluation of a run's checkpoint after `iterations` iterations (`stepgrpo evaluate`,
+    same prompts and noise as the run's other evaluations); a no-op when it exists."""
+    if (run_dir / "eval" / f"iter_{iterations - 1}.json").is_file():
         return
-    uri = f"sqlite:///{(out / 'mlflow.db').resolve()}"
-    _common.os.environ["MLFLOW_TRACKING_URI"] = uri
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=uri)
-    if client.get_experiment_by_name(EXPERIMENT) is None:
-        client.create_experiment(EXPERIMENT, artifact_location=(out / "mlflow-artifacts").resolve().as_uri())
-
-
-def load_record(path: Path, out: Path, refresh: bool = False) -> dict[str, Any]:
-    """A stored record, re-read from its run directory when `refresh` or when an older version of
-    this script wrote it (everything in a record but its timing of the whole flow derives from the
-    run's files)."""
-    rec = json.loads(path.read_text())
-    run_dir = out / "runs" / path.stem
-    if (refresh or "turning_points" not in rec.get("extra", {})) and run_dir.is_dir():
-        rec |= asdict(read_run(run_dir))
-        write_json(path, rec)
-    return rec
+    cmd = [str(Path(sys.executable).parent / "stepgrpo"), "evaluate", str(run_dir), "--iteration", str(iterations - 1)]
+    log = out / f"evaluate-{run_dir.name}-{iterations}.log"
+    with log.open("w") as f:
+        rc = subprocess.run(cmd, cwd=ROOT, env=env_of(out, "eval"), stdout=f, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        raise SystemExit(f"`stepgrpo evaluate {relative(run_dir)}` exited {rc}; see {relative(log)}")
 
 
-def run_one(name: str, seed: int, a: argparse.Namespace, out: Path) -> dict[str, Any]:
-    """One configuration x seed through the `train` flow; its record (cached in `records/`)."""
-    run_id = f"{name}-s{seed}"
-    record_path = out / "records" / f"{run_id}.json"
-    iterations = a.outcome_iterations if name == "outcome" else a.iterations
-    ov = overrides(name, seed, iterations, a, out / "runs")
-    if record_path.is_file():
-        rec = load_record(record_path, out)
-        if rec["overrides"] != ov:
-            raise SystemExit(f"{record_path} was made with other settings; use another --out or delete it")
-        return rec
-    run_dir = out / "runs" / run_id
-    if run_dir.exists():  # an interrupted attempt: its timings would include the gap, start it over
-        shutil.rmtree(run_dir)
-    import torch
+# --------------------------------------------------------------------------------- reading
 
-    load_before = _common.os.getloadavg()[0]
-    result = _common.train_flow(ov, run_id)
-    rec = asdict(read_run(Path(result["run_dir"])))
-    rec |= {
-        "config": name,
-        "seed": seed,
-        "overrides": ov,
-        "flow_seconds": result["flow_seconds"],
-        "load_before": load_before,
-        "load_after": _common.os.getloadavg()[0],
-        "torch_threads": torch.get_num_threads(),
+
+@dataclass
+class Run:
+    """One finished run: per-iteration costs and the held-out evaluations (iteration -> record)."""
+
+    name: str
+    seed: int
+    run_dir: Path
+    nfe: list[int]  # transformer forward rows of each iteration: rollout + completion + update
+    seconds: list[float]  # training wall seconds of each iteration (evaluations excluded)
+    setup_seconds: float  # before iteration 0 (psi calibration)
+    train_reward: list[float]
+    gains: list[list[float]]  # mean g_k per iteration
+    turning: list[dict[str, int]]
+    evals: dict[int, dict[str, Any]] = field(default_factory=dict)
+    grids: list[Any] = field(default_factory=list)  # reward grids [B, T+1] per iteration (step-level runs)
+    trajectories: int = 0  # an iteration's (prompts x group size)
+
+    def cum_nfe(self, n: int) -> float:
+        return float(sum(self.nfe[:n]))
+
+    def cum_seconds(self, n: float) -> float:
+        """Training seconds of `n` iterations: `n` times the run's median iteration (robust to other
+        load on the machine for a while), plus its set-up (psi calibration)."""
+        return self.setup_seconds + n * float(statistics.median(self.seconds))
+
+    def reward(self, n: int) -> float:
+        return float(self.evals[n]["reward_mean"])
+
+
+def read_evals(run_dir: Path) -> dict[int, dict[str, Any]]:
+    from stepgrpo.results import EvaluateResult
+
+    evals = {}
+    for f in (run_dir / "eval").glob("*.json"):
+        e = EvaluateResult.model_validate(json.loads(f.read_text())).record()
+        if f.stem != e["label"]:
+            continue  # an evaluation with other settings than the run's
+        evals[0 if e["label"] == "base" else int(e["label"].removeprefix("iter_")) + 1] = e
+    return evals
+
+
+def read(name: str, seed: int, s: Settings) -> Run:
+    from stepgrpo.config import validate_config
+    from storage import Run as StoredRun
+
+    run_dir = (s.out / name / f"seed_{seed}").resolve()
+    rec = read_run(run_dir)
+    run = StoredRun.open(run_dir)
+    cfg = validate_config(run.config)
+    grids = []
+    if name != "outcome":
+        grids = [run.reward_grid(i, cfg.reward.name).numpy() for i in range(len(rec.train_reward))]
+    return Run(
+        name,
+        seed,
+        run_dir,
+        [sum(n.values()) for n in rec.nfe],
+        rec.iter_seconds,
+        rec.setup_seconds,
+        rec.train_reward,
+        rec.gains,
+        rec.extra.get("turning_points", []),
+        read_evals(run_dir),
+        grids,
+        cfg.run.prompts_per_iteration * cfg.run.group_size,
+    )
+
+
+# ------------------------------------------------------------------------------- statistics
+
+
+def paired(before: dict[str, Any], after: dict[str, Any]) -> tuple[float, float, float]:
+    """Mean of after - before over the paired held-out samples, with its 95 % interval."""
+    from stepgrpo.report import paired_gain
+
+    g = paired_gain(before, after)
+    if g is None:
+        raise SystemExit(f"evaluations {before['label']} and {after['label']} are not paired (other prompts or noise)")
+    return g
+
+
+def over_seeds(values: list[float]) -> dict[str, float]:
+    m, lo, hi = mean_ci(values)
+    return {"mean": m, "lo": lo, "hi": hi, "n": len([v for v in values if v == v])}
+
+
+def crossing(points: list[tuple[float, float]], target: float) -> float | None:
+    """First x where the piecewise-linear curve through `points` (x, reward) reaches `target`."""
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if y1 >= target > y0:
+            return x0 + (x1 - x0) * (target - y0) / (y1 - y0)
+        if y0 >= target:
+            return x0
+    return points[-1][0] if points and points[-1][1] >= target else None
+
+
+def matched_iteration(outcome: Run, cost: float, per: str) -> int:
+    """The first outcome iteration count whose cumulative cost (`nfe` or `seconds`) reaches `cost`;
+    capped at the iterations it ran."""
+    total = outcome.cum_nfe if per == "nfe" else outcome.cum_seconds
+    n = len(outcome.nfe)
+    for i in range(1, n + 1):
+        if total(i) >= cost:
+            return i
+    return n
+
+
+def fmt(x: float | None, d: int = 3, sign: bool = True) -> str:
+    if x is None or x != x:
+        return "n/a"
+    return f"{x:+.{d}f}" if sign else f"{x:.{d}f}"
+
+
+def ci(v: dict[str, float], d: int = 3) -> str:
+    return f"{fmt(v['mean'], d)} [{fmt(v['lo'], d)}, {fmt(v['hi'], d)}]"
+
+
+# --------------------------------------------------------------------------------- analysis
+
+
+def analyse(runs: dict[tuple[str, int], Run], s: Settings) -> dict[str, Any]:
+    N = s.iterations
+    seeds = s.seeds
+    outcome = {seed: runs["outcome", seed] for seed in seeds}
+    out: dict[str, Any] = {
+        "iterations": N,
+        "seeds": seeds,
+        "trajectories": outcome[seeds[0]].trajectories,  # an iteration's
+        "pairs": len(outcome[seeds[0]].evals[0]["scores"]),  # held-out prompt x noise pairs of an evaluation
     }
-    write_json(record_path, rec)
-    return rec
 
-
-# ------------------------------------------------------------------------------- analysis
-
-
-def by_config(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    out: dict[str, list[dict[str, Any]]] = {}
-    for r in sorted(records, key=lambda r: (list(CONFIGS).index(r["config"]), r["seed"])):
-        out.setdefault(r["config"], []).append(r)
-    return out
-
-
-def wall(rec: dict[str, Any]) -> list[float]:
-    """Cumulative training seconds at the end of each iteration (set-up such as psi calibration included)."""
-    t, out = rec["setup_seconds"], []
-    for s in rec["iter_seconds"]:
-        t += s
-        out.append(t)
-    return out
-
-
-def heldout_at(rec: dict[str, Any], iteration: int) -> dict[str, Any] | None:
-    return next((h for h in rec["heldout"] if h["iteration"] == iteration), None)
-
-
-def analyse(records: list[dict[str, Any]], n_iter: int) -> dict[str, Any]:
-    groups = by_config(records)
-    base_train = mean_ci([r["train_reward"][0] for r in records if r["config"] != "dense_psi"])[0]
-    outcome = groups.get("outcome", [])
-    # thresholds above the base policy's training reward of the same seed (iteration 1 samples
-    # the base policy; its prompts and noise are the same for every configuration of a seed)
-    thresholds = {f"+{d}": d for d in THRESHOLDS}
-    out_train = {r["seed"]: r["train_reward"][:n_iter] for r in outcome}
-    out_final_held = {r["seed"]: heldout_at(r, n_iter)["reward"] for r in outcome if heldout_at(r, n_iter)}
-    rows = []
-    for name, recs in groups.items():
-        finals = [heldout_at(r, n_iter) for r in recs]
-        finals = [f["reward"] if f else float("nan") for f in finals]
-        strict = [heldout_at(r, n_iter)["strict"] if heldout_at(r, n_iter) else float("nan") for r in recs]
-        gain = [f - heldout_at(r, 0)["reward"] for f, r in zip(finals, recs)]
-        paired = [f - out_final_held[r["seed"]] for f, r in zip(finals, recs) if r["seed"] in out_final_held]
-        m, lo, hi = mean_ci(finals)
-        gm, glo, ghi = mean_ci(gain)
-        dm, dlo, dhi = mean_ci(paired) if name != "outcome" else (float("nan"),) * 3
-        # training reward minus outcome's at the same seed and iteration (the same prompts and
-        # initial noise): the prompt-sampling noise of the training curve cancels; averaged over
-        # the second half of the iterations, when the policies have had time to diverge
-        half = [
-            sum(a - b for a, b in zip(r["train_reward"][n_iter // 2 : n_iter], out_train[r["seed"]][n_iter // 2 :]))
-            / (n_iter - n_iter // 2)
-            for r in recs
-            if r["seed"] in out_train
-        ]
-        tm, tlo, thi = mean_ci(half) if name != "outcome" else (float("nan"),) * 3
-        row: dict[str, Any] = {
-            "config": name,
-            "scheme": CONFIGS[name][0],
-            "completion": CONFIGS[name][1] or "none",
-            "kernel": CONFIGS[name][2],
-            "seeds": len(recs),
-            "iterations": n_iter,
-            "heldout_final": m,
-            "heldout_ci_lo": lo,
-            "heldout_ci_hi": hi,
-            "heldout_strict": mean_ci(strict)[0],
-            "heldout_gain": gm,
-            "gain_ci_lo": glo,
-            "gain_ci_hi": ghi,
-            "diff_vs_outcome": dm,
-            "diff_ci_lo": dlo,
-            "diff_ci_hi": dhi,
-            "train_vs_outcome": tm,
-            "train_diff_ci_lo": tlo,
-            "train_diff_ci_hi": thi,
-            "train_final": mean_ci([moving_average(r["train_reward"][:n_iter], SMOOTH)[-1] for r in recs])[0],
-            "seconds_per_iter": mean_ci([sum(r["iter_seconds"][:n_iter]) / n_iter for r in recs])[0],
-            "setup_seconds": mean_ci([r["setup_seconds"] for r in recs])[0],
-            "nfe_per_iter": mean_ci(
-                [sum(n["rollout"] + n["complete"] for n in r["nfe"][:n_iter]) / n_iter for r in recs]
-            )[0],
+    # equal trajectories: after N iterations
+    eq = {}
+    for name in MAIN:
+        rows = []
+        for seed in seeds:
+            r = runs[name, seed]
+            base, final = r.evals[0], r.evals[N]
+            rows.append(
+                {
+                    "seed": seed,
+                    "reward": r.reward(N),
+                    "strict": final.get("reward_strict", float("nan")),
+                    "gain": paired(base, final)[0],
+                    "minus_outcome": paired(outcome[seed].evals[N], final)[0] if name != "outcome" else 0.0,
+                    "minus_outcome_pairs": list(paired(outcome[seed].evals[N], final)) if name != "outcome" else None,
+                    "nfe": r.cum_nfe(N),
+                    "seconds": r.cum_seconds(N),
+                }
+            )
+        eq[name] = {
+            "per_seed": rows,
+            "reward": over_seeds([x["reward"] for x in rows]),
+            "strict": over_seeds([x["strict"] for x in rows]),
+            "gain": over_seeds([x["gain"] for x in rows]),
+            "minus_outcome": over_seeds([x["minus_outcome"] for x in rows]) if name != "outcome" else None,
+            "nfe_per_iteration": over_seeds([x["nfe"] / N for x in rows]),
+            "seconds_per_iteration": over_seeds([x["seconds"] / N for x in rows]),
         }
-        tps = [t for r in recs for t in r.get("extra", {}).get("turning_points", [])[:n_iter]]
-        row["tp_raw_per_iter"] = sum(t["raw"] for t in tps) / len(tps) if tps else float("nan")
-        row["tp_kept_per_iter"] = sum(t["kept"] for t in tps) / len(tps) if tps else float("nan")
-        for tname, thr in thresholds.items():
-            its = [reach(r["train_reward"][:n_iter], thr) for r in recs]
-            secs = [wall(r)[i - 1] if i else None for i, r in zip(its, recs)]
-            # outcome may have run longer: where did it reach the threshold at all (equal wall-clock view)
-            its_all = [reach(r["train_reward"], thr) for r in recs]
-            secs_all = [wall(r)[i - 1] if i else None for i, r in zip(its_all, recs)]
-            row[f"reached_{tname}"] = f"{sum(i is not None for i in its)}/{len(its)}"
-            row[f"iters_to_{tname}"] = _mean_known(its)
-            row[f"seconds_to_{tname}"] = _mean_known(secs_all if name == "outcome" else secs)
-        rows.append(row)
-    result = {
-        "rows": rows,
-        "thresholds": thresholds,
-        "base_train": base_train,
-        "threads": sorted({str(r.get("torch_threads", "not recorded")) for r in records}),
-        "load": (
-            mean_ci([r["load_before"] for r in records])[0],
-            mean_ci([r["load_after"] for r in records])[0],
-            max(max(r["load_before"], r["load_after"]) for r in records),
-        ),
-    }
-    # outcome run longer than n_iter: its held-out reward at the end, and when that was
-    longest = max((len(r["train_reward"]) for r in outcome), default=0)
-    if longest > n_iter:
-        last = [heldout_at(r, longest) for r in outcome]
-        if all(last):
-            step_walls = [wall(r)[n_iter - 1] for n in MAIN[1:] for r in groups.get(n, [])]
-            result["outcome_long"] = {
-                "iterations": longest,
-                "heldout": mean_ci([h["reward"] for h in last]),
-                "paired_gain": mean_ci([h["reward"] - heldout_at(r, 0)["reward"] for h, r in zip(last, outcome)]),
-                "wall_seconds": mean_ci([wall(r)[-1] for r in outcome])[0],
-                "step_schemes_wall_seconds_at_n": mean_ci(step_walls)[0],
+    out["equal_trajectories"] = eq
+
+    # equal compute: outcome at the iteration of equal cumulative NFEs / seconds, per seed
+    ec = {}
+    for name in STEP_LEVEL:
+        entry = {}
+        for per in ("nfe", "seconds"):
+            rows = []
+            for seed in seeds:
+                r, o = runs[name, seed], outcome[seed]
+                cost = r.cum_nfe(N) if per == "nfe" else r.cum_seconds(N)
+                n = matched_iteration(o, cost, per)
+                got = o.cum_nfe(n) if per == "nfe" else o.cum_seconds(n)
+                rows.append(
+                    {
+                        "seed": seed,
+                        "outcome_iterations": n,
+                        "cost": cost,
+                        "outcome_cost": got,
+                        "outcome_reward": o.reward(n) if n in o.evals else float("nan"),
+                        "outcome_gain": paired(o.evals[0], o.evals[n])[0] if n in o.evals else float("nan"),
+                        "minus_outcome": paired(o.evals[n], r.evals[N])[0] if n in o.evals else float("nan"),
+                    }
+                )
+            entry[per] = {
+                "per_seed": rows,
+                "outcome_iterations": over_seeds([x["outcome_iterations"] for x in rows]),
+                "cost_fraction": over_seeds([x["outcome_cost"] / x["cost"] for x in rows]),
+                "outcome_gain": over_seeds([x["outcome_gain"] for x in rows]),
+                "minus_outcome": over_seeds([x["minus_outcome"] for x in rows]),
             }
-    return result
+        ec[name] = entry
+    out["equal_compute"] = ec
 
-
-def reach(train_reward: list[float], gain: float) -> int | None:
-    """First iteration (>= 2) whose trailing-mean training reward is `gain` above iteration 1's."""
-    hit = first_reach(moving_average(train_reward, SMOOTH)[1:], train_reward[0] + gain)
-    return None if hit is None else hit + 1
-
-
-def _mean_known(values: list[Any]) -> float:
-    known = [v for v in values if v is not None]
-    return sum(known) / len(known) if known else float("nan")
-
-
-def write_csvs(records: list[dict[str, Any]], analysis: dict[str, Any], out: Path) -> None:
-    with open(out / "curves.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(
-            [
-                "config",
-                "seed",
-                "iteration",
-                "train_reward",
-                "train_reward_smoothed",
-                "train_strict",
-                "iter_seconds",
-                "wall_seconds",
-                "rollout_seconds",
-                "complete_seconds",
-                "update_seconds",
-                "nfe_rollout",
-                "nfe_complete",
-            ]
-        )
-        for r in records:
-            smooth, cum = moving_average(r["train_reward"], SMOOTH), wall(r)
-            for i, rew in enumerate(r["train_reward"]):
-                s, n = r["stage_seconds"][i], r["nfe"][i]
-                w.writerow(
-                    [
-                        r["config"],
-                        r["seed"],
-                        i + 1,
-                        rew,
-                        smooth[i],
-                        r["train_strict"][i],
-                        r["iter_seconds"][i],
-                        cum[i],
-                        s["rollout"],
-                        s["complete"],
-                        s["update"],
-                        n["rollout"],
-                        n["complete"],
-                    ]
+    # speed: iterations / NFEs / seconds to reach outcome's held-out reward after N and after its last iteration
+    speed = {}
+    for name in STEP_LEVEL:
+        entry = {}
+        for label, n_target in (("at_equal_trajectories", N), ("at_outcome_end", None)):
+            rows = []
+            for seed in seeds:
+                r, o = runs[name, seed], outcome[seed]
+                nt = n_target or max(o.evals)
+                target = o.reward(nt)
+                pts = [(float(i), r.reward(i)) for i in sorted(r.evals)]
+                # a target at or below the base (outcome did not rise) says nothing about speed
+                x = crossing(pts, target) if target > r.reward(0) else None
+                rows.append(
+                    {
+                        "seed": seed,
+                        "target_iterations": nt,
+                        "target": target,
+                        "outcome_rose": target > r.reward(0),
+                        "iterations": x,
+                        "ratio": (x / nt) if x is not None else None,
+                        "nfe": _interp(r.cum_nfe, x),
+                        "seconds": _interp(r.cum_seconds, x),
+                        "outcome_nfe": o.cum_nfe(nt),
+                        "outcome_seconds": o.cum_seconds(nt),
+                    }
                 )
-    subs = sorted({k for r in records for h in r["heldout"] for k in h if k.startswith("sub_")})
-    with open(out / "heldout.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["config", "seed", "iteration", "wall_seconds", "reward", "strict", *subs])
-        for r in records:
-            cum = [r["setup_seconds"], *wall(r)]
-            for h in r["heldout"]:
-                w.writerow(
-                    [
-                        r["config"],
-                        r["seed"],
-                        h["iteration"],
-                        cum[h["iteration"]],
-                        h["reward"],
-                        h["strict"],
-                        *[h.get(s, "") for s in subs],
-                    ]
-                )
-    with open(out / "gains.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["config", "seed", "iteration", "k", "mean_gain"])
-        for r in records:
-            for i, g in enumerate(r["gains"]):
-                for k, v in enumerate(g):
-                    w.writerow([r["config"], r["seed"], i + 1, k, v])
-    rows = analysis["rows"]
-    with open(out / "summary.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+            reached = [x for x in rows if x["iterations"] is not None]
+            entry[label] = {
+                "per_seed": rows,
+                "reached": len(reached),
+                "ratio": over_seeds([x["ratio"] for x in reached]) if len(reached) == len(rows) else None,
+                "nfe_ratio": over_seeds([x["nfe"] / x["outcome_nfe"] for x in reached])
+                if len(reached) == len(rows)
+                else None,
+                "seconds_ratio": over_seeds([x["seconds"] / x["outcome_seconds"] for x in reached])
+                if len(reached) == len(rows)
+                else None,
+            }
+        speed[name] = entry
+    out["speed"] = speed
 
+    # ablations: paired held-out differences per seed (over the held-out pairs) and over seeds
+    abl = {}
+    for key, (base, changed, what) in ABLATIONS.items():
+        rows = []
+        for seed in s.ablation_seeds:
+            if (base, seed) not in runs or (changed, seed) not in runs:
+                continue
+            b, c = runs[base, seed], runs[changed, seed]
+            d = paired(b.evals[N], c.evals[N])
+            rows.append(
+                {
+                    "seed": seed,
+                    "base_gain": paired(b.evals[0], b.evals[N])[0],
+                    "changed_gain": paired(c.evals[0], c.evals[N])[0],
+                    "difference": d[0],
+                    "lo": d[1],
+                    "hi": d[2],
+                    "seconds_ratio": c.cum_seconds(N) / b.cum_seconds(N),
+                    "nfe_ratio": c.cum_nfe(N) / b.cum_nfe(N),
+                    "changed_minus_outcome": list(paired(runs["outcome", seed].evals[N], c.evals[N])),
+                }
+            )
+        abl[key] = {"base": base, "changed": changed, "what": what, "per_seed": rows}
+        if len(rows) > 1:
+            abl[key]["over_seeds"] = over_seeds([x["difference"] for x in rows])
+    out["ablations"] = abl
 
-def fmt(x: float, digits: int = 3) -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+    # DDIM SDE claim: how well each state's ODE completion predicts the SDE sample's reward, per step
+    gap = {}
+    for name in ("stepwise", "stepwise_ddim"):
+        import numpy as np
 
-
-def summary_md(analysis: dict[str, Any], settings: dict[str, Any], machine: dict[str, Any]) -> str:
-    th = analysis["thresholds"]
-    lines = [
-        f"settings: {json.dumps(settings, sort_keys=True)}",
-        f"machine: {machine['cores']} cores ({machine['cpu']}), torch {machine['torch']}, GPU: {machine['gpu']}; "
-        f"torch threads of the runs: {analysis['threads']}; load average (1 min) before / after each run: "
-        f"mean {fmt(analysis['load'][0], 2)} / {fmt(analysis['load'][1], 2)}, max {fmt(analysis['load'][2], 2)}",
-        "",
-        f"thresholds: the training reward (trailing mean of {SMOOTH} iterations) exceeds the same seed's base-policy "
-        f"reward (iteration 1) by {' / '.join(th)}; mean base {fmt(analysis['base_train'])}",
-        "",
-        "| config | seeds | held-out reward after N (95% CI) | gain over base (95% CI) | minus outcome, paired (95% "
-        "CI) "
-        "| training reward minus outcome, paired, 2nd half (95% CI) "
-        "| strict | iters to base+0.02 / +0.05 | seconds to base+0.02 / +0.05 | s / iter | NFE / iter | turning "
-        "points / iter (kept) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in analysis["rows"]:
-        lines.append(
-            f"| {r['config']} | {r['seeds']} | {fmt(r['heldout_final'])} [{fmt(r['heldout_ci_lo'])}, "
-            f"{fmt(r['heldout_ci_hi'])}] "
-            f"| {fmt(r['heldout_gain'])} [{fmt(r['gain_ci_lo'])}, {fmt(r['gain_ci_hi'])}] "
-            f"| {fmt(r['diff_vs_outcome'])} [{fmt(r['diff_ci_lo'])}, {fmt(r['diff_ci_hi'])}] "
-            f"| {fmt(r['train_vs_outcome'])} [{fmt(r['train_diff_ci_lo'])}, {fmt(r['train_diff_ci_hi'])}] | "
-            f"{fmt(r['heldout_strict'])} "
-            f"| {fmt(r['iters_to_+0.02'], 1)} ({r['reached_+0.02']}) / {fmt(r['iters_to_+0.05'], 1)} "
-            f"({r['reached_+0.05']}) "
-            f"| {fmt(r['seconds_to_+0.02'], 0)} / {fmt(r['seconds_to_+0.05'], 0)} | {fmt(r['seconds_per_iter'], 1)} "
-            f"| {fmt(r['nfe_per_iter'], 0)} | {fmt(r['tp_raw_per_iter'], 1)} ({fmt(r['tp_kept_per_iter'], 1)}) |"
-        )
-    if "outcome_long" in analysis:
-        o = analysis["outcome_long"]
-        lines += [
-            "",
-            f"outcome after {o['iterations']} iterations ({fmt(o['wall_seconds'], 0)} s of training; the step-level "
-            f"schemes' {analysis['rows'][0]['iterations']} iterations took "
-            f"{fmt(o['step_schemes_wall_seconds_at_n'], 0)} s): "
-            f"held-out {fmt(o['heldout'][0])} [{fmt(o['heldout'][1])}, {fmt(o['heldout'][2])}], gain over base "
-            f"{fmt(o['paired_gain'][0])} [{fmt(o['paired_gain'][1])}, {fmt(o['paired_gain'][2])}]",
+        rs = [runs[name, seed] for seed in s.ablation_seeds if (name, seed) in runs]
+        if not rs:
+            continue
+        g = np.concatenate([np.stack(r.grids[:N]).reshape(-1, r.grids[0].shape[1]) for r in rs])  # [runs*N*B, T+1]
+        final = g[:, -1]
+        width = int(np.argmax([np.allclose(g[:, k], final) for k in range(g.shape[1])]))  # first state equal to R_T
+        gap[name] = [
+            {
+                "k": k,
+                "abs_gap": float(np.abs(final - g[:, k]).mean()),
+                "agree": float((np.abs(final - g[:, k]) < 1e-6).mean()),
+                "corr": float(np.corrcoef(final, g[:, k])[0, 1]) if g[:, k].std() > 0 else float("nan"),
+            }
+            for k in range(max(width, 1))
         ]
-    return "\n".join(lines) + "\n"
+    out["sde_gap"] = gap
+
+    # turning points per iteration, before and after balancing
+    tp = {}
+    for name in ("turning_point", "turning_point_nobal"):
+        rs = [runs[name, seed] for seed in s.seeds if (name, seed) in runs]
+        rows = [t for r in rs for t in r.turning[:N]]
+        if rows:
+            tp[name] = {
+                "raw": sum(t["raw"] for t in rows) / len(rows),
+                "kept": sum(t["kept"] for t in rows) / len(rows),
+                "none_kept": sum(t["kept"] == 0 for t in rows) / len(rows),
+                "iterations": len(rows),
+            }
+    out["turning_points"] = tp
+    return out
 
 
-# ---------------------------------------------------------------------------------- plots
+def _interp(cum, x: float | None) -> float | None:
+    """A cumulative per-iteration cost at a fractional iteration count."""
+    if x is None:
+        return None
+    lo = int(math.floor(x))
+    return cum(lo) + (x - lo) * (cum(lo + 1) - cum(lo)) if x > lo else cum(lo)
 
 
-def plot(records: list[dict[str, Any]], analysis: dict[str, Any], n_iter: int, out: Path) -> None:
+# ------------------------------------------------------------------------------------ claims
+
+
+def verdict(v: dict[str, float] | None, threshold: float = 0.0) -> str:
+    """consistent: the interval lies above `threshold`; contradicted: below it; else not resolved."""
+    if v is None or v.get("lo") != v.get("lo"):
+        return "not resolved at this scale"
+    if v["lo"] > threshold:
+        return "consistent"
+    if v["hi"] < threshold:
+        return "contradicted"
+    return "not resolved at this scale"
+
+
+def speed_verdict(entry: dict[str, Any], claimed: float) -> str:
+    """consistent: every seed reached outcome's reward within `claimed` of its iterations;
+    contradicted: no seed did; else not resolved."""
+    rows = entry["per_seed"]
+    if not all(x["outcome_rose"] for x in rows):
+        return "not resolved at this scale"
+    fast = [x["ratio"] is not None and x["ratio"] <= claimed for x in rows]
+    if all(fast):
+        return "consistent"
+    if not any(fast):
+        return "contradicted"
+    return "not resolved at this scale"
+
+
+def speed_text(entry: dict[str, Any]) -> str:
+    rows = entry["per_seed"]
+    per = ", ".join(
+        ("not reached" if x["outcome_rose"] else "outcome below base") if x["ratio"] is None else f"{x['ratio']:.2f}"
+        for x in rows
+    )
+    mean = ci(entry["ratio"], 2).replace("+", "") if entry["ratio"] else f"{entry['reached']}/{len(rows)} seeds reached"
+    return f"iterations / outcome's: {mean} (per seed {per})"
+
+
+def claims(a: dict[str, Any], s: Settings) -> list[dict[str, str]]:
+    N = a["iterations"]
+    eq, ec, sp, ab = a["equal_trajectories"], a["equal_compute"], a["speed"], a["ablations"]
+    rows: list[dict[str, str]] = []
+
+    def add(paper: str, claim: str, measured: str, v: str) -> None:
+        rows.append({"paper": paper, "claim": claim, "measured": measured, "verdict": v})
+
+    for paper, name, speed_claim, fraction in (
+        ("Stepwise-Flow-GRPO", "stepwise", "reaches Flow-GRPO's reward in 2-3x fewer iterations", 0.5),
+        ("TP-GRPO", "turning_point", "reaches Flow-GRPO's reward in about a third of the steps", 0.34),
+        ("DenseGRPO", "dense", None, None),
+    ):
+        add(
+            paper,
+            "higher reward than Flow-GRPO at the same iterations",
+            f"held-out {name} - outcome after {N} iterations: {ci(eq[name]['minus_outcome'])}",
+            verdict(eq[name]["minus_outcome"]),
+        )
+        for per, what in (("nfe", "transformer NFEs"), ("seconds", "training seconds")):
+            e = ec[name][per]
+            add(
+                paper,
+                f"higher reward than Flow-GRPO at equal {what}"
+                + (
+                    " (shorter wall-clock despite completions)"
+                    if paper.startswith("Stepwise") and per == "seconds"
+                    else ""
+                ),
+                f"{name} - outcome after {e['outcome_iterations']['mean']:.0f} of its iterations "
+                f"({e['cost_fraction']['mean']:.2f}x the cost): {ci(e['minus_outcome'])}",
+                verdict(e["minus_outcome"]),
+            )
+        if speed_claim:
+            for label, target in (("at_equal_trajectories", f"after {N}"), ("at_outcome_end", "at its end")):
+                e = sp[name][label]
+                add(paper, f"{speed_claim} (outcome's reward {target})", speed_text(e), speed_verdict(e, fraction))
+
+    def one_or_seeds(e: dict[str, Any], key: str, label: str, sign: float = 1.0) -> tuple[str, str]:
+        """The measured text and verdict of a paired difference (over seeds when there are several;
+        else the one seed's held-out pairs), `sign` -1 for a claim that it is negative."""
+        rows_ = e["per_seed"]
+        if len(rows_) > 1:
+            v = over_seeds([x[key][0] if isinstance(x[key], list) else x[key] for x in rows_])
+            text, tail = f"{label} after {N}: {ci(v)} over {v['n']} seeds", ""
+        else:
+            x = rows_[0]
+            m, lo, hi = x[key] if isinstance(x[key], list) else (x["difference"], x["lo"], x["hi"])
+            v = {"mean": m, "lo": lo, "hi": hi}
+            text, tail = f"{label} after {N}, seed {x['seed']}: {ci(v)} ({a['pairs']} pairs)", " (one training seed)"
+        if sign < 0:
+            v = {"mean": -v["mean"], "lo": -v["hi"], "hi": -v["lo"]}
+        return text, verdict(v) + tail
+
+    for key, paper, claim, against, sign in (
+        ("ddim_sde", "Stepwise-Flow-GRPO", "the DDIM SDE trains better than Flow-GRPO's SDE", "base", 1.0),
+        ("psi", "DenseGRPO", "calibrated psi beats a uniform noise level", "base", 1.0),
+        ("tweedie", "DenseGRPO", "n = 1 completion step (Tweedie) is worse than Flow-GRPO", "outcome", -1.0),
+        ("substeps2", "DenseGRPO", "n = 2 completion steps beat Flow-GRPO", "outcome", 1.0),
+        ("tweedie", "DenseGRPO", "n = t completion steps beat n = 1", "base", -1.0),
+        ("substeps2", "DenseGRPO", "n = t completion steps beat n = 2", "base", -1.0),
+        ("tp_balance", "TP-GRPO (authors' code)", "balancing the turning points' signs helps", "base", 1.0),
+    ):
+        e = ab[key]
+        if not e["per_seed"]:
+            continue
+        if against == "outcome":
+            text, v = one_or_seeds(e, "changed_minus_outcome", f"{e['changed']} - outcome", sign)
+        else:
+            text, v = one_or_seeds(e, "difference", f"{e['changed']} - {e['base']}", sign)
+        add(paper, claim, text, v)
+    g = a["sde_gap"]
+    if "stepwise" in g and "stepwise_ddim" in g:
+        flow = " / ".join(f"{r['abs_gap']:.3f}" for r in g["stepwise"])
+        ddim = " / ".join(f"{r['abs_gap']:.3f}" for r in g["stepwise_ddim"])
+        better = all(d["abs_gap"] < f["abs_gap"] for d, f in zip(g["stepwise_ddim"], g["stepwise"]))
+        worse = all(d["abs_gap"] > f["abs_gap"] for d, f in zip(g["stepwise_ddim"], g["stepwise"]))
+        add(
+            "Stepwise-Flow-GRPO",
+            "the DDIM SDE's intermediate states give a more faithful reward signal",
+            f"mean abs(R(SDE sample) - R(ODE completion of x_k)), k = 0, 1, 2: ddim {ddim}, flow {flow}",
+            "consistent (every step)" if better else "contradicted (every step)" if worse else "mixed across steps",
+        )
+    return rows
+
+
+# ------------------------------------------------------------------------------------ report
+
+
+def summary_md(a: dict[str, Any], runs: dict[tuple[str, int], Run], s: Settings, info: dict[str, Any]) -> str:
+    N = a["iterations"]
+    L = [
+        f"settings: {json.dumps(info['settings'])}",
+        f"machine: {json.dumps(info['machine'])}",
+        "",
+        f"### Equal trajectories: after {N} iterations x {a['trajectories']} trajectories "
+        f"(95 % t-intervals over {len(s.seeds)} training seeds)",
+        "",
+        "| scheme | held-out reward | strict | gain over base | minus outcome, paired | NFE / iteration "
+        "| s / iteration |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in MAIN:
+        e = a["equal_trajectories"][name]
+        L.append(
+            f"| {name} | {ci(e['reward']).replace('+', '')} | {fmt(e['strict']['mean'], 3, False)} | {ci(e['gain'])} | "
+            f"{ci(e['minus_outcome']) if e['minus_outcome'] else 'n/a'} | {e['nfe_per_iteration']['mean']:.0f} | "
+            f"{e['seconds_per_iteration']['mean']:.2f} |"
+        )
+    L += ["", f"Per seed, the paired difference to outcome with its interval over the {a['pairs']} held-out pairs:", ""]
+    for name in STEP_LEVEL:
+        per = "; ".join(
+            f"seed {x['seed']} {fmt(x['minus_outcome_pairs'][0])} [{fmt(x['minus_outcome_pairs'][1])}, "
+            f"{fmt(x['minus_outcome_pairs'][2])}]"
+            for x in a["equal_trajectories"][name]["per_seed"]
+        )
+        L.append(f"- {name}: {per}")
+    L += [
+        "",
+        f"### Equal compute: outcome evaluated where its cumulative cost equals the scheme's after {N} iterations",
+        "",
+        "| scheme | budget | outcome iterations | outcome's cost / scheme's | outcome gain over base "
+        "| scheme minus outcome |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in STEP_LEVEL:
+        for per, label in (("nfe", "NFEs"), ("seconds", "seconds")):
+            e = a["equal_compute"][name][per]
+            L.append(
+                f"| {name} | {label} | {', '.join(str(x['outcome_iterations']) for x in e['per_seed'])} | "
+                f"{e['cost_fraction']['mean']:.2f} | {ci(e['outcome_gain'])} | {ci(e['minus_outcome'])} |"
+            )
+    L += [
+        "",
+        "### Speed: to reach outcome's held-out reward (same seed), from the held-out curve "
+        "(linear between evaluations)",
+        "",
+        "| scheme | outcome's reward | seeds reached | iterations / outcome's | NFEs / outcome's "
+        "| seconds / outcome's | per seed (iterations) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in STEP_LEVEL:
+        for label, text in (("at_equal_trajectories", f"after {N}"), ("at_outcome_end", "at its end")):
+            e = a["speed"][name][label]
+            per = ", ".join("-" if x["iterations"] is None else f"{x['iterations']:.0f}" for x in e["per_seed"])
+            L.append(
+                f"| {name} | {text} ({', '.join(str(x['target_iterations']) for x in e['per_seed'][:1])} it.) | "
+                f"{e['reached']}/{len(e['per_seed'])} | "
+                + " | ".join(
+                    ci(e[k], 2).replace("+", "") if e[k] else "n/a" for k in ("ratio", "nfe_ratio", "seconds_ratio")
+                )
+                + f" | {per} |"
+            )
+    L += [
+        "",
+        f"### Ablations, each against its base configuration (paired, after {N} iterations)",
+        "",
+        f"| ablation | seed | base gain | changed gain | changed minus base ({a['pairs']} pairs) | NFE ratio "
+        "| seconds ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for e in a["ablations"].values():
+        for x in e["per_seed"]:
+            L.append(
+                f"| {e['what']} | {x['seed']} | {fmt(x['base_gain'])} | {fmt(x['changed_gain'])} | "
+                f"{fmt(x['difference'])} [{fmt(x['lo'])}, {fmt(x['hi'])}] | {x['nfe_ratio']:.2f} | "
+                f"{x['seconds_ratio']:.2f} |"
+            )
+        if "over_seeds" in e:
+            L.append(f"| {e['what']} | over seeds | | | {ci(e['over_seeds'])} | | |")
+    if a["sde_gap"]:
+        L += [
+            "",
+            "### The SDE sample against each state's ODE completion (training rollouts, ablation seeds)",
+            "",
+            "| kernel | k | mean abs(R_T - R_k) | share equal | correlation |",
+            "|---|---|---|---|---|",
+        ]
+        for name, rows in a["sde_gap"].items():
+            for r in rows:
+                L.append(f"| {name} | {r['k']} | {r['abs_gap']:.4f} | {r['agree']:.3f} | {r['corr']:.3f} |")
+    if a["turning_points"]:
+        L += ["", f"### Turning points per iteration ({a['trajectories']} trajectories)", ""]
+        for name, t in a["turning_points"].items():
+            L.append(
+                f"- {name}: {t['raw']:.1f} found, {t['kept']:.1f} kept; none kept in "
+                f"{100 * t['none_kept']:.0f} % of {t['iterations']} iterations"
+            )
+    return "\n".join(L) + "\n"
+
+
+def claims_md(rows: list[dict[str, str]]) -> str:
+    L = [
+        "| paper | claim | measured here (95 % interval) | verdict |",
+        "|---|---|---|---|",
+    ]
+    L += [f"| {r['paper']} | {r['claim']} | {r['measured']} | {r['verdict']} |" for r in rows]
+    return "\n".join(L) + "\n"
+
+
+def write_csvs(runs: dict[tuple[str, int], Run], a: dict[str, Any], out: Path) -> None:
+    def dump(path: Path, rows: list[dict[str, Any]]) -> None:
+        keys = list(dict.fromkeys(k for r in rows for k in r))
+        with path.open("w", newline="") as f:
+            w = csv.DictWriter(f, keys)
+            w.writeheader()
+            w.writerows(rows)
+
+    held, curves, gains = [], [], []
+    for (name, seed), r in sorted(runs.items()):
+        for it in sorted(r.evals):
+            e = r.evals[it]
+            g = paired(r.evals[0], e) if it else (0.0, 0.0, 0.0)
+            held.append(
+                {
+                    "config": name,
+                    "seed": seed,
+                    "iteration": it,
+                    "nfe": r.cum_nfe(it),
+                    "seconds": r.cum_seconds(it),
+                    "reward": e["reward_mean"],
+                    "strict": e.get("reward_strict", ""),
+                    "gain": g[0],
+                    "gain_lo": g[1],
+                    "gain_hi": g[2],
+                    **{f"sub_{k}": v for k, v in e.get("sub", {}).items()},
+                }
+            )
+        for i in range(len(r.nfe)):
+            t = r.turning[i] if i < len(r.turning) else {}
+            curves.append(
+                {
+                    "config": name,
+                    "seed": seed,
+                    "iteration": i + 1,
+                    "train_reward": r.train_reward[i],
+                    "nfe": r.nfe[i],
+                    "seconds": r.seconds[i],
+                    "turning_raw": t.get("raw", ""),
+                    "turning_kept": t.get("kept", ""),
+                }
+            )
+            for k, g in enumerate(r.gains[i] if i < len(r.gains) else []):
+                gains.append({"config": name, "seed": seed, "iteration": i + 1, "k": k, "gain": g})
+    dump(out / "heldout.csv", held)
+    dump(out / "curves.csv", curves)
+    dump(out / "gains.csv", gains)
+    dump(
+        out / "ablations.csv",
+        [
+            {"ablation": k, "base": e["base"], "changed": e["changed"], **x}
+            for k, e in a["ablations"].items()
+            for x in e["per_seed"]
+        ],
+    )
+    dump(out / "sde_gap.csv", [{"config": k, **x} for k, rows in a["sde_gap"].items() for x in rows])
+
+
+def plots(runs: dict[tuple[str, int], Run], a: dict[str, Any], s: Settings, out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
-    from matplotlib.ticker import MaxNLocator
 
-    groups = by_config(records)
+    # held-out gain over base against iterations, NFEs and seconds: seeds' mean and 95 % interval
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.3), sharey=True)
+    for name in MAIN:
+        rs = [runs[name, seed] for seed in s.seeds]
+        its = sorted(set.intersection(*(set(r.evals) for r in rs)))
+        if name == "outcome":
+            its = [i for i in its if i > 0] and [0, *[i for i in its if i > 0]]
+        gains = [[paired(r.evals[0], r.evals[i])[0] if i else 0.0 for r in rs] for i in its]
+        m = [over_seeds(g) for g in gains]
+        for ax, xs in (
+            (axes[0], its),
+            (axes[1], [np.mean([r.cum_nfe(i) for r in rs]) / 1e3 for i in its]),
+            (axes[2], [np.mean([r.cum_seconds(i) for r in rs]) / 60 for i in its]),
+        ):
+            y = [v["mean"] for v in m]
+            ax.plot(xs, y, marker="o", color=COLOURS[name], label=name)
+            lo = [v["lo"] if v["lo"] == v["lo"] else v["mean"] for v in m]
+            hi = [v["hi"] if v["hi"] == v["hi"] else v["mean"] for v in m]
+            ax.fill_between(xs, lo, hi, color=COLOURS[name], alpha=0.12)
+    for ax, label in zip(
+        axes,
+        (f"iteration ({a['trajectories']} trajectories each)", "transformer NFEs (thousands)", "training minutes"),
+    ):
+        ax.set_xlabel(label)
+        ax.axhline(0, color="grey", lw=0.8)
+        ax.axvline(a["iterations"] if ax is axes[0] else np.nan, color="grey", ls=":", lw=0.8)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("held-out gain over the base (paired)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"held-out reward gain, mean and 95 % interval over {len(s.seeds)} seeds", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out / "heldout.png", dpi=110)
+    plt.close(fig)
 
-    def curves(names: tuple[str, ...], x_wall: bool, path: Path, title: str) -> None:
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
-        for name in names:
-            recs = groups.get(name, [])
-            if not recs:
-                continue
-            n = min(len(r["train_reward"]) for r in recs)
-            y = np.array([moving_average(r["train_reward"][:n], SMOOTH) for r in recs])
-            x = np.mean([wall(r)[:n] for r in recs], 0) if x_wall else np.arange(1, n + 1)
-            c = COLOURS[name]
-            axes[0].plot(x, y.mean(0), color=c, label=f"{name} ({len(recs)} seeds)")
-            axes[0].fill_between(x, y.min(0), y.max(0), color=c, alpha=0.12)
-            its = sorted({h["iteration"] for h in recs[0]["heldout"]})
-            hx, hy, lo, hi = [], [], [], []
-            shift = 0.08 * (names.index(name) - (len(names) - 1) / 2)  # side by side at one iteration
-            for it in its:
-                # paired: each seed's held-out reward minus its base model's (same prompts and noise)
-                vals = [heldout_at(r, it)["reward"] - heldout_at(r, 0)["reward"] for r in recs if heldout_at(r, it)]
-                if len(vals) != len(recs):
-                    continue
-                m, a, b = mean_ci(vals)
-                hx.append(np.mean([([r["setup_seconds"], *wall(r)])[it] for r in recs]) if x_wall else it + shift)
-                hy.append(m)
-                lo.append(m - a if a == a else 0.0)
-                hi.append(b - m if b == b else 0.0)
-            axes[1].errorbar(hx, hy, yerr=[lo, hi], color=c, marker="o", capsize=3, label=name)
-        for ax in axes:
-            ax.set_xlabel("training wall-clock seconds" if x_wall else "iteration")
-            ax.grid(alpha=0.3)
-            if not x_wall:
-                ax.axvline(n_iter, color="grey", lw=0.8, ls=":")
-        axes[0].set_ylabel(f"training reward R_T (mean of last {SMOOTH} iterations)")
-        axes[0].set_title("training reward: mean over seeds, band = min..max")
-        axes[1].set_ylabel("held-out reward minus the base model's")
-        axes[1].set_title("held-out gain (ODE samples): mean, 95% CI over seeds")
-        axes[1].axhline(0.0, color="grey", lw=0.8)
-        for thr, ls in zip(analysis["thresholds"].values(), ("--", "-.")):
-            axes[0].axhline(analysis["base_train"] + thr, color="grey", lw=0.8, ls=ls)
-        axes[0].legend(fontsize=8)
-        fig.suptitle(title)
+    # mean gain per step: iteration bins x steps k of the SDE window, per step-level scheme
+    names = [n for n in STEP_LEVEL if all(runs[n, seed].gains and runs[n, seed].gains[0] for seed in s.seeds)]
+    if names:
+        fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.6), squeeze=False)
+        N = a["iterations"]
+        bins = max(1, min(10, N))
+        for ax, name in zip(axes[0], names):
+            g = np.mean([np.array(runs[name, seed].gains[:N]) for seed in s.seeds], axis=0)  # [N, T]
+            width = int(max(1, (np.abs(g).sum(0) > 0).nonzero()[0].max() + 1))
+            edges = np.linspace(0, N, bins + 1).astype(int)
+            h = np.stack([g[e0:e1, :width].mean(0) for e0, e1 in zip(edges, edges[1:]) if e1 > e0])
+            v = float(np.abs(h).max()) or 1.0
+            im = ax.imshow(h, aspect="auto", cmap="RdBu", vmin=-v, vmax=v, origin="lower")
+            ax.set_title(name, fontsize=9)
+            ax.set_xlabel("step k (gain R_{k+1} - R_k)")
+            ax.set_xticks(range(width))
+            ax.set_yticks(range(len(h)))
+            ax.set_yticklabels([f"{e0 + 1}-{e1}" for e0, e1 in zip(edges, edges[1:]) if e1 > e0], fontsize=7)
+            ax.set_ylabel("iterations")
+            fig.colorbar(im, ax=ax, fraction=0.05)
+        fig.suptitle(f"mean step gain on the training rollouts ({len(s.seeds)} seeds)", fontsize=10)
         fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-
-    curves(MAIN, False, out / "reward_vs_iteration.png", "credit schemes on the shapes task: reward vs iteration")
-    curves(MAIN, True, out / "reward_vs_wallclock.png", "credit schemes on the shapes task: reward vs wall-clock")
-    for title, names in ABLATIONS.items():
-        slug = {
-            "exploration": "ablation_psi",
-            "completion": "ablation_completion",
-            "turning-point": "ablation_tp_balance",
-        }[title.split()[0]]
-        curves(names, False, out / f"{slug}.png", f"ablation, {title}: reward vs iteration")
-        curves(names, True, out / f"{slug}_wallclock.png", f"ablation, {title}: reward vs wall-clock")
-
-    # mean gain per step k: one heatmap per configuration with step rewards (iteration x k)
-    with_gains = [n for n, recs in groups.items() if recs[0]["gains"] and recs[0]["gains"][0]]
-    if with_gains:
-        cols = min(4, len(with_gains))
-        rows = math.ceil(len(with_gains) / cols)
-        fig, axes = plt.subplots(
-            rows, cols, figsize=(3.8 * cols + 1, 3.2 * rows + 0.6), squeeze=False, constrained_layout=True
-        )
-        arrays = {n: np.mean([np.array(r["gains"][:n_iter]) for r in groups[n]], 0) for n in with_gains}
-        vmax = max(float(np.abs(a).max()) for a in arrays.values()) or 1.0
-        for ax, name in zip(axes.flat, with_gains):
-            im = ax.imshow(
-                arrays[name],
-                cmap="RdBu",
-                vmin=-vmax,
-                vmax=vmax,
-                aspect="auto",
-                origin="lower",
-                extent=(-0.5, arrays[name].shape[1] - 0.5, 0.5, arrays[name].shape[0] + 0.5),
-            )
-            ax.set_title(f"{name} ({len(groups[name])} seeds)", fontsize=9)
-            ax.set_xlabel("step k")
-            ax.set_ylabel("iteration")
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-        for ax in list(axes.flat)[len(with_gains) :]:
-            ax.axis("off")
-        fig.colorbar(im, ax=axes, shrink=0.8, label="mean gain g_k = R_{k+1} - R_k")
-        fig.suptitle("mean gain per step k (training rollouts, mean over trajectories and seeds)")
         fig.savefig(out / "gain_heatmap.png", dpi=110)
         plt.close(fig)
 
+    rows = [(e["what"].split(": ")[-1], x) for e in a["ablations"].values() for x in e["per_seed"]]
+    if rows:
+        fig, ax = plt.subplots(figsize=(8, 0.5 + 0.55 * len(rows)))
+        ys = range(len(rows))
+        ax.errorbar(
+            [x["difference"] for _, x in rows],
+            ys,
+            xerr=[[x["difference"] - x["lo"] for _, x in rows], [x["hi"] - x["difference"] for _, x in rows]],
+            fmt="o",
+            capsize=3,
+        )
+        ax.set_yticks(list(ys))
+        ax.set_yticklabels([f"{w} (seed {x['seed']})" for w, x in rows], fontsize=8)
+        ax.axvline(0, color="grey", lw=0.8)
+        ax.set_xlabel(
+            f"held-out reward, changed minus base after {a['iterations']} iterations ({a['pairs']} pairs, 95 %)"
+        )
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / "ablations.png", dpi=110)
+        plt.close(fig)
 
-# ------------------------------------------------------------------------------------ main
+
+# -------------------------------------------------------------------------------------- main
+
+
+def settings(a: argparse.Namespace) -> Settings:
+    p = PRESETS["quick" if a.quick else "gpu" if a.gpu else "full"]
+
+    def pick(key: str) -> Any:
+        v = getattr(a, key)
+        return p.get(key) if v is None else v
+
+    out = a.out or OUT_DIR / (
+        "credit_schemes_quick" if a.quick else "credit_schemes_gpu" if a.gpu else "credit_schemes"
+    )
+    return Settings(
+        iterations=pick("iterations"),
+        eval_every=pick("eval_every"),
+        outcome_iterations=pick("outcome_iterations"),
+        seeds=pick("seeds"),
+        ablation_seeds=pick("ablation_seeds"),
+        overrides=list(p.get("set", [])) + a.overrides,
+        jobs=a.jobs or p.get("jobs", 2),
+        out=out.resolve(),
+    )
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="every path at tiny settings")
+    mode.add_argument("--gpu", action="store_true", help="8x the trajectories an iteration on a CUDA GPU")
+    ap.add_argument("--iterations", type=int, help="iterations of the step-level runs (the equal-trajectory budget)")
+    ap.add_argument("--outcome-iterations", type=int, help="outcome's iterations (default: its config's)")
+    ap.add_argument("--eval-every", type=int)
+    ap.add_argument("--seeds", type=int, nargs="+")
+    ap.add_argument("--ablation-seeds", type=int, nargs="+")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], help="key=value on every run")
+    ap.add_argument("--jobs", type=int, help="runs at once (one torch thread each)")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--report-only", action="store_true", help="read the finished runs and report")
+    return ap
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="small settings that finish in <= 10 min on 2 CPU cores")
-    p.add_argument("--iterations", type=int, help="iterations of every configuration")
-    p.add_argument(
-        "--outcome-iterations", type=int, help="iterations of outcome (>= --iterations; equal wall-clock view)"
-    )
-    p.add_argument("--prompts", type=int, help="prompts per iteration")
-    p.add_argument("--group-size", type=int, help="trajectories per prompt")
-    p.add_argument("--eval-prompts", type=int, help="held-out prompts per evaluation (all held-out prompts if larger)")
-    p.add_argument("--eval-every", type=int, help="held-out evaluation every N iterations (must divide --iterations)")
-    p.add_argument("--seeds", type=int, nargs="+", help="seeds of the main configurations")
-    p.add_argument("--ablation-seeds", type=int, nargs="+", help="seeds of the ablation configurations")
-    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
-    p.add_argument(
-        "--set",
-        nargs="*",
-        default=[],
-        metavar="KEY=VALUE",
-        help="config overrides applied to every configuration (e.g. optim.lr=3e-4)",
-    )
-    p.add_argument("--max-minutes", type=float, default=None, help="start no new run after this many minutes")
-    p.add_argument("--model", default=None, help="SD3 pipeline directory (default: the shipped models/shapes)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, = cores)")
-    p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--report-only", action="store_true", help="only redraw tables and plots from existing records")
-    a = p.parse_args()
-    preset = PRESETS["quick" if a.quick else "full"]
-    for key, value in preset.items():
-        if getattr(a, key) is None:
-            setattr(a, key, value)
-    a.outcome_iterations = max(a.outcome_iterations, a.iterations)
-    if a.iterations % a.eval_every:
-        p.error(f"--eval-every {a.eval_every} must divide --iterations {a.iterations}")
-    out = a.out or OUT_DIR / ("credit_schemes_quick" if a.quick else "credit_schemes")
-    _common.setup_env(out, a.threads)
-    a.model = _common.model_path(a.model)
-    shared_tracking(out)
-    settings = {
-        k: getattr(a, k)
-        for k in (
-            "iterations",
-            "outcome_iterations",
-            "prompts",
-            "group_size",
-            "eval_prompts",
-            "eval_every",
-            "seeds",
-            "ablation_seeds",
-            "model",
-            "set",
-        )
-    }
-    print(f"settings: {settings}", flush=True)
+    ap = parser()
+    a = ap.parse_args()
+    s = settings(a)
+    if s.iterations % s.eval_every:
+        ap.error(f"--iterations {s.iterations} is not a multiple of --eval-every {s.eval_every}")
+    s.out.mkdir(parents=True, exist_ok=True)
+    started = machine()
+    jobs = [(n, seed) for seed in s.seeds for n in MAIN]
+    jobs += [(n, seed) for seed in s.ablation_seeds for n in CONFIGS if n not in MAIN]
+    if not a.report_only:
+        train_all(s, jobs)
+    runs = {}
+    for name, seed in jobs:
+        if not finished(s.out / name, seed, CONFIGS[name][0], run_overrides(name, s)):
+            raise SystemExit(f"{name} seed {seed} has not finished: run without --report-only")
+        runs[name, seed] = read(name, seed, s)
+    # outcome's evaluations at the equal-compute iterations
+    pre = analyse_costs(runs, s)
+    if not a.report_only:
+        for seed, its in pre.items():
+            for n in sorted(its):
+                evaluate_at(runs["outcome", seed].run_dir, n, s.out)
+                print(f"outcome seed {seed}: evaluated after {n} iterations", flush=True)
+    for seed in s.seeds:
+        runs["outcome", seed].evals = read_evals(runs["outcome", seed].run_dir)
+    analysis = analyse(runs, s)
+    info = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(s).items() if k != "out"}}
+    info["machine"] = {"start": started, "end": machine()}
+    table = claims(analysis, s)
+    (s.out / "summary.md").write_text(summary_md(analysis, runs, s, info))
+    (s.out / "claims.md").write_text(claims_md(table))
+    write_json(s.out / "analysis.json", {**info, **analysis, "claims": table})
+    write_csvs(runs, analysis, s.out)
+    plots(runs, analysis, s, s.out)
+    print((s.out / "summary.md").read_text())
+    print((s.out / "claims.md").read_text())
+    print(f"wrote {relative(s.out)}/: summary.md, claims.md, analysis.json, CSVs and plots")
 
-    # every seed of the main comparison first, then the ablations seed by seed: a time budget
-    # (--max-minutes) cuts ablation seeds, never the main comparison's
-    plan = [(n, s) for s in a.seeds for n in a.configs if n in MAIN]
-    plan += [(n, s) for s in a.ablation_seeds for n in a.configs if n not in MAIN]
-    records, skipped, t0 = [], [], time.perf_counter()
-    for name, seed in plan:
-        done = (out / "records" / f"{name}-s{seed}.json").is_file()
-        if a.report_only and not done:
-            continue
-        if not done and a.max_minutes is not None and time.perf_counter() - t0 > 60 * a.max_minutes:
-            skipped.append(f"{name}-s{seed}")
-            continue
-        t1 = time.perf_counter()
-        if a.report_only:
-            records.append(load_record(out / "records" / f"{name}-s{seed}.json", out, refresh=True))
-            continue
-        rec = run_one(name, seed, a, out)
-        records.append(rec)
-        final = rec["heldout"][-1]
-        print(
-            f"[{(time.perf_counter() - t0) / 60:5.1f} min] {name:16s} seed {seed}: held-out "
-            f"{rec['heldout'][0]['reward']:.3f} -> "
-            f"{final['reward']:.3f} (iteration {final['iteration']}), "
-            f"{sum(rec['iter_seconds']) / len(rec['iter_seconds']):.1f} s/iter, "
-            f"{time.perf_counter() - t1:.0f} s",
-            flush=True,
-        )
-    if skipped:
-        print(f"not run (--max-minutes {a.max_minutes}): {', '.join(skipped)}")
-    if not records:
-        raise SystemExit("no records to report")
-    analysis = analyse(records, a.iterations)
-    write_csvs(records, analysis, out)
-    plot(records, analysis, a.iterations, out)
-    machine = _common.machine()
-    text = summary_md(analysis, settings, machine)
-    if skipped:
-        text += f"\nnot run (time budget): {', '.join(skipped)}\n"
-    (out / "summary.md").write_text(text)
-    write_json(
-        out / "analysis.json",
-        {
-            "settings": settings,
-            "machine": machine,
-            "skipped": skipped,
-            **analysis,
-            "total_minutes": (time.perf_counter() - t0) / 60,
-        },
-    )
-    print(text)
-    print(f"outputs in {_common.relative(out)}")
+
+def analyse_costs(runs: dict[tuple[str, int], Run], s: Settings) -> dict[int, set[int]]:
+    """Per seed, the outcome iteration counts the equal-compute budgets need evaluated."""
+    need: dict[int, set[int]] = {}
+    for seed in s.seeds:
+        o = runs["outcome", seed]
+        for name in STEP_LEVEL:
+            r = runs[name, seed]
+            need.setdefault(seed, set()).update(
+                {
+                    matched_iteration(o, r.cum_nfe(s.iterations), "nfe"),
+                    matched_iteration(o, r.cum_seconds(s.iterations), "seconds"),
+                }
+            )
+        need[seed].add(s.iterations)
+    return need
 
 
 if __name__ == "__main__":

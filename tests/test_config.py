@@ -38,11 +38,18 @@ def test_paper_recipes_carry_the_papers_hyper_parameters():
     assert dense.reward.name == "geneval"
     assert (dense.sampler.kernel, dense.completion.method, dense.credit.scheme) == ("psi", "remaining", "dense")
     assert (dense.optim.kl_beta, dense.calibration.eps1, dense.calibration.eps2) == (0.04, 2, 0.01)
+    step = load_config(CONFIGS / "stepwise_pickscore.yaml")
+    assert (step.sampler.kernel, step.completion.method, step.credit.scheme) == ("ddim", "substeps:5", "stepwise")
     tp = load_config(CONFIGS / "tpgrpo_pickscore.yaml")
     assert (tp.completion.method, tp.credit.scheme) == ("remaining", "turning_point")
     assert tp.credit.options == {"consistency": True, "first_step": True, "balance": True}
-    step = load_config(CONFIGS / "stepwise_pickscore.yaml")
-    assert (step.sampler.kernel, step.completion.method, step.credit.scheme) == ("ddim", "substeps:5", "stepwise")
+    # the authors' code: cps SDE on steps 0-8 (all trained, the last an ODE step), clip 1e-5, KL 1e-4
+    assert (tp.sampler.kernel, tp.sampler.noise, tp.sampler.window()) == ("cps", 0.7, (0, 9))
+    assert (tp.optim.clip_range, tp.optim.kl_beta, tp.trained_steps()) == (1e-5, 1e-4, list(range(9)))
+    # Flow-GRPO's code: 48 prompts x 24, 2 AdamW steps an iteration, steps 0-8 trained (timestep_fraction 0.99)
+    for cfg in (flow, dense, tp, step):
+        assert (cfg.run.prompts_per_iteration, cfg.run.group_size, cfg.optim.optimizer_steps) == (48, 24, 2)
+    assert flow.trained_steps() == list(range(9))
 
 
 def test_overrides_are_parsed_as_yaml():
