@@ -226,6 +226,7 @@ class Run:
     evals: dict[int, dict[str, Any]] = field(default_factory=dict)
     grids: list[Any] = field(default_factory=list)  # reward grids [B, T+1] per iteration (step-level runs)
     trajectories: int = 0  # an iteration's (prompts x group size)
+    step_std: list[float] = field(default_factory=list)  # the kernel's std of each step (its grid fixes it)
 
     def cum_nfe(self, n: int) -> float:
         return float(sum(self.nfe[:n]))
@@ -275,6 +276,7 @@ def read(name: str, seed: int, s: Settings) -> Run:
         read_evals(run_dir),
         grids,
         cfg.run.prompts_per_iteration * cfg.run.group_size,
+        run.read_array(0, "rollout", "stds").mean(0).tolist(),
     )
 
 
@@ -489,6 +491,7 @@ def analyse(runs: dict[tuple[str, int], Run], s: Settings) -> dict[str, Any]:
                 "abs_gap": float(np.abs(final - g[:, k]).mean()),
                 "agree": float((np.abs(final - g[:, k]) < 1e-6).mean()),
                 "corr": float(np.corrcoef(final, g[:, k])[0, 1]) if g[:, k].std() > 0 else float("nan"),
+                "std": rs[0].step_std[k],  # the kernel's noise at step k, for scale
             }
             for k in range(max(width, 1))
         ]
@@ -737,12 +740,14 @@ def summary_md(a: dict[str, Any], runs: dict[tuple[str, int], Run], s: Settings,
             "",
             "### The SDE sample against each state's ODE completion (training rollouts, ablation seeds)",
             "",
-            "| kernel | k | mean abs(R_T - R_k) | share equal | correlation |",
-            "|---|---|---|---|---|",
+            "| kernel | k | step std | mean abs(R_T - R_k) | share equal | correlation |",
+            "|---|---|---|---|---|---|",
         ]
         for name, rows in a["sde_gap"].items():
             for r in rows:
-                L.append(f"| {name} | {r['k']} | {r['abs_gap']:.4f} | {r['agree']:.3f} | {r['corr']:.3f} |")
+                L.append(
+                    f"| {name} | {r['k']} | {r['std']:.4f} | {r['abs_gap']:.4f} | {r['agree']:.3f} | {r['corr']:.3f} |"
+                )
     if a["turning_points"]:
         L += ["", f"### Turning points per iteration ({a['trajectories']} trajectories)", ""]
         for name, t in a["turning_points"].items():
