@@ -39,7 +39,6 @@ import argparse
 import csv
 import json
 import math
-import os
 import statistics
 import subprocess
 import sys
@@ -52,7 +51,7 @@ from typing import Any
 import _common  # noqa: F401  (first: sets sys.path to the repository root)
 from _common import OUT_DIR, ROOT, machine, mean_ci, read_run, relative, write_json
 
-from bench.learning import run_seed
+from bench.learning import run_env, run_seed
 
 # name -> (shipped config, overrides on it)
 CONFIGS: dict[str, tuple[str, list[str]]] = {
@@ -153,18 +152,6 @@ def run_overrides(name: str, s: Settings) -> list[str]:
     return own + [f"run.iterations={s.iterations}", f"run.eval_every={s.eval_every}"]
 
 
-def env_of(out: Path, tag: str) -> dict[str, str]:
-    return dict(
-        os.environ,
-        STEPGRPO_THREADS=os.environ.get("STEPGRPO_THREADS", "1"),
-        STEPGRPO_PROGRESS="0",
-        PREFECT_HOME=str(out / f"prefect-home-{tag}"),
-        PREFECT_SERVER_ANALYTICS_ENABLED="false",
-        MLFLOW_DISABLE_TELEMETRY="true",
-        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180",
-    )
-
-
 def train_all(s: Settings, jobs: list[tuple[str, int]]) -> None:
     """Every (configuration, seed) that has no finished run yet, `s.jobs` at a time."""
 
@@ -202,7 +189,7 @@ def evaluate_at(run_dir: Path, iterations: int, out: Path) -> None:
     cmd = [str(Path(sys.executable).parent / "stepgrpo"), "evaluate", str(run_dir), "--iteration", str(iterations - 1)]
     log = out / f"evaluate-{run_dir.name}-{iterations}.log"
     with log.open("w") as f:
-        rc = subprocess.run(cmd, cwd=ROOT, env=env_of(out, "eval"), stdout=f, stderr=subprocess.STDOUT).returncode
+        rc = subprocess.run(cmd, cwd=ROOT, env=run_env(out, "eval"), stdout=f, stderr=subprocess.STDOUT).returncode
     if rc != 0:
         raise SystemExit(f"`stepgrpo evaluate {relative(run_dir)}` exited {rc}; see {relative(log)}")
 

@@ -41,6 +41,21 @@ TARGET_GAIN = 0.05  # held-out gain the shipped outcome recipe must reach (3 see
 TARGET_MINUTES = 25.0  # per seed, one thread of a 2-core machine
 
 
+def run_env(out: Path, tag: str) -> dict[str, str]:
+    """The environment of one `stepgrpo` process: one torch thread, no progress bars, a Prefect
+    home of its own under `out` (its temporary server's database shared with no other run), a
+    generous server start-up timeout (the machine may be busy), no telemetry."""
+    return dict(
+        os.environ,
+        STEPGRPO_THREADS="1",
+        STEPGRPO_PROGRESS="0",
+        PREFECT_HOME=str(out / f"prefect-home-{tag}"),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        MLFLOW_DISABLE_TELEMETRY="true",
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180",
+    )
+
+
 def run_seed(config: str, seed: int, overrides: list[str], out: Path) -> dict[str, Any]:
     """One training run as a user runs it; returns its run directory and wall seconds."""
     run_dir = out / f"seed_{seed}"
@@ -53,15 +68,7 @@ def run_seed(config: str, seed: int, overrides: list[str], out: Path) -> dict[st
                 f"seed {seed}: trained earlier in {recorded['seconds'] / 60:.1f} min ({relative(timing)})", flush=True
             )
             log = out / f"seed_{seed}.reread.log"
-    env = dict(
-        os.environ,
-        STEPGRPO_THREADS="1",
-        STEPGRPO_PROGRESS="0",
-        PREFECT_HOME=str(out / f"prefect-home-{seed}"),
-        PREFECT_SERVER_ANALYTICS_ENABLED="false",
-        MLFLOW_DISABLE_TELEMETRY="true",
-        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180",
-    )
+    env = run_env(out, str(seed))
     cmd = [
         str(Path(sys.executable).parent / "stepgrpo"),
         "train",
