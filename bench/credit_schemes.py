@@ -968,10 +968,14 @@ def main() -> None:
     # outcome's evaluations at the equal-compute iterations
     pre = analyse_costs(runs, s)
     if not a.report_only:
-        for seed, its in pre.items():
-            for n in sorted(its):
-                evaluate_at(runs["outcome", seed].run_dir, n, s.out)
-                print(f"outcome seed {seed}: evaluated after {n} iterations", flush=True)
+
+        def evaluate(job: tuple[int, int]) -> None:
+            seed, n = job
+            evaluate_at(runs["outcome", seed].run_dir, n, s.out)
+            print(f"outcome seed {seed}: evaluated after {n} iterations", flush=True)
+
+        with ThreadPoolExecutor(max(1, s.jobs)) as pool:
+            list(pool.map(evaluate, [(seed, n) for seed, its in pre.items() for n in sorted(its)]))
     for seed in s.seeds:
         runs["outcome", seed].evals = read_evals(runs["outcome", seed].run_dir)
     analysis = analyse(runs, s)
