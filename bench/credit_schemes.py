@@ -189,7 +189,8 @@ def evaluate_at(run_dir: Path, iterations: int, out: Path) -> None:
     cmd = [str(Path(sys.executable).parent / "stepgrpo"), "evaluate", str(run_dir), "--iteration", str(iterations - 1)]
     log = out / f"evaluate-{run_dir.name}-{iterations}.log"
     with log.open("w") as f:
-        rc = subprocess.run(cmd, cwd=ROOT, env=run_env(out, "eval"), stdout=f, stderr=subprocess.STDOUT).returncode
+        env = run_env(out, f"eval-{run_dir.name}-{iterations}")  # its own Prefect home: evaluations run at once
+        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
     if rc != 0:
         raise SystemExit(f"`stepgrpo evaluate {relative(run_dir)}` exited {rc}; see {relative(log)}")
 
