@@ -181,6 +181,36 @@ class RunRecord:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def open_run_once(run_dir: Path) -> Any:
+    """The stored run, its rewards table read once: every later `read_rewards` (and so
+    `reward_grid`) of it selects from those rows in memory.
+
+    The store reads one iteration's rewards by scanning every part of the table (one part an
+    iteration), so reading a 300-iteration run iteration by iteration opens 300 x 300 files; the
+    benchmarks read whole runs, and this keeps that linear.
+    """
+    import pyarrow.compute as pc
+
+    from storage import Run
+
+    run = Run.open(run_dir)
+    rows = run.read_rewards()
+
+    def read_rewards(iteration=None, reward_name=None, reward_version=None, as_pandas=False):  # noqa: ANN001, ANN202
+        table = rows
+        for column, value in (
+            ("iteration", iteration),
+            ("reward_name", reward_name),
+            ("reward_version", reward_version),
+        ):
+            if value is not None:
+                table = table.filter(pc.equal(table[column], value))
+        return table.to_pandas() if as_pandas else table
+
+    run.read_rewards = read_rewards
+    return run
+
+
 def read_run(run_dir: Path) -> RunRecord:
     """Everything the benchmarks plot, from a finished run directory (storage API + stage files).
 
@@ -193,9 +223,8 @@ def read_run(run_dir: Path) -> RunRecord:
 
     from stepgrpo.config import validate_config
     from stepgrpo.results import EvaluateResult
-    from storage import Run
 
-    run = Run.open(run_dir)
+    run = open_run_once(run_dir)
     cfg = validate_config(run.config)
     evals = {}
     for f in sorted((run_dir / "eval").glob("*.json")):

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import _common  # noqa: F401  (first: sets sys.path to the repository root)
-from _common import OUT_DIR, ROOT, machine, mean_ci, read_run, relative, write_json
+from _common import OUT_DIR, ROOT, machine, mean_ci, open_run_once, read_run, relative, write_json
 
 from bench.learning import run_env, run_seed
 
@@ -242,11 +242,10 @@ def read_evals(run_dir: Path) -> dict[int, dict[str, Any]]:
 
 def read(name: str, seed: int, s: Settings) -> Run:
     from stepgrpo.config import validate_config
-    from storage import Run as StoredRun
 
     run_dir = (s.out / name / f"seed_{seed}").resolve()
     rec = read_run(run_dir)
-    run = StoredRun.open(run_dir)
+    run = open_run_once(run_dir)
     cfg = validate_config(run.config)
     grids = []
     if name != "outcome":
