@@ -174,7 +174,7 @@ class RunRecord:
     train_strict: list[float]
     iter_seconds: list[float]  # wall seconds of each iteration (checkpoint to checkpoint, evals excluded)
     stage_seconds: list[dict[str, float]]  # rollout / complete / update seconds as the stages recorded them
-    nfe: list[dict[str, int]]  # rollout / complete transformer rows (a CFG pair counts once)
+    nfe: list[dict[str, int]]  # rollout / complete / update transformer rows (a CFG pair counts once)
     gains: list[list[float]]  # mean gain g_k per step k (empty without step rewards)
     heldout: list[dict[str, Any]]  # evaluations: iteration (0 = base), reward, strict, sub-scores
     setup_seconds: float  # before iteration 0: psi calibration (other set-up is not training)
@@ -246,6 +246,10 @@ def read_run(run_dir: Path) -> RunRecord:
     calib = run_dir / "calibration" / "psi.json"
     setup = json.loads(calib.read_text())["seconds"] if calib.is_file() else 0.0
     method = cfg.completion.method
+    # The update's transformer forwards (one per trained step and trajectory, twice with a KL
+    # reference), for checkpoints written before the update recorded its own count.
+    B = cfg.run.prompts_per_iteration * cfg.run.group_size
+    update_nfe = B * len(cfg.trained_steps()) * (2 if cfg.optim.kl_beta > 0 else 1)
     for i in range(n):
         rows = run.read_rewards(i)
         names = sorted(set(rows.column("reward_name").to_pylist()))
@@ -272,7 +276,7 @@ def read_run(run_dir: Path) -> RunRecord:
             {
                 "rollout": int(ro["inputs"].get("nfe", 0)),
                 "complete": int(cm["attrs"]["nfe"]) if cm else 0,
-                "update": int(run.stage_manifest(i, "checkpoint")["inputs"].get("nfe", 0)),
+                "update": int(run.stage_manifest(i, "checkpoint")["inputs"].get("nfe", update_nfe)),
             }
         )
         end = (run.stage_path(i, "checkpoint") / "_published.json").stat().st_mtime
