@@ -552,6 +552,11 @@ def speed_text(entry: dict[str, Any]) -> str:
     return f"iterations / outcome's: {mean} (per seed {per})"
 
 
+def its(e: dict[str, Any]) -> str:
+    """Outcome's iterations at an equal-compute point, per seed."""
+    return "/".join(str(x["outcome_iterations"]) for x in e["per_seed"])
+
+
 def claims(a: dict[str, Any], s: Settings) -> list[dict[str, str]]:
     N = a["iterations"]
     eq, ec, sp, ab = a["equal_trajectories"], a["equal_compute"], a["speed"], a["ablations"]
@@ -581,7 +586,7 @@ def claims(a: dict[str, Any], s: Settings) -> list[dict[str, str]]:
                     if paper.startswith("Stepwise") and per == "seconds"
                     else ""
                 ),
-                f"{name} - outcome after {e['outcome_iterations']['mean']:.0f} of its iterations "
+                f"{name} - outcome after {its(e)} of its iterations "
                 f"({e['cost_fraction']['mean']:.2f}x the cost): {ci(e['minus_outcome'])}",
                 verdict(e["minus_outcome"]),
             )
@@ -627,12 +632,14 @@ def claims(a: dict[str, Any], s: Settings) -> list[dict[str, str]]:
     if "stepwise" in g and "stepwise_ddim" in g:
         flow = " / ".join(f"{r['abs_gap']:.3f}" for r in g["stepwise"])
         ddim = " / ".join(f"{r['abs_gap']:.3f}" for r in g["stepwise_ddim"])
+        stds = {k: " / ".join(f"{r['std']:.2f}" for r in g[k]) for k in ("stepwise", "stepwise_ddim")}
         better = all(d["abs_gap"] < f["abs_gap"] for d, f in zip(g["stepwise_ddim"], g["stepwise"]))
         worse = all(d["abs_gap"] > f["abs_gap"] for d, f in zip(g["stepwise_ddim"], g["stepwise"]))
         add(
             "Stepwise-Flow-GRPO",
             "the DDIM SDE's intermediate states give a more faithful reward signal",
-            f"mean abs(R(SDE sample) - R(ODE completion of x_k)), k = 0, 1, 2: ddim {ddim}, flow {flow}",
+            f"mean abs(R(SDE sample) - R(ODE completion of x_k)), k = 0, 1, 2: ddim {ddim}, flow {flow} "
+            f"(the steps' noise std: ddim {stds['stepwise_ddim']}, flow {stds['stepwise']})",
             "consistent (every step)" if better else "contradicted (every step)" if worse else "mixed across steps",
         )
     return rows
@@ -740,7 +747,7 @@ def summary_md(a: dict[str, Any], runs: dict[tuple[str, int], Run], s: Settings,
         for name, t in a["turning_points"].items():
             L.append(
                 f"- {name}: {t['raw']:.1f} found, {t['kept']:.1f} kept; none kept in "
-                f"{100 * t['none_kept']:.0f} % of {t['iterations']} iterations"
+                f"{100 * t['none_kept']:.0f} % of {t['iterations']} iterations (all its seeds)"
             )
     return "\n".join(L) + "\n"
 
