@@ -868,7 +868,8 @@ def plots(runs: dict[tuple[str, int], Run], a: dict[str, Any], s: Settings, out:
         bins = max(1, min(10, N))
         for ax, name in zip(axes[0], names):
             g = np.mean([np.array(runs[name, seed].gains[:N]) for seed in s.seeds], axis=0)  # [N, T]
-            width = int(max(1, (np.abs(g).sum(0) > 0).nonzero()[0].max() + 1))
+            moved = (np.abs(g).sum(0) > 0).nonzero()[0]  # steps with any gain (the SDE window)
+            width = int(moved.max() + 1) if len(moved) else 1
             edges = np.linspace(0, N, bins + 1).astype(int)
             h = np.stack([g[e0:e1, :width].mean(0) for e0, e1 in zip(edges, edges[1:]) if e1 > e0])
             v = float(np.abs(h).max()) or 1.0
