@@ -178,7 +178,7 @@ class RunRecord:
     gains: list[list[float]]  # mean gain g_k per step k (empty without step rewards)
     heldout: list[dict[str, Any]]  # evaluations: iteration (0 = base), reward, strict, sub-scores
     setup_seconds: float  # before iteration 0: psi calibration (other set-up is not training)
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # turning points; the reward grids [B, T+1] per iteration
 
 
 def open_run_once(run_dir: Path) -> Any:
@@ -234,7 +234,7 @@ def read_run(run_dir: Path) -> RunRecord:
         e["finished"] = f.stat().st_mtime
         evals[e["label"]] = e
     n = len(run.iterations("checkpoint"))
-    rewards, stricts, secs, stage_secs, nfes, gains = [], [], [], [], [], []
+    rewards, stricts, secs, stage_secs, nfes, gains, grids = [], [], [], [], [], [], []
     # Iteration 0 starts when its rollout stage started (published time minus its own seconds):
     # between the base evaluation and that, the flow does one-time set-up (the MLflow store).
     ro0 = run.stage_manifest(0, "rollout") if n else None
@@ -255,6 +255,7 @@ def read_run(run_dir: Path) -> RunRecord:
         names = sorted(set(rows.column("reward_name").to_pylist()))
         name = cfg.reward.name if cfg.reward.name in names else names[0]
         grid = run.reward_grid(i, name).numpy()
+        grids.append(grid)
         strict = run.reward_grid(i, name, field="strict").numpy()
         rewards.append(float(grid[:, -1].mean()))
         stricts.append(float(np.nanmean(strict[:, -1])) if np.isfinite(strict[:, -1]).any() else float("nan"))
@@ -286,10 +287,12 @@ def read_run(run_dir: Path) -> RunRecord:
     # turning points (TP-GRPO) the stored rewards give, before and after the balancing rule
     turning = []
     if gains and all(gains):
+        import torch
+
         from stepgrpo_core.credit import turning_point_rewards, turning_points
 
-        for i in range(n):
-            grid = run.reward_grid(i, name).float()
+        for stored in grids:
+            grid = torch.from_numpy(stored).float()
             raw = int(turning_points(grid, grid[:, 1:] - grid[:, :-1]).sum())
             # the run's own options when it trained with turning points (else the defaults)
             opts = dict(cfg.credit.options) if cfg.credit.scheme == "turning_point" else {}
@@ -308,7 +311,8 @@ def read_run(run_dir: Path) -> RunRecord:
             }
         )
     heldout.sort(key=lambda h: h["iteration"])
-    return RunRecord(rewards, stricts, secs, stage_secs, nfes, gains, heldout, setup, {"turning_points": turning})
+    extra = {"turning_points": turning, "grids": grids}
+    return RunRecord(rewards, stricts, secs, stage_secs, nfes, gains, heldout, setup, extra)
 
 
 def _record(e: dict[str, Any]) -> dict[str, Any]:

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import _common  # noqa: F401  (first: sets sys.path to the repository root)
-from _common import OUT_DIR, ROOT, machine, mean_ci, open_run_once, read_run, relative, write_json
+from _common import OUT_DIR, ROOT, machine, mean_ci, read_run, relative, write_json
 
 from bench.learning import run_env, run_seed
 
@@ -244,12 +244,12 @@ def read(name: str, seed: int, s: Settings) -> Run:
     from stepgrpo.config import validate_config
 
     run_dir = (s.out / name / f"seed_{seed}").resolve()
+    from storage import Run as StoredRun
+
     rec = read_run(run_dir)
-    run = open_run_once(run_dir)
+    run = StoredRun.open(run_dir)  # the config and the rollout's stds; the rewards came with `rec`
     cfg = validate_config(run.config)
-    grids = []
-    if name != "outcome":
-        grids = [run.reward_grid(i, cfg.reward.name).numpy() for i in range(len(rec.train_reward))]
+    grids = rec.extra["grids"] if name != "outcome" else []
     return Run(
         name,
         seed,
@@ -557,7 +557,7 @@ def its(e: dict[str, Any]) -> str:
     return "/".join(str(x["outcome_iterations"]) for x in e["per_seed"])
 
 
-def claims(a: dict[str, Any], s: Settings) -> list[dict[str, str]]:
+def claims(a: dict[str, Any]) -> list[dict[str, str]]:
     N = a["iterations"]
     eq, ec, sp, ab = a["equal_trajectories"], a["equal_compute"], a["speed"], a["ablations"]
     rows: list[dict[str, str]] = []
@@ -648,7 +648,7 @@ def claims(a: dict[str, Any], s: Settings) -> list[dict[str, str]]:
 # ------------------------------------------------------------------------------------ report
 
 
-def summary_md(a: dict[str, Any], runs: dict[tuple[str, int], Run], s: Settings, info: dict[str, Any]) -> str:
+def summary_md(a: dict[str, Any], s: Settings, info: dict[str, Any]) -> str:
     N = a["iterations"]
     L = [
         f"settings: {json.dumps(info['settings'])}",
@@ -989,8 +989,8 @@ def main() -> None:
     analysis = analyse(runs, s)
     info = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(s).items() if k != "out"}}
     info["machine"] = {"start": started, "end": machine()}
-    table = claims(analysis, s)
-    (s.out / "summary.md").write_text(summary_md(analysis, runs, s, info))
+    table = claims(analysis)
+    (s.out / "summary.md").write_text(summary_md(analysis, s, info))
     (s.out / "claims.md").write_text(claims_md(table))
     write_json(s.out / "analysis.json", {**info, **analysis, "claims": table})
     write_csvs(runs, analysis, s.out)
