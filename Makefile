@@ -26,11 +26,10 @@ test: install lint
 	$(PY) -m pytest -q tests
 
 # The demo: the shipped shapes model, a temporary local Prefect server, a run under runs/.
-# One torch thread: the tiny model's matrices gain little from two, and lose a lot when the
-# second core is busy.
+# (One torch thread: the config's `scale.threads`, applied by the flow itself.)
 demo: install
 	PREFECT_SERVER_ANALYTICS_ENABLED=false MLFLOW_DISABLE_TELEMETRY=true \
-	PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120 STEPGRPO_THREADS=1 \
+	PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120 \
 	$(VENV)/bin/stepgrpo train --config configs/demo.yaml
 
 clean:

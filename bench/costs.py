@@ -137,15 +137,12 @@ def calibration_cost(a: argparse.Namespace, out: Path) -> dict[str, Any]:
 
 def mlflow_stage_seconds(run_dir: Path) -> dict[str, list[float]]:
     """`seconds/<stage>` per iteration, as the train flow logged them to MLflow."""
-    from mlflow.tracking import MlflowClient
+    from stepgrpo.tracking import find_mlflow_run
 
-    from stepgrpo.tracking import tracking_uri
-
-    client = MlflowClient(tracking_uri=tracking_uri(run_dir))
-    runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+    client, mlrun = find_mlflow_run(run_dir)
     out: dict[str, list[float]] = {}
-    for key in sorted(k for k in runs[-1].data.metrics if k.startswith("seconds/")):
-        hist = sorted(client.get_metric_history(runs[-1].info.run_id, key), key=lambda m: m.step)
+    for key in sorted(k for k in mlrun.data.metrics if k.startswith("seconds/")):
+        hist = sorted(client.get_metric_history(mlrun.info.run_id, key), key=lambda m: m.step)
         out[key.removeprefix("seconds/")] = [m.value for m in hist]
     return out
 

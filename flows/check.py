@@ -17,6 +17,7 @@ def check(
     config_path: str | None = "configs/demo.yaml", overrides: list[str] | None = None, report: str | None = None
 ) -> dict[str, Any]:
     """Validate `config_path` (+ overrides) and list what the registries know; write `report` (JSON) if given."""
+    from stepgrpo import environment
     from stepgrpo.config import load_config
     from stepgrpo.rewards import REWARDS
     from stepgrpo.workspace import resolve_model_path
@@ -25,6 +26,7 @@ def check(
     from stepgrpo_core.kernels import KERNELS
 
     cfg = load_config(config_path, overrides or [])
+    threads = environment.apply(cfg.scale.threads)
     try:
         model = {"path": resolve_model_path(cfg.model.path), "found": True}
     except FileNotFoundError as err:  # reported, not raised: the rest of the check still says something
@@ -36,6 +38,7 @@ def check(
         "completions": COMPLETIONS.names(),
         "schemes": SCHEMES.names(),
         "rewards": REWARDS.names(),
+        "torch_threads": threads,
     }
     print(json.dumps(result))
     if report:

@@ -6,6 +6,8 @@ from typing import Any
 
 from prefect import flow
 
+from flows.progress import name_flow_run
+from stepgrpo import environment
 from stepgrpo.config import validate_config
 from stepgrpo.runs import owned_stored, stored_iterations
 from tasks import bind, rollout, score
@@ -22,9 +24,11 @@ def credit(
     """Advantages under `scheme` for every stored iteration, from the rewards of `reward`
     (default: the run's training reward)."""
     with owned_stored(run) as (stored, cfg):
+        environment.apply(cfg.scale.threads)
+        name_flow_run(f"{stored.run_id} credit {scheme}")
         cfg = validate_config(cfg.model_dump(mode="json") | {"credit": {"scheme": scheme, "options": options or {}}})
         name = reward or _training_reward(cfg)
-        stage, done = bind(stored), []
+        stage, done = bind(stored, cfg), []
         for i in iterations if iterations is not None else stored_iterations(stored):
             rollout.stored(stored, i, verify=True)  # the trajectories the advantages belong to
             done.append(stage.credit(stored, cfg, i, score.stored(stored, i, name)))

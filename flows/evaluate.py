@@ -6,7 +6,8 @@ from typing import Any
 
 from prefect import flow
 
-from flows.progress import evaluation_record
+from flows.progress import evaluation_record, name_flow_run
+from stepgrpo import environment
 from stepgrpo.runs import latest_checkpoint, owned_stored
 from stepgrpo.workers import workers
 from tasks import bind, update
@@ -19,7 +20,9 @@ def evaluate(run: str, iteration: int | None = None, overrides: list[str] | None
     `overrides` (`key=value`) may change evaluation settings such as `run.eval_prompts` or `reward.name`.
     """
     with owned_stored(run, overrides or []) as (stored, cfg):
-        stage = bind(stored)
+        environment.apply(cfg.scale.threads)
+        name_flow_run(f"{stored.run_id} evaluate")
+        stage = bind(stored, cfg)
         prompts = stage.prompts(stored, cfg)
         if iteration is None:
             iteration = latest_checkpoint(stored)

@@ -17,7 +17,8 @@ from stepgrpo.shapes.pretrain import pretrain as run_pretrain
 @flow(name="pretrain", log_prints=True)
 def pretrain(
     workdir: str = ".pretrain",
-    out: str = "models/shapes",
+    out: str = "",
+    overwrite: bool = False,
     seed: int = 0,
     vae_minutes: float = PretrainConfig.vae_minutes,
     minutes: float = PretrainConfig.minutes,
@@ -25,10 +26,12 @@ def pretrain(
     eval_minutes: float = PretrainConfig.eval_minutes,
     threads: int = PretrainConfig.threads,
 ) -> dict[str, Any]:
-    """Train (or resume) and export the fp16 pipeline to `out`; returns steps, minutes and size."""
+    """Train (or resume) and export the fp16 pipeline to `out` (default: a new `models/shapes-<UTC
+    time>`; an existing model is replaced only with `overwrite`); returns steps, minutes and size."""
     cfg = PretrainConfig(
         workdir=workdir,
         out=out,
+        overwrite=overwrite,
         seed=seed,
         vae_minutes=vae_minutes,
         minutes=minutes,

@@ -18,6 +18,19 @@ from stepgrpo.tracking import Tracker
 from storage.run import Run
 
 
+def name_flow_run(name: str) -> None:
+    """Name the current flow run (`name`: the run id, and what the flow does to it), so that the
+    Prefect UI lists runs by what they are, not by a random name."""
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import flow_run
+
+    run_id = flow_run.get_id()
+    if run_id is None:  # not inside a flow run
+        return
+    with get_client(sync_client=True) as client:
+        client.update_flow_run(run_id, name=name)
+
+
 def evaluation_record(run: Run, ev: EvaluateResult) -> dict[str, Any]:
     """An evaluation as a flow returns it: JSON, with the image grid's full path."""
     return ev.record() | {"grid": str(Path(run.path) / ev.grid)}
@@ -104,7 +117,8 @@ class TrainingLog:
             self.run.path, self.cfg.run.name, self.run.run_id, {"run_dir": where, "run_id": self.run.run_id}
         )
         self.tracker.__enter__()
-        self.tracker.log_params(self.cfg.flat())
+        if not self.tracker.resumed:  # a resumed run has the same config, so the same params
+            self.tracker.log_params(self.cfg.flat())
         self.progress = create_progress_artifact(0.0, description=f"stepgrpo run {self.run.run_id}: iterations done")
         return self
 
@@ -112,10 +126,14 @@ class TrainingLog:
         self.tracker.__exit__(*exc)
 
     def evaluation(self, step: int, ev: EvaluateResult) -> None:
-        """A held-out evaluation, logged at `step` (iterations done)."""
+        """A held-out evaluation, logged at `step` (updates done: 0 for the base model); its
+        captioned image grid goes to MLflow's image history `eval` at the same step."""
+        from PIL import Image
+
         self.evaluations.append(evaluation_record(self.run, ev))
         self.tracker.log_metrics(eval_metrics(ev), step=step)
-        self.tracker.log_artifact(self.evaluations[-1]["grid"], "eval")
+        with Image.open(self.evaluations[-1]["grid"]) as grid:
+            self.tracker.log_image(grid.convert("RGB"), key="eval", step=step)
 
     def iteration(
         self,
@@ -129,19 +147,20 @@ class TrainingLog:
         """Iteration `i`'s stage results: metrics, its row and console line, the signal check."""
         from prefect.artifacts import update_progress_artifact
 
-        self.tracker.log_metrics(iteration_metrics(rollout, clean, rewards, credit, update), step=i + 1)
+        self.tracker.log_metrics(iteration_metrics(rollout, clean, rewards, credit, update), step=i)
         self.rows.append(iteration_row(i, rewards, update))
         print(report.iteration_line(self.rows[-1]))
         if (warning := self.watch.see(i, update.stats)) is not None:
             print(warning)
         update_progress_artifact(self.progress, 100.0 * (i + 1) / self.cfg.run.iterations)
+        report.publish_reward_table(self.run.run_id, self.rows)
 
     def finish(self, lora_dir: Path) -> dict[str, Any]:
         """Log the exported LoRA, publish the run's summary artifacts; returns the flow's result."""
         where = str(self.run.path)
         self.tracker.log_dir(lora_dir, "lora")
-        report.publish_artifacts(
-            self.run.run_id, self.cfg, self.rows, self.evaluations, {"run directory": where, "MLflow": self.tracker.uri}
+        report.publish_summary(
+            self.run.run_id, self.cfg, self.evaluations, {"run directory": where, "MLflow": self.tracker.uri}
         )
         return {
             "run_id": self.run.run_id,

@@ -12,6 +12,8 @@ from typing import Any
 
 from prefect import flow
 
+from flows.progress import name_flow_run
+from stepgrpo import environment
 from stepgrpo.config import validate_config
 from stepgrpo.runs import owned_stored, stored_iterations
 from stepgrpo.workers import workers
@@ -24,10 +26,12 @@ def rescore(
 ) -> dict[str, Any]:
     """Score every stored iteration (or `iterations`) of `run` with `reward`."""
     with owned_stored(run) as (stored, cfg):
+        environment.apply(cfg.scale.threads)
+        name_flow_run(f"{stored.run_id} rescore {reward}")
         cfg = validate_config(
             cfg.model_dump(mode="json") | {"reward": {"name": reward, "options": reward_options or {}}}
         )
-        stage, done = bind(stored), []
+        stage, done = bind(stored, cfg), []
         method = cfg.completion.method
         with workers(cfg, stored.path):  # the run's `scale`: shards on Ray when it was trained there
             for i in iterations if iterations is not None else stored_iterations(stored):

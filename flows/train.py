@@ -11,9 +11,10 @@ from typing import Any
 
 from prefect import flow
 
-from flows.progress import TrainingLog
+from flows.progress import TrainingLog, name_flow_run
+from stepgrpo import environment
 from stepgrpo.checks import check_config
-from stepgrpo.config import Config, load_config
+from stepgrpo.config import Config, config_from
 from stepgrpo.runs import open_run, owned, resolve_run_dir
 from stepgrpo.workers import workers
 from stepgrpo_core.kernels import KERNELS
@@ -24,23 +25,34 @@ from tasks.update import export_lora
 
 @flow(name="train", log_prints=True)
 def train(
+    config: Config | None = None,
     config_path: str | None = None,
     overrides: list[str] | None = None,
-    run_dir: str | None = None,
     run_id: str | None = None,
+    run_dir: str | None = None,
 ) -> dict[str, Any]:
-    """Train a LoRA with GRPO and step-level credit (config file + `key=value` overrides)."""
-    cfg = load_config(config_path, overrides or [])
+    """Train a LoRA with GRPO and step-level credit.
+
+    Args:
+        config: The run's config, field by field (the run form; see `stepgrpo config show`).
+        config_path: Or a YAML config file (relative to the working directory), instead of `config`.
+        overrides: `key=value` changes on top of either, e.g. `optim.lr=1e-4`.
+        run_id: The run under `run.runs_root` (resumed if it exists); None: a new `<run.name>-<UTC time>`.
+        run_dir: Or the run directory itself, instead of `run_id`.
+    """
+    cfg = config_from(config, config_path, overrides or [])
+    environment.apply(cfg.scale.threads)
     check_config(cfg)  # before anything is made (a deployment's parameters arrive here unchecked)
     with owned(resolve_run_dir(cfg, run_dir, run_id)) as path:  # one process at a time
         run = open_run(cfg, path)
+        name_flow_run(run.run_id)
         with workers(cfg, path):
             return iterate(run, cfg)
 
 
 def iterate(run: Run, cfg: Config) -> dict[str, Any]:
     """The algorithm, on a run this process owns."""
-    stage = bind(run)
+    stage = bind(run, cfg)
 
     prompts = stage.prompts(run, cfg)
     psi = stage.calibrate(run, cfg, prompts) if KERNELS.facts(cfg.sampler.kernel)["calibrated"] else None

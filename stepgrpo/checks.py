@@ -51,9 +51,14 @@ def check_model(path: str) -> None:
 
 def check_config(cfg: Config, calibrated: bool = False) -> None:
     """The model's components, the prompt files, the reward's options and, for calibration, the kernel."""
+    from stepgrpo.policy.devices import check_device
     from stepgrpo.prompts import prompt_source
     from stepgrpo.workspace import reward_identity
 
+    try:
+        check_device(cfg.model.device)
+    except ValueError as err:
+        raise StageError(str(err)) from None
     check_model(cfg.model.path)
     prompts = prompt_source(cfg)
     if not prompts.ids("train"):

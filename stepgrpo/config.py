@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,7 +37,46 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
+    # The docstring under each field is its description: `stepgrpo config show` prints it, and the
+    # JSON schema (the Prefect run form) shows it beside the field.
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False, use_attribute_docstrings=True
+    )
+
+
+def _registered(registry: str) -> Callable[[dict[str, Any]], None]:
+    """`json_schema_extra` listing a registry's names as the field's choices, read when the schema
+    is made (so names that plugins register show too)."""
+
+    def extra(schema: dict[str, Any]) -> None:
+        schema["enum"] = _registry(registry).names()
+
+    return extra
+
+
+def _registry(name: str) -> Any:
+    if name == "kernels":
+        from stepgrpo_core.kernels import KERNELS
+
+        return KERNELS
+    if name == "schemes":
+        from stepgrpo_core.credit import SCHEMES
+
+        return SCHEMES
+    from stepgrpo.rewards import REWARDS
+
+    return REWARDS
+
+
+def _completion_choices(schema: dict[str, Any]) -> None:
+    """The completion field accepts the registered names and `substeps:N`."""
+    from stepgrpo_core.completions import COMPLETIONS
+
+    plain = "|".join(n for n in COMPLETIONS.names() if n != "substeps")
+    schema["anyOf"] = [
+        {"type": "string", "pattern": f"^({plain}|substeps:[1-9][0-9]*)$", "examples": ["remaining", "substeps:2"]},
+        {"type": "null"},
+    ]
 
 
 class ModelConfig(_Section):
@@ -73,7 +112,7 @@ class ModelConfig(_Section):
 class SamplerConfig(_Section):
     steps: int = Field(10, ge=1)
     """T, the number of denoising steps of a training rollout (Flow-GRPO: 10)."""
-    kernel: str = "flow"
+    kernel: str = Field("flow", json_schema_extra=_registered("kernels"))
     """Transition kernel of the stochastic steps: a name in `stepgrpo_core.kernels.KERNELS`."""
     noise: float = Field(0.7, ge=0.0)
     """Kernel noise parameter: `a` for flow / cps (0.7), `eta` for ddim (1.0); unused by ode and psi."""
@@ -108,7 +147,7 @@ class SamplerConfig(_Section):
 
 
 class CompletionConfig(_Section):
-    method: str | None = "remaining"
+    method: str | None = Field("remaining", json_schema_extra=_completion_choices)
     """How every state `x_k` is completed to a clean image: `remaining`, `substeps:N`, `tweedie`
     (`stepgrpo_core.completions.COMPLETIONS`); None scores only the final sample (Flow-GRPO)."""
 
@@ -123,7 +162,7 @@ class CompletionConfig(_Section):
 
 
 class RewardConfig(_Section):
-    name: str = "shapes"
+    name: str = Field("shapes", json_schema_extra=_registered("rewards"))
     """Reward model: a name in `stepgrpo.rewards.REWARDS`."""
     options: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the reward factory (e.g. a hub id or local path of its weights)."""
@@ -137,7 +176,7 @@ class RewardConfig(_Section):
 
 
 class CreditConfig(_Section):
-    scheme: str = "outcome"
+    scheme: str = Field("outcome", json_schema_extra=_registered("schemes"))
     """Credit scheme: a name in `stepgrpo_core.credit.SCHEMES` (outcome, stepwise, dense, turning_point)."""
     options: dict[str, bool | float | int | str] = Field(default_factory=dict)
     """Scheme options, e.g. `global_std` (outcome), `consistency` / `first_step` / `balance` (turning_point)."""
@@ -284,6 +323,14 @@ class ScaleConfig(_Section):
     lost node); a shard that raises is not retried (the stage fails naming it; rerun the command)."""
     gpus_per_shard: float = Field(0.0, ge=0)
     """Ray GPUs a shard task requests (0.5: two shards share a GPU); set `model.device: cuda`."""
+    stage_retries: int = Field(1, ge=0)
+    """Times Prefect runs a stage task again after a failure that may pass (an out-of-memory error,
+    a reward server that did not answer; not bad input or damaged data). Safe: every stage is
+    idempotent and a retry reuses the shards the failed attempt finished. 0: no retries."""
+    threads: int | None = Field(None, ge=1)
+    """torch CPU threads of every stepgrpo process of the run (the flow, the update's processes); None:
+    `STEPGRPO_THREADS` when set, else torch's default of one per core. The shipped shapes configs
+    set 1: the tiny model gains little from two, and loses a lot when a second process shares the cores."""
     update_processes: int = Field(1, ge=1)
     """Data-parallel processes of the policy update (torch.distributed: gloo on CPU, NCCL on GPUs),
     each with a disjoint part of every optimizer step's trajectories; 1: the update in this process."""
@@ -291,15 +338,25 @@ class ScaleConfig(_Section):
 
 class Config(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
+    """The policy: the model to fine-tune, its dtype and device, CFG and the LoRA."""
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
+    """Training rollouts: steps, transition kernel and its noise, the SDE window; evaluation steps."""
     completion: CompletionConfig = Field(default_factory=CompletionConfig)
+    """How each intermediate state is completed to a clean image for its reward (step-level credit)."""
     reward: RewardConfig = Field(default_factory=RewardConfig)
+    """The reward model and its options."""
     credit: CreditConfig = Field(default_factory=CreditConfig)
+    """The credit scheme that turns rewards into per-step advantages, and its options."""
     optim: OptimConfig = Field(default_factory=OptimConfig)
+    """The GRPO update: AdamW, PPO clip, KL, which steps are trained."""
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
+    """DenseGRPO's calibration of the per-step noise table `psi` (kernel `psi` only)."""
     run: RunConfig = Field(default_factory=RunConfig)
+    """The run: prompts, iterations, group size, seed, evaluation, where runs are kept."""
     storage: StorageConfig = Field(default_factory=StorageConfig)
+    """What the run directory keeps, and for how long."""
     scale: ScaleConfig = Field(default_factory=ScaleConfig)
+    """Where the stages run: in this process or on Ray workers; threads; retries."""
 
     @model_validator(mode="after")
     def _steps_in_grid(self) -> Config:
@@ -417,6 +474,27 @@ def _flatten(d: Mapping[str, Any], prefix: str = "") -> Iterable[tuple[str, Any]
             yield key, v
 
 
+def describe(cfg: Config) -> str:
+    """`cfg` as YAML that loads back to it, each field under its description as a comment
+    (`stepgrpo config show`)."""
+    lines: list[str] = []
+    for section, field in Config.model_fields.items():
+        sub = getattr(cfg, section)
+        lines += [f"# {line.strip()}" for line in (field.description or "").splitlines()]
+        lines.append(f"{section}:")
+        for name, info in type(sub).model_fields.items():
+            for line in (info.description or "").splitlines():
+                lines.append(f"  # {line.strip()}")
+            value = yaml.safe_dump({name: _plain(getattr(sub, name))}, default_flow_style=True, width=1000)
+            lines.append("  " + value.strip().removeprefix("{").removesuffix("}"))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
 # ---------------------------------------------------------------- building a config
 
 
@@ -428,6 +506,24 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     `completion.method=null`). Raises `ConfigError` naming every bad field.
     """
     data = _read_config_file(Path(path)) if path is not None else {}
+    return validate_config(apply_overrides(data, overrides))
+
+
+def config_from(
+    config: Config | Mapping[str, Any] | None = None,
+    path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+) -> Config:
+    """The config a flow runs with: the typed `config` (the Prefect run form, or what the CLI
+    resolved) or the YAML file at `path` (or the defaults), with `key=value` overrides applied."""
+    if config is not None and path is not None:
+        raise ConfigError(
+            "both a config and config_path were given: fill in the config (the run form), or name a YAML file "
+            "in config_path, not both"
+        )
+    if config is None:
+        return load_config(path, overrides)
+    data = config.model_dump(mode="json") if isinstance(config, Config) else dict(config)
     return validate_config(apply_overrides(data, overrides))
 
 

@@ -6,6 +6,8 @@ returns). Rewards and writers convert with these helpers, never by hand.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from PIL import Image
@@ -53,3 +55,48 @@ def grid(images: torch.Tensor, ncols: int = 8, pad: int = 2) -> Image.Image:
         r, c = divmod(i, ncols)
         canvas[pad + r * (h + pad) : pad + r * (h + pad) + h, pad + c * (w + pad) : pad + c * (w + pad) + w] = img
     return Image.fromarray(canvas)
+
+
+def captioned_grid(
+    images: torch.Tensor, captions: list[str], ncols: int = 8, tile: int = 128, lines: int = 3
+) -> Image.Image:
+    """Tile `[N, 3, H, W]` images, each scaled up to at least `tile` pixels (nearest: a small
+    model's pixels stay visible) with its caption (prompt, reward) in up to `lines` lines under it."""
+    from PIL import ImageDraw, ImageFont
+
+    if len(captions) != len(images):
+        raise ValueError(f"{len(images)} images but {len(captions)} captions")
+    font = ImageFont.load_default(size=11)
+    pil = to_pil(images)
+    h, w = pil[0].height, pil[0].width
+    scale = max(1, -(-tile // max(h, w)))
+    th, tw = h * scale, w * scale
+    line_h, pad = 13, 4
+    cell_h = th + lines * line_h + pad
+    ncols = max(1, min(ncols, len(pil)))
+    nrows = (len(pil) + ncols - 1) // ncols
+    canvas = Image.new("RGB", (ncols * (tw + pad) + pad, nrows * (cell_h + pad) + pad), "white")
+    draw = ImageDraw.Draw(canvas)
+    for i, (img, text) in enumerate(zip(pil, captions)):
+        r, c = divmod(i, ncols)
+        x, y = pad + c * (tw + pad), pad + r * (cell_h + pad)
+        canvas.paste(img.resize((tw, th), Image.NEAREST), (x, y))
+        for j, line in enumerate(_wrap(draw, text, font, tw)[:lines]):
+            draw.text((x, y + th + 1 + j * line_h), line, fill="black", font=font)
+    return canvas
+
+
+def _wrap(draw: Any, text: str, font: Any, width: int) -> list[str]:
+    """`text` split into lines of at most `width` pixels (an explicit newline starts a line)."""
+    out: list[str] = []
+    for para in text.split("\n"):
+        line = ""
+        for word in para.split():
+            trial = f"{line} {word}".strip()
+            if line and draw.textlength(trial, font=font) > width:
+                out.append(line)
+                line = word
+            else:
+                line = trial
+        out.append(line)
+    return out

@@ -81,7 +81,7 @@ def main(argv: list[str]) -> None:
         device = f"cuda:{local}"
         torch.cuda.set_device(device)
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"device": device})})
-    workspace.set_threads()
+    workspace.set_threads(cfg.scale.threads)
     dist.init_process_group("nccl" if gpu else "gloo")
     try:
         parallel = DataParallel(rank, world, cfg.model.device if gpu else "cpu")

@@ -113,22 +113,23 @@ def _artifact_key(text: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:60] or "run"
 
 
-def publish_artifacts(
-    run_id: str,
-    cfg: Config,
-    rows: Sequence[Mapping[str, Any]],
-    evals: Sequence[Mapping[str, Any]],
-    where: Mapping[str, str],
-) -> None:
-    """A markdown summary and a reward table of the run, as Prefect artifacts (inside a flow run)."""
-    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+def publish_reward_table(run_id: str, rows: Sequence[Mapping[str, Any]]) -> None:
+    """The run's reward table as a Prefect artifact (inside a flow run), published again after
+    every iteration under one key: the UI shows the latest, with the earlier versions kept."""
+    from prefect.artifacts import create_table_artifact
 
-    key = _artifact_key(run_id)
     create_table_artifact(
         [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()} for row in rows],
-        key=f"{key}-rewards",
-        description=f"stepgrpo run {run_id}: reward per iteration",
+        key=f"{_artifact_key(run_id)}-rewards",
+        description=f"stepgrpo run {run_id}: reward per iteration (iter_k: the rollout of iteration k)",
     )
+
+
+def publish_summary(run_id: str, cfg: Config, evals: Sequence[Mapping[str, Any]], where: Mapping[str, str]) -> None:
+    """The run's markdown summary as a Prefect artifact (inside a flow run): held-out rewards, where things are."""
+    from prefect.artifacts import create_markdown_artifact
+
+    key = _artifact_key(run_id)
     lines = [
         f"# stepgrpo run `{run_id}`",
         "",
@@ -150,9 +151,7 @@ def print_summary(run_dir: Path, tracking_uri: str, evals: Sequence[Mapping[str,
     out = sys.stdout
     for e in evals:
         strict = f", strict {e['reward_strict']:.3f}" if "reward_strict" in e else ""
-        name = (
-            "base model" if e["label"] == "base" else f"trained (iteration {int(e['label'].removeprefix('iter_')) + 1})"
-        )
+        name = "base model" if e["label"] == "base" else f"trained (checkpoint {e['label']})"
         reward = f" ({e['reward_name']})" if "reward_name" in e else ""
         subs = ", ".join(f"{k} {v:.3f}" for k, v in sorted((e.get("sub") or {}).items()))
         print(
@@ -174,14 +173,16 @@ def print_summary(run_dir: Path, tracking_uri: str, evals: Sequence[Mapping[str,
     print(f"images:        {run_dir / 'eval'}", file=out)
 
 
-def write_grid(path: Path, images: Any, ncols: int = 8) -> None:
-    """Tile `images [N, 3, H, W]` (in [0, 1]) into one PNG at `path`, written atomically."""
+def write_grid(path: Path, images: Any, ncols: int = 8, captions: list[str] | None = None) -> None:
+    """Tile `images [N, 3, H, W]` (in [0, 1]) into one PNG at `path`, written atomically; with
+    `captions`, each tile is scaled up and captioned (`stepgrpo.images.captioned_grid`)."""
     import io
 
-    from stepgrpo.images import grid
+    from stepgrpo.images import captioned_grid, grid
     from storage.publish import write_file_atomic
 
     buf = io.BytesIO()
-    grid(images, ncols=ncols).save(buf, format="PNG")
+    image = grid(images, ncols=ncols) if captions is None else captioned_grid(images, captions, ncols=ncols)
+    image.save(buf, format="PNG")
     path.parent.mkdir(parents=True, exist_ok=True)
     write_file_atomic(path, buf.getvalue())

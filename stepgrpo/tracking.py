@@ -1,11 +1,19 @@
-"""MLflow tracking: an experiment per config name, a run per flow run.
+"""MLflow tracking: an experiment per config name, one MLflow run per stepgrpo run.
 
-The default store is SQLite inside the run directory (`sqlite:///<run_dir>/mlflow.db`, artifacts
-in `<run_dir>/mlflow-artifacts/`), so a run directory carries its own history; set
-`MLFLOW_TRACKING_URI` to log to a shared server or database instead.
+The default store is one SQLite file per runs root (`sqlite:///<runs_root>/mlflow.db`, artifacts
+in `<runs_root>/mlflow-artifacts/`), so `mlflow ui --backend-store-uri sqlite:///runs/mlflow.db`
+compares every run under `runs/`; a run made before this kept its own `<run_dir>/mlflow.db`, and
+goes on logging there. Set `MLFLOW_TRACKING_URI` to log to a shared server or database instead.
+
+Resuming a run continues its MLflow run (found by its `stepgrpo.run_id` tag), and a metric step
+already logged is not logged twice, so a resumed run's curves have one point per step.
+
+Steps: `step = k` is the policy after k updates. An iteration's metrics are logged at its index
+(`iter_k`: the rollout of the policy after k updates, and the update it fed); an evaluation of the
+checkpoint `iter_k` at `k + 1` (the base model at 0).
 
 Only the flows log (from the small summaries their tasks return), so a cached stage still
-reports its numbers in the new flow run's MLflow run.
+reports its numbers.
 """
 
 from __future__ import annotations
@@ -23,12 +31,21 @@ PARAM_BATCH = 100  # MLflow accepts at most 100 params per log_batch call
 PARAM_MAX_CHARS = 6000  # MLflow's limit on a param value
 
 
-def tracking_uri(run_dir: str | Path) -> str:
-    """`MLFLOW_TRACKING_URI` if set, else the SQLite store inside the run directory."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(run_dir).resolve() / 'mlflow.db'}"
-
-
 STORE_FILE = "mlflow.db"
+RUN_TAG = "stepgrpo.run_id"  # the stepgrpo run an MLflow run belongs to (how a resumed run finds it)
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")  # MLflow 3's "ML training" view
+
+
+def store_dir(run_dir: str | Path) -> Path:
+    """Where the default store of a run lives: its own directory for a run made with one there,
+    else its runs root (the directory that holds it)."""
+    run_dir = Path(run_dir).resolve()
+    return run_dir if (run_dir / STORE_FILE).is_file() else run_dir.parent
+
+
+def tracking_uri(run_dir: str | Path) -> str:
+    """`MLFLOW_TRACKING_URI` if set, else the SQLite store of the run's runs root (`store_dir`)."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{store_dir(run_dir) / STORE_FILE}"
 
 
 def ensure_local_store(run_dir: Path) -> None:
@@ -75,38 +92,48 @@ def _readable(path: Path) -> bool:
 
 
 class Tracker:
-    """One MLflow run. `Tracker.start(...)` opens it; use as a context manager to end it.
+    """The MLflow run of one stepgrpo run. `Tracker.start(...)` opens it (or reopens it when the
+    run is resumed); use as a context manager to end it.
 
     The run's status is FINISHED when the `with` block exits normally, FAILED otherwise.
     """
 
-    def __init__(self, client: Any, run_id: str, uri: str) -> None:
+    def __init__(self, client: Any, run_id: str, uri: str, resumed: bool = False) -> None:
         self.client = client
         self.run_id = run_id
         self.uri = uri
+        self.resumed = resumed
+        self._logged: dict[str, set[int]] = {}  # metric -> steps already in the store (a resumed run)
 
     @classmethod
     def start(
         cls, run_dir: str | Path, experiment: str, run_name: str, tags: Mapping[str, str] | None = None
     ) -> Tracker:
+        """The MLflow run tagged `stepgrpo.run_id = run_name` in `experiment`, set running again;
+        a new one (with the source and git tags) when there is none."""
         from mlflow.tracking import MlflowClient
 
         uri = tracking_uri(run_dir)
-        if not os.environ.get("MLFLOW_TRACKING_URI"):
-            ensure_local_store(Path(run_dir))
+        local = not os.environ.get("MLFLOW_TRACKING_URI")
+        if local:
+            ensure_local_store(store_dir(run_dir))
         client = MlflowClient(tracking_uri=uri)
         exp = client.get_experiment_by_name(experiment)
         if exp is None:
-            # Only the default, run-local store gets a run-local artifact root; a server decides its own.
-            local = (
-                None
-                if os.environ.get("MLFLOW_TRACKING_URI")
-                else (Path(run_dir).resolve() / "mlflow-artifacts").as_uri()
-            )
-            exp_id = client.create_experiment(experiment, artifact_location=local)
+            # Only the default, local store gets an artifact root beside it; a server decides its own.
+            artifacts = (store_dir(run_dir) / "mlflow-artifacts").as_uri() if local else None
+            exp_id = client.create_experiment(experiment, artifact_location=artifacts, tags=dict([EXPERIMENT_KIND]))
         else:
             exp_id = exp.experiment_id
-        run = client.create_run(exp_id, run_name=run_name, tags=dict(tags or {}))
+            if exp.tags.get(EXPERIMENT_KIND[0]) is None:
+                client.set_experiment_tag(exp_id, *EXPERIMENT_KIND)
+        found = client.search_runs([exp_id], filter_string=f"tags.`{RUN_TAG}` = '{run_name}'", max_results=1)
+        if found:
+            client.update_run(found[0].info.run_id, status="RUNNING")
+            return cls(client, found[0].info.run_id, uri, resumed=True)
+        run = client.create_run(
+            exp_id, run_name=run_name, tags={**source_tags(), **dict(tags or {}), RUN_TAG: run_name}
+        )
         return cls(client, run.info.run_id, uri)
 
     def __enter__(self) -> Tracker:
@@ -123,20 +150,48 @@ class Tracker:
             self.client.log_batch(self.run_id, params=items[i : i + PARAM_BATCH])
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        """Finite scalar metrics at `step` (the iteration); NaN / None entries are skipped."""
+        """Finite scalar metrics at `step`; NaN / None entries are skipped, and so are the steps a
+        resumed run logged before (a cached stage reports the same numbers again)."""
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
         rows = [
             Metric(k, float(v), now, step)
             for k, v in sorted(metrics.items())
-            if v is not None and isinstance(v, int | float) and math.isfinite(float(v))
+            if v is not None
+            and isinstance(v, int | float)
+            and math.isfinite(float(v))
+            and step not in self._steps_of(k)
         ]
         if rows:
             self.client.log_batch(self.run_id, metrics=rows)
+            for row in rows:
+                self._logged.setdefault(row.key, set()).add(step)
 
-    def log_image(self, image: Image.Image, artifact_file: str) -> None:
-        self.client.log_image(self.run_id, image, artifact_file=artifact_file)
+    def _steps_of(self, key: str) -> set[int]:
+        if key not in self._logged:
+            history = self.client.get_metric_history(self.run_id, key) if self.resumed else []
+            self._logged[key] = {m.step for m in history}
+        return self._logged[key]
+
+    def log_image(self, image: Image.Image, key: str, step: int) -> None:
+        """An image at `step`: MLflow's image history of `key` (the UI shows it with a step slider);
+        a step a resumed run logged before is not logged again."""
+        logged = self._logged.get(f"image:{key}")
+        if logged is None:
+            logged = self._logged[f"image:{key}"] = self._image_steps(key) if self.resumed else set()
+        if step not in logged:
+            self.client.log_image(self.run_id, image, key=key, step=step)
+            logged.add(step)
+
+    def _image_steps(self, key: str) -> set[int]:
+        """The steps of the images logged under `key` (MLflow stores them as `images/<key>+step+<k>+...`)."""
+        try:
+            files = self.client.list_artifacts(self.run_id, "images")
+        except OSError:  # no image logged yet
+            return set()
+        names = (Path(f.path).name for f in files)
+        return {int(n.split("+")[2]) for n in names if n.startswith(f"{key}+step+")}
 
     def log_artifact(self, local_file: str | Path, artifact_path: str | None = None) -> None:
         self.client.log_artifact(self.run_id, str(local_file), artifact_path)
@@ -147,6 +202,35 @@ class Tracker:
     def set_tags(self, tags: Mapping[str, str]) -> None:
         for k, v in tags.items():
             self.client.set_tag(self.run_id, k, str(v))
+
+
+def find_mlflow_run(run_dir: str | Path) -> tuple[Any, Any]:
+    """`(client, MLflow run)` of the stepgrpo run at `run_dir` in its tracking store; run None if it has none."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri(run_dir))
+    name = Path(run_dir).name
+    for exp in client.search_experiments():
+        found = client.search_runs([exp.experiment_id], filter_string=f"tags.`{RUN_TAG}` = '{name}'", max_results=1)
+        if found:
+            return client, found[0]
+    return client, None
+
+
+def source_tags() -> dict[str, str]:
+    """MLflow's source tags: the command, and the git commit of the code when it is a checkout."""
+    import sys
+
+    from storage.run import code_version
+
+    version = code_version()
+    tags = {"mlflow.source.name": " ".join(Path(a).name if i == 0 else a for i, a in enumerate(sys.argv[:3]))}
+    tags["mlflow.source.type"] = "LOCAL"
+    if version.get("git_commit"):
+        tags["mlflow.source.git.commit"] = version["git_commit"]
+    if version.get("package"):
+        tags["stepgrpo.version"] = version["package"]
+    return tags
 
 
 def flatten_metrics(prefix: str, values: Mapping[str, Any]) -> dict[str, float]:

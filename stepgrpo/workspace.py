@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import threading
 from collections import Counter
 from functools import lru_cache
@@ -230,8 +229,8 @@ def policy_after(run: Run, cfg: Config, iteration: int | None) -> SD3Policy:
     return pol
 
 
-def set_threads() -> None:
-    """Honour `STEPGRPO_THREADS` (torch intra-op threads) when set."""
-    n = os.environ.get("STEPGRPO_THREADS")
-    if n:
-        torch.set_num_threads(int(n))
+def set_threads(threads: int | None = None) -> None:
+    """torch's CPU threads: `threads` (the config's `scale.threads`), else `STEPGRPO_THREADS` when set."""
+    from stepgrpo import environment
+
+    environment.apply(threads)

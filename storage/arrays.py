@@ -61,6 +61,24 @@ def chunk_file(store: Path, name: str, coords: Sequence[int]) -> Path:
     return store / name / CHUNK_KEY_SEPARATOR.join(["c", *map(str, coords)])
 
 
+def bf16_bits(value: Any, what: str) -> np.ndarray:
+    """The bfloat16 bits (`uint16`) of `value` (a torch tensor or a float array) whose values are
+    bf16 already: a latent sampled in bf16 is stored as it is; any other value is refused, since
+    rounding it would store a tensor other than the one whose log-prob was taken."""
+    import torch
+
+    t = value.detach().cpu() if hasattr(value, "detach") else torch.from_numpy(np.asarray(value, dtype=np.float32))
+    bf = t.to(torch.bfloat16)
+    if t.dtype != torch.bfloat16 and not torch.equal(bf.to(t.dtype), t):
+        raise ValueError(f"{what}: the store holds bfloat16 latents, and these values are not bfloat16 ({t.dtype})")
+    return bf.view(torch.int16).numpy().view(np.dtype("<u2"))
+
+
+def bf16_values(bits: np.ndarray) -> np.ndarray:
+    """float32 values of bfloat16 `bits` (`uint16`): exact, the bits are the top half of a float32."""
+    return (bits.astype("<u4") << 16).view("<f4")
+
+
 class StageStore:
     """One Zarr stage store on disk (published or `.partial`), described by its attrs.
 
@@ -138,14 +156,21 @@ class StageStore:
             )
         )
 
+    def _bf16(self, name: str) -> bool:
+        return self.spec.array(name).dtype == "latent" and self.attrs.get("latent_dtype") == "bfloat16"
+
     def _as_stored(self, name: str, value: Any, shape: tuple[int, ...]) -> np.ndarray:
         """`value` (NumPy or torch) as a C-contiguous little-endian array of the stored dtype."""
+        if self._bf16(name):
+            return self._check_shape(name, np.ascontiguousarray(bf16_bits(value, f"{self.spec.kind}.{name}")), shape)
         if hasattr(value, "detach"):  # torch: bf16 has no NumPy dtype, upcast exactly to fp32
             value = value.detach().cpu()
             if str(value.dtype) == "torch.bfloat16":
                 value = value.float()
             value = value.numpy()
-        arr = np.ascontiguousarray(np.asarray(value), dtype=self.dtype(name))
+        return self._check_shape(name, np.ascontiguousarray(np.asarray(value), dtype=self.dtype(name)), shape)
+
+    def _check_shape(self, name: str, arr: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
         if arr.shape != shape:
             axes = self.spec.array(name).axes
             raise ValueError(f"{self.spec.kind}.{name}: expected shape {shape} {axes}, got {arr.shape}")
@@ -210,7 +235,8 @@ class StageStore:
     def read(self, name: str, trajectories: slice | Sequence[int] | None = None) -> np.ndarray:
         """Read array `name`, all of it or the trajectories selected (per-trajectory arrays only).
 
-        Returns a NumPy array of the stored dtype, e.g. `states` `[n, T+1, C, H, W]`.
+        Returns a NumPy array of the stored dtype, e.g. `states` `[n, T+1, C, H, W]` (bf16
+        latents as float32, exactly).
         Raises `CorruptChunkError` naming the array and chunk if a checksum fails.
         """
         spec = self.spec.array(name)
@@ -232,7 +258,7 @@ class StageStore:
         out = np.empty((len(rows), *shape[1:]), self.dtype(name))
         coords = self.chunks(spec, rows)
         _each(lambda i: self._read_chunk(spec, coords[i], out[i : i + 1]), len(rows), out[:1].nbytes)
-        return out
+        return bf16_values(out) if self._bf16(name) else out
 
     def rows_intact(self, rows: range) -> bool:
         """Whether every per-trajectory chunk of `rows` is there and passes its checksum."""

@@ -46,7 +46,7 @@ from storage.publish import (
     write_file_atomic,
 )
 from storage.run_tables import RunTables
-from storage.schema import PUBLISHED_FILE, SCHEMA_VERSION, StoreSpec, check_name
+from storage.schema import PUBLISHED_FILE, READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION, StoreSpec, check_name
 from storage.stage_stores import CompletionData, ImagesData, RolloutData, StageStores, spec_of
 from storage.writer import StageWriter, digest_files, metadata_digest
 
@@ -82,7 +82,7 @@ def code_version() -> dict[str, Any]:
 
 
 def _check_schema(found: Any, what: str) -> None:
-    if found != SCHEMA_VERSION:
+    if found not in READABLE_SCHEMA_VERSIONS:
         raise SchemaVersionError(
             f"{what} was written with storage schema version {found}; this code reads version "
             f"{SCHEMA_VERSION}. Open it with the stepgrpo version that wrote it (see code_version in "

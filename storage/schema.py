@@ -19,9 +19,11 @@ Zarr stores (v3, one directory per stage):
   stores stay plain Zarr v3 that `zarr.open_group` reads.
 - Chunk keys use the `default` encoding with separator `"."` (`c.3.0.0.0.0`), which keeps a
   store's chunk files in one directory per array (nested directories cost more than the writes).
-- Latent dtype: `float16` or `float32` by config. bfloat16 has no NumPy dtype, so bf16 latents are
-  stored as float32 (exact: every bf16 value is a float32 value) and the store's
-  `source_dtype` attr says `"bfloat16"`.
+- Latent dtype: the dtype the latents were sampled in (`model.dtype`), so the stored tensor is
+  the one whose log-prob was taken and a bf16 run stores 2 bytes a value, not 4. bfloat16 has no
+  NumPy dtype: its 16 bits are stored in a `uint16` Zarr array, the store's `latent_dtype` attr
+  says `"bfloat16"`, and readers return float32 (exact: every bf16 value is a float32 value).
+  Schema 2 stores of bf16 runs hold float32 (`latent_dtype: float32`) and read the same.
 
 Image stores (`images/<source>`, optional): the uint8 images a reward saw for the clean latents
 of one completion (or of `x_T` alone, source `final`), written by the first `score` of an
@@ -46,14 +48,16 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 2  # 2: rollout.ode_final
+SCHEMA_VERSION = 3  # 2: rollout.ode_final; 3: bf16 latents stored as bf16 (uint16 bits)
+READABLE_SCHEMA_VERSIONS = (2, 3)  # 3 only adds the bf16 latent dtype: schema 2 runs read unchanged
 
-# Latent storage dtype for each compute dtype; bf16 -> float32 (no NumPy bf16, float32 is exact).
+# Latent storage dtype for each compute dtype: the same (bf16 as its bits, `BF16_BITS`).
 LATENT_STORAGE_DTYPES: dict[str, str] = {
     "float16": "float16",
     "float32": "float32",
-    "bfloat16": "float32",
+    "bfloat16": "bfloat16",
 }
+BF16_BITS = "uint16"  # the NumPy dtype that holds bf16 latents
 
 CHUNK_KEY_SEPARATOR = "."
 CHECKSUM_BYTES = 4  # crc32c appended to every chunk, little endian
@@ -217,8 +221,11 @@ def chunk_shape(spec: ArraySpec, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def storage_dtype(spec: ArraySpec, latent_dtype: str) -> str:
-    """The NumPy dtype name `spec` is stored with (`latent_dtype` is already a storage dtype)."""
-    return latent_dtype if spec.dtype == "latent" else spec.dtype
+    """The NumPy dtype name `spec` is stored with (`latent_dtype` is already a storage dtype;
+    bfloat16 latents are stored as their bits, `BF16_BITS`)."""
+    if spec.dtype != "latent":
+        return spec.dtype
+    return BF16_BITS if latent_dtype == "bfloat16" else latent_dtype
 
 
 def latent_storage_dtype(dtype: str) -> str:

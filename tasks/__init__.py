@@ -10,9 +10,10 @@ its published output verifies under its key (`tasks.base`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
+from stepgrpo.config import Config
 from storage.run import Run
 
 if TYPE_CHECKING:
@@ -44,9 +45,12 @@ class Stages:
     evaluate: Task[..., EvaluateResult]  # tasks.evaluate.evaluate
 
 
-def bind(run: Run) -> Stages:
-    """The stage tasks for `run`. They keep no results of their own: the run directory is their
-    cache (`tasks.base`)."""
+def bind(run: Run, cfg: Config) -> Stages:
+    """The stage tasks for `run`, each retried `cfg.scale.stage_retries` times after a failure that
+    may pass (`tasks.base.transient`). They keep no results of their own: the run directory is
+    their cache (`tasks.base`), which is also what makes a retry safe: every stage is idempotent,
+    and a retried one reuses what the failed attempt finished (its published shards)."""
+    from tasks.base import with_retries
     from tasks.calibrate import calibrate
     from tasks.complete import complete
     from tasks.credit import credit
@@ -56,4 +60,5 @@ def bind(run: Run) -> Stages:
     from tasks.score import score
     from tasks.update import update
 
-    return Stages(prompts, calibrate, rollout, complete, score, credit, update, evaluate)
+    stages = Stages(prompts, calibrate, rollout, complete, score, credit, update, evaluate)
+    return Stages(*(with_retries(getattr(stages, f.name), cfg.scale.stage_retries) for f in fields(Stages)))

@@ -28,9 +28,47 @@ from tasks.keys import Key
 RESUME_FIX = "resume the run with `stepgrpo train` and its config to compute it again, or restore it from a copy"
 
 
+RETRY_DELAY_S = 10.0
+
+
 def stage_task(stage: str) -> Callable[[Callable[..., Any]], Any]:
-    """`@stage_task("rollout")`: a Prefect task named after its stage that caches nothing."""
-    return task(name=stage, cache_policy=NO_CACHE, persist_result=False)
+    """`@stage_task("rollout")`: a Prefect task named after its stage that caches nothing; its
+    runs are named after the stage and iteration (`rollout iter_3`, `evaluate base`)."""
+    return task(name=stage, cache_policy=NO_CACHE, persist_result=False, task_run_name=_run_name(stage))
+
+
+def _run_name(stage: str) -> Callable[[], str]:
+    def name() -> str:
+        from prefect.runtime import task_run
+
+        params = task_run.parameters
+        i, shard = params.get("iteration"), params.get("shard")
+        out = stage if i is None else f"{stage} base" if i < 0 else f"{stage} iter_{i}"
+        return out + (f" rows {shard.start}-{shard.stop - 1}" if isinstance(shard, range) else "")
+
+    return name
+
+
+def transient(task: Any, task_run: Any, state: Any) -> bool:
+    """Prefect's retry condition: retry a failure that may pass (a lost worker, out of memory, a
+    reward server that did not answer), not one that the same inputs give again: bad input, a
+    stage published from other inputs, damaged data (`stepgrpo_cli`'s expected errors)."""
+    from stepgrpo.config import ConfigError
+    from stepgrpo_core.registry import UnknownNameError
+
+    deterministic = (ConfigError, StageError, StorageError, UnknownNameError, ValueError, TypeError, KeyError)
+    try:
+        error = state.result(raise_on_failure=False)
+    except Exception:  # the failure itself could not be read back: let the retry policy decide
+        return True
+    return not isinstance(error, deterministic)
+
+
+def with_retries(stage: Any, retries: int) -> Any:
+    """`stage` retried `retries` times after a transient failure (`transient`)."""
+    if not retries:
+        return stage
+    return stage.with_options(retries=retries, retry_delay_seconds=RETRY_DELAY_S, retry_condition_fn=transient)
 
 
 def shard_task(stage: str) -> Callable[[Callable[..., Any]], Any]:
@@ -46,7 +84,12 @@ def shard_task(stage: str) -> Callable[[Callable[..., Any]], Any]:
             shard_threads()
             return fn(*args, **kwargs)
 
-        return task(name=f"{stage}-shard", cache_policy=NO_CACHE, persist_result=False)(shard)
+        return task(
+            name=f"{stage}-shard",
+            cache_policy=NO_CACHE,
+            persist_result=False,
+            task_run_name=_run_name(f"{stage}-shard"),
+        )(shard)
 
     return decorate
 

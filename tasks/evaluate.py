@@ -175,7 +175,12 @@ def evaluate_shard(run: Run, cfg: Config, iteration: int | None, name: str, key:
             )
         outputs.append(scored)
         if s == 0 and c0 == 0:
-            write_grid(Path(run.path) / EVAL_DIR / f"{name}.png", dequantize(images[:GRID_IMAGES]))
+            shown = rows[:GRID_IMAGES]
+            captions = [
+                f"{reward.name} {float(v):.3f}\n{text}"
+                for text, v in zip(prompts.texts_of(shown), scored.scores[: len(shown)])
+            ]
+            write_grid(Path(run.path) / EVAL_DIR / f"{name}.png", dequantize(images[: len(shown)]), captions=captions)
         maybe_fail("evaluate", shard.start)
     result = {**output_json(cat_outputs(outputs)), "nfe": pol.nfe - nfe0, "seconds": time.perf_counter() - t0}
     record(ledger_of(run, name), shard, key, result)

@@ -86,7 +86,7 @@ def trained(harness, tiny, tmp_path_factory) -> dict:
     from flows.train import train
 
     run_dir = tmp_path_factory.mktemp("runs") / "tiny-a"
-    return train(overrides=tiny, run_dir=str(run_dir))
+    return train(overrides=tiny, run_dir=str(run_dir)) | {"model_path": tiny[0].removeprefix("model.path=")}
 
 
 def test_train_runs_every_stage_and_tracks_it(trained):
@@ -101,11 +101,14 @@ def test_train_runs_every_stage_and_tracks_it(trained):
 
     from mlflow.tracking import MlflowClient
 
-    assert trained["tracking_uri"] == f"sqlite:///{run_dir / 'mlflow.db'}"
+    assert trained["tracking_uri"] == f"sqlite:///{run_dir.parent / 'mlflow.db'}"  # the runs root's store
     client = MlflowClient(trained["tracking_uri"])
     exp = client.get_experiment_by_name("stepgrpo")
-    (mlrun,) = client.search_runs([exp.experiment_id])
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    (mlrun,) = client.search_runs([exp.experiment_id], filter_string="tags.`stepgrpo.run_id` = 'tiny-a'")
     assert mlrun.data.params["credit.scheme"] == "stepwise"
+    assert mlrun.data.tags["mlflow.source.name"].startswith(("pytest", "python", "__main__"))
+    assert len(mlrun.data.tags.get("mlflow.source.git.commit", "x" * 40)) == 40
     for metric in (
         "reward/mean",
         "clip_frac",
@@ -132,8 +135,38 @@ def test_train_runs_every_stage_and_tracks_it(trained):
     ):
         assert metric in mlrun.data.metrics, metric
     assert len(client.get_metric_history(mlrun.info.run_id, "reward/mean")) == 2
+    assert [m.step for m in client.get_metric_history(mlrun.info.run_id, "reward/mean")] == [0, 1]
+    assert sorted(m.step for m in client.get_metric_history(mlrun.info.run_id, "eval/mean")) == [0, 2]
     artifacts = {a.path for a in client.list_artifacts(mlrun.info.run_id)}
-    assert {"lora", "eval"} <= artifacts
+    assert {"lora", "images"} <= artifacts
+    # the evaluation grids are an image history (one per evaluation, at its step), captioned
+    pngs = [a.path for a in client.list_artifacts(mlrun.info.run_id, "images") if a.path.endswith(".png")]
+    assert sorted(int(p.split("+")[2]) for p in pngs) == [0, 2], pngs
+    from PIL import Image
+
+    grid = Image.open(run_dir / "eval" / "base.png")
+    assert grid.width >= 4 * 128  # 4 held-out prompts, scaled-up tiles with a caption under each
+    # the LoRA artifact is a directory that diffusers loads
+    from diffusers import StableDiffusion3Pipeline
+
+    lora_dir = client.download_artifacts(mlrun.info.run_id, "lora", str(run_dir.parent / "downloaded"))
+    pipe = StableDiffusion3Pipeline.from_pretrained(trained["model_path"], text_encoder_3=None, tokenizer_3=None)
+    pipe.load_lora_weights(lora_dir)
+    assert any("lora" in n for n, _ in pipe.transformer.named_parameters())
+
+
+def test_flow_and_task_runs_are_named_after_the_run_and_iteration(trained):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    with get_client(sync_client=True) as client:
+        (flow_run,) = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["tiny-a"])))
+        names = {t.name for t in client.read_task_runs() if t.flow_run_id == flow_run.id}
+        artifacts = client.read_artifacts()
+    assert {"prompts", "evaluate base", "rollout iter_0", "update iter_1", "evaluate iter_1"} <= names, names
+    # the reward table is published after every iteration, under one key
+    tables = [a for a in artifacts if a.key == "tiny-a-rewards"]
+    assert len(tables) == 2 and any(a.key == "tiny-a-summary" for a in artifacts)
 
 
 def test_inspect_shows_the_learning_diagnostics(trained):

@@ -35,9 +35,9 @@ def setup(tmp_path_factory):
         MLFLOW_DISABLE_TELEMETRY="true",
         PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="120",
         STEPGRPO_THREADS="1",
-        MLFLOW_TRACKING_URI=f"sqlite:///{root / 'mlflow.db'}",
-    )  # one store: migrate once
+    )
     env.pop("PREFECT_API_URL", None)
+    env.pop("MLFLOW_TRACKING_URI", None)  # the default: one store for every run under runs/
     overrides = [
         f"model.path={root / 'model'}",
         "model.lora_rank=4",
@@ -117,3 +117,22 @@ def test_kill_9_mid_iteration_then_resume_is_bit_identical(setup):
         load_file(str(d / "lora" / "pytorch_lora_weights.safetensors")) for d in (root / "runs" / "clean", run_dir)
     ]
     assert all(exported[0][k].equal(exported[1][k]) for k in exported[0])
+
+    # MLflow: one store for both runs; the resumed run continued its MLflow run, one point a step
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{root / 'runs' / 'mlflow.db'}")
+    (exp,) = [e for e in client.search_experiments() if e.name == "stepgrpo"]
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    by_run = {r.data.tags["stepgrpo.run_id"]: r for r in client.search_runs([exp.experiment_id])}
+    assert sorted(by_run) == ["clean", "killed"]  # the resume opened no second MLflow run
+    killed = by_run["killed"]
+    assert killed.info.status == "FINISHED" and killed.info.run_name == "killed"
+    for key, steps in (("reward/mean", [0, 1]), ("seconds/update", [0, 1]), ("eval/mean", [0, 2])):
+        history = client.get_metric_history(killed.info.run_id, key)
+        assert sorted(m.step for m in history) == steps, (key, history)
+        clean_values = {m.step: m.value for m in client.get_metric_history(by_run["clean"].info.run_id, key)}
+        if key != "seconds/update":
+            assert {m.step: m.value for m in history} == clean_values, key
+    images = [a.path for a in client.list_artifacts(killed.info.run_id, "images")]
+    assert sorted({int(p.split("+")[2]) for p in images if p.endswith(".png")}) == [0, 2], images

@@ -146,8 +146,24 @@ def test_in_process_shards_resume_the_same_way(harness, tiny, reference, tmp_pat
     monkeypatch.setenv("STEPGRPO_FAULT", f"raise:rollout:6:{tmp_path / 'failed'}")
     run_dir = tmp_path / "process"
     with pytest.raises(Exception, match="STEPGRPO_FAULT"):
-        _train(tiny, run_dir, *SHARDED)
+        _train(tiny, run_dir, *SHARDED, "scale.stage_retries=0")
     _train(tiny, run_dir, *SHARDED)
+    assert Run.open(run_dir).stage_manifest(0, "rollout")["inputs"]["shards"]["computed"] == [
+        [6, 12],
+        [12, 18],
+        [18, 24],
+    ]
+    assert stored(run_dir) == stored(reference)
+
+
+def test_a_failed_stage_is_retried_by_prefect_and_the_retry_keeps_its_finished_shards(
+    harness, tiny, reference, tmp_path, monkeypatch
+):
+    # The same fault as above, with the default `scale.stage_retries`: one command finishes the run.
+    monkeypatch.setenv("STEPGRPO_FAULT", f"raise:rollout:6:{tmp_path / 'failed'}")
+    run_dir = tmp_path / "retried"
+    _train(tiny, run_dir, *SHARDED)
+    assert (tmp_path / "failed").exists()  # the fault fired
     assert Run.open(run_dir).stage_manifest(0, "rollout")["inputs"]["shards"]["computed"] == [
         [6, 12],
         [12, 18],

@@ -31,3 +31,32 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         return DTYPES[dtype]
     except KeyError:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}") from None
+
+
+def check_device(device: str, field: str = "model.device") -> None:
+    """A clear error for a device this torch cannot use (a CPU-only build asked for `cuda`, a GPU
+    index past the last one, a misspelt name), instead of an assertion deep inside torch."""
+    try:
+        d = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"{field} {device!r} is not a torch device; use cpu, cuda, cuda:N or mps") from None
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            build = (
+                "a CPU-only build"
+                if torch.version.cuda is None
+                else f"CUDA {torch.version.cuda}, but no GPU is visible"
+            )
+            raise ValueError(
+                f"{field} {device!r}: the installed torch {torch.__version__} cannot use CUDA ({build}); "
+                "install a CUDA build of torch (docs/GPU.md) or set model.device=cpu"
+            )
+        if d.index is not None and d.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"{field} {device!r}: this machine has {torch.cuda.device_count()} GPU(s), cuda:0 to "
+                f"cuda:{torch.cuda.device_count() - 1}"
+            )
+    elif d.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"{field} {device!r}: MPS is not available to this torch; set model.device=cpu")
+    elif d.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"{field} {device!r}: stepgrpo runs on cpu, cuda or mps")

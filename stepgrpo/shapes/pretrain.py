@@ -20,7 +20,7 @@ minutes into `workdir`, so a killed process restarted with the same command cont
 where the last checkpoint left off. Budgets are wall-clock training time summed over restarts.
 At the end the EMA weights are exported as an fp16 `StableDiffusion3Pipeline` directory.
 
-Run: `python -m stepgrpo.shapes.pretrain --workdir .pretrain --out models/shapes`.
+Run: `stepgrpo pretrain --out models/shapes --overwrite` (`--help`: the options).
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ class PretrainConfig:
     """Everything the pretraining reads; saved into the work dir and the model card."""
 
     workdir: str = ".pretrain"  # checkpoints, log and evaluations (not committed)
-    out: str = "models/shapes"  # exported pipeline directory
+    out: str = ""  # exported pipeline directory ("": a new `models/shapes-<UTC time>`)
+    overwrite: bool = False  # replace `out` when it already holds a model (the shipped one included)
     seed: int = 0  # seeds the weight init, the data stream and the noise
     spec: ModelSpec = ModelSpec()  # component sizes
     # stage 1: autoencoder
@@ -79,6 +80,13 @@ class PretrainConfig:
     threads: int = 1  # torch CPU threads: on a busy 2-core machine 2 threads ran 6x slower than 1
 
     def __post_init__(self) -> None:
+        if not self.out:
+            object.__setattr__(self, "out", f"models/shapes-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
+        if (Path(self.out) / "model_index.json").exists() and not self.overwrite:
+            raise ValueError(
+                f"{self.out} already holds a model; pretraining would replace it. Pick another --out, or pass "
+                "--overwrite (to rebuild the shipped model: --out models/shapes --overwrite)"
+            )
         for name in ("vae_minutes", "minutes", "checkpoint_minutes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -444,20 +452,31 @@ def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    defaults = PretrainConfig()
-    p.add_argument("--workdir", default=defaults.workdir)
-    p.add_argument("--out", default=defaults.out)
-    p.add_argument("--seed", type=int, default=defaults.seed)
-    p.add_argument("--vae-minutes", type=float, default=defaults.vae_minutes)
-    p.add_argument("--minutes", type=float, default=defaults.minutes)
-    p.add_argument("--batch", type=int, default=defaults.batch)
-    p.add_argument("--lr", type=float, default=defaults.lr)
-    p.add_argument("--cooldown-minutes", type=float, default=defaults.cooldown_minutes)
-    p.add_argument("--eval-minutes", type=float, default=defaults.eval_minutes)
-    p.add_argument("--eval-cfg", type=float, default=defaults.eval_cfg)
-    p.add_argument("--checkpoint-minutes", type=float, default=defaults.checkpoint_minutes)
-    p.add_argument("--threads", type=int, default=defaults.threads)
+    p = argparse.ArgumentParser(
+        prog="stepgrpo pretrain",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    d = PretrainConfig.__dataclass_fields__
+    p.add_argument("--workdir", default=d["workdir"].default, help="checkpoints and log; rerun with it to resume")
+    p.add_argument("--out", default="", help="exported pipeline directory (default: a new models/shapes-<UTC time>)")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it already holds a model")
+    p.add_argument("--seed", type=int, default=d["seed"].default, help="weight init, data stream and noise")
+    p.add_argument("--vae-minutes", type=float, default=d["vae_minutes"].default, help="stage 1 (autoencoder) budget")
+    p.add_argument("--minutes", type=float, default=d["minutes"].default, help="stage 2 (transformer) budget")
+    p.add_argument("--batch", type=int, default=d["batch"].default, help="stage 2 batch size")
+    p.add_argument("--lr", type=float, default=d["lr"].default, help="stage 2 peak learning rate")
+    p.add_argument(
+        "--cooldown-minutes", type=float, default=d["cooldown_minutes"].default, help="linear decay at the end"
+    )
+    p.add_argument(
+        "--eval-minutes", type=float, default=d["eval_minutes"].default, help="held-out evaluation period (0: never)"
+    )
+    p.add_argument("--eval-cfg", type=float, default=d["eval_cfg"].default, help="guidance scale of those evaluations")
+    p.add_argument(
+        "--checkpoint-minutes", type=float, default=d["checkpoint_minutes"].default, help="checkpoint period"
+    )
+    p.add_argument("--threads", type=int, default=d["threads"].default, help="torch CPU threads")
     # every option's destination is the PretrainConfig field of the same name
     cfg = PretrainConfig(**vars(p.parse_args(argv)))
     pretrain(cfg)
