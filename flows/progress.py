@@ -108,6 +108,7 @@ class TrainingLog:
         self.rows: list[dict[str, Any]] = []
         self.evaluations: list[dict[str, Any]] = []
         self.watch = report.SignalWatch()
+        self.freed = 0
 
     def __enter__(self) -> TrainingLog:
         from prefect.artifacts import create_progress_artifact
@@ -154,6 +155,14 @@ class TrainingLog:
             print(warning)
         update_progress_artifact(self.progress, 100.0 * (i + 1) / self.cfg.run.iterations)
         report.publish_reward_table(self.run.run_id, self.rows)
+
+    def pruned(self, report: Any) -> None:
+        """What retention removed after an iteration (`storage.retention`): a console line, and
+        the bytes freed so far as a metric."""
+        if report.stages:
+            print(report.describe())
+            self.freed += report.freed
+            self.tracker.log_metrics({"storage/freed_mib": self.freed / 2**20}, step=report.stages[-1][0])
 
     def finish(self, lora_dir: Path) -> dict[str, Any]:
         """Log the exported LoRA, publish the run's summary artifacts; returns the flow's result."""

@@ -15,7 +15,7 @@ from prefect import flow
 from flows.progress import name_flow_run
 from stepgrpo import environment
 from stepgrpo.config import validate_config
-from stepgrpo.runs import owned_stored, stored_iterations
+from stepgrpo.runs import check_rescorable, owned_stored, stored_iterations
 from stepgrpo.workers import workers
 from tasks import bind, complete, rollout
 
@@ -33,8 +33,10 @@ def rescore(
         )
         stage, done = bind(stored, cfg), []
         method = cfg.completion.method
+        todo = iterations if iterations is not None else stored_iterations(stored)
+        check_rescorable(stored, method, todo)
         with workers(cfg, stored.path):  # the run's `scale`: shards on Ray when it was trained there
-            for i in iterations if iterations is not None else stored_iterations(stored):
+            for i in todo:
                 sampled = rollout.stored(stored, i, verify=True)
                 clean = complete.stored(stored, method, i, verify=True) if method else sampled
                 done.append(stage.score(stored, cfg, i, clean, sampled))

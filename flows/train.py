@@ -15,7 +15,7 @@ from flows.progress import TrainingLog, name_flow_run
 from stepgrpo import environment
 from stepgrpo.checks import check_config
 from stepgrpo.config import Config, config_from
-from stepgrpo.runs import open_run, owned, resolve_run_dir
+from stepgrpo.runs import apply_retention, open_run, owned, resolve_run_dir
 from stepgrpo.workers import workers
 from stepgrpo_core.kernels import KERNELS
 from storage.run import Run
@@ -50,6 +50,9 @@ def train(
             return iterate(run, cfg)
 
 
+RETENTION_WHY = "the run's storage.keep / storage.checkpoint_every"
+
+
 def iterate(run: Run, cfg: Config) -> dict[str, Any]:
     """The algorithm, on a run this process owns."""
     stage = bind(run, cfg)
@@ -68,4 +71,5 @@ def iterate(run: Run, cfg: Config) -> dict[str, Any]:
             log.iteration(i, rollout, clean, rewards, credit, checkpoint)
             if cfg.run.evaluates_after(i):
                 log.evaluation(i + 1, stage.evaluate(run, cfg, i, prompts, checkpoint))
+            log.pruned(apply_retention(run, cfg.storage, RETENTION_WHY))
         return log.finish(export_lora(run, cfg, cfg.run.iterations - 1))

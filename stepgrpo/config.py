@@ -298,6 +298,18 @@ class StorageConfig(_Section):
     """Keep the uint8 images the reward saw (every scored state) so that re-scoring with another
     reward skips the VAE. 3 x H x W bytes a state: 3 KB at 32 px, 768 KB at 512 px (six times a
     fp16 SD3 latent); turn off for large images if disk matters more than re-scoring time."""
+    keep: Literal["all", "last", "tables"] = "all"
+    """What the run keeps of each finished iteration (one whose update is published): `all` every
+    stage; `last` the latents, completions and images of the last `keep_last` iterations only;
+    `tables` none of them (the reward and advantage tables, manifests and checkpoints stay). A
+    pruned iteration still resumes and re-credits (`stepgrpo credit`), but cannot be re-scored
+    (`stepgrpo rescore`). `stepgrpo prune RUN` applies this to an existing run."""
+    keep_last: int = Field(2, ge=1)
+    """With `keep: last`, how many of the latest finished iterations keep their latents."""
+    checkpoint_every: int = Field(0, ge=0)
+    """Keep the weights of every N-th checkpoint (iterations N-1, 2N-1, ...), of the latest and of
+    those the run evaluated; the others keep only their update record (the run still resumes, but
+    cannot be evaluated there). 0: keep every checkpoint."""
 
 
 class ScaleConfig(_Section):

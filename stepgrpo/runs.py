@@ -132,13 +132,57 @@ def check_resumable(cfg: Config, run_dir: Path) -> None:
     if not (run_dir / "manifest.json").exists():
         return
     stored = Run.open(run_dir).config
-    # `scale` says where stages run, not what they compute: a run resumes on other workers
-    changed = [f for f in config_diff(stored, cfg.model_dump(mode="json")) if f.split(".")[0] != "scale"]
+    # `scale` says where stages run, retention what is kept afterwards, not what they compute
+    changed = [f for f in config_diff(stored, cfg.model_dump(mode="json")) if not resumable_change(f)]
     if changed:
         raise StageError(
             f"run {run_dir.name} was created with another config (changed: {', '.join(changed)}); "
             "resume it with the same config, pick a new --run-id, or use `stepgrpo rescore` / "
             "`stepgrpo credit` to try another reward / scheme on its stored trajectories"
+        )
+
+
+RETENTION_FIELDS = ("storage.keep", "storage.keep_last", "storage.checkpoint_every")
+
+
+def resumable_change(field: str) -> bool:
+    """Whether a run may resume with `field` changed: where stages run (`scale`), or retention."""
+    return field.split(".")[0] == "scale" or field in RETENTION_FIELDS
+
+
+def retention_plan(run: Run, storage: Any) -> list[tuple[int, str]]:
+    """What `storage` (a `StorageConfig`) does not keep of the run's finished iterations
+    (`storage.retention.plan`); a checkpoint that was evaluated keeps its weights."""
+    from storage import retention
+
+    evaluated = {int(p.stem.removeprefix("iter_")) for p in (run.path / "eval").glob("iter_*.json")}
+    return retention.plan(run, storage.keep, storage.keep_last, storage.checkpoint_every, evaluated)
+
+
+def apply_retention(run: Run, storage: Any, why: str) -> Any:
+    """Prune `retention_plan`, recording `why`; returns the `PruneReport`."""
+    from storage import retention
+
+    return retention.prune(run, retention_plan(run, storage), why)
+
+
+def check_rescorable(run: Run, method: str | None, iterations: Sequence[int]) -> None:
+    """A re-score reads each iteration's clean latents (or the images decoded from them): a clear
+    error, before anything runs, when retention pruned both."""
+    source = "rollout" if method is None else f"completions/{method}"
+    images = run.images_stage(source)
+    gone = [
+        i
+        for i in iterations
+        if run.pruned(i, source) and (run.stage_manifest(i, images) is None or run.pruned(i, images))
+    ]
+    if gone:
+        why = run.pruned(gone[0], source)["why"]
+        kept = [i for i in iterations if i not in gone]
+        raise StageError(
+            f"run {run.run_id}: the latents of iteration(s) {gone} were pruned ({why}), so they cannot be re-scored; "
+            + (f"iterations that keep them: {kept} (--iteration K)" if kept else "no iteration keeps them")
+            + ". `stepgrpo credit` still recomputes advantages from the stored rewards"
         )
 
 

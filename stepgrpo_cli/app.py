@@ -17,7 +17,6 @@ field, reward, scheme or kernel; missing model; a run of another schema version)
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -57,12 +56,10 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
 
 def _run(fn: Any, *args: Any, **kwargs: Any) -> Any:
     """Call a flow; on failure print a clear message and exit 1."""
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    from stepgrpo.workspace import set_threads
-
-    set_threads()
     try:
+        from stepgrpo import environment
+
+        environment.apply()  # the flows apply it again with their config's `scale.threads`
         return fn(*args, **kwargs)
     except _expected_errors() as err:
         err_console.print(
@@ -85,8 +82,9 @@ def _check_config(
     run_dir: Path | None,
     run_id: str | None,
     calibrated: bool = False,
-) -> Path:
-    """Everything checkable before a flow (and its Prefect server) starts; returns the run directory."""
+) -> tuple[Path, Any]:
+    """Everything checkable before a flow (and its Prefect server) starts; returns the run
+    directory and the resolved config."""
     from stepgrpo.checks import check_config
     from stepgrpo.config import load_config
     from stepgrpo.runs import check_resumable, resolve_run_dir
@@ -95,7 +93,7 @@ def _check_config(
     check_config(cfg, calibrated=calibrated)
     path = resolve_run_dir(cfg, str(run_dir) if run_dir else None, run_id)
     check_resumable(cfg, path)
-    return path
+    return path, cfg
 
 
 def _check_run(
@@ -105,16 +103,29 @@ def _check_run(
     scheme: str | None = None,
     scheme_options: dict[str, Any] | None = None,
     overrides: list[str] | None = None,
+    rescore_iterations: list[int] | str | None = None,
 ) -> Path:
-    """Open the run (manifest and schema version checked) and validate names and options."""
+    """Open the run (manifest and schema version checked) and validate names and options; with
+    `rescore_iterations` (a list, or "all"), that a re-score finds their latents."""
     from stepgrpo.checks import check_model
     from stepgrpo.errors import StageError
     from stepgrpo.runs import open_stored
     from storage.run import find_run
 
     path = find_run(run)
-    _, cfg = open_stored(path, overrides or [])
+    stored, cfg = open_stored(path, overrides or [])
+    if rescore_iterations is not None:
+        from stepgrpo.runs import check_rescorable, stored_iterations
+
+        todo = stored_iterations(stored) if rescore_iterations == "all" else rescore_iterations
+        check_rescorable(stored, cfg.completion.method, todo)
     if overrides:
+        from stepgrpo.policy.devices import check_device
+
+        try:
+            check_device(cfg.model.device)
+        except ValueError as err:
+            raise StageError(str(err)) from None
         check_model(cfg.model.path)
     if reward is not None:
         from stepgrpo.rewards import REWARDS, reward_identity
@@ -148,20 +159,26 @@ def _owned(path: Path, flow: Any, **kwargs: Any) -> Any:
 @app.command()
 def train(config: ConfigOpt = None, set_: SetOpt = None, run_dir: RunDirOpt = None, run_id: RunIdOpt = None) -> None:
     """Train: iterations of rollout -> complete -> score -> credit -> update, evaluated before and after."""
-    path = _run(_check_config, config, set_, run_dir, run_id)
+    path, cfg = _run(_check_config, config, set_, run_dir, run_id)
     from flows.train import train as train_flow
 
-    out = _run(
-        _owned,
-        path,
-        train_flow,
-        config_path=str(config) if config else None,
-        overrides=list(set_ or []),
-        run_dir=str(path),
-    )
+    out = _run(_owned, path, train_flow, config=cfg, run_dir=str(path))
     from stepgrpo.report import print_summary
 
     print_summary(Path(out["run_dir"]), out["tracking_uri"], out["evaluations"])
+
+
+config_app = typer.Typer(help="The config: every field, its value and description.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+
+
+@config_app.command("show")
+def config_show(config: ConfigOpt = None, set_: SetOpt = None) -> None:
+    """Print the resolved config (--config, then --set) as YAML, each field under its description."""
+    from stepgrpo.config import describe, load_config
+
+    cfg = _run(load_config, config, set_ or [])
+    print(describe(cfg))
 
 
 @app.command()
@@ -169,13 +186,18 @@ def rescore(
     run: RunArg,
     reward: Annotated[str, typer.Option(help="Reward name (see REWARDS).")],
     options: Annotated[str | None, typer.Option(help="Reward options as JSON.")] = None,
+    iteration: Annotated[
+        list[int] | None, typer.Option("--iteration", help="Only these iterations (repeatable; default all).")
+    ] = None,
 ) -> None:
     """Score the stored trajectories of RUN with another reward (no transformer call)."""
     parsed = _json(options)
-    path = _run(_check_run, run, reward=reward, reward_options=parsed)
+    path = _run(_check_run, run, reward=reward, reward_options=parsed, rescore_iterations=iteration or "all")
     from flows.rescore import rescore as rescore_flow
 
-    out = _run(_owned, path, rescore_flow, run=str(path), reward=reward, reward_options=parsed)
+    out = _run(
+        _owned, path, rescore_flow, run=str(path), reward=reward, reward_options=parsed, iterations=iteration or None
+    )
     table = Table("iteration", "reward", "version", "mean", "strict", "images", title=f"rescored {out['run_dir']}")
     for s in out["scores"]:
         table.add_row(
@@ -228,17 +250,10 @@ def calibrate(
     config: ConfigOpt = None, set_: SetOpt = None, run_dir: RunDirOpt = None, run_id: RunIdOpt = None
 ) -> None:
     """DenseGRPO psi calibration into a run (then `train` with the same config and run id)."""
-    path = _run(_check_config, config, set_, run_dir, run_id, calibrated=True)
+    path, cfg = _run(_check_config, config, set_, run_dir, run_id, calibrated=True)
     from flows.calibrate import calibrate as calibrate_flow
 
-    out = _run(
-        _owned,
-        path,
-        calibrate_flow,
-        config_path=str(config) if config else None,
-        overrides=list(set_ or []),
-        run_dir=str(path),
-    )
+    out = _run(_owned, path, calibrate_flow, config=cfg, run_dir=str(path))
     console.print(f"psi: {[round(p, 4) for p in out['psi']]}\nrun directory: {out['run_dir']}")
 
 
@@ -260,19 +275,15 @@ def evaluate(
     )
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []},
+    add_help_option=False,
+)
 def pretrain(ctx: typer.Context) -> None:
-    """Pretrain the shipped `shapes` model (options: see `python -m stepgrpo.shapes.pretrain --help`)."""
-    try:
-        from flows.pretrain import pretrain as pretrain_flow
-    except ImportError:
-        pretrain_flow = None
-    if pretrain_flow is None or ctx.args:
-        from stepgrpo.shapes.pretrain import main
+    """Pretrain the shipped `shapes` model into a new directory (`stepgrpo pretrain --help`: the options)."""
+    from stepgrpo.shapes.pretrain import main
 
-        _run(main, list(ctx.args))
-        return
-    _run(pretrain_flow)
+    _run(main, list(ctx.args))
 
 
 @app.command("reward-server")
@@ -327,6 +338,45 @@ def runs(root: Annotated[Path, typer.Option(help="Directory holding run director
             reward,
         )
     console.print(table)
+
+
+@app.command()
+def prune(
+    run: RunArg,
+    keep: Annotated[str | None, typer.Option(help="all, last or tables (default: the run's storage.keep).")] = None,
+    keep_last: Annotated[int | None, typer.Option(help="With --keep last: iterations that keep their latents.")] = None,
+    checkpoint_every: Annotated[
+        int | None, typer.Option(help="Keep every N-th checkpoint's weights (0: all; default: the run's).")
+    ] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would go, remove nothing.")] = False,
+) -> None:
+    """Remove the latents (and thinned checkpoints' weights) RUN's retention settings do not keep; say what it freed."""
+    _run(_prune, run, keep, keep_last, checkpoint_every, dry_run)
+
+
+def _prune(run: str, keep: str | None, keep_last: int | None, every: int | None, dry_run: bool) -> None:
+    from stepgrpo.config import validate_config
+    from stepgrpo.runs import apply_retention, owned, retention_plan
+    from storage.run import Run, find_run
+
+    path = find_run(run)
+    with owned(path):
+        r = Run.open(path)
+        stored = validate_config(r.config).storage.model_dump()
+        given = {"keep": keep, "keep_last": keep_last, "checkpoint_every": every}
+        settings = validate_config({"storage": stored | {k: v for k, v in given.items() if v is not None}}).storage
+        if dry_run:
+            items = retention_plan(r, settings)
+            for i, stage in items:
+                console.print(f"would prune iteration {i} {stage}")
+            console.print(f"{len(items)} stage(s) would be pruned")
+            return
+        why = (
+            f"stepgrpo prune: keep={settings.keep}, keep_last={settings.keep_last}, "
+            f"checkpoint_every={settings.checkpoint_every}"
+        )
+        report = apply_retention(r, settings, why)
+    console.print(f"run {r.run_id}: {report.describe()}")
 
 
 @app.command()
@@ -392,11 +442,13 @@ def _inspect(run: str) -> None:
         rollout = r.stage_manifest(i, "rollout")
         table.add_row(
             str(i),
-            f"{rollout['counts']['trajectories']} traj" if rollout else "-",
-            ", ".join(comps) or "-",
+            (f"{rollout['counts']['trajectories']} traj" + (" (pruned)" if r.pruned(i, "rollout") else ""))
+            if rollout
+            else "-",
+            ", ".join(c + (" (pruned)" if r.pruned(i, f"completions/{c}") else "") for c in comps) or "-",
             rew or "-",
             adv or "-",
-            "yes" if r.stage_manifest(i, "checkpoint") else "-",
+            ("thinned" if r.pruned(i, "checkpoint") else "yes") if r.stage_manifest(i, "checkpoint") else "-",
         )
     console.print(table)
     _diagnostics(r, iters)

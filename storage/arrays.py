@@ -86,8 +86,11 @@ class StageStore:
     (storage dtype, latent stores) and the stage's own attrs (kernel, method, nfe, ...).
     """
 
-    def __init__(self, path: Path, spec: StoreSpec, attrs: Mapping[str, Any]) -> None:
+    def __init__(
+        self, path: Path, spec: StoreSpec, attrs: Mapping[str, Any], removed: Mapping[str, str] | None = None
+    ) -> None:
         self.path = path
+        self.removed = dict(removed or {})  # arrays retention pruned -> why (`storage.retention`)
         self.spec = spec
         self.attrs = dict(attrs)
         self.sizes = store_sizes(spec, self.attrs)
@@ -241,6 +244,14 @@ class StageStore:
         """
         spec = self.spec.array(name)
         shape = self.shape(name)
+        if name in self.removed:
+            from storage.retention import PrunedError
+
+            raise PrunedError(
+                f"{self.path.parent.name}/{self.path.name}: {name} was pruned ({self.removed[name]}); this needs it. "
+                "A pruned run still resumes and recomputes advantages (`stepgrpo credit`); to re-score or complete "
+                "it again, keep its latents (storage.keep: all) in a new run"
+            )
         if not spec.per_trajectory:
             if trajectories is not None:
                 raise ValueError(f"{self.spec.kind}.{name} has no trajectory axis to select")

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from storage.errors import CorruptChunkError, NotPublishedError
 from storage.publish import check_json
+from storage.retention import check_not_pruned
 from storage.schema import check_name
 from storage.writer import StageWriter, digest_files
 
@@ -75,6 +76,7 @@ class Checkpoints:
         if manifest is None:
             raise NotPublishedError(f"run {self.run_id}: no published checkpoint for iteration {iteration}")
         path = self.stage_path(iteration, "checkpoint")
+        check_not_pruned(path, None, f"run {self.run_id} checkpoint iteration {iteration}")
         if digest_files(path)[0] != manifest["digest"]:
             raise CorruptChunkError(
                 f"run {self.run_id} checkpoint iteration {iteration}: files do not match the published "

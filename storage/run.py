@@ -45,6 +45,7 @@ from storage.publish import (
     utc_now,
     write_file_atomic,
 )
+from storage.retention import pruned
 from storage.run_tables import RunTables
 from storage.schema import PUBLISHED_FILE, READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION, StoreSpec, check_name
 from storage.stage_stores import CompletionData, ImagesData, RolloutData, StageStores, spec_of
@@ -269,6 +270,8 @@ class Run(StageStores, RunTables, Checkpoints):
         if manifest is None:
             raise NotPublishedError(f"{what} is not published")
         path = self.stage_path(iteration, stage)
+        if pruned(path) is not None:
+            return self._verify_pruned(iteration, stage, manifest)
         if stage == "checkpoint":
             found = digest_files(path)[0]
         else:
@@ -284,6 +287,32 @@ class Run(StageStores, RunTables, Checkpoints):
             found = store.verify_and_digest()[0]  # a bad chunk raises, naming the array and chunk
         if found != manifest.get("digest"):
             raise CorruptChunkError(f"{what}: its content no longer matches its published digest (damaged or edited)")
+
+    def _verify_pruned(self, iteration: int, stage: str, manifest: dict[str, Any]) -> None:
+        """A pruned stage (`storage.retention`): what it kept still passes its checks (the attrs,
+        every chunk's crc32c; a checkpoint's state); its digest covered what is gone."""
+        what = f"run {self.run_id} iteration {iteration} {stage} (pruned)"
+        path = self.stage_path(iteration, stage)
+        if stage == "checkpoint":
+            try:
+                json.loads((path / "state.json").read_text())
+            except (OSError, ValueError) as err:
+                raise CorruptChunkError(f"{what}: its state.json cannot be read ({err})") from None
+            return
+        try:
+            store = StageStore.open(path, spec_of(stage))
+        except Exception as err:
+            raise CorruptChunkError(f"{what}: its Zarr metadata cannot be read ({err})") from None
+        if store.attrs != manifest.get("attrs"):
+            raise CorruptChunkError(f"{what}: the store's attributes differ from its published manifest")
+        gone = set(pruned(path)["removed"])
+        for spec in store.spec.arrays:
+            if spec.name not in gone:
+                store.read(spec.name)
+
+    def pruned(self, iteration: int, stage: str) -> dict[str, Any] | None:
+        """The retention record of a pruned stage (`storage.retention`), or None."""
+        return pruned(self.stage_path(iteration, stage))
 
     def stored_items(self) -> list[tuple[str, Any]]:
         """Everything the run stores that has a digest: `("prompts", None)`, `(f"iteration {k} {stage}",

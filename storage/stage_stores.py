@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,6 +17,7 @@ from storage.arrays import StageStore
 from storage.errors import NotPublishedError
 from storage.ledger import open_ledger
 from storage.publish import fresh_partial
+from storage.retention import pruned
 from storage.schema import COMPLETION, IMAGES, ROLLOUT, StoreSpec, latent_storage_dtype
 from storage.writer import StageWriter, abort_on_error
 
@@ -195,7 +197,8 @@ class StageStores:
             raise NotPublishedError(
                 f"run {self.run_id} iteration {iteration} stage {stage} is not published; run that stage first"
             )
-        return StageStore(self.stage_path(iteration, stage), spec, manifest["attrs"]), manifest
+        path = self.stage_path(iteration, stage)
+        return StageStore(path, spec, manifest["attrs"], removed=_removed(path)), manifest
 
     def read_array(
         self, iteration: int, stage: str, name: str, trajectories: slice | Sequence[int] | None = None
@@ -239,7 +242,7 @@ class StageStores:
         """The images stored for `source`'s latents, or None if there are none or they were decoded
         from other content than `source` now holds (then they are not used)."""
         stage = self.images_stage(source)
-        if self.stage_manifest(iteration, stage) is None:
+        if self.stage_manifest(iteration, stage) is None or pruned(self.stage_path(iteration, stage)) is not None:
             return None
         store, manifest = self._store(iteration, stage, IMAGES)
         source_manifest = self.stage_manifest(iteration, source)
@@ -271,6 +274,12 @@ def _create(writer: StageWriter, spec: StoreSpec, attrs: dict[str, Any], whole: 
     StageStore(writer.path, spec, attrs).create(whole)  # zarr clears the directory: the ledger comes after
     if writer.resume is not None:
         open_ledger(writer.ledger, writer.resume)
+
+
+def _removed(path: Path) -> dict[str, str]:
+    """Arrays retention removed from the stage at `path` -> why (for the reader's error)."""
+    record = pruned(path)
+    return {} if record is None else {n: f"{record['why']}, {record['pruned_at']}" for n in record["removed"]}
 
 
 def spec_of(stage: str) -> StoreSpec:

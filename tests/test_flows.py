@@ -646,3 +646,51 @@ def test_a_second_process_is_refused_while_one_owns_the_run(trained, tmp_path):
     time.sleep(0.2)
     with owned(copy):  # the kernel released the dead holder's lock
         pass
+
+
+def test_retention_prunes_finished_iterations_and_the_run_still_resumes(harness, tiny, tmp_path, calls):
+    from typer.testing import CliRunner
+
+    from flows.credit import credit
+    from flows.evaluate import evaluate
+    from flows.rescore import rescore
+    from flows.train import train
+    from stepgrpo_cli.app import app
+    from storage.retention import PrunedError
+    from storage.run import Run
+
+    keep = [*tiny, "run.iterations=3", "storage.keep=last", "storage.keep_last=1", "storage.checkpoint_every=2"]
+    run_dir = tmp_path / "pruned"
+    train(overrides=keep, run_dir=str(run_dir))
+    run = Run.open(run_dir)
+    for i in (0, 1):  # finished, and older than the last one: latents, completions and images gone
+        assert not (run.stage_path(i, "rollout") / "states").exists()
+        assert run.pruned(i, "rollout")["removed"] == ["states", "ode_final"]
+        assert run.pruned(i, "completions/remaining")["removed"] == ["latents"]
+        assert run.pruned(i, "images/remaining") is not None
+        assert run.read_array(i, "rollout", "group_ids").shape == (6,)  # the plan and log-probs stay
+    assert run.pruned(2, "rollout") is None and run.read_rollout(2).states.shape[0] == 6
+    # checkpoints: iter_1 (every 2nd) and iter_2 (the latest, evaluated) keep their weights
+    assert "lora" in run.pruned(0, "checkpoint")["removed"]
+    assert run.pruned(1, "checkpoint") is None and run.pruned(2, "checkpoint") is None
+    assert run.verify_all() == []  # what a pruned stage kept still verifies
+
+    calls.clear()
+    train(overrides=keep, run_dir=str(run_dir))  # resumes over the pruned iterations
+    assert sum(calls.values()) == 0, calls
+    assert len(credit(str(run_dir), "outcome")["advantages"]) == 3  # the tables suffice
+    with pytest.raises(StageError, match=r"iteration\(s\) \[0, 1\] were pruned .*iterations that keep them: \[2\]"):
+        rescore(str(run_dir), "shapes")
+    assert len(rescore(str(run_dir), "shapes", iterations=[2])["scores"]) == 1
+    with pytest.raises(PrunedError, match="checkpoint iteration 0.*pruned"):
+        evaluate(str(run_dir), iteration=0, overrides=["run.eval_prompts=2"])
+
+    # `stepgrpo prune` applies other settings to the existing run and says what it freed
+    result = CliRunner().invoke(app, ["prune", str(run_dir), "--keep", "tables", "--dry-run"])
+    assert result.exit_code == 0 and "would prune iteration 2 rollout" in result.output, result.output
+    assert Run.open(run_dir).pruned(2, "rollout") is None
+    result = CliRunner().invoke(app, ["prune", str(run_dir), "--keep", "tables"])
+    assert result.exit_code == 0 and "freed" in result.output and "MiB" in result.output, result.output
+    assert Run.open(run_dir).pruned(2, "rollout")["why"].startswith("stepgrpo prune: keep=tables")
+    result = CliRunner().invoke(app, ["rescore", str(run_dir), "--reward", "shapes"])
+    assert result.exit_code == 1 and "cannot be re-scored" in result.output, result.output
