@@ -265,7 +265,8 @@ class RunConfig(_Section):
     name: str = "stepgrpo"
     """Config name: the MLflow experiment and the default prefix of run ids."""
     prompts: str = "shapes"
-    """Prompt source: `shapes` (the synthetic task, train / held-out split), a `.txt` file (one prompt
+    """Prompt source: `shapes` (the synthetic task, train / held-out split), `geneval` or `ocr`
+    (prompt sets shipped as code, `stepgrpo.prompt_sets`, with their own held-out split), a `.txt` file (one prompt
     a line) or a `.jsonl` file (one object a line with a `prompt` field, the rest its metadata, as
     GenEval's `metadata.jsonl`); held-out prompts in `heldout_prompts`."""
     heldout_prompts: str | None = None

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from stepgrpo.config import Config
 from stepgrpo.errors import StageError
 from stepgrpo.paths import REPO_ROOT
+from stepgrpo.prompt_sets import PROMPT_SETS
 
 if TYPE_CHECKING:
     from storage.run import Run
@@ -45,6 +46,13 @@ def prompt_source(cfg: Config) -> Prompts:
         train, test = split(held_out=False), split(held_out=True)
         specs = train + test
         return Prompts([prompt_of(s) for s in specs], ["train"] * len(train) + ["test"] * len(test), specs)
+    if cfg.run.prompts in PROMPT_SETS:
+        if cfg.run.heldout_prompts is not None:
+            raise StageError(
+                f"run.prompts {cfg.run.prompts!r} holds its own held-out prompts; set run.heldout_prompts: null"
+            )
+        rows, splits = PROMPT_SETS[cfg.run.prompts]()
+        return Prompts([r["prompt"] for r in rows], splits, rows)
     texts, splits, metadata = [], [], []
     for path, name in ((cfg.run.prompts, "train"), (cfg.run.heldout_prompts, "test")):
         if path is None:
@@ -56,15 +64,30 @@ def prompt_source(cfg: Config) -> Prompts:
     return Prompts(texts, splits, metadata)
 
 
+_FLOW_GRPO = (
+    "it is Flow-GRPO's prompt set: `git clone https://github.com/yifan123/flow_grpo` and copy its "
+    "dataset/{0}/ here as data/{0}/ (docs/GPU.md)"
+)
+# The prompt files the paper recipes name (configs/*_pickscore.yaml, densegrpo_geneval.yaml): where to get them.
+RECIPE_DATA = {
+    "data/pickscore": _FLOW_GRPO.format("pickscore"),
+    "data/geneval": _FLOW_GRPO.format("geneval") + ", or use the shipped GenEval-style set: "
+    "--set run.prompts=geneval --set run.heldout_prompts=null",
+    "data/ocr": _FLOW_GRPO.format("ocr")
+    + ", or use the shipped set: --set run.prompts=ocr --set run.heldout_prompts=null",
+}
+
+
 def find_prompt_file(path: str) -> Path:
     """A prompt file relative to the working directory, else to the repository."""
     p = Path(path)
     if not p.exists() and (REPO_ROOT / path).exists():
         p = REPO_ROOT / path
     if not p.is_file():
+        hint = RECIPE_DATA.get(Path(path).parent.as_posix(), "")
         raise StageError(
-            f"run.prompts file {path!r} does not exist (.txt: one prompt a line; "
-            ".jsonl: one JSON object a line with a 'prompt' field)"
+            f"prompt file {path!r} does not exist (.txt: one prompt a line; "
+            ".jsonl: one JSON object a line with a 'prompt' field)" + (f"; {hint}" if hint else "")
         )
     return p
 

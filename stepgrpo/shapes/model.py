@@ -45,6 +45,8 @@ class ModelSpec:
     sample_size: int = 8  # latent side
     patch_size: int = 2
     shift: float = 3.0  # scheduler's sigma shift (SD3's default)
+    qk_norm: str | None = None  # SD3.5: "rms_norm" on queries and keys
+    dual_attention_layers: tuple[int, ...] = ()  # SD3.5-M (MMDiT-X): blocks with a second image self-attention
 
     def __post_init__(self) -> None:
         if any(c % self.vae_groups for c in self.vae_channels):
@@ -73,6 +75,14 @@ def tiny_spec() -> ModelSpec:
         vae_channels=(8, 16, 16),
         vae_groups=8,
     )
+
+
+def sd35_medium_like_spec() -> ModelSpec:
+    """`tiny_spec` in SD3.5-Medium's architecture: 16 latent channels, RMS norm on queries and
+    keys, and MMDiT-X's dual-attention blocks (SD3.5-M: the first 13 of 24; here the first of 2);
+    the two CLIP encoders, no T5. For tests and benchmarks of the paper recipes' code paths."""
+    base = tiny_spec()
+    return ModelSpec(**{**base.__dict__, "latent_channels": 16, "qk_norm": "rms_norm", "dual_attention_layers": (0,)})
 
 
 def build_tokenizer(words: Sequence[str]):
@@ -187,6 +197,8 @@ def build_pipeline(spec: ModelSpec | None = None, words: Sequence[str] | None = 
             caption_projection_dim=width,
             pooled_projection_dim=2 * spec.projection_dim,
             pos_embed_max_size=spec.sample_size // spec.patch_size,
+            qk_norm=spec.qk_norm,
+            dual_attention_layers=spec.dual_attention_layers,
         )
         n = len(spec.vae_channels)
         vae = AutoencoderKL(
