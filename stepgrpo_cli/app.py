@@ -17,6 +17,7 @@ field, reward, scheme or kernel; missing model; a run of another schema version)
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -179,6 +180,29 @@ def config_show(config: ConfigOpt = None, set_: SetOpt = None) -> None:
 
     cfg = _run(load_config, config, set_ or [])
     print(describe(cfg))
+
+
+@app.command()
+def deploy(
+    config: Annotated[Path, typer.Option("--config", "-c", help="YAML config: the run form's defaults.")],
+    set_: SetOpt = None,
+    name: Annotated[str | None, typer.Option(help="Deployment name (default: the config file's stem).")] = None,
+    pool: Annotated[str, typer.Option(help="Prefect work pool (a process pool).")] = "stepgrpo",
+) -> None:
+    """Register a `train` deployment whose run form is filled with CONFIG's values (needs PREFECT_API_URL)."""
+    from stepgrpo.config import load_config
+
+    cfg = _run(load_config, config, set_ or [])
+    if not os.environ.get("PREFECT_API_URL"):
+        err_console.print(
+            "[bold red]error:[/] a deployment lives on a Prefect server: start one (`prefect server start`) and "
+            "set PREFECT_API_URL (docs/PIPELINE.md)"
+        )
+        raise typer.Exit(1)
+    from stepgrpo.deployments import deploy_train
+
+    deployment = _run(deploy_train, cfg, name or config.stem, pool, str(config))
+    console.print(f"deployment train/{name or config.stem} ({deployment}) on pool {pool}: its run form holds {config}")
 
 
 @app.command()
