@@ -266,11 +266,13 @@ class RunConfig(_Section):
     """Config name: the MLflow experiment and the default prefix of run ids."""
     prompts: str = "shapes"
     """Prompt source: `shapes` (the synthetic task, train / held-out split), `geneval` or `ocr`
-    (prompt sets shipped as code, `stepgrpo.prompt_sets`, with their own held-out split), a `.txt` file (one prompt
+    (prompt sets shipped as code, `stepgrpo.prompt_sets`, with their own held-out split), a hub
+    dataset `hf:<id>[@<split>][:<column>]` (`pip install -e .[datasets]`), a `.txt` file (one prompt
     a line) or a `.jsonl` file (one object a line with a `prompt` field, the rest its metadata, as
     GenEval's `metadata.jsonl`); held-out prompts in `heldout_prompts`."""
     heldout_prompts: str | None = None
-    """File (`.txt` or `.jsonl`) of held-out evaluation prompts when `prompts` is a file."""
+    """File (`.txt` or `.jsonl`) or hub dataset (`hf:<id>@test`) of held-out evaluation prompts when
+    `prompts` is a file or a hub dataset."""
     iterations: int = Field(2, ge=1)
     """Training iterations (rollout -> complete -> score -> credit -> update)."""
     prompts_per_iteration: int = Field(4, ge=1)

@@ -57,7 +57,9 @@ def prompt_source(cfg: Config) -> Prompts:
     for path, name in ((cfg.run.prompts, "train"), (cfg.run.heldout_prompts, "test")):
         if path is None:
             continue
-        file_texts, file_meta = read_prompt_file(find_prompt_file(path))
+        file_texts, file_meta = (
+            read_hub_prompts(path) if path.startswith(HUB_PREFIX) else read_prompt_file(find_prompt_file(path))
+        )
         texts += file_texts
         metadata += file_meta
         splits += [name] * len(file_texts)
@@ -76,6 +78,40 @@ RECIPE_DATA = {
     "data/ocr": _FLOW_GRPO.format("ocr")
     + ", or use the shipped set: --set run.prompts=ocr --set run.heldout_prompts=null",
 }
+
+
+HUB_PREFIX = "hf:"
+HUB_COLUMNS = ("prompt", "caption", "text")  # the prompt column when the spec names none
+
+
+def read_hub_prompts(spec: str) -> tuple[list[str], list[dict[str, Any]]]:
+    """Prompts of a Hugging Face hub dataset, `hf:<dataset id>[@<split>][:<column>]` (split
+    `train` by default; column the first of `HUB_COLUMNS` it has): the column as text, the whole
+    row as metadata. Loaded with `datasets` (`pip install -e .[datasets]`), through its cache;
+    the run then stores the prompt table, so it resumes without the hub."""
+    body = spec.removeprefix(HUB_PREFIX)
+    ref, _, column = body.partition(":")
+    name, _, split = ref.partition("@")
+    if not name:
+        raise StageError(f"prompt source {spec!r}: expected hf:<dataset id>[@<split>][:<column>]")
+    try:
+        import datasets
+    except ImportError:
+        raise StageError(f"prompt source {spec!r} needs the `datasets` package: pip install -e '.[datasets]'") from None
+    try:
+        data = datasets.load_dataset(name, split=split or "train")
+    except Exception as err:  # offline, gated, unknown id or split: the library's own message
+        raise StageError(
+            f"prompt source {spec!r}: the dataset could not be loaded ({type(err).__name__}: {err})"
+        ) from None
+    columns = list(getattr(data, "column_names", None) or (data[0].keys() if len(data) else []))
+    column = column or next((c for c in HUB_COLUMNS if c in columns), "")
+    if column not in columns:
+        raise StageError(f"prompt source {spec!r}: no column {column or '/'.join(HUB_COLUMNS)!r}; it has {columns}")
+    rows = [dict(r) for r in data]
+    texts = [str(r[column]) for r in rows]
+    meta = [{k: v for k, v in r.items() if isinstance(v, str | int | float | bool | list | dict)} for r in rows]
+    return texts, meta
 
 
 def find_prompt_file(path: str) -> Path:

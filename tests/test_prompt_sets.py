@@ -53,3 +53,24 @@ def test_a_missing_paper_prompt_file_says_where_to_get_it():
     cfg = load_config(None, ["run.prompts=data/pickscore/train.txt"])
     with pytest.raises(StageError, match=r"flow_grpo.*dataset/pickscore"):
         prompt_source(cfg)
+
+
+def test_a_hub_dataset_by_name_gives_its_column_and_rows(monkeypatch):
+    import sys
+    import types
+
+    loaded = []
+
+    def load_dataset(name, split):
+        loaded.append((name, split))
+        rows = {"train": [{"caption": "a cat", "id": 1}, {"caption": "a dog", "id": 2}], "test": [{"caption": "a cow"}]}
+        return rows[split]
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    cfg = load_config(None, ["run.prompts=hf:org/prompts", "run.heldout_prompts=hf:org/prompts@test:caption"])
+    prompts = prompt_source(cfg)
+    assert loaded == [("org/prompts", "train"), ("org/prompts", "test")]
+    assert prompts.texts == ["a cat", "a dog", "a cow"] and prompts.splits == ["train", "train", "test"]
+    assert prompts.metadata[1] == {"caption": "a dog", "id": 2}
+    with pytest.raises(StageError, match="no column 'prompt'"):
+        prompt_source(load_config(None, ["run.prompts=hf:org/prompts:prompt"]))
