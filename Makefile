@@ -1,7 +1,8 @@
 # stepgrpo: make test (lint and the suite), make demo (train the shipped model on this CPU).
 PYTHON ?= python3.11
 VENV ?= .venv
-# The CPU build of torch; a GPU user installs a CUDA build into the venv first (README).
+# torch: kept if the venv has it (a GPU user installs a CUDA build first, README); else the CPU
+# build on a Linux machine without a GPU (scripts/install_torch.py says which it got).
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
@@ -10,7 +11,7 @@ PY := $(VENV)/bin/python
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip show torch >/dev/null 2>&1 || $(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) scripts/install_torch.py "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -e ".[test]"
 	touch $@
 

@@ -120,6 +120,10 @@ class TrainingLog:
         self.tracker.__enter__()
         if not self.tracker.resumed:  # a resumed run has the same config, so the same params
             self.tracker.log_params(self.cfg.flat())
+        import torch
+
+        # what this process runs with (a deployed run's worker may differ from the CLI's shell)
+        self.tracker.set_tags({"stepgrpo.torch_threads": str(torch.get_num_threads())})
         self.progress = create_progress_artifact(0.0, description=f"stepgrpo run {self.run.run_id}: iterations done")
         return self
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from stepgrpo.config import STAGE_FIELDS, Config, ConfigError, load_config, stage_fields
+from stepgrpo.config import STAGE_FIELDS, Config, ConfigError, load_config, stage_fields, validate_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SHIPPED = [
@@ -170,3 +170,55 @@ def test_shapes_recipes_share_the_outcome_base():
         assert cfg.credit.scheme == scheme and cfg.optim == base.optim and cfg.model == base.model
     demo = load_config(CONFIGS / "demo.yaml")
     assert demo.optim == base.optim and demo.sampler == base.sampler and demo.run.iterations < base.run.iterations
+
+
+def test_the_run_form_is_the_typed_config_every_field_described_names_as_choices():
+    """The train flow's Prefect parameter schema (the UI's run form): every config field, with its
+    description, and the registered names as the choices of reward, scheme and kernel."""
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.train import train
+    from stepgrpo.config import Config
+    from stepgrpo.rewards import REWARDS
+    from stepgrpo_core.credit import SCHEMES
+    from stepgrpo_core.kernels import KERNELS
+
+    schema = parameter_schema(train.fn).model_dump()
+    assert list(schema["properties"])[:2] == ["config", "config_path"]
+    assert schema["properties"]["config"]["description"].startswith("The run's config")
+    defs = schema["definitions"]
+    for section, field in Config.model_fields.items():
+        sub = defs[field.annotation.__name__]
+        assert set(sub["properties"]) == set(field.annotation.model_fields), section
+        for name, prop in sub["properties"].items():
+            assert prop.get("description"), f"{section}.{name} has no description"
+        assert defs["Config"]["properties"][section]["description"]
+    assert defs["SamplerConfig"]["properties"]["kernel"]["enum"] == KERNELS.names()
+    assert defs["CreditConfig"]["properties"]["scheme"]["enum"] == SCHEMES.names()
+    assert defs["RewardConfig"]["properties"]["name"]["enum"] == REWARDS.names()
+    method = defs["CompletionConfig"]["properties"]["method"]["anyOf"][0]["pattern"]
+    import re
+
+    assert all(re.match(method, m) for m in ("remaining", "tweedie", "substeps:4")) and not re.match(method, "nope")
+
+
+def test_config_show_prints_yaml_that_loads_back_with_every_description(tmp_path):
+    import yaml
+
+    from stepgrpo.config import describe
+
+    cfg = load_config(CONFIGS / "shapes_stepwise.yaml", ["optim.lr=2e-4"])
+    text = describe(cfg)
+    assert validate_config(yaml.safe_load(text)) == cfg
+    assert "# AdamW learning rate (Flow-GRPO: 3e-4)." in text and "  lr: 0.0002" in text
+
+
+def test_a_flow_takes_the_config_or_a_path_not_both():
+    from stepgrpo.config import config_from
+
+    cfg = load_config(CONFIGS / "demo.yaml")
+    assert config_from(cfg, None, ["optim.lr=1e-3"]).optim.lr == 1e-3
+    assert config_from(cfg.model_dump(mode="json")) == cfg  # what a deployment's form sends
+    assert config_from(None, CONFIGS / "demo.yaml") == cfg
+    with pytest.raises(ConfigError, match="not both"):
+        config_from(cfg, "configs/demo.yaml")

@@ -83,8 +83,37 @@ def test_deploy_all_and_run_one_deployment_through_a_process_worker(server, tmp_
     assert "'active': False" in prefect(server, "deployment", "inspect", "train/train")
 
     report = tmp_path / "report.json"
-    prefect(server, "deployment", "run", "check/check", "--param", f"report={report}")
-    worker = prefect(server, "worker", "start", "--pool", "stepgrpo", "--run-once")
+    prefect(
+        server, "deployment", "run", "check/check", "--param", f"report={report}",
+        "--param", 'overrides=["scale.threads=null"]',
+    )  # fmt: skip
+    # the flow applies the worker's environment itself, as the CLI does (STEPGRPO_THREADS)
+    worker = prefect(dict(server, STEPGRPO_THREADS="3"), "worker", "start", "--pool", "stepgrpo", "--run-once")
     assert report.is_file(), worker[-3000:] + prefect(server, "flow-run", "ls")
     result = json.loads(report.read_text())
     assert result["config"] == "demo" and "turning_point" in result["schemes"] and "shapes" in result["rewards"]
+    assert result["torch_threads"] == 3
+
+
+def test_stepgrpo_deploy_fills_the_run_form_and_the_deployed_train_runs_like_the_cli(server, tmp_path):
+    """`stepgrpo deploy`: the form's defaults are the YAML's values; a run of it through a worker
+    is named after its run id, applies the config's thread count, and logs to the runs root's store."""
+    sets = ["run.iterations=1", "run.eval_prompts=4", "run.eval_seeds=1", f"run.runs_root={tmp_path}"]
+    sets += ["scale.threads=3"]
+    args = [a for s in sets for a in ("--set", s)]
+    out = subprocess.run(
+        [sys.executable, "-m", "stepgrpo_cli", "deploy", "--config", "configs/demo.yaml", "--name", "tiny", *args],
+        env=server, cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    inspected = prefect(server, "deployment", "inspect", "train/tiny")
+    assert "'scheme': 'outcome'" in inspected and "'iterations': 1" in inspected, inspected[:3000]
+    prefect(server, "deployment", "run", "train/tiny", "--param", "run_id=deployed")
+    worker = prefect(server, "worker", "start", "--pool", "stepgrpo", "--run-once", timeout=900)
+    assert (tmp_path / "deployed" / "checkpoints" / "iter_0" / "_published.json").is_file(), worker[-3000:]
+    assert "deployed" in prefect(server, "flow-run", "ls")  # the flow run is named after the run id
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (mlrun,) = client.search_runs([client.get_experiment_by_name("demo").experiment_id])
+    assert mlrun.data.tags["stepgrpo.run_id"] == "deployed" and mlrun.data.tags["stepgrpo.torch_threads"] == "3"

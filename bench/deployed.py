@@ -1,0 +1,148 @@
+"""A training run started from a Prefect deployment against the same run from the CLI.
+
+    python bench/deployed.py [--checkout DIR] [--iterations 5] [--out bench/out/deployed/NAME.json]
+
+Starts a Prefect server (temporary home, free port), creates the `stepgrpo` process pool,
+`prefect deploy --all` from `--checkout` (default: this repository; another checkout, e.g. a
+`git worktree` of an older commit, is imported first through PYTHONPATH), runs the `train`
+deployment through a `--run-once` worker whose environment has no STEPGRPO_THREADS (a worker as
+a user starts it), then the same config from the CLI as `make demo` runs it, and prints the
+seconds of both and their ratio, each run's update-stage seconds, and its held-out rewards.
+Both runs use configs/demo.yaml cut to `--iterations` iterations and 16 held-out prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def call(env: dict[str, str], cwd: Path, *args: str, timeout: float = 3600) -> tuple[str, float]:
+    t0 = time.perf_counter()
+    out = subprocess.run(list(args), env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise SystemExit(f"{' '.join(args)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    return out.stdout + out.stderr, time.perf_counter() - t0
+
+
+def api(url: str, path: str, body: dict | None = None) -> object:
+    req = urllib.request.Request(
+        url + path,
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="GET" if body is None else "POST",
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def update_seconds(run_dir: Path) -> list[float]:
+    out = []
+    for state in sorted(run_dir.glob("checkpoints/iter_*/_published.json"), key=lambda p: int(p.parent.name[5:])):
+        out.append(json.loads(state.read_text())["inputs"].get("seconds", float("nan")))
+    return out
+
+
+def evals(run_dir: Path) -> dict[str, float]:
+    return {p.stem: json.loads(p.read_text())["reward_mean"] for p in sorted((run_dir / "eval").glob("*.json"))}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkout", type=Path, default=REPO)
+    p.add_argument("--iterations", type=int, default=5)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    checkout = args.checkout.resolve()
+    root = Path(tempfile.mkdtemp(prefix="stepgrpo-deployed-"))
+    overrides = [f"run.iterations={args.iterations}", "run.eval_prompts=16", "run.eval_seeds=1"]
+    overrides.append(f"run.runs_root={root / 'runs'}")
+    base = {k: v for k, v in os.environ.items() if k not in ("STEPGRPO_THREADS", "PREFECT_API_URL")}
+    base |= {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
+    base |= {"PYTHONPATH": str(checkout), "PREFECT_HOME": str(root / "prefect-home")}
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    server = subprocess.Popen(
+        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=base,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    env = dict(base, PREFECT_API_URL=url)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                api(url, "/health")
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise SystemExit("the Prefect server did not start") from None
+                time.sleep(0.5)
+        prefect = str(BIN / "prefect")
+        call(env, checkout, prefect, "work-pool", "create", "stepgrpo", "--type", "process")
+        call(env, checkout, prefect, "--no-prompt", "deploy", "--all")
+        call(
+            env, checkout, prefect, "deployment", "run", "train/train",
+            "--param", f"overrides={json.dumps(overrides)}", "--param", "run_id=deployed",
+        )  # fmt: skip
+        _, worker_s = call(env, checkout, prefect, "worker", "start", "--pool", "stepgrpo", "--run-once")
+        (run,) = (
+            api(url, "/flow_runs/filter", {"flow_runs": {"name": {"any_": ["deployed"]}}})
+            or api(url, "/flow_runs/filter", {})[:1]
+        )
+        deployed_s = float(run["total_run_time"])
+        # the CLI as `make demo` runs it (its Makefile set STEPGRPO_THREADS=1 before the flows applied it)
+        cli_env = dict(env, STEPGRPO_THREADS="1")
+        cli_env.pop("PREFECT_API_URL")
+        sets = [a for o in overrides for a in ("--set", o)]
+        _, cli_s = call(cli_env, checkout, str(BIN / "stepgrpo"), "train", "--config", "configs/demo.yaml", *sets,
+                        "--run-id", "cli")  # fmt: skip
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=checkout, capture_output=True, text=True)
+    result = {
+        "checkout": commit.stdout.strip(),
+        "iterations": args.iterations,
+        "deployed_flow_run_s": deployed_s,
+        "deployed_worker_wall_s": worker_s,
+        "cli_wall_s": cli_s,
+        "deployed_over_cli": deployed_s / cli_s,
+        "update_s": {
+            "deployed": update_seconds(root / "runs" / "deployed"),
+            "cli": update_seconds(root / "runs" / "cli"),
+        },
+        "heldout": {"deployed": evals(root / "runs" / "deployed"), "cli": evals(root / "runs" / "cli")},
+    }
+    print(json.dumps(result, indent=1))
+    print(
+        f"commit {result['checkout']}: deployed flow run {deployed_s:.1f} s, CLI {cli_s:.1f} s (wall, with its "
+        f"Prefect server start): deployed / CLI = {deployed_s / cli_s:.2f}"
+    )
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
