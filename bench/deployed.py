@@ -9,6 +9,9 @@ deployment through a `--run-once` worker whose environment has no STEPGRPO_THREA
 a user starts it), then the same config from the CLI as `make demo` runs it, and prints the
 seconds of both and their ratio, each run's update-stage seconds, and its held-out rewards.
 Both runs use configs/demo.yaml cut to `--iterations` iterations and 16 held-out prompts.
+`--busy N` keeps N other processes spinning on the CPU meanwhile (a machine that is also doing
+something else: the Prefect server, another run), where torch's default of one thread per core
+makes its threads wait on each other.
 """
 
 from __future__ import annotations
@@ -70,7 +73,11 @@ def main() -> None:
     p.add_argument("--checkout", type=Path, default=REPO)
     p.add_argument("--iterations", type=int, default=5)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--busy", type=int, default=0, help="processes spinning on the CPU during both runs")
     args = p.parse_args()
+    spinners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True) for _ in range(args.busy)
+    ]
     checkout = args.checkout.resolve()
     root = Path(tempfile.mkdtemp(prefix="stepgrpo-deployed-"))
     overrides = [f"run.iterations={args.iterations}", "run.eval_prompts=16", "run.eval_seeds=1"]
@@ -120,10 +127,13 @@ def main() -> None:
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=30)
+        for spinner in spinners:
+            spinner.kill()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=checkout, capture_output=True, text=True)
     result = {
         "checkout": commit.stdout.strip(),
         "iterations": args.iterations,
+        "busy_processes": args.busy,
         "deployed_flow_run_s": deployed_s,
         "deployed_worker_wall_s": worker_s,
         "cli_wall_s": cli_s,

@@ -114,6 +114,36 @@ def verify_part(path: Path, schema: pa.Schema, key: Sequence[str]) -> None:
     _verified.add(ident)
 
 
+# A part's (min, max) of an integer column from its Parquet statistics, by (path, size, mtime,
+# inode) and column: a part is immutable, so a read of one iteration opens only the parts that
+# may hold it (a run's table has a part per appended iteration: reading every part per iteration
+# would make a run's reads quadratic in its length).
+_ranges: dict[tuple[str, int, int, int, str], tuple[Any, Any] | None] = {}
+
+
+def _may_hold(path: str, column: str, value: int) -> bool:
+    st = os.stat(path)
+    ident = (path, st.st_size, st.st_mtime_ns, st.st_ino, column)
+    if ident not in _ranges:
+        _ranges[ident] = _column_range(path, column)
+    found = _ranges[ident]
+    return found is None or found[0] <= value <= found[1]
+
+
+def _column_range(path: str, column: str) -> tuple[Any, Any] | None:
+    """(min, max) of `column` over the part's row groups, or None when a row group has no statistics."""
+    meta = pq.ParquetFile(path).metadata
+    index = meta.schema.to_arrow_schema().get_field_index(column)
+    lo = hi = None
+    for g in range(meta.num_row_groups):
+        stats = meta.row_group(g).column(index).statistics
+        if stats is None or not stats.has_min_max:
+            return None
+        lo = stats.min if lo is None else min(lo, stats.min)
+        hi = stats.max if hi is None else max(hi, stats.max)
+    return None if lo is None else (lo, hi)
+
+
 def read_rows(table_dir: Path, schema: pa.Schema, key: Sequence[str], where: Mapping[str, Any]) -> pa.Table:
     """Rows of the table in `table_dir` whose columns equal the non-None values in `where`, sorted by
     key. Every part is checked against its name's digest (`verify_part`) before it is read."""
@@ -122,6 +152,11 @@ def read_rows(table_dir: Path, schema: pa.Schema, key: Sequence[str], where: Map
         return schema.empty_table()
     for f in files:
         verify_part(Path(f), schema, key)
+    for column, value in where.items():  # skip the parts whose statistics rule the value out
+        if value is not None and isinstance(value, int) and column in schema.names:
+            files = [f for f in files if _may_hold(f, column, value)]
+    if not files:
+        return schema.empty_table()
     expr = None
     for column, value in where.items():
         if value is not None:

@@ -162,3 +162,24 @@ def test_a_part_whose_rows_decode_the_same_but_whose_bytes_changed_is_damaged(tm
     assert run.damaged_parts("rewards") == [part]
     with pytest.raises(CorruptChunkError, match="bytes no longer match"):
         run.read_rewards(0)
+
+
+def test_a_read_of_one_iteration_opens_only_the_parts_that_may_hold_it(tmp_path, monkeypatch):
+    import pyarrow.dataset as pads
+
+    import storage.tables as tables
+
+    run = Run.create(tmp_path, "r", {"seed": 0})
+    for i in range(6):  # a part per iteration, as a run appends them
+        run.append_rewards(i, "shapes", "1", traj=[0, 1], k=[2, 2], value=[0.1 * i, 0.2])
+    opened = []
+    original = pads.dataset
+
+    def dataset(files, **kwargs):
+        opened.append(list(files))
+        return original(files, **kwargs)
+
+    monkeypatch.setattr(tables.ds, "dataset", dataset)
+    assert run.read_rewards(4).column("value").to_pylist() == [0.4, 0.2]
+    assert len(opened[-1]) == 1  # not the six parts
+    assert run.read_rewards(9).num_rows == 0 and run.read_rewards().num_rows == 12
