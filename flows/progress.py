@@ -84,6 +84,7 @@ def iteration_metrics(
     stages = {"rollout": rollout, "score": rewards, "credit": credit, "update": update}
     stages |= {"complete": clean} if isinstance(clean, CompleteResult) else {}
     out |= {f"seconds/{name}": result.seconds for name, result in stages.items()}
+    out |= {f"memory/{name}_gib": r.peak_memory_gib for name, r in stages.items() if r.peak_memory_gib is not None}
     return {k: float(v) for k, v in out.items() if isinstance(v, int | float) and math.isfinite(float(v))}
 
 

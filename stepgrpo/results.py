@@ -18,6 +18,9 @@ class Result(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    # the peak GPU memory of the call that returned it (`tasks.base.stage_task`; None on a CPU)
+    peak_memory_gib: float | None = None
+
     @model_validator(mode="before")
     @classmethod
     def _untyped_record(cls, data: Any) -> Any:

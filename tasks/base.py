@@ -33,8 +33,37 @@ RETRY_DELAY_S = 10.0
 
 def stage_task(stage: str) -> Callable[[Callable[..., Any]], Any]:
     """`@stage_task("rollout")`: a Prefect task named after its stage that caches nothing; its
-    runs are named after the stage and iteration (`rollout iter_3`, `evaluate base`)."""
-    return task(name=stage, cache_policy=NO_CACHE, persist_result=False, task_run_name=_run_name(stage))
+    runs are named after the stage and iteration (`rollout iter_3`, `evaluate base`). On a GPU its
+    result carries the call's peak memory (`Result.peak_memory_gib`)."""
+
+    def decorate(fn: Callable[..., Any]) -> Any:
+        @functools.wraps(fn)
+        def measured(*args: Any, **kwargs: Any) -> Any:
+            device = _cuda_device(args)
+            if device is None:
+                return fn(*args, **kwargs)
+            import torch
+
+            torch.cuda.reset_peak_memory_stats(device)
+            result = fn(*args, **kwargs)
+            peak = torch.cuda.max_memory_allocated(device) / 2**30
+            return result.model_copy(update={"peak_memory_gib": peak}) if hasattr(result, "model_copy") else result
+
+        return task(name=stage, cache_policy=NO_CACHE, persist_result=False, task_run_name=_run_name(stage))(measured)
+
+    return decorate
+
+
+def _cuda_device(args: tuple[Any, ...]) -> Any:
+    """The CUDA device of the stage's config (its second argument) when it runs on one, else None."""
+    import torch
+
+    from stepgrpo.config import Config
+
+    cfg = args[1] if len(args) > 1 and isinstance(args[1], Config) else None
+    if cfg is None or not cfg.model.device.startswith("cuda") or not torch.cuda.is_available():
+        return None
+    return torch.device(cfg.model.device)
 
 
 def _run_name(stage: str) -> Callable[[], str]:

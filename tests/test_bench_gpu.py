@@ -31,3 +31,23 @@ def test_gpu_script_runs_end_to_end_on_the_cpu(tmp_path):
     assert results["status"] == "done"
     assert results["checks"] and all(c["passed"] for c in results["checks"])
     assert "raw" in (tmp_path / "report.txt").read_text()
+
+
+def test_the_end_to_end_iteration_script_runs_on_the_cpu(tmp_path):
+    """`bench/gpu_train.py --small --device cpu`: one `stepgrpo train` iteration of a paper recipe on
+    random weights of its architecture, read back per stage (no MFU without a device peak)."""
+    env = {**os.environ, "STEPGRPO_THREADS": "1", "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gpu_train.py"), "--small", "--device", "cpu", "--out", str(tmp_path)]
+        + ["--prompts", "2", "--group", "2", "--recipe", str(ROOT / "configs" / "stepwise_pickscore.yaml")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["trajectories"] == 4 and results["completion"] == "remaining"
+    assert all(results["stages"][s]["seconds"] > 0 for s in ("rollout", "complete", "score", "update"))
+    assert results["stages"]["complete"]["tflops"] > 0 and results["row_gflops"] > 0
+    assert results["stages"]["rollout"]["mfu"] is None  # a CPU has no known peak
