@@ -6,8 +6,8 @@ A stage's bytes follow from its arrays (`storage.schema`): every per-trajectory 
 array bytes plus a 4-byte checksum, latents in the dtype they were sampled in. The paper recipes
 run SD3.5-Medium (16 latent channels, 1/8 of the image side); its LoRA's size is counted on
 SD3.5-Medium's transformer built on the meta device (no weights), with the recipe's rank and
-targets. A checkpoint holds the LoRA, AdamW's two moments and, with `optim.ema_decay`, the EMA, in
-fp32. `--check RUN_DIR` compares the formula with what a stored run's iteration 0 occupies.
+targets. A checkpoint holds, in fp32, the LoRA, AdamW's two moments, with `optim.ema_decay` the EMA,
+and with `optim.diagnostics` the signal check's two gradient sums. `--check RUN_DIR` compares the formula with what a stored run's iteration 0 occupies.
 """
 
 from __future__ import annotations
@@ -61,8 +61,9 @@ def per_iteration(cfg: Config, latent: tuple[int, int, int], image: int, lora: i
         scored = 2  # the ODE sample of x_0 and x_T
     if cfg.storage.images:
         out["images"] = B * (scored * 3 * image * image + CHECKSUM)
-    moments = 2 + (1 if cfg.optim.ema_decay is not None else 0)
-    out["checkpoint"] = 4 * lora * (1 + moments)
+    # the LoRA, AdamW's two moments, the EMA, and the signal check's two gradient sums (diagnostics)
+    copies = 1 + 2 + (1 if cfg.optim.ema_decay is not None else 0) + (2 if cfg.optim.diagnostics else 0)
+    out["checkpoint"] = 4 * lora * copies
     return out
 
 
