@@ -48,11 +48,21 @@ def tracking_uri(run_dir: str | Path) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{store_dir(run_dir) / STORE_FILE}"
 
 
-def ensure_local_store(run_dir: Path) -> None:
-    """Make the run's SQLite store whole before anything logs to it: a new store is created and
+def ensure_local_store(root: Path) -> None:
+    """`_ensure_store` under a lock beside the store: the runs of one runs root share it, and two
+    starting at once must not both create it (the second rename would drop the first's runs)."""
+    from filelock import FileLock
+
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / f".{STORE_FILE}.lock")):
+        _ensure_store(root)
+
+
+def _ensure_store(root: Path) -> None:
+    """Make the SQLite store in `root` whole before anything logs to it: a new store is created and
     migrated under a temporary name, then renamed into place (a process killed meanwhile leaves no
     half-migrated `mlflow.db`); an existing store that cannot be read is kept aside and recreated."""
-    store = run_dir / STORE_FILE
+    store = root / STORE_FILE
     if store.is_file():
         if _readable(store):
             return
@@ -62,7 +72,7 @@ def ensure_local_store(run_dir: Path) -> None:
             f"warning: {store} could not be read (an interrupted creation?); kept aside as {aside.name}, "
             "starting a new one"
         )
-    tmp = run_dir / f".{STORE_FILE}.{os.getpid()}.creating"
+    tmp = root / f".{STORE_FILE}.{os.getpid()}.creating"
     tmp.unlink(missing_ok=True)
     _migrate(tmp)
     os.replace(tmp, store)

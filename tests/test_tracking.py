@@ -1,0 +1,47 @@
+"""The MLflow store of a runs root: made once, whole, by whichever run starts first."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+
+from stepgrpo.tracking import STORE_FILE, Tracker, ensure_local_store, store_dir, tracking_uri
+
+
+def test_runs_starting_at_once_share_one_store(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    errors: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            ensure_local_store(tmp_path)
+        except BaseException as err:  # noqa: BLE001 - collected, asserted below
+            errors.append(err)
+
+    threads = [threading.Thread(target=start) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(STORE_FILE)] == [STORE_FILE]
+    with sqlite3.connect(tmp_path / STORE_FILE) as db:
+        assert db.execute("SELECT count(*) FROM experiments").fetchone()[0] >= 1
+
+
+def test_a_run_logs_to_its_roots_store_and_reopens_its_mlflow_run(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    run_dir = tmp_path / "runs" / "a"
+    run_dir.mkdir(parents=True)
+    assert store_dir(run_dir) == run_dir.parent.resolve()
+    assert tracking_uri(run_dir) == f"sqlite:///{tmp_path / 'runs' / STORE_FILE}"
+    with Tracker.start(run_dir, "exp", "a") as first:
+        first.log_metrics({"m": 1.0}, step=0)
+    with Tracker.start(run_dir, "exp", "a") as again:
+        assert again.resumed and again.run_id == first.run_id
+        again.log_metrics({"m": 5.0}, step=0)  # a step logged before: not logged twice
+        again.log_metrics({"m": 2.0}, step=1)
+    history = again.client.get_metric_history(first.run_id, "m")
+    assert sorted((m.step, m.value) for m in history) == [(0, 1.0), (1, 2.0)]
+    with Tracker.start(tmp_path / "runs" / "b", "exp", "b") as other:
+        assert not other.resumed and other.run_id != first.run_id
