@@ -6,8 +6,9 @@ A stage's bytes follow from its arrays (`storage.schema`): every per-trajectory 
 array bytes plus a 4-byte checksum, latents in the dtype they were sampled in. The paper recipes
 run SD3.5-Medium (16 latent channels, 1/8 of the image side); its LoRA's size is counted on
 SD3.5-Medium's transformer built on the meta device (no weights), with the recipe's rank and
-targets. A checkpoint holds, in fp32, the LoRA, AdamW's two moments, with `optim.ema_decay` the EMA,
-and with `optim.diagnostics` the signal check's two gradient sums. `--check RUN_DIR` compares the formula with what a stored run's iteration 0 occupies.
+targets. A checkpoint holds, in fp32, the LoRA, AdamW's two moments, with `optim.ema_decay` the
+EMA, and with `optim.diagnostics` the signal check's two gradient sums. `--check RUN_DIR` compares
+the formula with what a stored run's iteration 0 occupies.
 """
 
 from __future__ import annotations

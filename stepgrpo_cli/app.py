@@ -188,8 +188,9 @@ def deploy(
     set_: SetOpt = None,
     name: Annotated[str | None, typer.Option(help="Deployment name (default: the config file's stem).")] = None,
     pool: Annotated[str, typer.Option(help="Prefect work pool (a process pool).")] = "stepgrpo",
+    flow: Annotated[str, typer.Option(help="The flow: train or calibrate.")] = "train",
 ) -> None:
-    """Register a `train` deployment whose run form is filled with CONFIG's values (needs PREFECT_API_URL)."""
+    """Register a train (or calibrate) deployment whose run form holds CONFIG's values (needs PREFECT_API_URL)."""
     from stepgrpo.config import load_config
 
     cfg = _run(load_config, config, set_ or [])
@@ -199,10 +200,10 @@ def deploy(
             "set PREFECT_API_URL (docs/PIPELINE.md)"
         )
         raise typer.Exit(1)
-    from stepgrpo.deployments import deploy_train
+    from stepgrpo.deployments import deploy_flow
 
-    deployment = _run(deploy_train, cfg, name or config.stem, pool, str(config))
-    console.print(f"deployment train/{name or config.stem} ({deployment}) on pool {pool}: its run form holds {config}")
+    deployment = _run(deploy_flow, cfg, name or config.stem, pool, str(config), flow)
+    console.print(f"deployment {flow}/{name or config.stem} ({deployment}) on pool {pool}: its run form holds {config}")
 
 
 @app.command()
