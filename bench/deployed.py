@@ -19,42 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _prefect import BIN, api, call, local_server  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def call(env: dict[str, str], cwd: Path, *args: str, timeout: float = 3600) -> tuple[str, float]:
-    t0 = time.perf_counter()
-    out = subprocess.run(list(args), env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    if out.returncode != 0:
-        raise SystemExit(f"{' '.join(args)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    return out.stdout + out.stderr, time.perf_counter() - t0
-
-
-def api(url: str, path: str, body: dict | None = None) -> object:
-    req = urllib.request.Request(
-        url + path,
-        data=None if body is None else json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-        method="GET" if body is None else "POST",
-    )
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return json.loads(r.read())
 
 
 def update_seconds(run_dir: Path) -> list[float]:
@@ -85,48 +58,28 @@ def main() -> None:
     base = {k: v for k, v in os.environ.items() if k not in ("STEPGRPO_THREADS", "PREFECT_API_URL")}
     base |= {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
     base |= {"PYTHONPATH": str(checkout), "PREFECT_HOME": str(root / "prefect-home")}
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/api"
-    server = subprocess.Popen(
-        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=base,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    env = dict(base, PREFECT_API_URL=url)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                api(url, "/health")
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise SystemExit("the Prefect server did not start") from None
-                time.sleep(0.5)
-        prefect = str(BIN / "prefect")
-        call(env, checkout, prefect, "work-pool", "create", "stepgrpo", "--type", "process")
-        call(env, checkout, prefect, "--no-prompt", "deploy", "--all")
-        call(
-            env, checkout, prefect, "deployment", "run", "train/train",
-            "--param", f"overrides={json.dumps(overrides)}", "--param", "run_id=deployed",
-        )  # fmt: skip
-        _, worker_s = call(env, checkout, prefect, "worker", "start", "--pool", "stepgrpo", "--run-once")
-        (run,) = (
-            api(url, "/flow_runs/filter", {"flow_runs": {"name": {"any_": ["deployed"]}}})
-            or api(url, "/flow_runs/filter", {})[:1]
-        )
-        deployed_s = float(run["total_run_time"])
-        # the CLI as `make demo` runs it (its Makefile set STEPGRPO_THREADS=1 before the flows applied it)
-        cli_env = dict(env, STEPGRPO_THREADS="1")
-        cli_env.pop("PREFECT_API_URL")
-        sets = [a for o in overrides for a in ("--set", o)]
-        _, cli_s = call(cli_env, checkout, str(BIN / "stepgrpo"), "train", "--config", "configs/demo.yaml", *sets,
-                        "--run-id", "cli")  # fmt: skip
+        with local_server(base, root / "prefect-home") as (url, _, env):
+            prefect = str(BIN / "prefect")
+            call(env, checkout, prefect, "work-pool", "create", "stepgrpo", "--type", "process")
+            call(env, checkout, prefect, "--no-prompt", "deploy", "--all")
+            call(
+                env, checkout, prefect, "deployment", "run", "train/train",
+                "--param", f"overrides={json.dumps(overrides)}", "--param", "run_id=deployed",
+            )  # fmt: skip
+            _, worker_s = call(env, checkout, prefect, "worker", "start", "--pool", "stepgrpo", "--run-once")
+            (run,) = (
+                api(url, "/flow_runs/filter", {"flow_runs": {"name": {"any_": ["deployed"]}}})
+                or api(url, "/flow_runs/filter", {})[:1]
+            )
+            deployed_s = float(run["total_run_time"])
+            # the CLI as `make demo` runs it (its Makefile set STEPGRPO_THREADS=1 before the flows applied it)
+            cli_env = dict(env, STEPGRPO_THREADS="1")
+            cli_env.pop("PREFECT_API_URL")
+            sets = [a for o in overrides for a in ("--set", o)]
+            _, cli_s = call(cli_env, checkout, str(BIN / "stepgrpo"), "train", "--config", "configs/demo.yaml", *sets,
+                            "--run-id", "cli")  # fmt: skip
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=30)
         for spinner in spinners:
             spinner.kill()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=checkout, capture_output=True, text=True)
