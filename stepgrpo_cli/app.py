@@ -115,11 +115,6 @@ def _check_run(
 
     path = find_run(run)
     stored, cfg = open_stored(path, overrides or [])
-    if rescore_iterations is not None:
-        from stepgrpo.runs import check_rescorable, stored_iterations
-
-        todo = stored_iterations(stored) if rescore_iterations == "all" else rescore_iterations
-        check_rescorable(stored, cfg.completion.method, todo)
     if overrides:
         from stepgrpo.policy.devices import check_device
 
@@ -146,6 +141,11 @@ def _check_run(
             raise StageError(
                 f"--options: scheme {scheme!r} has no options {unknown}; its options: {sorted(known(scheme))}"
             )
+    if rescore_iterations is not None:  # after the names: a bad reward is the first thing to say
+        from stepgrpo.runs import check_rescorable
+
+        todo = stored.iterations("rollout") if rescore_iterations == "all" else rescore_iterations
+        check_rescorable(stored, cfg.completion.method, todo)
     return path
 
 
