@@ -208,7 +208,7 @@ def main() -> None:
     (args.out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = [
         f"{args.recipe.name} on {name}: one iteration of {B} trajectories x T={cfg.sampler.steps} "
-        f"({cfg.completion.method or 'no completion'}), a transformer row = {flops / 1e9:.1f} GFLOP; "
+        f"({cfg.completion.method or 'no completion'}), a transformer row = {flops / 1e9:.3g} GFLOP; "
         f"`stepgrpo train` took {train_s:.1f} s with both evaluations and start-up",
     ]
     for s, v in stages.items():

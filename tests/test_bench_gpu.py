@@ -47,7 +47,7 @@ def test_the_end_to_end_iteration_script_runs_on_the_cpu(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
-    assert results["trajectories"] == 4 and results["completion"] == "remaining"
+    assert results["trajectories"] == 4 and results["completion"] == "substeps:5"  # the recipe's
     assert all(results["stages"][s]["seconds"] > 0 for s in ("rollout", "complete", "score", "update"))
     assert results["stages"]["complete"]["tflops"] > 0 and results["row_gflops"] > 0
     assert results["stages"]["rollout"]["mfu"] is None  # a CPU has no known peak
