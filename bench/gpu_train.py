@@ -150,6 +150,8 @@ def main() -> None:
         "run.prompts_per_iteration": str(args.prompts), "run.group_size": str(args.group), "run.eval_prompts": "3",
         "run.runs_root": str(args.out / "runs"), "optim.optimizer_steps": "1", "storage.images": "false",
     }  # fmt: skip
+    if args.small:  # trying the script: the evaluations' ODE sampling cut to 4 steps of 1 prompt
+        sets |= {"sampler.eval_steps": "4", "run.eval_prompts": "1"}
     run_id = f"e2e-{time.strftime('%Y%m%d-%H%M%S')}"
     cmd = [sys.executable, "-m", "stepgrpo_cli", "train", "--config", str(args.recipe), "--run-id", run_id]
     cmd += [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]

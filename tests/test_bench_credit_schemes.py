@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,8 +20,9 @@ SCRIPT = ROOT / "bench" / "credit_schemes.py"
 
 
 @pytest.mark.skipif(not (ROOT / "models" / "shapes" / "model_index.json").is_file(), reason="needs the shipped model")
-def test_the_credit_scheme_benchmark_runs_and_reports_from_its_runs(tmp_path):
-    env = {**os.environ, "STEPGRPO_THREADS": "1"}
+def test_the_credit_scheme_benchmark_runs_and_reports_from_its_runs(tmp_path, server):
+    # one Prefect server for its 13 `stepgrpo train` runs (else each starts a temporary one)
+    env = {**server, "STEPGRPO_THREADS": "1"}
     cmd = [sys.executable, str(SCRIPT), "--quick", "--jobs", "2", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=840)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

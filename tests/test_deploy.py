@@ -3,13 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -19,43 +14,6 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 PREFECT = [sys.executable, "-m", "prefect"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    home = tmp_path_factory.mktemp("prefect-home")
-    port = free_port()
-    env = dict(os.environ, PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", COLUMNS="250")
-    env.pop("PREFECT_API_URL", None)
-    proc = subprocess.Popen(
-        [*PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}/api"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "prefect server did not start"
-            time.sleep(0.5)
-        yield dict(env, PREFECT_API_URL=url)
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
 
 
 def prefect(env, *args: str, timeout: float = 300) -> str:

@@ -75,8 +75,11 @@ def test_pretrain_runs_resumes_and_exports(tmp_path):
     first = pretrain(cfg)
     state = json.loads((tmp_path / "w" / "ckpt" / "state.json").read_text())
     assert state["stage"] == "flow" and state["step"] == first["flow_steps"] >= 1
+    # the exported model is not replaced unless asked
+    with pytest.raises(ValueError, match="already holds a model.*--overwrite"):
+        PretrainConfig(**{**cfg.__dict__, "minutes": 0.02})
     # a second call with a larger budget continues from the checkpoint instead of starting over
-    second = pretrain(PretrainConfig(**{**cfg.__dict__, "minutes": 0.02}))
+    second = pretrain(PretrainConfig(**{**cfg.__dict__, "minutes": 0.02, "overwrite": True}))
     assert second["flow_steps"] > first["flow_steps"] and second["vae_steps"] == first["vae_steps"]
     from safetensors import safe_open
 
