@@ -6,7 +6,7 @@ from typing import Any
 
 from prefect import flow
 
-from flows.progress import name_flow_run
+from flows.progress import name_flow_run, run_name_from_parameters
 from stepgrpo import environment
 from stepgrpo.checks import check_config
 from stepgrpo.config import Config, config_from
@@ -14,7 +14,7 @@ from stepgrpo.runs import open_run, owned, resolve_run_dir
 from tasks import bind
 
 
-@flow(name="calibrate", log_prints=True)
+@flow(name="calibrate", log_prints=True, flow_run_name=run_name_from_parameters)
 def calibrate(
     config: Config | None = None,
     config_path: str | None = None,

@@ -6,14 +6,14 @@ from typing import Any
 
 from prefect import flow
 
-from flows.progress import name_flow_run
+from flows.progress import name_flow_run, run_name_from_parameters
 from stepgrpo import environment
 from stepgrpo.config import validate_config
 from stepgrpo.runs import owned_stored, stored_iterations
 from tasks import bind, rollout, score
 
 
-@flow(name="credit", log_prints=True)
+@flow(name="credit", log_prints=True, flow_run_name=run_name_from_parameters)
 def credit(
     run: str,
     scheme: str,

@@ -6,14 +6,14 @@ from typing import Any
 
 from prefect import flow
 
-from flows.progress import evaluation_record, name_flow_run
+from flows.progress import evaluation_record, name_flow_run, run_name_from_parameters
 from stepgrpo import environment
 from stepgrpo.runs import latest_checkpoint, owned_stored
 from stepgrpo.workers import workers
 from tasks import bind, update
 
 
-@flow(name="evaluate", log_prints=True)
+@flow(name="evaluate", log_prints=True, flow_run_name=run_name_from_parameters)
 def evaluate(run: str, iteration: int | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
     """Held-out reward of the policy after `iteration` (default: the latest checkpoint; -1: the base model).
 

@@ -18,6 +18,20 @@ from stepgrpo.tracking import Tracker
 from storage.run import Run
 
 
+def run_name_from_parameters() -> str:
+    """A flow run's name at its start (Prefect's `flow_run_name`): the run id its parameters give
+    (`run_id`, `run_dir`'s name, `run`'s name); `name_flow_run` names a new run once its id is made."""
+    from pathlib import Path
+
+    from prefect.runtime import flow_run
+
+    params = flow_run.parameters
+    for key in ("run_id", "run_dir", "run"):
+        if params.get(key):
+            return Path(str(params[key])).name
+    return f"new {flow_run.flow_name} run"
+
+
 def name_flow_run(name: str) -> None:
     """Name the current flow run (`name`: the run id, and what the flow does to it), so that the
     Prefect UI lists runs by what they are, not by a random name."""

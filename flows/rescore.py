@@ -12,7 +12,7 @@ from typing import Any
 
 from prefect import flow
 
-from flows.progress import name_flow_run
+from flows.progress import name_flow_run, run_name_from_parameters
 from stepgrpo import environment
 from stepgrpo.config import validate_config
 from stepgrpo.runs import check_rescorable, owned_stored, stored_iterations
@@ -20,7 +20,7 @@ from stepgrpo.workers import workers
 from tasks import bind, complete, rollout
 
 
-@flow(name="rescore", log_prints=True)
+@flow(name="rescore", log_prints=True, flow_run_name=run_name_from_parameters)
 def rescore(
     run: str, reward: str, reward_options: dict[str, Any] | None = None, iterations: list[int] | None = None
 ) -> dict[str, Any]:

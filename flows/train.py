@@ -11,7 +11,7 @@ from typing import Any
 
 from prefect import flow
 
-from flows.progress import TrainingLog, name_flow_run
+from flows.progress import TrainingLog, name_flow_run, run_name_from_parameters
 from stepgrpo import environment
 from stepgrpo.checks import check_config
 from stepgrpo.config import Config, config_from
@@ -23,7 +23,7 @@ from tasks import bind
 from tasks.update import export_lora
 
 
-@flow(name="train", log_prints=True)
+@flow(name="train", log_prints=True, flow_run_name=run_name_from_parameters)
 def train(
     config: Config | None = None,
     config_path: str | None = None,
