@@ -33,18 +33,17 @@ SD35M = dict(
 )  # fmt: skip
 
 
-def lora_parameters(cfg: Config) -> int:
-    """LoRA parameters of `cfg` on SD3.5-Medium's transformer (meta device: nothing allocated)."""
+def lora_parameters(cfg: Config, transformer: dict | None = None) -> int:
+    """LoRA parameters of `cfg` on a transformer built from its config (SD3.5-Medium's by default)
+    on the meta device: nothing allocated."""
     import torch
     from diffusers import SD3Transformer2DModel
-    from peft import LoraConfig, inject_adapter_in_model
+
+    from stepgrpo.policy.lora import LoraSpec, add_lora
 
     with torch.device("meta"):
-        model = SD3Transformer2DModel(**SD35M)
-        spec = LoraConfig(
-            r=cfg.model.lora_rank, lora_alpha=cfg.model.lora_alpha, target_modules=list(cfg.model.lora_targets)
-        )
-        inject_adapter_in_model(spec, model)
+        model = SD3Transformer2DModel.from_config(transformer or SD35M)
+        add_lora(model, LoraSpec(cfg.model.lora_rank, cfg.model.lora_alpha, tuple(cfg.model.lora_targets)))
     return sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
 
 
@@ -123,18 +122,9 @@ def main() -> None:
 
 def _shapes_lora(cfg: Config) -> int:
     """LoRA parameters of `cfg` on the shipped shapes model's transformer."""
-    import torch
-    from diffusers import SD3Transformer2DModel
-    from peft import LoraConfig, inject_adapter_in_model
+    import json
 
-    model = SD3Transformer2DModel.from_pretrained(
-        str(REPO / "models" / "shapes" / "transformer"), torch_dtype=torch.float32
-    )
-    inject_adapter_in_model(
-        LoraConfig(r=cfg.model.lora_rank, lora_alpha=cfg.model.lora_alpha, target_modules=list(cfg.model.lora_targets)),
-        model,
-    )
-    return sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    return lora_parameters(cfg, json.loads((REPO / "models" / "shapes" / "transformer" / "config.json").read_text()))
 
 
 def _h(n: int) -> str:
