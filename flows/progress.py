@@ -13,7 +13,15 @@ from typing import Any
 
 from stepgrpo import report
 from stepgrpo.config import Config
-from stepgrpo.results import CompleteResult, CreditResult, EvaluateResult, RolloutResult, ScoreResult, UpdateResult
+from stepgrpo.results import (
+    CompleteResult,
+    CreditResult,
+    DrawResult,
+    EvaluateResult,
+    RolloutResult,
+    ScoreResult,
+    UpdateResult,
+)
 from stepgrpo.tracking import Tracker
 from storage.run import Run
 
@@ -62,8 +70,9 @@ def iteration_metrics(
     rewards: ScoreResult,
     credit: CreditResult,
     update: UpdateResult,
+    draw: DrawResult | None = None,
 ) -> dict[str, float]:
-    """MLflow metrics of one iteration from its stage results."""
+    """MLflow metrics of one iteration from its stage results (`draw`: the curriculum's, if any)."""
     r, c, u = rewards, credit, update.stats
     out: dict[str, Any] = {
         "reward/mean": r.reward_mean,
@@ -95,6 +104,10 @@ def iteration_metrics(
             out[f"{name.removesuffix('_by_step')}/step_{k}"] = v
     for k, g in enumerate(c.gain_mean):
         out[f"gain/step_{k}"] = g
+    if draw is not None:
+        out["curriculum/seen"] = draw.seen
+        out["curriculum/zero_spread"] = draw.zero_spread
+        out["curriculum/weight_max"] = draw.weight_max
     stages = {"rollout": rollout, "score": rewards, "credit": credit, "update": update}
     stages |= {"complete": clean} if isinstance(clean, CompleteResult) else {}
     out |= {f"seconds/{name}": result.seconds for name, result in stages.items()}
@@ -163,11 +176,12 @@ class TrainingLog:
         rewards: ScoreResult,
         credit: CreditResult,
         update: UpdateResult,
+        draw: DrawResult | None = None,
     ) -> None:
         """Iteration `i`'s stage results: metrics, its row and console line, the signal check."""
         from prefect.artifacts import update_progress_artifact
 
-        self.tracker.log_metrics(iteration_metrics(rollout, clean, rewards, credit, update), step=i)
+        self.tracker.log_metrics(iteration_metrics(rollout, clean, rewards, credit, update, draw), step=i)
         self.rows.append(iteration_row(i, rewards, update))
         print(report.iteration_line(self.rows[-1]))
         if (warning := self.watch.see(i, update.stats)) is not None:

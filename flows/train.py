@@ -1,4 +1,4 @@
-"""The training flow: iterations of rollout -> complete -> score -> credit -> update.
+"""The training flow: iterations of [draw] -> rollout -> complete -> score -> credit -> update.
 
 Every stage is a cached task (`tasks`, keys in `tasks.keys`); re-running the same run id resumes
 at the first unpublished stage. Held-out evaluation runs before training, every `run.eval_every`
@@ -63,12 +63,13 @@ def iterate(run: Run, cfg: Config) -> dict[str, Any]:
     with TrainingLog(run, cfg) as log:
         log.evaluation(0, stage.evaluate(run, cfg, -1, prompts, checkpoint))
         for i in range(cfg.run.iterations):
-            rollout = stage.rollout(run, cfg, i, prompts, checkpoint, psi)
+            drawn = stage.draw(run, cfg, i, prompts) if cfg.curriculum.draw != "uniform" else None
+            rollout = stage.rollout(run, cfg, i, prompts, checkpoint, psi, drawn)
             clean = stage.complete(run, cfg, i, rollout, checkpoint) if cfg.completion.method else rollout
             rewards = stage.score(run, cfg, i, clean, rollout)
             credit = stage.credit(run, cfg, i, rewards)
             checkpoint = stage.update(run, cfg, i, credit, rollout, checkpoint)
-            log.iteration(i, rollout, clean, rewards, credit, checkpoint)
+            log.iteration(i, rollout, clean, rewards, credit, checkpoint, drawn)
             if cfg.run.evaluates_after(i):
                 log.evaluation(i + 1, stage.evaluate(run, cfg, i, prompts, checkpoint))
             log.pruned(apply_retention(run, cfg.storage, RETENTION_WHY))

@@ -296,6 +296,21 @@ class RunConfig(_Section):
         return done == self.iterations or bool(self.eval_every and done % self.eval_every == 0)
 
 
+class CurriculumConfig(_Section):
+    """How each iteration's training prompts are drawn (METHODS.md, "Gain-variance curriculum")."""
+
+    draw: Literal["uniform", "gain_variance"] = "uniform"
+    """`uniform`: a permutation of the training prompts from `(run.seed, iteration)`. `gain_variance`:
+    prompts drawn with weights that follow the variance of their groups' step gains in the last
+    `window` iterations (its spread of final rewards where only final samples are scored), so
+    prompts whose groups had no reward spread are drawn less; each draw is a stored stage."""
+    window: int = Field(50, ge=1)
+    """Iterations of history a draw reads (the spread of a prompt is the mean over its groups there)."""
+    floor: float = Field(0.2, ge=0.0, le=1.0)
+    """Weight of a prompt whose groups had no spread, relative to the average prompt's 1 (an
+    unseen prompt also gets 1); 1 makes the draw uniform over the weights."""
+
+
 class StorageConfig(_Section):
     images: bool = True
     """Keep the uint8 images the reward saw (every scored state) so that re-scoring with another
@@ -368,6 +383,8 @@ class Config(_Section):
     """DenseGRPO's calibration of the per-step noise table `psi` (kernel `psi` only)."""
     run: RunConfig = Field(default_factory=RunConfig)
     """The run: prompts, iterations, group size, seed, evaluation, where runs are kept."""
+    curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
+    """Which training prompts each iteration draws: uniformly, or by the variance of their step gains."""
     storage: StorageConfig = Field(default_factory=StorageConfig)
     """What the run directory keeps, and for how long."""
     scale: ScaleConfig = Field(default_factory=ScaleConfig)
@@ -422,6 +439,14 @@ class Config(_Section):
 # stage's input digests, the model / reward identity and CODE_SALT make the stage's cache key.
 STAGE_FIELDS: dict[str, tuple[str, ...]] = {
     "prompts": ("run.prompts", "run.heldout_prompts"),
+    "draw": (
+        "curriculum",
+        "reward",
+        "run.prompts",
+        "run.prompts_per_iteration",
+        "run.group_size",
+        "run.seed",
+    ),
     "rollout": (
         "model",
         "sampler.steps",

@@ -66,6 +66,16 @@ class CalibrateResult(StageResult):
     seconds: float
 
 
+class DrawResult(StageResult):
+    """The training prompts an iteration draws under the curriculum (`tasks.draw`)."""
+
+    iteration: int
+    prompt_ids: list[int]  # one per group, in group order
+    seen: int  # training prompts with a group in the window
+    zero_spread: int  # of those, prompts whose groups all had zero spread
+    weight_max: float  # the largest weight, relative to an average prompt's 1
+
+
 class RolloutResult(StageResult):
     iteration: int
     trajectories: int

@@ -131,7 +131,7 @@ def check_resumable(cfg: Config, run_dir: Path) -> None:
     """An existing run directory must hold a run of the same config (checked before anything starts)."""
     if not (run_dir / "manifest.json").exists():
         return
-    stored = Run.open(run_dir).config
+    stored = with_defaults(Run.open(run_dir).config)
     # `scale` says where stages run, retention what is kept afterwards, not what they compute
     changed = [f for f in config_diff(stored, cfg.model_dump(mode="json")) if not resumable_change(f)]
     if changed:
@@ -140,6 +140,15 @@ def check_resumable(cfg: Config, run_dir: Path) -> None:
             "resume it with the same config, pick a new --run-id, or use `stepgrpo rescore` / "
             "`stepgrpo credit` to try another reward / scheme on its stored trajectories"
         )
+
+
+def with_defaults(stored: dict[str, Any]) -> dict[str, Any]:
+    """A stored config with the defaults of fields added since it was written (a run made before
+    a section existed resumes under its defaults, which compute what that run computed)."""
+    try:
+        return validate_config(stored).model_dump(mode="json")
+    except ValueError:  # no longer valid: compared as stored, so the diff names what changed
+        return stored
 
 
 RETENTION_FIELDS = ("storage.keep", "storage.keep_last", "storage.checkpoint_every")

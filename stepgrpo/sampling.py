@@ -50,16 +50,29 @@ class Plan(NamedTuple):
     seeds: np.ndarray  # [P] one noise seed per group
 
 
-def iteration_plan(cfg: Config, splits: Sequence[str], iteration: int) -> Plan:
-    """The plan of `iteration`, derived from `(run.seed, iteration)` alone."""
+def iteration_plan(cfg: Config, splits: Sequence[str], iteration: int, drawn: np.ndarray | None = None) -> Plan:
+    """The plan of `iteration`: its groups' prompts are `drawn` (one id per group, the curriculum's
+    draw, `tasks.draw`), or a permutation of the training prompts from `(run.seed, iteration)`;
+    the noise derives from `(run.seed, iteration)` alone."""
     train_ids = np.array([i for i, s in enumerate(splits) if s == "train"])
     if len(train_ids) == 0:
         raise StageError("the prompt source has no 'train' prompts to sample")
     P, G = cfg.run.prompts_per_iteration, cfg.run.group_size
-    pick = torch.randperm(len(train_ids), generator=generator(cfg.run.seed, "prompts", iteration)).numpy()
-    chosen = train_ids[np.resize(pick, P)]  # more prompts than the split holds: the permutation repeats
+    if drawn is not None:
+        if len(drawn) != P:
+            raise StageError(f"iteration {iteration}: the stored draw holds {len(drawn)} prompts, the run samples {P}")
+        chosen = np.asarray(drawn, np.int64)
+    else:
+        chosen = uniform_prompts(cfg, train_ids, iteration)
     seeds = np.array([seed_for(cfg.run.seed, "noise", iteration, g) for g in range(P)], np.int64)
     return Plan(np.repeat(chosen, G), np.repeat(np.arange(P), G), seeds)
+
+
+def uniform_prompts(cfg: Config, train_ids: np.ndarray, iteration: int) -> np.ndarray:
+    """The uniform draw of `iteration`: `run.prompts_per_iteration` of `train_ids` from a permutation
+    seeded by `(run.seed, iteration)` (more than the split holds: the permutation repeats)."""
+    pick = torch.randperm(len(train_ids), generator=generator(cfg.run.seed, "prompts", iteration)).numpy()
+    return train_ids[np.resize(pick, cfg.run.prompts_per_iteration)]
 
 
 @dataclass

@@ -64,6 +64,8 @@ __all__ = [
 ]
 
 MANIFEST_FILE = "manifest.json"
+FILE_STAGES = ("checkpoint", "draw")  # stages of plain files, digested as files (not Zarr stores)
+DRAW_FILE = "draw.json"
 
 
 def code_version() -> dict[str, Any]:
@@ -206,8 +208,11 @@ class Run(StageStores, RunTables, Checkpoints):
             return self.path / f"iter_{iteration}" / "images" / f"{source}.zarr"
         if stage == "checkpoint":
             return self.path / "checkpoints" / f"iter_{iteration}"
+        if stage == "draw":
+            return self.path / f"iter_{iteration}" / "draw"
         raise ValueError(
-            f"unknown stage {stage!r}; stages are 'rollout', 'completions/<method>', 'images/<source>', 'checkpoint'"
+            f"unknown stage {stage!r}; stages are 'rollout', 'completions/<method>', 'images/<source>', "
+            "'checkpoint', 'draw'"
         )
 
     def stage_manifest(self, iteration: int, stage: str) -> dict[str, Any] | None:
@@ -259,6 +264,21 @@ class Run(StageStores, RunTables, Checkpoints):
             resumed=resumed,
         )
 
+    # --- prompt draws (the curriculum) ------------------------------------------------------------
+
+    def save_draw(self, iteration: int, record: Mapping[str, Any], inputs: Mapping[str, Any]) -> dict[str, Any]:
+        """Publish the prompts drawn for `iteration` (a JSON `record`); `inputs` (the cache key)
+        go in the manifest."""
+        check_json(dict(record), "draw record")
+        with self._begin(iteration, "draw", None) as writer:
+            (writer.path / DRAW_FILE).write_text(json.dumps(dict(record), sort_keys=True) + "\n")
+            return writer.publish(inputs=inputs)
+
+    def read_draw(self, iteration: int) -> dict[str, Any]:
+        """The published draw of `iteration`, checked against its digest."""
+        self.verify(iteration, "draw")
+        return json.loads((self.stage_path(iteration, "draw") / DRAW_FILE).read_text())
+
     # --- verification ---------------------------------------------------------------------------
 
     def verify(self, iteration: int, stage: str) -> None:
@@ -272,7 +292,7 @@ class Run(StageStores, RunTables, Checkpoints):
         path = self.stage_path(iteration, stage)
         if pruned(path) is not None:
             return self._verify_pruned(iteration, stage, manifest)
-        if stage == "checkpoint":
+        if stage in FILE_STAGES:
             found = digest_files(path)[0]
         else:
             try:
@@ -320,7 +340,7 @@ class Run(StageStores, RunTables, Checkpoints):
         items: list[tuple[str, Any]] = []
         if self.prompts_manifest() is not None:
             items.append(("prompts", None))
-        stages = {"rollout", "checkpoint"}
+        stages = {"rollout", *FILE_STAGES}
         for d in self.path.glob("iter_*/*/*.zarr"):
             stages.add(f"{d.parent.name}/{d.stem}")
         for stage in sorted(stages):

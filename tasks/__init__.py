@@ -1,7 +1,7 @@
 """The pipeline's stages, one module each, in the order a run meets them:
 
     prompts -> [calibrate] -> evaluate(base) -> per iteration:
-        rollout -> [complete] -> score -> credit -> update -> [evaluate]
+        [draw] -> rollout -> [complete] -> score -> credit -> update -> [evaluate]
 
 Each module holds the Prefect task, the stage body it runs (`execute`, idempotent) and the
 result of a published stage read back (`stored`). A task persists nothing: a stage is reused when
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
         CalibrateResult,
         CompleteResult,
         CreditResult,
+        DrawResult,
         EvaluateResult,
         PromptsResult,
         RolloutResult,
@@ -37,6 +38,7 @@ class Stages:
 
     prompts: Task[..., PromptsResult]  # tasks.prompts.prompts
     calibrate: Task[..., CalibrateResult]  # tasks.calibrate.calibrate
+    draw: Task[..., DrawResult]  # tasks.draw.draw
     rollout: Task[..., RolloutResult]  # tasks.rollout.rollout
     complete: Task[..., CompleteResult]  # tasks.complete.complete
     score: Task[..., ScoreResult]  # tasks.score.score
@@ -54,11 +56,12 @@ def bind(run: Run, cfg: Config) -> Stages:
     from tasks.calibrate import calibrate
     from tasks.complete import complete
     from tasks.credit import credit
+    from tasks.draw import draw
     from tasks.evaluate import evaluate
     from tasks.prompts import prompts
     from tasks.rollout import rollout
     from tasks.score import score
     from tasks.update import update
 
-    stages = Stages(prompts, calibrate, rollout, complete, score, credit, update, evaluate)
+    stages = Stages(prompts, calibrate, draw, rollout, complete, score, credit, update, evaluate)
     return Stages(*(with_retries(getattr(stages, f.name), cfg.scale.stage_retries) for f in fields(Stages)))

@@ -29,7 +29,7 @@ from storage.run import Run
 # Stages whose numbers depend on the reward model itself (not only on stored reward rows).
 REWARD_STAGES = frozenset({"score", "evaluate", "calibrate"})
 # Stages that read no model at all.
-MODEL_FREE_STAGES = frozenset({"prompts", "credit"})
+MODEL_FREE_STAGES = frozenset({"prompts", "credit", "draw"})
 # What the key records for an absent upstream: the base model's weights, no calibrated table.
 ABSENT = {"checkpoint": "init", "psi": None}
 Upstream = StageResult | str | None

@@ -9,6 +9,7 @@ the SDE training reward).
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,13 +19,14 @@ from stepgrpo.config import Config
 from stepgrpo.errors import StageError
 from stepgrpo.faults import maybe_fail
 from stepgrpo.prompts import stored_prompts
-from stepgrpo.results import CalibrateResult, PromptsResult, RolloutResult, UpdateResult
+from stepgrpo.results import CalibrateResult, DrawResult, PromptsResult, RolloutResult, UpdateResult
 from stepgrpo.sampling import iteration_plan, sample_iteration
 from stepgrpo.sharding import shard_ranges
 from stepgrpo_core.kernels import KERNELS
 from storage.ledger import record
 from storage.run import Run
 from tasks.base import fan_out, manifest, reuse, shard_task, stage_task
+from tasks.draw import drawn_prompts
 from tasks.keys import Key, stage_key
 
 
@@ -36,10 +38,14 @@ def rollout(
     prompts: PromptsResult,
     checkpoint: UpdateResult | None,
     psi: CalibrateResult | None,
+    draw: DrawResult | None = None,
 ) -> RolloutResult:
     """Sample iteration `iteration` after `checkpoint` (None: the base model); `psi`: the run's
-    calibrated table when the kernel has one."""
-    key = stage_key("rollout", run, cfg, iteration, {"prompts": prompts, "checkpoint": checkpoint, "psi": psi})
+    calibrated table when the kernel has one; `draw`: the curriculum's prompts (None: uniform)."""
+    upstream: dict[str, Any] = {"prompts": prompts, "checkpoint": checkpoint, "psi": psi}
+    if draw is not None:  # a uniform run's key names no draw (it is the key runs made before the curriculum had)
+        upstream["draw"] = draw
+    key = stage_key("rollout", run, cfg, iteration, upstream)
     return execute(run, cfg, iteration, kernel_noise(cfg, psi), key)
 
 
@@ -64,7 +70,7 @@ def compute(run: Run, cfg: Config, iteration: int, noise: float | torch.Tensor, 
     """Sample the iteration's shards (`stepgrpo.sharding`) on the flow's workers, then publish."""
     t0 = time.perf_counter()
     pol = workspace.policy(cfg)  # the grid and latent shape; the shards set the weights they sample with
-    plan = iteration_plan(cfg, stored_prompts(run).splits, iteration)
+    plan = iteration_plan(cfg, stored_prompts(run).splits, iteration, drawn_prompts(run, cfg, iteration))
     start, end = cfg.sampler.window()
     writer = run.begin_rollout(
         iteration,
@@ -110,7 +116,7 @@ def sample_shard(
     t0 = time.perf_counter()
     pol = workspace.policy_at(run, cfg, iteration)
     prompts = stored_prompts(run)
-    plan = iteration_plan(cfg, prompts.splits, iteration)
+    plan = iteration_plan(cfg, prompts.splits, iteration, drawn_prompts(run, cfg, iteration))
     writer = run.attach(iteration, "rollout", token)
     G = cfg.run.group_size
     nfe0, nfe_ode = pol.nfe, 0

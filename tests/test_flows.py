@@ -22,7 +22,7 @@ from stepgrpo.sampling import encode
 
 pytestmark = pytest.mark.slow
 
-STAGES = ("prompts", "calibrate", "rollout", "complete", "score", "credit", "update", "evaluate")
+STAGES = ("prompts", "calibrate", "draw", "rollout", "complete", "score", "credit", "update", "evaluate")
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +195,70 @@ def test_a_run_refuses_another_config(trained, tiny):
 
     with pytest.raises(StageError, match="changed: optim.lr"):
         train(overrides=[*tiny, "optim.lr=0.5"], run_dir=trained["run_dir"])
+
+
+def test_the_curriculum_draws_stored_prompts_by_gain_variance_and_resumes(harness, tiny, tmp_path, calls):
+    import numpy as np
+
+    from flows.train import train
+    from stepgrpo.sampling import iteration_plan
+    from stepgrpo_core.curriculum import group_spread
+    from storage.run import Run
+
+    over = [*tiny, "curriculum.draw=gain_variance", "curriculum.window=2", "run.iterations=3"]
+    run_dir = tmp_path / "curriculum"
+    train(overrides=over, run_dir=str(run_dir))
+    run, cfg = Run.open(run_dir), load_config(None, over)
+    splits = stored_prompts(run).splits
+    G = cfg.run.group_size
+    for i in range(3):
+        record = run.read_draw(i)
+        assert record["window"] == [max(0, i - 2), i]
+        stored_ids = run.read_array(i, "rollout", "prompt_ids")
+        assert stored_ids.tolist() == np.repeat(record["prompt_ids"], G).tolist()  # the rollout sampled the draw
+    # no history at iteration 0: the uniform draw
+    assert run.read_draw(0)["prompt_ids"] == iteration_plan(cfg, splits, 0).prompt_ids[::G].tolist()
+    # iteration 2's weights follow the spread of its window's groups (iterations 0 and 1)
+    record = run.read_draw(2)
+    position = {p: n for n, p in enumerate(record["train_ids"])}
+    spread = {}
+    for j in (0, 1):
+        first, v = group_spread(
+            run.reward_grid(j, "jpeg_compressibility"), torch.from_numpy(run.read_array(j, "rollout", "group_ids"))
+        )
+        for row, value in zip(first.tolist(), v.tolist()):
+            spread.setdefault(position[int(run.read_array(j, "rollout", "prompt_ids")[row])], []).append(value)
+    mean = {p: sum(v) / len(v) for p, v in spread.items()}
+    average = sum(mean.values()) / len(mean)
+    for p, m in mean.items():
+        assert record["weights"][p] == pytest.approx(0.2 + 0.8 * m / average)
+    assert record["seen"] == len(mean)
+    unseen = set(range(len(record["train_ids"]))) - set(mean)
+    assert all(record["weights"][p] == 1.0 for p in unseen)
+    # the run resumes without drawing again; a uniform run has no draw stage
+    calls.clear()
+    train(overrides=over, run_dir=str(run_dir))
+    assert sum(calls.values()) == 0, calls
+    assert run.stage_manifest(0, "draw")["inputs"]["key"]
+
+
+def test_a_uniform_run_draws_no_stage_and_keys_its_rollout_as_before(trained, tiny):
+    from stepgrpo.results import DrawResult
+    from storage.run import Run
+    from tasks.keys import stage_key
+
+    run = Run.open(trained["run_dir"])
+    assert run.stage_manifest(0, "draw") is None
+    cfg = load_config(None, tiny)
+    before = {"prompts": "p", "checkpoint": None, "psi": None}
+    drawn = DrawResult(digest="d", iteration=0, prompt_ids=[0, 1], seen=0, zero_spread=0, weight_max=1.0)
+    assert stage_key("rollout", run, cfg, 0, before) != stage_key("rollout", run, cfg, 0, {**before, "draw": drawn})
+    # the published rollout's key is the one a key without a draw gives (runs made before resume)
+    from stepgrpo.results import PromptsResult
+
+    prompts = PromptsResult(digest=run.prompts_manifest()["digest"], rows=run.prompts_manifest()["rows"])
+    key = stage_key("rollout", run, cfg, 0, {"prompts": prompts, "checkpoint": None, "psi": None})
+    assert key.accepts(run.stage_manifest(0, "rollout")["inputs"]["key"])
 
 
 def test_cache_keys_follow_the_contract(trained, tiny):
