@@ -209,7 +209,9 @@ def deploy(
 @app.command()
 def rescore(
     run: RunArg,
-    reward: Annotated[str, typer.Option(help="Reward name (see REWARDS).")],
+    reward: Annotated[
+        str, typer.Option(help="Reward: a built-in name, an installed plug-in, or package.module:attribute.")
+    ],
     options: Annotated[str | None, typer.Option(help="Reward options as JSON.")] = None,
     iteration: Annotated[
         list[int] | None, typer.Option("--iteration", help="Only these iterations (repeatable; default all).")
@@ -239,7 +241,12 @@ def rescore(
 @app.command()
 def credit(
     run: RunArg,
-    scheme: Annotated[str, typer.Option(help="Credit scheme (outcome, stepwise, dense, turning_point).")],
+    scheme: Annotated[
+        str,
+        typer.Option(
+            help="Credit scheme (outcome, stepwise, dense, turning_point), a plug-in, or package.module:attribute."
+        ),
+    ],
     options: Annotated[str | None, typer.Option(help="Scheme options as JSON.")] = None,
     reward: Annotated[str | None, typer.Option(help="Which stored reward to use (default: the run's).")] = None,
 ) -> None:

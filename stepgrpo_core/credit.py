@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .registry import Registry
+from .registry import PluginError, Registry, takes_positional
 
 STD_EPS = 1e-4  # added to every std of a normalization (Flow-GRPO's 1e-4)
 
@@ -84,7 +84,32 @@ Scheme = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (rewards, gains, gr
 # Fact `step_rewards`: the scheme reads a reward for every state (needs a completion method);
 # False: it reads only R_T, the final sample's. Fact `version`: bumped when a scheme computes other
 # advantages from the same rewards and options (stored advantages name it: `tasks.credit`).
-SCHEMES: Registry[Scheme] = Registry("credit scheme", step_rewards=True, version="1")
+# Plug-ins (`stepgrpo.plugins.scheme`): `module:attr` references and the `stepgrpo.schemes` entry points.
+
+
+def check_scheme(name: str, fn: Scheme) -> None:
+    """A scheme takes `(rewards, gains, groups)` positionally, then only options with defaults."""
+    if not callable(fn):
+        raise PluginError(f"credit scheme {name!r}: {fn!r} is not callable")
+    takes_positional(name, "credit scheme", fn, 3, "fn(rewards, gains, groups, **options)")
+    params = list(inspect.signature(fn).parameters.values())[3:]
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    bare = [p.name for p in params if p.default is inspect.Parameter.empty or p.kind in variadic]
+    if bare:
+        raise PluginError(
+            f"credit scheme {name!r}: parameter(s) {bare} are not options; after (rewards, gains, groups) a "
+            "scheme takes only named keyword arguments with defaults (credit.options overrides them)"
+        )
+
+
+SCHEMES: Registry[Scheme] = Registry(
+    "credit scheme",
+    entry_points="stepgrpo.schemes",
+    check=check_scheme,
+    required=("version",),
+    step_rewards=True,
+    version="1",
+)
 
 
 def _no_turning(gains: torch.Tensor) -> torch.Tensor:
@@ -228,7 +253,14 @@ def assign(scheme: str, rewards: torch.Tensor, group_ids: torch.Tensor, **option
         raise ValueError("rewards contain NaN: drop those trajectories or fill the missing rewards before credit")
     groups = Groups(group_ids.to(rewards.device))
     gains = rewards[:, 1:] - rewards[:, :-1]
-    advantages, turn = fn(rewards, gains, groups, **options)
+    out = fn(rewards, gains, groups, **options)
+    advantages, turn = out if isinstance(out, tuple) else (out, _no_turning(gains))  # a plug-in may return A alone
+    if not isinstance(advantages, torch.Tensor) or advantages.shape != gains.shape:
+        got = tuple(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages).__name__
+        raise ValueError(f"credit scheme {scheme!r} returned advantages {got}; expected a tensor {tuple(gains.shape)}")
+    if not bool(torch.isfinite(advantages).all()):
+        raise ValueError(f"credit scheme {scheme!r} returned NaN/inf advantages")
+    advantages = advantages.float()
     nonzero = groups.sum((advantages != 0).any(dim=1, keepdim=True).float()).reshape(-1) > 0  # [n]
     keep = nonzero[groups.index]
     advantages = advantages * keep[:, None]

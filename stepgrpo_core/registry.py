@@ -6,11 +6,27 @@ config is built, with an error that lists the known names, so a typo never reach
 An entry may declare facts about itself when it registers (`KERNELS.register("psi",
 calibrated=True)`): what the pipeline must do for that variant is read from `facts(name)`, so no
 flow or stage tests a variant's name.
+
+Plug-ins (docs/EXTENDING.md): a registry made with an entry-point group also finds entries
+outside stepgrpo, by name, the first time they are asked for:
+
+- a reference `package.module:attribute` names an object in the user's own code;
+- a name in the entry-point group (`[project.entry-points."stepgrpo.rewards"]`) names one in an
+  installed package.
+
+Either object must have been marked for this registry with `registry.plugin(**facts)` (the
+`stepgrpo.plugins` decorators), so a name can only ever reach code that declared itself a
+plug-in of this family; the family's `check` then validates it (its signature). It is then
+registered under the name it was asked by, so every process that meets the name (a Ray worker,
+an update process) resolves it the same way.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
 from collections.abc import Callable, Iterator, Mapping
+from importlib import metadata
 from types import MappingProxyType
 from typing import Any, Generic, TypeVar
 
@@ -24,6 +40,51 @@ class UnknownNameError(KeyError, ValueError):
         return str(self.args[0])
 
 
+class PluginError(ValueError):
+    """A plug-in that cannot be used: its module does not import, it is not marked, or it is malformed."""
+
+
+PLUGIN_MARK = "__stepgrpo_plugin__"  # set by `Registry.plugin`: {"family": ..., "facts": {...}}
+
+
+def is_reference(name: str) -> bool:
+    """Whether `name` is a `module:attribute` reference (registered names have no colon)."""
+    module, sep, attr = name.partition(":")
+    return bool(sep and module and attr) and all(p.isidentifier() for p in (*module.split("."), *attr.split(".")))
+
+
+def import_reference(reference: str, family: str) -> object:
+    """The object `package.module:attribute` names, with an error that says what is missing."""
+    module_name, _, attr = reference.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise PluginError(
+            f"{family} {reference!r}: module {module_name!r} cannot be imported ({err}); install the package that "
+            "holds it (pip install -e ./mypkg) or put its folder on PYTHONPATH"
+        ) from None
+    obj: object = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise PluginError(f"{family} {reference!r}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def takes_positional(name: str, family: str, fn: Any, n: int, expected: str) -> None:
+    """A plug-in check: `fn` accepts `n` positional arguments (`expected` says which)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return  # no signature to read (a builtin): it is checked when called
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < n and not any(p.kind is p.VAR_POSITIONAL for p in params):
+        raise PluginError(
+            f"{family} {name!r}: {getattr(fn, '__qualname__', fn)} takes {len(positional)} positional "
+            f"argument(s); expected {expected}"
+        )
+
+
 class Registry(Generic[F]):
     """A named family of same-signature callables.
 
@@ -33,11 +94,42 @@ class Registry(Generic[F]):
     >>> KERNELS.get("ode")
     """
 
-    def __init__(self, family: str, **defaults: Any) -> None:
+    def __init__(
+        self,
+        family: str,
+        entry_points: str | None = None,
+        check: Callable[[str, Any], None] | None = None,
+        required: tuple[str, ...] = (),
+        **defaults: Any,
+    ) -> None:
         self.family = family
         self.defaults = dict(defaults)  # the facts of an entry that declares none
+        self.entry_points = entry_points  # the entry-point group of plug-ins, None: built-ins only
+        self._check = check  # validates a plug-in's object (raises PluginError)
+        self.required = required  # facts a plug-in must declare itself
         self._items: dict[str, F] = {}
         self._facts: dict[str, Mapping[str, Any]] = {}
+
+    def plugin(self, **facts: Any) -> Callable[[F], F]:
+        """Mark `fn` as a plug-in of this registry with its `facts`, without registering it: it is
+        registered when a config names it (`module:attr` or its entry point)."""
+        unknown = sorted(set(facts) - set(self.defaults))
+        if unknown:
+            raise PluginError(
+                f"{self.family} plug-in: unknown facts {unknown}; this registry knows {sorted(self.defaults)}"
+            )
+        missing = [f for f in self.required if facts.get(f) in (None, "")]
+        if missing:
+            raise PluginError(
+                f'a {self.family} plug-in must declare {", ".join(missing)} (e.g. version="1"), bumped whenever a '
+                "change can change its numbers: it is the plug-in's identity in every cache key and stored row"
+            )
+
+        def decorator(fn: F) -> F:
+            setattr(fn, PLUGIN_MARK, {"family": self.family, "facts": dict(facts)})
+            return fn
+
+        return decorator
 
     def register(self, name: str, **facts: Any) -> Callable[[F], F]:
         """Register `fn` under `name`; `facts` override the registry's defaults for this entry."""
@@ -62,12 +154,44 @@ class Registry(Generic[F]):
         return self._facts[name]
 
     def get(self, name: str) -> F:
-        try:
-            return self._items[name]
-        except KeyError:
+        if name not in self._items and not self._load(name):
             raise UnknownNameError(
                 f"unknown {self.family} {name!r}; known {self.family}s: {', '.join(self.names())}"
-            ) from None
+                + (
+                    f"; or a plug-in: package.module:attribute, or an entry point in {self.entry_points!r}"
+                    if self.entry_points
+                    else ""
+                )
+            )
+        return self._items[name]
+
+    def _load(self, name: str) -> bool:
+        """Register the plug-in `name` names (module:attr, or an entry point); False if it names none."""
+        if self.entry_points is None:
+            return False
+        if is_reference(name):
+            obj = import_reference(name, self.family)
+        else:
+            found = [ep for ep in metadata.entry_points(group=self.entry_points) if ep.name == name]
+            if not found:
+                return False
+            try:
+                obj = found[0].load()
+            except Exception as err:  # the installed package is broken: say which
+                raise PluginError(
+                    f"{self.family} {name!r}: entry point {found[0].value!r} ({self.entry_points}) does not load: "
+                    f"{type(err).__name__}: {err}"
+                ) from None
+        mark = getattr(obj, PLUGIN_MARK, None)
+        if not isinstance(mark, dict) or mark.get("family") != self.family:
+            raise PluginError(
+                f"{name!r} is not a stepgrpo {self.family}: mark it with the decorator of stepgrpo.plugins "
+                f"(docs/EXTENDING.md)" + (f"; it is marked as a {mark.get('family')}" if isinstance(mark, dict) else "")
+            )
+        if self._check is not None:
+            self._check(name, obj)
+        self.register(name, **mark["facts"])(obj)
+        return True
 
     def validate(self, name: str) -> str:
         """Return `name` if registered, else raise the error that lists the known names."""
@@ -75,7 +199,9 @@ class Registry(Generic[F]):
         return name
 
     def names(self) -> list[str]:
-        return sorted(self._items)
+        """The registered names and the installed plug-ins' entry points (not loaded)."""
+        plugins = {ep.name for ep in metadata.entry_points(group=self.entry_points)} if self.entry_points else set()
+        return sorted(set(self._items) | plugins)
 
     def __contains__(self, name: object) -> bool:
         return name in self._items

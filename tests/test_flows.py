@@ -758,3 +758,42 @@ def test_retention_prunes_finished_iterations_and_the_run_still_resumes(harness,
     assert Run.open(run_dir).pruned(2, "rollout")["why"].startswith("stepgrpo prune: keep=tables")
     result = CliRunner().invoke(app, ["rescore", str(run_dir), "--reward", "shapes"])
     assert result.exit_code == 1 and "cannot be re-scored" in result.output, result.output
+
+
+EXAMPLE_PLUGIN = Path(__file__).resolve().parents[1] / "examples" / "stepgrpo-redness"
+
+
+def test_an_installed_plugin_rescores_and_recredits_a_stored_run_offline(
+    trained, tmp_path, monkeypatch, calls, decodes
+):
+    """The example package, installed (offline, into a folder of its own), is found by its entry
+    points: `redness` re-scores the stored images (no transformer, no VAE), `group_rank` re-credits."""
+    import shutil
+    import subprocess
+    import sys
+
+    from flows.credit import credit
+    from flows.rescore import rescore
+    from storage.run import Run
+
+    site = tmp_path / "site"
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index"]
+    subprocess.run([*pip, "--target", str(site), str(EXAMPLE_PLUGIN)], check=True, capture_output=True)
+    monkeypatch.syspath_prepend(str(site))
+    run_dir = shutil.copytree(trained["run_dir"], tmp_path / "run")
+    monkeypatch.setattr(workspace, "_policies", {})  # a fresh process: nothing loaded
+    monkeypatch.setattr(workspace, "_decoders", {})
+
+    out = rescore(str(run_dir), "redness", {"sharpness": 2.0})
+    assert workspace._policies == {} and workspace._decoders == {} and decodes["rows"] == 0
+    assert calls["score"] == 2 and calls["rollout"] == calls["complete"] == calls["update"] == 0
+    assert {(s["reward_name"], s["reward_version"]) for s in out["scores"]} == {("redness", "1")}
+    run = Run.open(run_dir)
+    grid = run.reward_grid(0, "redness")
+    assert torch.isfinite(grid).all() and grid.shape[0] == run.stage_manifest(0, "rollout")["counts"]["trajectories"]
+    credited = credit(str(run_dir), "group_rank", reward="redness")
+    assert [a["scheme"] for a in credited["advantages"]] == ["group_rank"] * 2
+    assert run.advantage_grid(0, "group_rank").abs().sum() > 0
+    # the same objects by reference, without the entry points: the identity (and so the rows) is the same
+    again = rescore(str(run_dir), "stepgrpo_redness:Redness", {"sharpness": 2.0})
+    assert again["scores"] == out["scores"] and calls["score"] == 2  # cached: nothing scored again

@@ -10,6 +10,7 @@ Registered names: `shapes`, `geneval`, `ocr`, `jpeg_compressibility`, `jpeg_inco
 Spec forms accepted by `build_reward`:
 
     "pickscore"                                      # a registered name, default options
+    "mypkg.rewards:Redness"                          # a plug-in (`stepgrpo.plugins`, docs/EXTENDING.md)
     "shapes:1.0,jpeg_compressibility:0.1"            # a weighted sum, `name:weight` pairs
     {"name": "pickscore", "options": {"model": "/models/pickscore"}}   # factory options
     {"name": "weighted", "options": {"parts": [     # a weighted sum of parts with options
@@ -26,6 +27,7 @@ from typing import Any
 from stepgrpo.rewards import clip_models, geneval, jpeg, ocr, remote, shapes  # noqa: F401  (they register)
 from stepgrpo.rewards.base import REWARDS, Reward, RewardOutput
 from stepgrpo.rewards.combine import WeightedSum
+from stepgrpo_core.registry import PluginError, is_reference
 
 __all__ = ["REWARDS", "Reward", "RewardOutput", "WeightedSum", "build_reward", "parse_weights", "reward_identity"]
 
@@ -35,38 +37,69 @@ Spec = str | Mapping[str, Any]
 def parse_weights(spec: str) -> list[tuple[str, float]]:
     """`"shapes:1.0,jpeg_compressibility:0.1"` -> `[("shapes", 1.0), ("jpeg_compressibility", 0.1)]`.
 
-    A part without `:weight` gets weight 1. Names are checked against `REWARDS`.
+    A part without `:weight` gets weight 1 (a plug-in reference `mypkg.rewards:Redness` is a name;
+    `mypkg.rewards:Redness:0.5` weighs it). Names are checked against `REWARDS`.
     """
     parts = []
     for item in spec.split(","):
-        name, sep, weight = item.strip().partition(":")
-        try:
-            value = float(weight) if sep else 1.0
-        except ValueError:
-            raise ValueError(f"reward spec {spec!r}: weight {weight!r} of {name!r} is not a number") from None
+        item = item.strip()
+        name, sep, weight = item.rpartition(":")
+        if not sep or _plugin_reference(item):
+            name, value = item, 1.0
+        else:
+            try:
+                value = float(weight)
+            except ValueError:
+                raise ValueError(f"reward spec {spec!r}: weight {weight!r} of {name!r} is not a number") from None
         parts.append((REWARDS.validate(name.strip()), value))
     return parts
+
+
+def weighted_spec(spec: str) -> bool:
+    """Whether a spec string is a weighted sum (`a:1,b:0.1`), not one name or plug-in reference."""
+    return "," in spec or (":" in spec and not _plugin_reference(spec))
+
+
+def _plugin_reference(item: str) -> bool:
+    """`mypkg.rewards:Redness` (not `shapes:heavy`, a registered name with a bad weight)."""
+    return is_reference(item) and item.partition(":")[0] not in REWARDS
 
 
 def build_reward(spec: Spec) -> Reward:
     """Build a reward from a name, a `name:weight,...` string or a `{"name", "options"}` mapping."""
     if isinstance(spec, str):
-        if "," in spec or ":" in spec:
+        if weighted_spec(spec):
             return _weighted_defaults(spec)
-        return REWARDS.get(spec)()
+        return _built(spec, {})
     if isinstance(spec, Mapping):
         unknown = set(spec) - {"name", "options"}
         if unknown or "name" not in spec:
             raise ValueError(f"a reward spec mapping has keys 'name' and optional 'options', got {sorted(spec)}")
-        return REWARDS.get(spec["name"])(**dict(spec.get("options") or {}))
+        return _built(spec["name"], dict(spec.get("options") or {}))
     raise TypeError(f"a reward spec is a string or a mapping, got {type(spec).__name__}")
+
+
+def _built(name: str, options: Mapping[str, Any]) -> Reward:
+    """`REWARDS[name](**options)`, carrying the name and version its identity declares (a plug-in's
+    reward may leave them out; one that names others is an error, since its rows would lie)."""
+    reward = REWARDS.get(name)(**options)
+    declared = _identity(name, options)
+    if not callable(reward):
+        raise PluginError(f"reward {name!r}: its factory returned {type(reward).__name__}, not a callable reward")
+    for attr, value in zip(("name", "version"), declared):
+        found = getattr(reward, attr, None)
+        if found is None:
+            setattr(reward, attr, value)
+        elif str(found) != str(value) and name not in _BUILT_IN_NAMES:
+            raise PluginError(f"reward {name!r}: the built reward's {attr} {found!r} is not the declared {value!r}")
+    return reward
 
 
 def reward_identity(spec: Spec) -> tuple[str, str]:
     """`(name, version)` of the reward `build_reward(spec)` would build, from the registry's
     declared identities: no model is loaded. Bad options fail as the factory would fail."""
     if isinstance(spec, str):
-        if "," in spec or ":" in spec:
+        if weighted_spec(spec):
             return _weighted_identity([(_identity(name, {}), w) for name, w in parse_weights(spec)])
         return _identity(spec, {})
     if isinstance(spec, Mapping):
@@ -107,7 +140,7 @@ def _weighted_parts_identity(parts: str | Mapping[str, float] | Sequence[Mapping
 
 def _weighted_defaults(spec: str) -> WeightedSum:
     """A weighted sum of rewards built with their default options."""
-    return WeightedSum([(REWARDS.get(name)(), w) for name, w in parse_weights(spec)])
+    return WeightedSum([(_built(name, {}), w) for name, w in parse_weights(spec)])
 
 
 @REWARDS.register("weighted", identity=_weighted_parts_identity)
@@ -126,3 +159,8 @@ def weighted(parts: str | Mapping[str, float] | Sequence[Mapping[str, Any]]) -> 
         reward = build_reward({"name": part["name"], "options": part.get("options") or {}})
         built.append((reward, float(part.get("weight", 1.0))))
     return WeightedSum(built)
+
+
+_BUILT_IN_NAMES = frozenset(
+    n for n in REWARDS.names() if n in REWARDS
+)  # their objects name themselves (a weighted sum by its parts)

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
-from stepgrpo_core.registry import Registry
+from stepgrpo_core.registry import PluginError, Registry, takes_positional
 
 
 @dataclass(frozen=True)
@@ -43,4 +43,20 @@ class Reward(Protocol):
 # name -> factory(**options) -> Reward. Fact `identity(**options) -> (name, version)`: the name and
 # version the built reward would carry, computed from the options alone (no model is loaded), so
 # a stage's cache key can name the reward without building it (`stepgrpo.rewards.reward_identity`).
-REWARDS: Registry = Registry("reward", identity=None)
+def check_reward(name: str, factory: Any) -> None:
+    """A reward plug-in is a callable factory; a class's instances take `(images, prompts, metadata)`."""
+    if not callable(factory):
+        raise PluginError(f"reward {name!r}: {factory!r} is not callable (mark a class or a factory function)")
+    if isinstance(factory, type):
+        call = factory.__dict__.get("__call__") or next(
+            (c.__dict__["__call__"] for c in factory.__mro__[1:-1] if "__call__" in c.__dict__), None
+        )
+        if call is None:
+            raise PluginError(f"reward {name!r}: class {factory.__name__} has no __call__(images, prompts, metadata)")
+        takes_positional(name, "reward", call, 4, "__call__(self, images, prompts, metadata)")
+
+
+# Plug-ins (`stepgrpo.plugins.reward`): `module:attr` references and the `stepgrpo.rewards` entry points.
+REWARDS: Registry = Registry(
+    "reward", entry_points="stepgrpo.rewards", check=check_reward, required=("identity",), identity=None
+)
