@@ -200,7 +200,10 @@ class TrainingLog:
     def finish(self, lora_dir: Path) -> dict[str, Any]:
         """Log the exported LoRA, publish the run's summary artifacts; returns the flow's result."""
         where = str(self.run.path)
-        self.tracker.log_dir(lora_dir, "lora")
+        if lora_dir.name == "lora":
+            self.tracker.log_dir(lora_dir, "lora")
+        else:  # a fully fine-tuned transformer: gigabytes at paper scale, kept in the run directory only
+            self.tracker.set_tags({"stepgrpo.transformer": str(lora_dir)})
         report.publish_summary(
             self.run.run_id, self.cfg, self.evaluations, {"run directory": where, "MLflow": self.tracker.uri}
         )

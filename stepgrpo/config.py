@@ -107,6 +107,23 @@ class ModelConfig(_Section):
     """Image side in pixels; None uses the model's own sample size (Flow-GRPO trains SD3.5-M at 512)."""
     max_batch: int = Field(64, ge=1)
     """Largest number of rows sent through the transformer at once (memory bound, not math)."""
+    finetune: Literal["lora", "full"] = "lora"
+    """What the update trains: `lora` an adapter (the `lora_*` fields); `full` every transformer
+    weight (its KL reference a frozen copy or the EMA, `optim.kl_reference`; memory in docs/GPU.md)."""
+    init_lora: str | None = None
+    """Start from a LoRA instead of a fresh adapter: another run's directory (its exported `lora/`),
+    a directory holding `pytorch_lora_weights.safetensors`, or a diffusers LoRA `.safetensors` file.
+    Its rank and targets must be `lora_rank` / `lora_targets`; its contents are part of the model's
+    identity, so the run's cache keys follow the file, not its path."""
+    gradient_checkpointing: bool = False
+    """Recompute the transformer's activations in the backward pass instead of storing them (diffusers'
+    `enable_gradient_checkpointing`): the same gradients, less memory, about a third more update time."""
+
+    @model_validator(mode="after")
+    def _lora_or_full(self) -> ModelConfig:
+        if self.finetune == "full" and self.init_lora is not None:
+            raise ValueError("model.init_lora starts a LoRA; with model.finetune: full there is none (set one of them)")
+        return self
 
 
 class SamplerConfig(_Section):
@@ -245,7 +262,49 @@ class OptimConfig(_Section):
     """Learning diagnostics of the first optimizer step (per-step gradient energy, the signal check
     between two halves of its trajectories); costs two copies of the LoRA gradient per trained step."""
     ema_decay: float | None = Field(None, ge=0.0, lt=1.0)
-    """EMA of the LoRA weights (used for evaluation and the final LoRA); None disables it."""
+    """EMA of the trained weights (used for evaluation and the final export); None disables it."""
+    kl_reference: Literal["base", "ema"] = "base"
+    """The KL term's reference: `base` the model before training (LoRA: the adapter disabled; full
+    fine-tuning: a frozen copy); `ema` the EMA of the trained weights (full fine-tuning with
+    `ema_decay`), a reference that follows the policy slowly."""
+    lr_schedule: Literal["constant", "warmup", "cosine"] = "constant"
+    """Learning rate per iteration: `constant`; `warmup` (linear from 0 over `warmup_iterations`,
+    then `lr`); `cosine` (the warm-up, then a cosine from `lr` to `lr * lr_final` at `lr_horizon`).
+    Every optimizer step of an iteration uses that iteration's rate."""
+    warmup_iterations: int = Field(0, ge=0)
+    """Iterations of linear warm-up (`warmup` and `cosine`)."""
+    lr_horizon: int | None = Field(None, ge=1)
+    """With `cosine`: the iteration at which the decay ends (usually `run.iterations`); required."""
+    lr_final: float = Field(0.1, ge=0.0, le=1.0)
+    """With `cosine`: the final rate as a fraction of `lr`."""
+
+    @model_validator(mode="after")
+    def _schedule(self) -> OptimConfig:
+        if self.lr_schedule == "cosine" and self.lr_horizon is None:
+            raise ValueError(
+                "optim.lr_schedule cosine needs optim.lr_horizon (the iteration its decay ends; e.g. run.iterations)"
+            )
+        if self.lr_schedule == "cosine" and self.lr_horizon is not None and self.lr_horizon <= self.warmup_iterations:
+            raise ValueError(
+                f"optim.lr_horizon {self.lr_horizon} must exceed optim.warmup_iterations {self.warmup_iterations}"
+            )
+        if self.lr_schedule == "warmup" and self.warmup_iterations == 0:
+            raise ValueError("optim.lr_schedule warmup needs optim.warmup_iterations >= 1")
+        return self
+
+    def lr_at(self, iteration: int) -> float:
+        """The learning rate of iteration `iteration` (0-based) under `lr_schedule`."""
+        import math
+
+        if self.lr_schedule == "constant":
+            return self.lr
+        if iteration < self.warmup_iterations:
+            return self.lr * (iteration + 1) / self.warmup_iterations
+        if self.lr_schedule == "warmup":
+            return self.lr
+        assert self.lr_horizon is not None
+        t = min(1.0, (iteration - self.warmup_iterations) / max(1, self.lr_horizon - self.warmup_iterations))
+        return self.lr * (self.lr_final + (1.0 - self.lr_final) * 0.5 * (1.0 + math.cos(math.pi * t)))
 
 
 class CalibrationConfig(_Section):
@@ -409,6 +468,11 @@ class Config(_Section):
             raise ValueError(
                 f"no step is trained: the SDE window [{start}, {end}) holds only the final step, which is not "
                 "trained by default; widen the window or set optim.train_final_step=true"
+            )
+        if self.optim.kl_reference == "ema" and (self.model.finetune != "full" or self.optim.ema_decay is None):
+            raise ValueError(
+                "optim.kl_reference ema is the EMA of fully fine-tuned weights: set model.finetune: full and "
+                "optim.ema_decay (a LoRA's reference is the base model, its adapter disabled)"
             )
         B = self.run.prompts_per_iteration * self.run.group_size
         if self.optim.optimizer_steps > B:

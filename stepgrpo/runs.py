@@ -23,7 +23,7 @@ from stepgrpo.errors import StageError
 from storage.run import Run, find_run
 from storage.schema import NAME_RE
 
-MODEL_FACT = "model_identity"  # manifest fact: `workspace.model_identity` of the run's model
+MODEL_FACT = "model_identity"  # manifest fact: `workspace.policy_identity` of the run's model (and init LoRA)
 
 # Locks this process holds, by lock path: (the lock, how many holders in this process).
 _held: dict[str, tuple[Any, int]] = {}
@@ -106,7 +106,7 @@ def open_run(cfg: Config, run_dir: str | Path) -> Run:
     from stepgrpo import workspace
 
     run_dir = Path(run_dir)
-    identity = workspace.model_identity(cfg.model.path)
+    identity = workspace.policy_identity(cfg.model)
     try:
         run = Run.create(
             run_dir.parent, run_dir.name, cfg.model_dump(mode="json"), exist_ok=True, facts={MODEL_FACT: identity}

@@ -31,10 +31,11 @@ from stepgrpo_core.rollout import step_log_prob
 ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
 
 
-def make_optimizer(params: list[torch.nn.Parameter], cfg: Config) -> torch.optim.AdamW:
+def make_optimizer(params: list[torch.nn.Parameter], cfg: Config, iteration: int = 0) -> torch.optim.AdamW:
+    """AdamW at the learning rate of `iteration` (`optim.lr_schedule`)."""
     o = cfg.optim
     # foreach=False: the same arithmetic whatever the parameter count (bit-identical resume)
-    return torch.optim.AdamW(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay, foreach=False)
+    return torch.optim.AdamW(params, lr=o.lr_at(iteration), betas=o.betas, weight_decay=o.weight_decay, foreach=False)
 
 
 def optimizer_tensors(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:

@@ -74,6 +74,17 @@ def model_identity(path: str) -> str:
     return h.hexdigest()
 
 
+def policy_identity(model: ModelConfig) -> str:
+    """The fingerprint of what the policy starts from: the model's (`model_identity`), with the
+    contents of `model.init_lora` when it starts from a LoRA."""
+    identity = model_identity(model.path)
+    if model.init_lora is None:
+        return identity
+    from stepgrpo.policy.lora import find_lora_file
+
+    return identity + "+init_lora:" + hashlib.sha256(find_lora_file(model.init_lora).read_bytes()).hexdigest()
+
+
 def policy_key(model: ModelConfig, seed: int) -> str:
     """`<decoder key>:<digest>`: policies of one model share their decoder's key as a prefix."""
     return _decoder_key(model) + ":" + digest_of({"model": model.model_dump(mode="json"), "seed": seed})
@@ -99,7 +110,8 @@ def policy(cfg: Config) -> SD3Policy:
             diffusers_logging.disable_progress_bar()  # the pipeline's loading bars, per component
 
             m = cfg.model
-            lora = LoraSpec(rank=m.lora_rank, alpha=m.lora_alpha, targets=tuple(m.lora_targets))
+            full = m.finetune == "full"
+            lora = None if full else LoraSpec(rank=m.lora_rank, alpha=m.lora_alpha, targets=tuple(m.lora_targets))
             state = torch.random.get_rng_state()
             torch.manual_seed(cfg.run.seed)
             try:
@@ -111,22 +123,32 @@ def policy(cfg: Config) -> SD3Policy:
                     lora=lora,
                     max_batch=m.max_batch,
                     resolution=m.resolution,
+                    full=full,
+                    gradient_checkpointing=m.gradient_checkpointing,
                 )
             finally:
                 torch.random.set_rng_state(state)
+            if m.init_lora is not None:
+                pol.load_lora(m.init_lora)  # the run's starting adapter, in place of the fresh one
             _policies[key] = (pol, lora_state(pol))
             LOADS["policy"] += 1
         return _policies[key][0]
 
 
+def trained_group(cfg: Config) -> str:
+    """The checkpoint's tensor group of the trained weights: `lora`, or `transformer` (full fine-tuning)."""
+    return "transformer" if cfg.model.finetune == "full" else "lora"
+
+
 def initial_lora(cfg: Config) -> dict[str, torch.Tensor]:
-    """The adapter's weights before any update (a copy)."""
+    """The trained weights before any update (a copy): the adapter's (fresh, or `model.init_lora`),
+    or every transformer weight with full fine-tuning."""
     policy(cfg)
     return {k: v.clone() for k, v in _policies[policy_key(cfg.model, cfg.run.seed)][1].items()}
 
 
 def lora_state(pol: Any) -> dict[str, torch.Tensor]:
-    """Trainable (LoRA) weights by parameter name, detached copies."""
+    """Trainable weights (the LoRA's, or all with full fine-tuning) by parameter name, detached copies."""
     return {n: p.detach().clone() for n, p in pol.transformer.named_parameters() if p.requires_grad}
 
 
@@ -208,7 +230,7 @@ def lora_before(run: Run, cfg: Config, iteration: int) -> dict[str, torch.Tensor
     """The LoRA weights the policy has when iteration `iteration` starts."""
     if iteration == 0:
         return initial_lora(cfg)
-    return run.load_checkpoint(iteration - 1).tensors["lora"]
+    return run.load_checkpoint(iteration - 1).tensors[trained_group(cfg)]
 
 
 def policy_at(run: Run, cfg: Config, iteration: int) -> SD3Policy:
@@ -225,7 +247,7 @@ def policy_after(run: Run, cfg: Config, iteration: int | None) -> SD3Policy:
         set_lora(pol, initial_lora(cfg))
     else:
         ckpt = run.load_checkpoint(iteration)
-        set_lora(pol, ckpt.tensors.get("ema", ckpt.tensors["lora"]))
+        set_lora(pol, ckpt.tensors.get("ema", ckpt.tensors[trained_group(cfg)]))
     return pol
 
 

@@ -63,11 +63,12 @@ def model_identity(run: Run, cfg: Config) -> str:
     """The fingerprint of `cfg.model`: the one recorded in the run's manifest when it is the run's
     model; a model named by an override is fingerprinted here (once per process)."""
     recorded = run.fact(MODEL_FACT)
-    if recorded is not None and run.config.get("model", {}).get("path") == cfg.model.path:
+    stored = run.config.get("model", {})
+    if recorded is not None and (stored.get("path"), stored.get("init_lora")) == (cfg.model.path, cfg.model.init_lora):
         return recorded
     from stepgrpo import workspace
 
-    return workspace.model_identity(cfg.model.path)
+    return workspace.policy_identity(cfg.model)
 
 
 def stage_key(stage: str, run: Run, cfg: Config, iteration: int, upstream: Mapping[str, Upstream]) -> Key:

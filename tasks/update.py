@@ -68,7 +68,7 @@ def train(
     t0 = time.perf_counter()
     pol = workspace.policy_at(run, cfg, iteration)
     nfe0 = pol.nfe
-    opt = training.make_optimizer(pol.trainable_parameters(), cfg)
+    opt = training.make_optimizer(pol.trainable_parameters(), cfg, iteration)
     ema, signal = None, {}
     if iteration > 0:
         prev = run.load_checkpoint(iteration - 1)
@@ -77,6 +77,8 @@ def train(
         signal = dict(prev.tensors.get("signal", {}))
     if cfg.optim.ema_decay is not None and ema is None:
         ema = workspace.lora_state(pol)
+    if cfg.optim.kl_reference == "ema":
+        pol.set_reference(ema)  # the EMA after the previous iteration (the base weights at iteration 0)
     data = run.read_rollout(iteration)
     noise = data.kernel_params["noise"]
     batch = training.Batch(
@@ -104,7 +106,7 @@ def train(
     if parallel is not None and parallel.rank != 0:
         return
     tensors = {
-        "lora": workspace.lora_state(pol),
+        workspace.trained_group(cfg): workspace.lora_state(pol),
         "optimizer": training.optimizer_tensors(opt),
         "rng": {"update": shuffle.get_state()},  # the update's only random source, after it
     }
@@ -128,6 +130,12 @@ def stored(run: Run, iteration: int, verify: bool = False) -> UpdateResult:
 
 
 def export_lora(run: Run, cfg: Config, iteration: int) -> Path:
-    """Write the LoRA after `iteration` (its EMA when enabled) as `<run>/lora/`, in the format
-    `StableDiffusion3Pipeline.load_lora_weights` reads."""
-    return workspace.policy_after(run, cfg, iteration).save_lora(Path(run.path) / "lora")
+    """Write the weights after `iteration` (their EMA when enabled): the LoRA as `<run>/lora/`, in the
+    format `StableDiffusion3Pipeline.load_lora_weights` reads; with full fine-tuning the transformer
+    as `<run>/transformer/` (`SD3Transformer2DModel.from_pretrained`, safetensors)."""
+    pol = workspace.policy_after(run, cfg, iteration)
+    if cfg.model.finetune == "full":
+        out = Path(run.path) / "transformer"
+        pol.transformer.save_pretrained(str(out), safe_serialization=True)
+        return out
+    return pol.save_lora(Path(run.path) / "lora")

@@ -539,6 +539,45 @@ def test_end_to_end_on_the_shipped_shapes_model(harness, tmp_path):
     assert grid.shape == (8, 5) and bool(torch.isfinite(grid[:, [0, 4]]).all()) and bool(grid[:, 1:4].isnan().all())
 
 
+def test_full_fine_tuning_of_the_shipped_model_checkpoints_and_exports_the_transformer(harness, tmp_path, calls):
+    from diffusers import SD3Transformer2DModel
+    from safetensors.torch import load_file
+
+    from flows.train import train
+    from storage.run import Run
+
+    over = [
+        "model.finetune=full",
+        "optim.ema_decay=0.5",
+        "optim.kl_reference=ema",
+        "optim.kl_beta=0.01",
+        "optim.lr=1e-4",
+        "optim.lr_schedule=warmup",
+        "optim.warmup_iterations=2",
+        "run.iterations=2",
+        "run.prompts_per_iteration=2",
+        "run.group_size=4",
+        "run.eval_prompts=4",
+        "sampler.steps=4",
+        "sampler.eval_steps=4",
+    ]
+    out = train(
+        config_path=str(SHIPPED.parents[1] / "configs" / "demo.yaml"), run_dir=str(tmp_path / "full"), overrides=over
+    )
+    run = Run.open(out["run_dir"])
+    files = sorted(p.name for p in run.stage_path(1, "checkpoint").iterdir())
+    assert "transformer.safetensors" in files and "ema.safetensors" in files and "lora.safetensors" not in files
+    weights = load_file(str(run.stage_path(1, "checkpoint") / "ema.safetensors"))
+    exported = SD3Transformer2DModel.from_pretrained(out["run_dir"] + "/transformer")
+    assert set(weights) == {n for n, _ in exported.named_parameters()}  # every weight was trained
+    assert all(torch.equal(p, weights[n]) for n, p in exported.named_parameters())  # the EMA is what is exported
+    base = SD3Transformer2DModel.from_pretrained(str(SHIPPED / "transformer"))
+    assert any(not torch.equal(p, dict(base.named_parameters())[n]) for n, p in exported.named_parameters())
+    calls.clear()
+    train(config_path=str(SHIPPED.parents[1] / "configs" / "demo.yaml"), run_dir=str(tmp_path / "full"), overrides=over)
+    assert sum(calls.values()) == 0, calls  # resumes from its checkpoints like a LoRA run
+
+
 def test_the_credit_flow_loads_no_model(trained, monkeypatch):
     from flows.credit import credit
     from stepgrpo import rewards
@@ -777,8 +816,9 @@ def test_an_installed_plugin_rescores_and_recredits_a_stored_run_offline(
     from storage.run import Run
 
     site = tmp_path / "site"
+    source = shutil.copytree(EXAMPLE_PLUGIN, tmp_path / "src", ignore=shutil.ignore_patterns("build", "*.egg-info"))
     pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index"]
-    subprocess.run([*pip, "--target", str(site), str(EXAMPLE_PLUGIN)], check=True, capture_output=True)
+    subprocess.run([*pip, "--target", str(site), str(source)], check=True, capture_output=True)  # builds in src
     monkeypatch.syspath_prepend(str(site))
     run_dir = shutil.copytree(trained["run_dir"], tmp_path / "run")
     monkeypatch.setattr(workspace, "_policies", {})  # a fresh process: nothing loaded

@@ -102,6 +102,31 @@ def save_lora(transformer: torch.nn.Module, directory: str | Path) -> Path:
     return directory
 
 
+def _check_alpha(file: Path, config: object) -> None:
+    """A LoRA file that records its adapter config (diffusers' `transformer_lora_adapter_metadata`
+    in the safetensors header) must have the policy's rank and alpha."""
+    import json
+
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as f:
+        meta = f.metadata() or {}
+    raw = meta.get("lora_adapter_metadata") or meta.get("transformer_lora_adapter_metadata")
+    if not raw:
+        return
+    try:
+        recorded = json.loads(raw)
+    except ValueError:
+        return
+    if not isinstance(recorded, dict):
+        return
+    for key, ours in (("r", getattr(config, "r", None)), ("lora_alpha", getattr(config, "lora_alpha", None))):
+        theirs = recorded.get(f"transformer.{key}", recorded.get(key))  # diffusers writes them prefixed
+        if theirs is not None and ours is not None and float(theirs) != float(ours):
+            field = {"r": "model.lora_rank", "lora_alpha": "model.lora_alpha"}[key]
+            raise ValueError(f"the LoRA in {file} has {key}={theirs}, the policy {ours}: set {field}: {theirs}")
+
+
 def canonical_safetensors(data: bytes) -> bytes:
     """The same safetensors file with its JSON header's keys sorted. safetensors writes the
     metadata map in an order that differs between processes; the tensors' offsets are relative to
@@ -115,17 +140,37 @@ def canonical_safetensors(data: bytes) -> bytes:
     return struct.pack("<Q", len(header)) + header + data[8 + size :]
 
 
-def load_lora(transformer: torch.nn.Module, directory: str | Path) -> None:
-    """Load adapter weights saved by `save_lora` (or any SD3 LoRA of the same shape) into `ADAPTER`.
+WEIGHTS_FILE = "pytorch_lora_weights.safetensors"
 
-    The transformer must already carry an adapter with the same rank and targets.
+
+def find_lora_file(path: str | Path) -> Path:
+    """The LoRA file `path` names: a `.safetensors` file; a directory holding `WEIGHTS_FILE` (an
+    export); or a run directory (its exported `lora/`). A clear error for anything else."""
+    p = Path(path).expanduser()
+    for candidate in (p, p / WEIGHTS_FILE, p / "lora" / WEIGHTS_FILE):
+        if candidate.is_file() and candidate.suffix == ".safetensors":
+            return candidate
+    raise FileNotFoundError(
+        f"no LoRA at {str(path)!r}: give a .safetensors LoRA file, a directory holding {WEIGHTS_FILE} "
+        "(an exported LoRA), or a finished run's directory (its lora/ export)"
+    )
+
+
+def load_lora(transformer: torch.nn.Module, directory: str | Path) -> None:
+    """Load adapter weights saved by `save_lora` (or any diffusers SD3 LoRA of the same shape) into
+    `ADAPTER`; `directory` may also be the `.safetensors` file or a run (`find_lora_file`).
+
+    The transformer must already carry an adapter with the same rank and targets; a file that
+    records another alpha is refused (the update would be scaled differently than it was trained).
     """
     from diffusers import StableDiffusion3Pipeline
     from peft.utils import set_peft_model_state_dict
 
     if ADAPTER not in getattr(transformer, "peft_config", {}):
         raise ValueError("load_lora needs a policy built with lora=LoraSpec(...) matching the saved adapter")
-    state = StableDiffusion3Pipeline.lora_state_dict(str(directory))
+    file = find_lora_file(directory)
+    _check_alpha(file, transformer.peft_config[ADAPTER])
+    state = StableDiffusion3Pipeline.lora_state_dict(str(file.parent), weight_name=file.name)
     prefix = "transformer."
     state = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
     if not state:

@@ -135,6 +135,8 @@ class SD3Policy:
         resolution: int | None,
         max_sequence_length: int | None,
         negative_prompt: str,
+        full: bool = False,
+        gradient_checkpointing: bool = False,
     ) -> None:
         if guidance_scale < 1.0:
             raise ValueError(f"guidance_scale must be >= 1 (1 turns CFG off), got {guidance_scale}")
@@ -176,11 +178,22 @@ class SD3Policy:
         self.nfe = 0
 
         self.lora = lora
+        self.full = full
+        self._reference: Any = None  # full fine-tuning: the frozen reference transformer (`reference`)
+        if lora is not None and full:
+            raise ValueError("a policy trains either a LoRA or every weight (full=True), not both")
         if lora is not None:
             lora_lib.add_lora(self.transformer, lora)
             # half-precision adapters lose small updates; train them in fp32 (peft casts inputs)
             for p in self.trainable_parameters():
                 p.data = p.data.float()
+        if full:
+            import copy
+
+            self._reference = copy.deepcopy(self.transformer).requires_grad_(False).eval()
+            self.transformer.requires_grad_(True)
+        if gradient_checkpointing:
+            self.transformer.enable_gradient_checkpointing()
 
     # ---- construction ----
 
@@ -226,6 +239,8 @@ class SD3Policy:
         resolution: int | None = None,
         max_sequence_length: int | None = None,
         negative_prompt: str = "",
+        full: bool = False,
+        gradient_checkpointing: bool = False,
     ) -> SD3Policy:
         """Wrap a `StableDiffusion3Pipeline`; its modules are moved / cast in place.
 
@@ -236,11 +251,23 @@ class SD3Policy:
         resolution: image side in pixels (default: the transformer's `sample_size` x VAE scale).
         max_sequence_length: T5 tokens (default 256 with a T5 encoder, 0 without one).
         negative_prompt: the unconditional prompt for CFG.
+        full: train every transformer weight (no adapter); `reference()` is then a frozen copy.
+        gradient_checkpointing: recompute activations in the backward pass (less memory).
         """
         device = resolve_device(device)
         dtype = resolve_dtype(dtype, device)
         return cls(
-            pipe, dtype, device, guidance_scale, lora, max_batch, resolution, max_sequence_length, negative_prompt
+            pipe,
+            dtype,
+            device,
+            guidance_scale,
+            lora,
+            max_batch,
+            resolution,
+            max_sequence_length,
+            negative_prompt,
+            full,
+            gradient_checkpointing,
         )
 
     # ---- the model interface ----
@@ -364,18 +391,35 @@ class SD3Policy:
             raise ValueError("this policy has no LoRA adapter; build it with lora=LoraSpec(...)")
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
-        """The LoRA weights (empty without an adapter)."""
+        """The trained weights: the LoRA's, or every transformer weight (`full`); empty if frozen."""
         return [p for p in self.transformer.parameters() if p.requires_grad]
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[SD3Policy]:
-        """Inside the block `velocity` is the base model (adapter disabled): the KL reference."""
+        """Inside the block `velocity` is the KL reference: the base model (the adapter disabled),
+        or with full fine-tuning the reference transformer (`set_reference`; a frozen copy of the
+        weights the policy was built with)."""
+        if self.full:
+            trained, self.transformer = self.transformer, self._reference
+            try:
+                yield self
+            finally:
+                self.transformer = trained
+            return
         self._require_lora()
         self.transformer.disable_adapters()
         try:
             yield self
         finally:
             self.transformer.enable_adapters()
+
+    def set_reference(self, weights: dict[str, torch.Tensor]) -> None:
+        """Full fine-tuning: load `weights` (every transformer weight by name, e.g. the EMA) into the reference."""
+        if not self.full:
+            raise ValueError("set_reference is for a fully fine-tuned policy; a LoRA's reference is its base model")
+        with torch.no_grad():
+            for name, p in self._reference.named_parameters():
+                p.copy_(weights[name].to(p.dtype))
 
     @contextlib.contextmanager
     def detached_uncond(self, enabled: bool = True) -> Iterator[SD3Policy]:
