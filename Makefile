@@ -13,6 +13,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) scripts/install_torch.py "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -e ".[test]"
+	# the reference model code the HPSv2 / ImageReward conversions are tested against
+	# (tests/test_preference_rewards.py); without their dependencies (torchvision, timm, fairscale)
+	$(PY) -m pip install --quiet --no-deps "open-clip-torch==3.3.0" "image-reward==1.5"
 	touch $@
 
 install: $(VENV)/.installed

@@ -4,8 +4,8 @@ Importing this package imports each scorer module so that its factory is in `REW
 libraries (transformers, rapidocr) load only when a factory runs.
 
 Registered names: `shapes`, `geneval`, `ocr`, `jpeg_compressibility`, `jpeg_incompressibility`,
-`pickscore`, `clipscore`, `aesthetic`, `http` (a reward served by `stepgrpo reward-server`), and
-`weighted` (a weighted sum of the others).
+`pickscore`, `clipscore`, `aesthetic`, `hpsv2`, `imagereward`, `http` (a reward served by
+`stepgrpo reward-server`), and `weighted` (a weighted sum of the others).
 
 Spec forms accepted by `build_reward`:
 
@@ -24,7 +24,7 @@ import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from stepgrpo.rewards import clip_models, geneval, jpeg, ocr, remote, shapes  # noqa: F401  (they register)
+from stepgrpo.rewards import clip_models, geneval, jpeg, ocr, preference, remote, shapes  # noqa: F401  (they register)
 from stepgrpo.rewards.base import REWARDS, Reward, RewardOutput
 from stepgrpo.rewards.combine import WeightedSum
 from stepgrpo_core.registry import PluginError, is_reference

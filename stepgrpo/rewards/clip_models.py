@@ -12,16 +12,7 @@ saved to a temporary directory through the same code.
   improved-aesthetic-predictor on the L2-normalised CLIP ViT-L/14 image embedding; roughly a
   1-10 rating. The head loads from a local `.pth`/`.safetensors` file or a file on the hub.
 
-Not provided:
-- `imagereward`: its checkpoint (`ImageReward.pt`) is the original BLIP code's module tree
-  (`blip.visual_encoder`, `blip.text_encoder` with BLIP's own cross-attention BERT and its
-  `[ENC]` token convention) plus an MLP. transformers' `BlipForImageTextRetrieval` has the same
-  shape in principle, but it needs a key-renaming converter that cannot be checked against the
-  real weights offline, and a silently wrong mapping would still produce plausible numbers.
-- `hpsv2`: the released checkpoint is an open_clip ViT-H-14 state dict, not a transformers
-  `CLIPModel`; the score itself (cosine of image and text features) is `clipscore`'s with
-  `weight=1`, so an HPSv2 checkpoint converted to the transformers format can be used as
-  `{"name": "clipscore", "options": {"model": "<dir>", "weight": 1.0, "clip_at_zero": false}}`.
+HPSv2 and ImageReward, whose checkpoints are other module trees, are in `stepgrpo.rewards.preference`.
 """
 
 from __future__ import annotations
@@ -73,10 +64,29 @@ class ClipEmbedder:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.processor = CLIPProcessor.from_pretrained(processor or model)
-        self.model = CLIPModel.from_pretrained(model, dtype=self.dtype).to(self.device).eval()
+        self.model = CLIPModel.from_pretrained(model, dtype=self.dtype).to(self.device).eval() if model else None
         self.batch_size = batch_size
+        if self.model is not None:
+            self._set_model(self.model)
+
+    def _set_model(self, model: Any) -> None:
+        self.model = model.to(self.device, self.dtype).eval()
         # the text tower has a fixed number of positions (77 for the published models)
         self.max_length = self.model.config.text_config.max_position_embeddings
+
+    @classmethod
+    def from_model(
+        cls,
+        model: Any,
+        processor: str,
+        device: str | None = None,
+        dtype: str | None = None,
+        batch_size: int = BATCH_SIZE,
+    ) -> ClipEmbedder:
+        """An embedder of an already built `CLIPModel` (converted weights), with `processor`'s `CLIPProcessor`."""
+        embedder = cls("", processor, device, dtype, batch_size)
+        embedder._set_model(model)
+        return embedder
 
     @staticmethod
     def _pooled(out: Any) -> torch.Tensor:
