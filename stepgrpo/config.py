@@ -81,13 +81,15 @@ def _completion_choices(schema: dict[str, Any]) -> None:
 
 class ModelConfig(_Section):
     path: str = DEFAULT_MODEL
-    """A `StableDiffusion3Pipeline` directory or a hub id (`stabilityai/stable-diffusion-3.5-medium`)."""
+    """A `StableDiffusion3Pipeline` or `FluxPipeline` directory, or a hub id (`stabilityai/stable-diffusion-3.5-medium`,
+    `black-forest-labs/FLUX.1-dev`); its model_index.json selects the policy adapter."""
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     """Weights and activations dtype; float32 on CPU, bf16/fp16 on GPU."""
     device: str = "cpu"
     """Torch device of the policy (`cpu`, `cuda`, `cuda:1`)."""
     guidance_scale: float = Field(4.5, ge=1.0)
-    """Classifier-free guidance scale while sampling; 1.0 turns CFG off (one forward per step)."""
+    """Classifier-free guidance scale while sampling; 1.0 turns CFG off (one forward per step). With a
+    Flux model: the value of its guidance embedding (FLUX.1-dev: 3.5), never a second pass."""
     lora_rank: int = Field(32, ge=1)
     """LoRA rank r (Flow-GRPO: 32)."""
     lora_alpha: float = Field(64.0, gt=0)

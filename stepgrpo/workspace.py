@@ -104,8 +104,8 @@ def policy(cfg: Config) -> SD3Policy:
         if key not in _policies:
             from diffusers.utils import logging as diffusers_logging
 
+            from stepgrpo.policy.flux import policy_class
             from stepgrpo.policy.lora import LoraSpec
-            from stepgrpo.policy.sd3 import SD3Policy
 
             diffusers_logging.disable_progress_bar()  # the pipeline's loading bars, per component
 
@@ -114,9 +114,10 @@ def policy(cfg: Config) -> SD3Policy:
             lora = None if full else LoraSpec(rank=m.lora_rank, alpha=m.lora_alpha, targets=tuple(m.lora_targets))
             state = torch.random.get_rng_state()
             torch.manual_seed(cfg.run.seed)
+            source = resolve_model_path(m.path)
             try:
-                pol = SD3Policy.from_pretrained(
-                    resolve_model_path(m.path),
+                pol = policy_class(source).from_pretrained(
+                    source,
                     dtype=m.dtype,
                     device=m.device,
                     guidance_scale=m.guidance_scale,

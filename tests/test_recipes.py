@@ -1,6 +1,7 @@
 """Every shipped recipe (configs/*.yaml) reaches its first rollout, on a tiny random-weight model
 of its architecture: SD3.5-Medium's (16 latent channels, RMS-normed attention, MMDiT-X dual
-attention) for the paper recipes, the shipped shapes model for the CPU ones.
+attention) for the SD3.5 paper recipes, a tiny FluxPipeline for the FLUX.1-dev one, the shipped shapes
+model for the CPU ones.
 
 What each recipe says about the model call is kept: dtype (bf16 in the paper recipes, so the
 bf16 latent store is exercised), guidance, kernel, SDE window, noise, steps, completion, credit,
@@ -40,17 +41,28 @@ def sd35_like(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def flux_like(tmp_path_factory) -> Path:
+    from stepgrpo.shapes.model import tiny_flux_pipeline
+
+    path = tmp_path_factory.mktemp("model") / "tiny-flux"
+    tiny_flux_pipeline().save_pretrained(str(path))
+    return path
+
+
 def test_every_recipe_is_covered():
     assert {"flow_grpo_pickscore.yaml", "tpgrpo_pickscore.yaml", "stepwise_pickscore.yaml"} <= set(RECIPES)
     assert {"densegrpo_geneval.yaml", "demo.yaml", "shapes_outcome.yaml"} <= set(RECIPES)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_the_recipe_reaches_its_first_rollout(recipe, sd35_like, tmp_path):
+def test_the_recipe_reaches_its_first_rollout(recipe, sd35_like, flux_like, tmp_path):
     shipped = load_config(REPO / "configs" / recipe)
     small = ["model.device=cpu", "model.resolution=null", "run.prompts_per_iteration=1", "run.group_size=2"]
     small += [f"optim.optimizer_steps={min(shipped.optim.optimizer_steps, 2)}", f"run.runs_root={tmp_path}"]
-    if shipped.model.path != "models/shapes":
+    if "FLUX" in shipped.model.path:
+        small[1:2] = [f"model.path={flux_like}", "model.resolution=32"]
+    elif shipped.model.path != "models/shapes":
         small.append(f"model.path={sd35_like}")
     if shipped.run.prompts.startswith("data/"):
         if shipped.reward.name == "geneval":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -64,7 +65,7 @@ def lora_state_dict(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_peft_model_state_dict(transformer, adapter_name=ADAPTER)
 
 
-def save_lora(transformer: torch.nn.Module, directory: str | Path) -> Path:
+def save_lora(transformer: torch.nn.Module, directory: str | Path, pipeline_cls: Any = None) -> Path:
     """Write `pytorch_lora_weights.safetensors` to `directory` (created) for `load_lora_weights`.
 
     The adapter's config (rank, alpha, targets) goes into the file's metadata, so a fresh
@@ -76,7 +77,8 @@ def save_lora(transformer: torch.nn.Module, directory: str | Path) -> Path:
     import shutil
     import tempfile
 
-    from diffusers import StableDiffusion3Pipeline
+    if pipeline_cls is None:
+        from diffusers import StableDiffusion3Pipeline as pipeline_cls
 
     if ADAPTER not in getattr(transformer, "peft_config", {}):
         raise ValueError("the policy has no LoRA adapter to save; build it with lora=LoraSpec(...)")
@@ -88,7 +90,7 @@ def save_lora(transformer: torch.nn.Module, directory: str | Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".lora-", dir=directory))
     try:
-        StableDiffusion3Pipeline.save_lora_weights(
+        pipeline_cls.save_lora_weights(
             str(tmp), transformer_lora_layers=lora_state_dict(transformer), transformer_lora_adapter_metadata=meta
         )
         for new in tmp.iterdir():
@@ -156,21 +158,22 @@ def find_lora_file(path: str | Path) -> Path:
     )
 
 
-def load_lora(transformer: torch.nn.Module, directory: str | Path) -> None:
+def load_lora(transformer: torch.nn.Module, directory: str | Path, pipeline_cls: Any = None) -> None:
     """Load adapter weights saved by `save_lora` (or any diffusers SD3 LoRA of the same shape) into
     `ADAPTER`; `directory` may also be the `.safetensors` file or a run (`find_lora_file`).
 
     The transformer must already carry an adapter with the same rank and targets; a file that
     records another alpha is refused (the update would be scaled differently than it was trained).
     """
-    from diffusers import StableDiffusion3Pipeline
     from peft.utils import set_peft_model_state_dict
 
+    if pipeline_cls is None:
+        from diffusers import StableDiffusion3Pipeline as pipeline_cls
     if ADAPTER not in getattr(transformer, "peft_config", {}):
         raise ValueError("load_lora needs a policy built with lora=LoraSpec(...) matching the saved adapter")
     file = find_lora_file(directory)
     _check_alpha(file, transformer.peft_config[ADAPTER])
-    state = StableDiffusion3Pipeline.lora_state_dict(str(file.parent), weight_name=file.name)
+    state = pipeline_cls.lora_state_dict(str(file.parent), weight_name=file.name)
     prefix = "transformer."
     state = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
     if not state:

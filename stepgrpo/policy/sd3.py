@@ -154,11 +154,11 @@ class SD3Policy:
         self._detach_uncond = False  # see `detached_uncond`
         self.max_batch = max_batch
         self.negative_prompt = negative_prompt
-        # without a T5 encoder the pipeline would append this many zero rows to the context
         if max_sequence_length is None:
-            max_sequence_length = 0 if pipe.text_encoder_3 is None else T5_MAX_SEQUENCE_LENGTH
+            max_sequence_length = self._default_sequence_length(pipe)
         self.max_sequence_length = max_sequence_length
-        for module in (pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3, pipe.vae, pipe.transformer):
+        for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae", "transformer"):
+            module = getattr(pipe, name, None)
             if module is not None:
                 module.requires_grad_(False).eval()
         # the scheduler is only read for its sigma grid; keep a private copy of its config
@@ -166,15 +166,8 @@ class SD3Policy:
         self.num_train_timesteps = int(self._scheduler.config.num_train_timesteps)
         self._sigmas: dict[int, torch.Tensor] = {}
 
-        cfg = self.transformer.config
         self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1) if self.vae is not None else 1
-        side = cfg.sample_size if resolution is None else resolution // self.vae_scale_factor
-        if resolution is not None and resolution % (self.vae_scale_factor * cfg.patch_size):
-            raise ValueError(
-                f"resolution {resolution} must be a multiple of vae scale x patch = "
-                f"{self.vae_scale_factor * cfg.patch_size}"
-            )
-        self.latent_shape: tuple[int, int, int] = (cfg.in_channels, side, side)
+        self.latent_shape: tuple[int, int, int] = self._latent_layout(resolution)
         self.nfe = 0
 
         self.lora = lora
@@ -195,6 +188,38 @@ class SD3Policy:
         if gradient_checkpointing:
             self.transformer.enable_gradient_checkpointing()
 
+    # ---- what differs between pipelines (FluxPolicy overrides these) ----
+
+    PIPELINE = "StableDiffusion3Pipeline"  # the diffusers class: loading, and the LoRA format
+
+    @classmethod
+    def pipeline_class(cls) -> Any:
+        import diffusers
+
+        return getattr(diffusers, cls.PIPELINE)
+
+    @staticmethod
+    def _default_sequence_length(pipe: Any) -> int:
+        # without a T5 encoder the pipeline would append this many zero rows to the context
+        return 0 if pipe.text_encoder_3 is None else T5_MAX_SEQUENCE_LENGTH
+
+    def _latent_layout(self, resolution: int | None) -> tuple[int, int, int]:
+        """`(C, H, W)` of the latents the core sees, for an image side of `resolution` pixels."""
+        cfg = self.transformer.config
+        side = cfg.sample_size if resolution is None else resolution // self.vae_scale_factor
+        if resolution is not None and resolution % (self.vae_scale_factor * cfg.patch_size):
+            raise ValueError(
+                f"resolution {resolution} must be a multiple of vae scale x patch = "
+                f"{self.vae_scale_factor * cfg.patch_size}"
+            )
+        return (cfg.in_channels, side, side)
+
+    def _image_tokens(self) -> int:
+        """Image tokens of one latent (the scheduler's dynamic shift reads it)."""
+        _, h, w = self.latent_shape
+        patch = self.transformer.config.patch_size
+        return (h // patch) * (w // patch)
+
     # ---- construction ----
 
     @classmethod
@@ -211,8 +236,6 @@ class SD3Policy:
         device: "cpu", "cuda", ... (`None` -> CUDA if available).
         options: `guidance_scale`, `lora`, `max_batch`, ... as in `from_pipeline`.
         """
-        from diffusers import StableDiffusion3Pipeline
-
         source = str(path_or_hub_id) if path_or_hub_id is not None else str(DEFAULT_MODEL)
         if not Path(source).is_dir() and not _is_hub_id(source):
             hint = (
@@ -224,7 +247,7 @@ class SD3Policy:
             raise FileNotFoundError(f"no SD3 pipeline directory at {source}; {hint}")
         device = resolve_device(device)
         dtype = resolve_dtype(dtype, device)
-        pipe = StableDiffusion3Pipeline.from_pretrained(source, dtype=dtype, **_absent_components(source))
+        pipe = cls.pipeline_class().from_pretrained(source, dtype=dtype, **_absent_components(source))
         return cls.from_pipeline(pipe, dtype, device, **options)
 
     @classmethod
@@ -363,11 +386,9 @@ class SD3Policy:
             if self._scheduler.config.get("use_dynamic_shifting", False):
                 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
 
-                _, h, w = self.latent_shape
-                patch = self.transformer.config.patch_size
                 c = self._scheduler.config
                 kwargs["mu"] = calculate_shift(
-                    (h // patch) * (w // patch),
+                    self._image_tokens(),
                     c.get("base_image_seq_len", 256),
                     c.get("max_image_seq_len", 4096),
                     c.get("base_shift", 0.5),
@@ -435,12 +456,12 @@ class SD3Policy:
         """Write the adapter as `directory/pytorch_lora_weights.safetensors`, loadable with
         `StableDiffusion3Pipeline.load_lora_weights(directory)`."""
         self._require_lora()
-        return lora_lib.save_lora(self.transformer, directory)
+        return lora_lib.save_lora(self.transformer, directory, self.pipeline_class())
 
     def load_lora(self, directory: str | Path) -> None:
         """Load adapter weights written by `save_lora` (same rank and targets)."""
         self._require_lora()
-        lora_lib.load_lora(self.transformer, directory)
+        lora_lib.load_lora(self.transformer, directory, self.pipeline_class())
 
 
 _truncation_said = False

@@ -246,3 +246,46 @@ def load_pipeline(path: str, dtype: torch.dtype = torch.float32):
     from diffusers import StableDiffusion3Pipeline
 
     return StableDiffusion3Pipeline.from_pretrained(path, text_encoder_3=None, tokenizer_3=None, dtype=dtype)
+
+
+def tiny_flux_pipeline(seed: int = 0):
+    """A `FluxPipeline` with random weights, fp32, on the CPU (tests): one double- and one
+    single-stream block, a guidance embedding, tiny CLIP and T5 encoders sharing a letter vocabulary,
+    a 2x VAE with Flux's scaling and shift, Flux's dynamically shifted scheduler."""
+    import string
+
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel
+
+    torch.manual_seed(seed)
+    words = ["<|startoftext|>"] + list(string.ascii_lowercase) + [c + "</w>" for c in string.ascii_lowercase]
+    words.append("<|endoftext|>")
+    tokenizer = CLIPTokenizer(vocab={t: i for i, t in enumerate(words)}, merges=[], model_max_length=16)
+    clip = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(words), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+            max_position_embeddings=16, bos_token_id=0, eos_token_id=len(words) - 1, projection_dim=32,
+        )
+    )  # fmt: skip
+    t5 = T5EncoderModel(
+        T5Config(
+            vocab_size=len(words), d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2, decoder_start_token_id=0
+        )
+    )
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=8, num_attention_heads=2,
+        joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(2, 2, 4),
+    )  # fmt: skip
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16), layers_per_block=1,
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2, norm_num_groups=4,
+        scaling_factor=0.3611, shift_factor=0.1159,
+    )  # fmt: skip
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0, use_dynamic_shifting=True, base_image_seq_len=256, max_image_seq_len=4096, base_shift=0.5,
+        max_shift=1.15,
+    )  # fmt: skip
+    return FluxPipeline(
+        scheduler=scheduler, vae=vae, text_encoder=clip, tokenizer=tokenizer, text_encoder_2=t5,
+        tokenizer_2=tokenizer, transformer=transformer,
+    )  # fmt: skip
