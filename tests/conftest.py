@@ -51,3 +51,16 @@ def server(tmp_path_factory):
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
+
+
+@pytest.fixture(autouse=True)
+def _registries_as_they_were():
+    """Plug-ins a test registers (by reference, by entry point) are forgotten after it, so no
+    later test sees a name whose module left `sys.path` with the test."""
+    from stepgrpo.rewards import REWARDS
+    from stepgrpo_core.credit import SCHEMES
+
+    saved = [(r, dict(r._items), dict(r._facts)) for r in (REWARDS, SCHEMES)]
+    yield
+    for registry, items, facts in saved:
+        registry._items, registry._facts = items, facts
