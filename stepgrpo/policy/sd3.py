@@ -181,8 +181,6 @@ class SD3Policy:
             for p in self.trainable_parameters():
                 p.data = p.data.float()
         if full:
-            import copy
-
             self._reference = copy.deepcopy(self.transformer).requires_grad_(False).eval()
             self.transformer.requires_grad_(True)
         if gradient_checkpointing:
