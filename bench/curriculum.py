@@ -14,7 +14,7 @@ difference with a 95 % t-interval over the seeds. What the draw did, from the st
 the mean within-group variance of the training rewards of each arm's iterations (what the
 curriculum draws by) and the share of groups with zero spread. Writes `OUT/curriculum.json`.
 
-    .venv/bin/python bench/curriculum.py --jobs 2                # 3 seeds x 150 iterations x 2 arms
+    .venv/bin/python bench/curriculum.py --jobs 2                # 3 seeds x 300 iterations x 2 arms (~95 min)
     .venv/bin/python bench/curriculum.py --iterations 20 --seeds 0   # does it run
 """
 
@@ -66,7 +66,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/shapes_outcome.yaml")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--iterations", type=int, default=150)
+    ap.add_argument("--iterations", type=int, default=300)
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--jobs", type=int, default=2, help="runs at once (one core each); 2 runs a seed's arms together")
     ap.add_argument("--out", type=Path, default=None)
