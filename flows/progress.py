@@ -200,10 +200,10 @@ class TrainingLog:
     def finish(self, lora_dir: Path) -> dict[str, Any]:
         """Log the exported LoRA, publish the run's summary artifacts; returns the flow's result."""
         where = str(self.run.path)
-        if lora_dir.name == "lora":
-            self.tracker.log_dir(lora_dir, "lora")
-        else:  # a fully fine-tuned transformer: gigabytes at paper scale, kept in the run directory only
+        if self.cfg.model.finetune == "full":  # the transformer: gigabytes at paper scale, kept in the run only
             self.tracker.set_tags({"stepgrpo.transformer": str(lora_dir)})
+        else:
+            self.tracker.log_dir(lora_dir, "lora")
         report.publish_summary(
             self.run.run_id, self.cfg, self.evaluations, {"run directory": where, "MLflow": self.tracker.uri}
         )

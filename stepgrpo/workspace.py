@@ -104,7 +104,7 @@ def policy(cfg: Config) -> SD3Policy:
         if key not in _policies:
             from diffusers.utils import logging as diffusers_logging
 
-            from stepgrpo.policy.flux import policy_class
+            from stepgrpo.policy import policy_class
             from stepgrpo.policy.lora import LoraSpec
 
             diffusers_logging.disable_progress_bar()  # the pipeline's loading bars, per component

@@ -146,6 +146,28 @@ class RunTables:
         B, T = self._dims(iteration)
         return torch.from_numpy(tables.to_grid(table, B, T + 1, values))
 
+    def reward_grids(
+        self, iterations: Sequence[int], reward_name: str, reward_version: str
+    ) -> tuple[dict[int, torch.Tensor], str]:
+        """`reward_grid` ("value") of several iterations from one read of the table (each read
+        verifies every part), and the digest of those iterations' rows."""
+        import pyarrow.compute as pc
+        import torch
+
+        table = self.read_rewards(None, reward_name, reward_version)
+        wanted = pa.array(list(iterations), table.schema.field("iteration").type)
+        table = table.filter(pc.is_in(table.column("iteration"), value_set=wanted))
+        of_row = table.column("iteration").to_numpy()
+        grids = {}
+        for i in iterations:
+            rows = table.filter(pa.array(of_row == i))
+            if rows.num_rows == 0:
+                raise NotPublishedError(f"run {self.run_id} iteration {i} reward {reward_name!r}: no rows stored")
+            B, T = self._dims(i)
+            values = rows.column("value").to_numpy(zero_copy_only=False).astype(np.float64)
+            grids[i] = torch.from_numpy(tables.to_grid(rows, B, T + 1, values))
+        return grids, tables.table_digest(table)
+
     def rewards_digest(self, iteration: int, reward_name: str, reward_version: str) -> str:
         """Digest of the stored rows of one reward version (credit's cache-key input)."""
         return tables.table_digest(self.read_rewards(iteration, reward_name, reward_version))

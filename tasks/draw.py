@@ -11,13 +11,14 @@ No model is loaded.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
 from stepgrpo import workspace
-from stepgrpo.config import Config, digest_of
+from stepgrpo.config import Config
 from stepgrpo.prompts import stored_prompts
 from stepgrpo.results import DrawResult, PromptsResult
 from stepgrpo.sampling import generator, uniform_prompts
@@ -42,22 +43,21 @@ def window(cfg: Config, iteration: int) -> range:
 
 def execute(run: Run, cfg: Config, iteration: int, prompts: PromptsResult) -> DrawResult:
     reward = workspace.reward_identity(cfg.reward)
-    history = [run.rewards_digest(j, reward["name"], reward["version"]) for j in window(cfg, iteration)]
-    key = stage_key("draw", run, cfg, iteration, {"prompts": prompts, "history": digest_of(history)})
+    grids, history = run.reward_grids(window(cfg, iteration), reward["name"], reward["version"])
+    key = stage_key("draw", run, cfg, iteration, {"prompts": prompts, "history": history})
     if not reuse(run, iteration, "draw", key, f"iteration {iteration} draw"):
-        record = compute(run, cfg, iteration, reward["name"], reward["version"])
-        run.save_draw(iteration, record, inputs={"key": key.value})
+        run.save_draw(iteration, compute(run, cfg, iteration, grids), inputs={"key": key.value})
     return stored(run, iteration)
 
 
-def compute(run: Run, cfg: Config, iteration: int, reward_name: str, reward_version: str) -> dict[str, Any]:
-    """The draw record: the drawn prompt ids and the weights and spreads they were drawn by."""
+def compute(run: Run, cfg: Config, iteration: int, grids: Mapping[int, torch.Tensor]) -> dict[str, Any]:
+    """The draw record from the window's reward grids (`Run.reward_grids`): the drawn prompt ids
+    and the weights and spreads they were drawn by."""
     splits = stored_prompts(run).splits
     train_ids = np.array([p for p, s in enumerate(splits) if s == "train"], np.int64)
     position = {int(p): n for n, p in enumerate(train_ids)}
     group_prompt, spreads = [], []
-    for j in window(cfg, iteration):
-        rewards = run.reward_grid(j, reward_name, reward_version)
+    for j, rewards in grids.items():
         group_ids = torch.from_numpy(run.read_array(j, "rollout", "group_ids")).long()
         prompt_ids = run.read_array(j, "rollout", "prompt_ids")
         first, spread = curriculum.group_spread(rewards, group_ids)

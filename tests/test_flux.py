@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from stepgrpo.policy.flux import FLUX_LORA_TARGETS, FluxPolicy, pack, policy_class, unpack
+from stepgrpo.policy import policy_class
+from stepgrpo.policy.flux import FLUX_LORA_TARGETS, FluxPolicy, pack, unpack
 from stepgrpo.policy.lora import LoraSpec
 from stepgrpo.policy.sd3 import SD3Policy
 from stepgrpo.shapes.model import tiny_flux_pipeline

@@ -149,22 +149,3 @@ class FluxPolicy(SD3Policy):
             scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), device="cpu", mu=mu)
             self._sigmas[num_steps] = scheduler.sigmas.float().clone()
         return self._sigmas[num_steps].to(self.device)
-
-
-POLICIES: dict[str, type[SD3Policy]] = {"StableDiffusion3Pipeline": SD3Policy, "FluxPipeline": FluxPolicy}
-
-
-def policy_class(source: str) -> type[SD3Policy]:
-    """The policy adapter of the pipeline `source` (a directory or hub id) names in its `model_index.json`."""
-    from diffusers import DiffusionPipeline
-
-    try:
-        name = DiffusionPipeline.load_config(source).get("_class_name")
-    except (OSError, ValueError) as err:
-        raise ValueError(f"model {source!r}: its model_index.json cannot be read ({err})") from None
-    if name not in POLICIES:
-        raise ValueError(
-            f"model {source!r} is a {name}; stepgrpo trains {', '.join(sorted(POLICIES))} pipelines "
-            "(model_index.json's _class_name)"
-        )
-    return POLICIES[name]

@@ -65,7 +65,7 @@ def lora_state_dict(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_peft_model_state_dict(transformer, adapter_name=ADAPTER)
 
 
-def save_lora(transformer: torch.nn.Module, directory: str | Path, pipeline_cls: Any = None) -> Path:
+def save_lora(transformer: torch.nn.Module, directory: str | Path, pipeline_cls: Any) -> Path:
     """Write `pytorch_lora_weights.safetensors` to `directory` (created) for `load_lora_weights`.
 
     The adapter's config (rank, alpha, targets) goes into the file's metadata, so a fresh
@@ -76,9 +76,6 @@ def save_lora(transformer: torch.nn.Module, directory: str | Path, pipeline_cls:
     """
     import shutil
     import tempfile
-
-    if pipeline_cls is None:
-        from diffusers import StableDiffusion3Pipeline as pipeline_cls
 
     if ADAPTER not in getattr(transformer, "peft_config", {}):
         raise ValueError("the policy has no LoRA adapter to save; build it with lora=LoraSpec(...)")
@@ -158,7 +155,7 @@ def find_lora_file(path: str | Path) -> Path:
     )
 
 
-def load_lora(transformer: torch.nn.Module, directory: str | Path, pipeline_cls: Any = None) -> None:
+def load_lora(transformer: torch.nn.Module, directory: str | Path, pipeline_cls: Any) -> None:
     """Load adapter weights saved by `save_lora` (or any diffusers SD3 LoRA of the same shape) into
     `ADAPTER`; `directory` may also be the `.safetensors` file or a run (`find_lora_file`).
 
@@ -167,8 +164,6 @@ def load_lora(transformer: torch.nn.Module, directory: str | Path, pipeline_cls:
     """
     from peft.utils import set_peft_model_state_dict
 
-    if pipeline_cls is None:
-        from diffusers import StableDiffusion3Pipeline as pipeline_cls
     if ADAPTER not in getattr(transformer, "peft_config", {}):
         raise ValueError("load_lora needs a policy built with lora=LoraSpec(...) matching the saved adapter")
     file = find_lora_file(directory)

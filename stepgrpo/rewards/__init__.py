@@ -80,18 +80,16 @@ def build_reward(spec: Spec) -> Reward:
 
 
 def _built(name: str, options: Mapping[str, Any]) -> Reward:
-    """`REWARDS[name](**options)`, carrying the name and version its identity declares (a plug-in's
-    reward may leave them out; one that names others is an error, since its rows would lie)."""
+    """`REWARDS[name](**options)`, given the name and version its identity declares where it
+    carries none (a plug-in's factory function may return a bare callable). That a reward's own
+    name and version are its declared ones is checked where rewards are built for a run
+    (`stepgrpo.workspace.reward`)."""
     reward = REWARDS.get(name)(**options)
-    declared = _identity(name, options)
     if not callable(reward):
         raise PluginError(f"reward {name!r}: its factory returned {type(reward).__name__}, not a callable reward")
-    for attr, value in zip(("name", "version"), declared):
-        found = getattr(reward, attr, None)
-        if found is None:
+    for attr, value in zip(("name", "version"), _identity(name, options)):
+        if getattr(reward, attr, None) is None:
             setattr(reward, attr, value)
-        elif str(found) != str(value) and name not in _BUILT_IN_NAMES:
-            raise PluginError(f"reward {name!r}: the built reward's {attr} {found!r} is not the declared {value!r}")
     return reward
 
 
@@ -159,8 +157,3 @@ def weighted(parts: str | Mapping[str, float] | Sequence[Mapping[str, Any]]) -> 
         reward = build_reward({"name": part["name"], "options": part.get("options") or {}})
         built.append((reward, float(part.get("weight", 1.0))))
     return WeightedSum(built)
-
-
-_BUILT_IN_NAMES = frozenset(
-    n for n in REWARDS.names() if n in REWARDS
-)  # their objects name themselves (a weighted sum by its parts)

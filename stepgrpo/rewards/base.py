@@ -48,9 +48,7 @@ def check_reward(name: str, factory: Any) -> None:
     if not callable(factory):
         raise PluginError(f"reward {name!r}: {factory!r} is not callable (mark a class or a factory function)")
     if isinstance(factory, type):
-        call = factory.__dict__.get("__call__") or next(
-            (c.__dict__["__call__"] for c in factory.__mro__[1:-1] if "__call__" in c.__dict__), None
-        )
+        call = next((c.__dict__["__call__"] for c in factory.__mro__ if "__call__" in c.__dict__), None)
         if call is None:
             raise PluginError(f"reward {name!r}: class {factory.__name__} has no __call__(images, prompts, metadata)")
         takes_positional(name, "reward", call, 4, "__call__(self, images, prompts, metadata)")
