@@ -223,6 +223,7 @@ def read_run(run_dir: Path) -> RunRecord:
 
     from stepgrpo.config import validate_config
     from stepgrpo.results import EvaluateResult
+    from storage.schema import completion_stage
 
     run = open_run_once(run_dir)
     cfg = validate_config(run.config)
@@ -261,7 +262,7 @@ def read_run(run_dir: Path) -> RunRecord:
         stricts.append(float(np.nanmean(strict[:, -1])) if np.isfinite(strict[:, -1]).any() else float("nan"))
         gains.append(np.diff(grid, axis=1).mean(0).tolist() if np.isfinite(grid).all() else [])
         ro = run.stage_manifest(i, "rollout")
-        cm = run.stage_manifest(i, f"completions/{method.replace(':', '-')}") if method else None
+        cm = run.stage_manifest(i, completion_stage(method)) if method else None
         state = json.loads((run.stage_path(i, "checkpoint") / "state.json").read_text())
         stage_secs.append(
             {

@@ -79,6 +79,7 @@ def main() -> None:
         import json
 
         from storage.run import Run
+        from storage.schema import completion_stage
 
         run = Run.open(args.check)
         cfg = Config.model_validate(run.config)
@@ -88,13 +89,13 @@ def main() -> None:
         from safetensors.torch import load_file
 
         lora = sum(t.numel() for t in load_file(str(ckpt / "lora.safetensors")).values())
-        source = f"completions/{cfg.completion.method}" if cfg.completion.method else "rollout"
+        source = completion_stage(cfg.completion.method)
         images = run.stage_path(0, run.images_stage(source))
         side = json.loads((images / "images" / "zarr.json").read_text())["shape"][-1] if images.exists() else 0
         formula = per_iteration(cfg, latent, side, lora)
         stored = {"rollout": du(run.stage_path(0, "rollout")), "checkpoint": du(ckpt)}
         if cfg.completion.method:
-            stored["completion"] = du(run.stage_path(0, f"completions/{cfg.completion.method}"))
+            stored["completion"] = du(run.stage_path(0, completion_stage(cfg.completion.method)))
         if images.exists():
             stored["images"] = du(images)
         for k in formula:

@@ -8,8 +8,8 @@ from prefect import flow
 
 from flows.progress import name_flow_run, run_name_from_parameters
 from stepgrpo import environment
-from stepgrpo.config import validate_config
 from stepgrpo.runs import owned_stored, stored_iterations
+from stepgrpo_core.registry import allow
 from tasks import bind, rollout, score
 
 
@@ -23,10 +23,10 @@ def credit(
 ) -> dict[str, Any]:
     """Advantages under `scheme` for every stored iteration, from the rewards of `reward`
     (default: the run's training reward)."""
-    with owned_stored(run) as (stored, cfg):
+    allow(scheme)  # the caller's own scheme; the stored run's plug-ins are never imported
+    with owned_stored(run, replace={"credit": {"scheme": scheme, "options": options or {}}}) as (stored, cfg):
         environment.apply(cfg.scale.threads)
         name_flow_run(f"{stored.run_id} credit {scheme}")
-        cfg = validate_config(cfg.model_dump(mode="json") | {"credit": {"scheme": scheme, "options": options or {}}})
         name = reward or _training_reward(cfg)
         stage, done = bind(stored, cfg), []
         for i in iterations if iterations is not None else stored_iterations(stored):

@@ -14,9 +14,9 @@ from prefect import flow
 
 from flows.progress import name_flow_run, run_name_from_parameters
 from stepgrpo import environment
-from stepgrpo.config import validate_config
 from stepgrpo.runs import check_rescorable, owned_stored, stored_iterations
 from stepgrpo.workers import workers
+from stepgrpo_core.registry import allow
 from tasks import bind, complete, rollout
 
 
@@ -25,17 +25,15 @@ def rescore(
     run: str, reward: str, reward_options: dict[str, Any] | None = None, iterations: list[int] | None = None
 ) -> dict[str, Any]:
     """Score every stored iteration (or `iterations`) of `run` with `reward`."""
-    with owned_stored(run) as (stored, cfg):
+    allow(reward)  # the caller's own reward (the command line, the run form); the stored run's is never imported
+    with owned_stored(run, replace={"reward": {"name": reward, "options": reward_options or {}}}) as (stored, cfg):
         environment.apply(cfg.scale.threads)
         name_flow_run(f"{stored.run_id} rescore {reward}")
-        cfg = validate_config(
-            cfg.model_dump(mode="json") | {"reward": {"name": reward, "options": reward_options or {}}}
-        )
         stage, done = bind(stored, cfg), []
         method = cfg.completion.method
         todo = iterations if iterations is not None else stored_iterations(stored)
         check_rescorable(stored, method, todo)
-        with workers(cfg, stored.path):  # the run's `scale`: shards on Ray when it was trained there
+        with workers(cfg, stored.path):  # this command's `scale` (the defaults: in this process)
             for i in todo:
                 sampled = rollout.stored(stored, i, verify=True)
                 clean = complete.stored(stored, method, i, verify=True) if method else sampled

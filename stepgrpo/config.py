@@ -612,6 +612,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     `completion.method=null`). Raises `ConfigError` naming every bad field.
     """
     data = _read_config_file(Path(path)) if path is not None else {}
+    allow_plugins(data)  # the user's own file: the plug-ins it names may be imported
     return validate_config(apply_overrides(data, overrides))
 
 
@@ -630,7 +631,19 @@ def config_from(
     if config is None:
         return load_config(path, overrides)
     data = config.model_dump(mode="json") if isinstance(config, Config) else dict(config)
+    allow_plugins(data)  # what the caller passed (the run form, the CLI's resolved config), never a stored run's
     return validate_config(apply_overrides(data, overrides))
+
+
+PLUGIN_SECTIONS = ("reward", "credit")  # the sections whose names may be plug-in references
+
+
+def allow_plugins(data: Mapping[str, Any]) -> None:
+    """Let the plug-in references that the user's own config `data` names be imported
+    (`stepgrpo_core.registry.allow`). Never called with a config read from a run directory."""
+    from stepgrpo_core.registry import allow, references_in
+
+    allow(*references_in([data.get(s) for s in PLUGIN_SECTIONS if isinstance(data, Mapping)]))
 
 
 def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
@@ -640,7 +653,10 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"--set {item!r}: expected key=value, e.g. optim.lr=1e-4")
-        _set_dotted(out, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+        value = yaml.safe_load(raw) if raw.strip() else None
+        if key.strip().split(".")[0] in PLUGIN_SECTIONS:
+            allow_plugins({key.strip().split(".")[0]: value})  # an override is the user's own input
+        _set_dotted(out, key.strip(), value)
     return out
 
 

@@ -13,7 +13,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,7 @@ from typing import Any
 from stepgrpo.config import Config, apply_overrides, validate_config
 from stepgrpo.errors import StageError
 from storage.run import Run, find_run
-from storage.schema import NAME_RE
+from storage.schema import NAME_RE, completion_stage
 
 MODEL_FACT = "model_identity"  # manifest fact: `workspace.policy_identity` of the run's model (and init LoRA)
 
@@ -178,7 +178,7 @@ def apply_retention(run: Run, storage: Any, why: str) -> Any:
 def check_rescorable(run: Run, method: str | None, iterations: Sequence[int]) -> None:
     """A re-score reads each iteration's clean latents (or the images decoded from them): a clear
     error, before anything runs, when retention pruned both."""
-    source = "rollout" if method is None else f"completions/{method}"
+    source = completion_stage(method)
     images = run.images_stage(source)
     gone = [
         i
@@ -207,19 +207,42 @@ def config_diff(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[
     return out
 
 
-def open_stored(run: str | Path, overrides: Sequence[str] = ()) -> tuple[Run, Config]:
-    """The run named by `run` (a directory or a run id under runs/) and its stored config with
-    `key=value` overrides applied."""
+def open_stored(
+    run: str | Path, overrides: Sequence[str] = (), replace: Mapping[str, Any] | None = None
+) -> tuple[Run, Config]:
+    """The run named by `run` (a directory or a run id under runs/) and its stored config, read as
+    data (DESIGN.md, "A stored config is data too"):
+
+    - `replace`: whole sections this command gives (its reward, its scheme), put in before the
+      stored config is validated, so a stored name the command replaces is never resolved;
+    - `overrides`: the command's `key=value` settings;
+    - `scale` (where and how the stages run) is this command's, never the stored run's: its
+      overrides, else the defaults, except `scale.threads`, which defaults to the run's (the bytes
+      a computation gives depend on it: docs/RELIABILITY.md);
+    - a plug-in reference the stored config names is imported only if this command named it too
+      (`stepgrpo_core.registry.allow`): else the error says how to name it.
+    """
     path = find_run(run)
     stored = Run.open(path)
-    return stored, validate_config(apply_overrides(stored.config, overrides))
+    return stored, stored_config(stored, overrides, replace)
+
+
+def stored_config(run: Run, overrides: Sequence[str] = (), replace: Mapping[str, Any] | None = None) -> Config:
+    """`run`'s config as `open_stored` reads it."""
+    data = dict(run.config) if isinstance(run.config, Mapping) else {}
+    threads = (data.get("scale") or {}).get("threads") if isinstance(data.get("scale"), Mapping) else None
+    data = {k: v for k, v in data.items() if k != "scale"} | dict(replace or {})
+    data["scale"] = {"threads": threads}
+    return validate_config(apply_overrides(data, overrides))
 
 
 @contextmanager
-def owned_stored(run: str | Path, overrides: Sequence[str] = ()) -> Iterator[tuple[Run, Config]]:
+def owned_stored(
+    run: str | Path, overrides: Sequence[str] = (), replace: Mapping[str, Any] | None = None
+) -> Iterator[tuple[Run, Config]]:
     """`open_stored` for the block, holding the run's lock (`owned`)."""
     with owned(find_run(run)) as path:
-        yield open_stored(path, overrides)
+        yield open_stored(path, overrides, replace)
 
 
 def stored_iterations(run: Run) -> list[int]:

@@ -204,11 +204,11 @@ def reward(cfg: RewardConfig) -> Any:
 
             built = build_reward({"name": cfg.name, "options": dict(cfg.options)})
             declared = reward_identity(cfg)
-            if (str(built.name), str(built.version)) != (declared["name"], declared["version"]):
+            if (str(built.name), str(built.version)) != (declared["name"], declared["declared_version"]):
                 raise ValueError(
-                    f"reward {cfg.name!r} declares the identity {declared['name']} v{declared['version']} but builds "
-                    f"{built.name} v{built.version}; make its registered identity compute the factory's name and "
-                    "version"
+                    f"reward {cfg.name!r} declares the identity {declared['name']} v{declared['declared_version']} "
+                    f"but builds {built.name} v{built.version}; make its registered identity compute the factory's "
+                    "name and version"
                 )
             _rewards[key] = built
             LOADS["reward"] += 1
@@ -216,12 +216,17 @@ def reward(cfg: RewardConfig) -> Any:
 
 
 def reward_identity(cfg: RewardConfig) -> dict[str, Any]:
-    """`{"name", "version", "options"}`: what identifies a reward's numbers, from the registry
-    entry's declared identity (no model is loaded)."""
+    """`{"name", "version", "declared_version", "options"}`: what identifies a reward's numbers, from
+    the registry entry's declared identity (no model is loaded). `version` names its stored rows: the
+    declared version, and with options given, a digest of them (`1+3fa2c1d0`), so rows scored with
+    other options are never read back as these (a plug-in's identity rarely shows its options)."""
     from stepgrpo.rewards import reward_identity as identity
+    from storage.publish import options_digest
 
     name, version = identity({"name": cfg.name, "options": dict(cfg.options)})
-    return {"name": str(name), "version": str(version), "options": dict(cfg.options)}
+    options = dict(cfg.options)
+    stored = f"{version}+{options_digest(options)[:8]}" if options else str(version)
+    return {"name": str(name), "version": stored, "declared_version": str(version), "options": options}
 
 
 # ------------------------------------------------------------------ a run's policy

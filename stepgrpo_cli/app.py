@@ -106,23 +106,18 @@ def _check_run(
     overrides: list[str] | None = None,
     rescore_iterations: list[int] | str | None = None,
 ) -> Path:
-    """Open the run (manifest and schema version checked) and validate names and options; with
-    `rescore_iterations` (a list, or "all"), that a re-score finds their latents."""
+    """Check this command's names and options, then open the run (manifest and schema version
+    checked) and its stored config as data (`stepgrpo.runs.open_stored`); with `rescore_iterations`
+    (a list, or "all"), that a re-score finds their latents; for a re-score or a re-credit, that
+    the run has rollouts. All before any server starts."""
     from stepgrpo.checks import check_model
     from stepgrpo.errors import StageError
     from stepgrpo.runs import open_stored
-    from storage.run import find_run
+    from stepgrpo_core.registry import allow
+    from storage.run import Run, find_run
 
-    path = find_run(run)
-    stored, cfg = open_stored(path, overrides or [])
-    if overrides:
-        from stepgrpo.policy.devices import check_device
-
-        try:
-            check_device(cfg.model.device)
-        except ValueError as err:
-            raise StageError(str(err)) from None
-        check_model(cfg.model.path)
+    allow(*(name for name in (reward, scheme) if name))  # this command's own names may be imported
+    replace: dict[str, Any] = {}
     if reward is not None:
         from stepgrpo.rewards import REWARDS, reward_identity
 
@@ -131,6 +126,7 @@ def _check_run(
             reward_identity({"name": reward, "options": reward_options or {}})
         except TypeError as err:
             raise StageError(f"--options: {err}") from None
+        replace["reward"] = {"name": reward, "options": reward_options or {}}
     if scheme is not None:
         from stepgrpo_core.credit import SCHEMES
         from stepgrpo_core.credit import scheme_options as known
@@ -141,12 +137,49 @@ def _check_run(
             raise StageError(
                 f"--options: scheme {scheme!r} has no options {unknown}; its options: {sorted(known(scheme))}"
             )
-    if rescore_iterations is not None:  # after the names: a bad reward is the first thing to say
+        replace["credit"] = {"scheme": scheme, "options": scheme_options or {}}
+    path = find_run(run)
+    if scheme is not None and SCHEMES.facts(scheme)["step_rewards"]:
+        method = (Run.open(path).config.get("completion") or {}).get("method", "remaining")
+        if method is None:
+            final_only = [s for s in SCHEMES.names() if not SCHEMES.facts(s)["step_rewards"]]
+            raise StageError(
+                f"scheme {scheme!r} needs step rewards (the reward of every intermediate state's completion), but "
+                f"run {path.name} scored only its final samples (completion.method: null); on this run use "
+                f"{', '.join(final_only)}, or train a run with completion.method remaining / substeps:N"
+            )
+    stored, cfg = open_stored(path, overrides or [], replace)
+    if overrides:
+        from stepgrpo.policy.devices import check_device
+
+        try:
+            check_device(cfg.model.device)
+        except ValueError as err:
+            raise StageError(str(err)) from None
+        check_model(cfg.model.path)
+    if reward is not None or scheme is not None:
+        from stepgrpo.runs import stored_iterations
+
+        stored_iterations(stored)  # a run without a published rollout has nothing to re-score or re-credit
+    if rescore_iterations is not None:
         from stepgrpo.runs import check_rescorable
 
         todo = stored.iterations("rollout") if rescore_iterations == "all" else rescore_iterations
         check_rescorable(stored, cfg.completion.method, todo)
     return path
+
+
+def _check_checkpoint(path: Path, iteration: int | None) -> None:
+    """An evaluation's checkpoint is there (None: the latest; -1: the base model, always)."""
+    from stepgrpo.errors import StageError
+    from stepgrpo.runs import latest_checkpoint
+    from storage.run import Run
+
+    run = Run.open(path)
+    if iteration is None:
+        latest_checkpoint(run)
+    elif iteration >= 0 and run.stage_manifest(iteration, "checkpoint") is None:
+        raise StageError(f"run {run.run_id} has no checkpoint of iteration {iteration}; see `stepgrpo inspect`")
 
 
 def _owned(path: Path, flow: Any, **kwargs: Any) -> Any:
@@ -297,6 +330,7 @@ def evaluate(
 ) -> None:
     """Held-out reward of RUN's policy and an image grid."""
     path = _run(_check_run, run, overrides=list(set_ or []))
+    _run(_check_checkpoint, path, iteration)
     from flows.evaluate import evaluate as evaluate_flow
 
     out = _run(_owned, path, evaluate_flow, run=str(path), iteration=iteration, overrides=list(set_ or []))
@@ -388,13 +422,13 @@ def prune(
 
 def _prune(run: str, keep: str | None, keep_last: int | None, every: int | None, dry_run: bool) -> None:
     from stepgrpo.config import validate_config
-    from stepgrpo.runs import apply_retention, owned, retention_plan
+    from stepgrpo.runs import apply_retention, owned, retention_plan, stored_config
     from storage.run import Run, find_run
 
     path = find_run(run)
     with owned(path):
         r = Run.open(path)
-        stored = validate_config(r.config).storage.model_dump()
+        stored = stored_config(r).storage.model_dump()
         given = {"keep": keep, "keep_last": keep_last, "checkpoint_every": every}
         settings = validate_config({"storage": stored | {k: v for k, v in given.items() if v is not None}}).storage
         if dry_run:
@@ -492,12 +526,18 @@ def _diagnostics(r: Any, iters: list[int]) -> None:
     """The learning diagnostics of every trained iteration (the update's record, the run's reward)."""
     import torch
 
-    from stepgrpo.config import validate_config
+    from stepgrpo.config import ConfigError
     from stepgrpo.report import SignalWatch
+    from stepgrpo.runs import stored_config
     from stepgrpo.scoring import reward_summary
     from stepgrpo.workspace import reward_identity
+    from stepgrpo_core.registry import PluginError
 
-    reward = reward_identity(validate_config(r.config).reward)["name"]
+    try:
+        reward = reward_identity(stored_config(r).reward)["name"]
+    except (ConfigError, PluginError) as err:  # e.g. a plug-in this command may not import: no reward columns
+        console.print(f"(reward columns left out: {escape(str(err))})", soft_wrap=True)
+        reward = None
     table = Table(
         "iter",
         "R SDE",

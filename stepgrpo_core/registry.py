@@ -19,12 +19,20 @@ Either object must have been marked for this registry with `registry.plugin(**fa
 plug-in of this family; the family's `check` then validates it (its signature). It is then
 registered under the name it was asked by, so every process that meets the name (a Ray worker,
 an update process) resolves it the same way.
+
+A stored config is data (DESIGN.md): a reference is imported only when the user's own input
+named it, this command's arguments or their own config file (`allow`), never because a run's
+`manifest.json` names it. The allowed references live in the `STEPGRPO_PLUGINS` environment
+variable, so the processes a command starts (update ranks, local Ray workers) inherit them. A
+`__main__` module (it runs a program when imported) is never imported, and an object's mark is
+read without running any of its code (`inspect.getattr_static`) before anything else of it is used.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import os
 from collections.abc import Callable, Iterator, Mapping
 from importlib import metadata
 from types import MappingProxyType
@@ -45,16 +53,67 @@ class PluginError(ValueError):
 
 
 PLUGIN_MARK = "__stepgrpo_plugin__"  # set by `Registry.plugin`: {"family": ..., "facts": {...}}
+PLUGINS_ENV = "STEPGRPO_PLUGINS"  # the references this process may import, comma-separated (`allow`)
+_MISSING = object()
 
 
 def is_reference(name: str) -> bool:
     """Whether `name` is a `module:attribute` reference (registered names have no colon)."""
+    if not isinstance(name, str):
+        return False
     module, sep, attr = name.partition(":")
     return bool(sep and module and attr) and all(p.isidentifier() for p in (*module.split("."), *attr.split(".")))
 
 
+def references_in(value: Any) -> set[str]:
+    """Every plug-in reference a config value names: a string (`mypkg.r:Redness`, or a part of a
+    weighted spec `mypkg.r:Redness:0.5,shapes:1`), and the strings inside lists and mappings."""
+    if isinstance(value, str):
+        found = set()
+        for item in value.split(","):
+            item = item.strip()
+            found |= {c for c in (item, item.rpartition(":")[0]) if is_reference(c)}
+        return found
+    if isinstance(value, Mapping):
+        return set().union(*(references_in(v) for v in value.values())) if value else set()
+    if isinstance(value, list | tuple):
+        return set().union(*(references_in(v) for v in value)) if value else set()
+    return set()
+
+
+def allowed() -> frozenset[str]:
+    """The references this process may import: those the user's own input named (`allow`)."""
+    return frozenset(r for r in os.environ.get(PLUGINS_ENV, "").split(",") if r)
+
+
+def allow(*references: str) -> None:
+    """Let `references` be imported: call it only with names from the user's own input (command-line
+    arguments, their config file, a run form), never with names read from a run directory."""
+    new = {r for r in references if is_reference(r)} - allowed()
+    for reference in new:
+        _refuse_main(reference, "plug-in")
+    if new:
+        os.environ[PLUGINS_ENV] = ",".join(sorted(allowed() | new))
+
+
+def _refuse_main(reference: str, family: str) -> None:
+    if "__main__" in reference.partition(":")[0].split("."):
+        raise PluginError(
+            f"{family} {reference!r}: a __main__ module runs a program when it is imported; name the module that "
+            "defines the plug-in"
+        )
+
+
 def import_reference(reference: str, family: str) -> object:
-    """The object `package.module:attribute` names, with an error that says what is missing."""
+    """The object `package.module:attribute` names, with an error that says what is missing. Only a
+    reference the user named (`allow`); the attribute is found without running its code."""
+    _refuse_main(reference, family)
+    if reference not in allowed():
+        raise PluginError(
+            f"{family} {reference!r} is a plug-in reference that this command was not given: stepgrpo imports no "
+            "code because a stored run names it. Name it yourself (--reward / --scheme / --set, your --config, or "
+            f"{PLUGINS_ENV}={reference} in the environment), or install it as an entry point (docs/EXTENDING.md)"
+        )
     module_name, _, attr = reference.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -65,9 +124,9 @@ def import_reference(reference: str, family: str) -> object:
         ) from None
     obj: object = module
     for part in attr.split("."):
-        if not hasattr(obj, part):
+        obj = inspect.getattr_static(obj, part, _MISSING)
+        if obj is _MISSING:
             raise PluginError(f"{family} {reference!r}: module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
     return obj
 
 
@@ -182,7 +241,7 @@ class Registry(Generic[F]):
                     f"{self.family} {name!r}: entry point {found[0].value!r} ({self.entry_points}) does not load: "
                     f"{type(err).__name__}: {err}"
                 ) from None
-        mark = getattr(obj, PLUGIN_MARK, None)
+        mark = inspect.getattr_static(obj, PLUGIN_MARK, None)  # read without running the object's code
         if not isinstance(mark, dict) or mark.get("family") != self.family:
             raise PluginError(
                 f"{name!r} is not a stepgrpo {self.family}: mark it with the decorator of stepgrpo.plugins "

@@ -87,20 +87,28 @@ class StageStore:
     """
 
     def __init__(
-        self, path: Path, spec: StoreSpec, attrs: Mapping[str, Any], removed: Mapping[str, str] | None = None
+        self,
+        path: Path,
+        spec: StoreSpec,
+        attrs: Mapping[str, Any],
+        removed: Mapping[str, str] | None = None,
+        limits: Mapping[str, int] | None = None,
     ) -> None:
         self.path = path
         self.removed = dict(removed or {})  # arrays retention pruned -> why (`storage.retention`)
         self.spec = spec
         self.attrs = dict(attrs)
-        self.sizes = store_sizes(spec, self.attrs)
+        try:  # bounded before anything is allocated (`limits`: the run's, `Run.dim_limits`)
+            self.sizes = store_sizes(spec, self.attrs, limits)
+        except ValueError as err:
+            raise CorruptChunkError(f"{path}: {err} (damaged or edited metadata)") from None
         self.B = self.sizes["B"]
 
     @classmethod
-    def open(cls, path: Path, spec: StoreSpec) -> StageStore:
+    def open(cls, path: Path, spec: StoreSpec, limits: Mapping[str, int] | None = None) -> StageStore:
         """Attach to an existing store (reads only the group metadata)."""
         group = zarr.open_group(str(path), mode="r", zarr_format=3)
-        return cls(path, spec, dict(group.attrs))
+        return cls(path, spec, dict(group.attrs), limits=limits)
 
     # --- layout -------------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from storage.errors import CorruptChunkError, StageLockedError
+from storage.errors import CorruptChunkError, StageLockedError, StorageError
 from storage.schema import PUBLISHED_FILE
 
 LOCK_POLL_S = 0.05  # how often a waiting writer retries a held lock
@@ -193,6 +193,28 @@ def read_published(final: Path) -> dict[str, Any] | None:
     if not isinstance(manifest, dict):
         raise CorruptChunkError(f"{final / PUBLISHED_FILE} is not a stage manifest: the stage's manifest is damaged")
     return manifest
+
+
+def no_links(root: Path, path: Path) -> Path:
+    """`path` if it lies under `root` and no part of it below `root` is a symbolic link, so that a
+    write there stays inside `root` (a run directory someone sent may hold links to anywhere);
+    else a `StorageError` naming the link."""
+    root, path = Path(root), Path(path)
+    try:
+        parts = path.relative_to(root).parts
+    except ValueError:
+        raise StorageError(f"{path} is not inside {root}: stepgrpo writes a run's files inside it only") from None
+    node = root
+    for part in parts:
+        node = node / part
+        if part == ".." or node.is_symlink():
+            raise StorageError(
+                f"{node} is a symbolic link (or '..') inside the run directory {root}: stepgrpo writes nothing through "
+                "it, since the write would land outside the run; replace it with a real directory or file"
+            )
+        if not node.exists():
+            break
+    return path
 
 
 def write_file_atomic(path: Path, data: bytes) -> None:

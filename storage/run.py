@@ -40,6 +40,7 @@ from storage.publish import (
     check_token,
     fresh_partial,
     lock_path,
+    no_links,
     read_published,
     release_lock,
     utc_now,
@@ -47,7 +48,14 @@ from storage.publish import (
 )
 from storage.retention import pruned
 from storage.run_tables import RunTables
-from storage.schema import PUBLISHED_FILE, READABLE_SCHEMA_VERSIONS, SCHEMA_VERSION, StoreSpec, check_name
+from storage.schema import (
+    PUBLISHED_FILE,
+    READABLE_SCHEMA_VERSIONS,
+    SCHEMA_VERSION,
+    StoreSpec,
+    check_name,
+    store_sizes,
+)
 from storage.stage_stores import CompletionData, ImagesData, RolloutData, StageStores, spec_of
 from storage.writer import StageWriter, digest_files, metadata_digest
 
@@ -176,6 +184,27 @@ class Run(StageStores, RunTables, Checkpoints):
         _check_schema(manifest.get("schema_version"), f"run {manifest.get('run_id', path.name)}")
         return cls(path, manifest)
 
+    def inside(self, path: str | os.PathLike[str]) -> Path:
+        """`path` (under the run directory) for a write: refused when a part of it is a symbolic link,
+        which would take the write out of the run (`storage.publish.no_links`)."""
+        return no_links(self.path, Path(path))
+
+    def dim_limits(self) -> dict[str, int]:
+        """Upper bounds of a stored stage's dims from the run's config (`B`: the trajectories of an
+        iteration, `T`: its steps, `K`: its states), checked before a store is read, so that dims a
+        damaged or hostile metadata file declares never size an allocation or a loop."""
+        section = lambda name: self.config.get(name) if isinstance(self.config.get(name), dict) else {}  # noqa: E731
+        run, sampler = section("run"), section("sampler")
+        ints = lambda *xs: all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in xs)  # noqa: E731
+        limits = {}
+        B = (run.get("prompts_per_iteration"), run.get("group_size"))
+        if ints(*B):
+            limits["B"] = B[0] * B[1]
+        T = sampler.get("steps")
+        if ints(T):
+            limits.update(T=T, K=T + 1)
+        return limits
+
     def fact(self, name: str) -> str | None:
         """A fact recorded in the manifest (`create(facts=...)`, `record_fact`), or None."""
         return self.manifest.get("facts", {}).get(name)
@@ -219,7 +248,13 @@ class Run(StageStores, RunTables, Checkpoints):
         """The stage's `_published.json` (digest, counts, schema version), or None if not published."""
         manifest = read_published(self.stage_path(iteration, stage))
         if manifest is not None:
-            _check_schema(manifest.get("schema_version"), f"{self.run_id} iteration {iteration} {stage}")
+            what = f"run {self.run_id} iteration {iteration} {stage}"
+            _check_schema(manifest.get("schema_version"), what)
+            if stage not in FILE_STAGES:  # a Zarr stage: its dims bounded before any reader sizes anything by them
+                try:
+                    store_sizes(spec_of(stage), manifest.get("attrs") or {}, self.dim_limits())
+                except ValueError as err:
+                    raise CorruptChunkError(f"{what}: its manifest's {err} (damaged or edited)") from None
         return manifest
 
     def iterations(self, stage: str = "rollout") -> list[int]:
@@ -238,7 +273,7 @@ class Run(StageStores, RunTables, Checkpoints):
         """Take the stage's lock and start its `.partial` directory. With `resume` (the stage's
         key), a partial left by an interrupted attempt under the same key is kept with its
         finished shards (`stepgrpo.sharding`), and an error keeps it for the next attempt."""
-        final = self.stage_path(iteration, stage)
+        final = self.inside(self.stage_path(iteration, stage))
         what = f"run {self.run_id} iteration {iteration} stage {stage}"
         if read_published(final) is not None:
             raise AlreadyPublishedError(f"{what} is already published (stages are immutable); read it instead")
@@ -296,8 +331,8 @@ class Run(StageStores, RunTables, Checkpoints):
             found = digest_files(path)[0]
         else:
             try:
-                store = StageStore.open(path, spec_of(stage))
-            except Exception as err:  # zarr metadata that does not parse
+                store = StageStore.open(path, spec_of(stage), self.dim_limits())
+            except Exception as err:  # zarr metadata that does not parse, or dims out of bounds
                 raise CorruptChunkError(f"{what}: its Zarr metadata cannot be read ({err})") from None
             if store.attrs != manifest.get("attrs"):
                 raise CorruptChunkError(f"{what}: the store's attributes differ from its published manifest")
@@ -320,7 +355,7 @@ class Run(StageStores, RunTables, Checkpoints):
                 raise CorruptChunkError(f"{what}: its state.json cannot be read ({err})") from None
             return
         try:
-            store = StageStore.open(path, spec_of(stage))
+            store = StageStore.open(path, spec_of(stage), self.dim_limits())
         except Exception as err:
             raise CorruptChunkError(f"{what}: its Zarr metadata cannot be read ({err})") from None
         if store.attrs != manifest.get("attrs"):

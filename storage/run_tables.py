@@ -40,7 +40,7 @@ class RunTables:
     ) -> dict[str, Any]:
         """Write the run's prompts once; returns `{"digest", "rows", "schema_version"}`."""
         table = tables.prompts_table(prompt_ids, texts, splits, metadata)
-        return tables.write_once(self.path / "prompts.parquet", table, f"run {self.run_id} prompts")
+        return tables.write_once(self.inside(self.path / "prompts.parquet"), table, f"run {self.run_id} prompts")
 
     def prompts_manifest(self) -> dict[str, Any] | None:
         """The prompts' `{"digest", "rows", "schema_version"}`, or None if not written."""
@@ -96,7 +96,7 @@ class RunTables:
         """
         table = tables.rewards_table(iteration, reward_name, reward_version, traj, k, value, strict, sub)
         return tables.append_rows(
-            self.path / "rewards", REWARDS_SCHEMA, REWARDS_KEY, table, f"run {self.run_id} rewards", info
+            self.inside(self.path / "rewards"), REWARDS_SCHEMA, REWARDS_KEY, table, f"run {self.run_id} rewards", info
         )
 
     def rows_info(self, table: str, digest: str) -> dict[str, Any]:
@@ -191,7 +191,7 @@ class RunTables:
         """
         check_json(dict(options), f"scheme {scheme} options")
         digest = options_digest(options)
-        folder = self.path / "advantages"
+        folder = self.inside(self.path / "advantages")
         folder.mkdir(parents=True, exist_ok=True)
         sidecar = folder / f"options-{digest}.json"
         if not sidecar.exists():

@@ -43,7 +43,9 @@ Parquet tables (long format, append-only; one immutable file per append, read as
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -200,11 +202,29 @@ def axis_sizes(B: int, T: int, C: int, H: int, W: int) -> dict[str, int]:
     return {"B": B, "T": T, "T+1": T + 1, "C": C, "H": H, "W": W}
 
 
-def store_sizes(spec: StoreSpec, attrs: dict[str, object]) -> dict[str, int]:
-    """Axis sizes of a store of `spec` from its dim attrs (plus `T+1` where `T` is a dim)."""
-    sizes = {d: int(attrs[d]) for d in spec.dims}  # type: ignore[call-overload]
+# Bounds on a stored dim, checked before anything is allocated or iterated (a damaged or hostile
+# store's metadata must not make a reader allocate terabytes or loop 10^12 times): far above any
+# real run, and a run's own config bounds B and T tighter (`storage.run.Run.dim_limits`).
+MAX_DIM = 2**20
+MAX_CHUNK_ELEMENTS = 2**28  # one trajectory's chunk: 1 GiB of float32
+
+
+def store_sizes(
+    spec: StoreSpec, attrs: Mapping[str, object], limits: Mapping[str, int] | None = None
+) -> dict[str, int]:
+    """Axis sizes of a store of `spec` from its dim attrs (plus `T+1` where `T` is a dim), each a
+    positive int within `limits` (and `MAX_DIM`); a ValueError naming the dim otherwise."""
+    sizes = {}
+    for d in spec.dims:
+        value, bound = attrs.get(d), min(MAX_DIM, (limits or {}).get(d, MAX_DIM))
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= bound:
+            raise ValueError(f"{spec.kind} store: dim {d} = {value!r} is not an int in [1, {bound}]")
+        sizes[d] = value
     if "T" in sizes:
         sizes["T+1"] = sizes["T"] + 1
+    chunk = max((math.prod(sizes[a] for a in arr.axes[1:]) for arr in spec.arrays if arr.per_trajectory), default=0)
+    if chunk > MAX_CHUNK_ELEMENTS:
+        raise ValueError(f"{spec.kind} store: a trajectory's chunk of {chunk} elements exceeds {MAX_CHUNK_ELEMENTS}")
     return sizes
 
 
@@ -245,3 +265,9 @@ def check_name(name: str, what: str) -> str:
     if not NAME_RE.match(name):
         raise ValueError(f"{what} {name!r} must match {NAME_RE.pattern} (letters, digits, _ . -)")
     return name
+
+
+def completion_stage(method: str | None) -> str:
+    """The stage holding the clean latents of completion `method` (`substeps:5` is stored as
+    `completions/substeps-5`); the rollout itself (its `x_T`) when there is none."""
+    return "rollout" if method is None else f"completions/{method.replace(':', '-')}"

@@ -198,7 +198,8 @@ class StageStores:
                 f"run {self.run_id} iteration {iteration} stage {stage} is not published; run that stage first"
             )
         path = self.stage_path(iteration, stage)
-        return StageStore(path, spec, manifest["attrs"], removed=_removed(path)), manifest
+        limits = self.dim_limits()  # type: ignore[attr-defined]
+        return StageStore(path, spec, manifest.get("attrs") or {}, removed=_removed(path), limits=limits), manifest
 
     def read_array(
         self, iteration: int, stage: str, name: str, trajectories: slice | Sequence[int] | None = None

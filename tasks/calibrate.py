@@ -67,7 +67,7 @@ def compute(run: Run, cfg: Config, key: str) -> CalibrateResult:
     from stepgrpo_core.completions import complete
     from stepgrpo_core.credit import assign
 
-    path = Path(run.path) / CALIBRATION_FILE
+    path = run.inside(Path(run.path) / CALIBRATION_FILE)  # no write through a link out of the run
     check_calibrated(cfg)
     t0 = time.perf_counter()
     pol = workspace.policy_after(run, cfg, None)

@@ -22,6 +22,7 @@ from stepgrpo.sampling import complete_chunks
 from stepgrpo.sharding import shard_ranges
 from storage.ledger import record
 from storage.run import Run
+from storage.schema import completion_stage
 from tasks.base import fan_out, manifest, reuse, shard_task, stage_task
 from tasks.keys import Key, stage_key
 
@@ -32,12 +33,12 @@ DETERMINISTIC_FROM = "deterministic_from"
 
 def method_dir(method: str) -> str:
     """Storage name of a completion method (`substeps:5` -> `substeps-5`)."""
-    return method.replace(":", "-")
+    return completion_stage(method).removeprefix("completions/")
 
 
 def clean_stage(method: str | None) -> str:
     """The stage whose latents `score` reads: a completion, or the rollout (its x_T) for outcome."""
-    return "rollout" if method is None else f"completions/{method_dir(method)}"
+    return completion_stage(method)
 
 
 def window_end(kernel_params: dict[str, Any], num_steps: int) -> int:

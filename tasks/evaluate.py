@@ -77,6 +77,7 @@ def execute(run: Run, cfg: Config, iteration: int | None, key: Key) -> EvaluateR
     stored = read(run, name)
     if stored is not None and key.accepts(stored.key):
         return stored
+    run.inside(Path(run.path) / EVAL_DIR / f"{name}.json")  # refused before sampling: no write through a link
     return compute(run, cfg, iteration, name, key.value)
 
 
@@ -129,7 +130,7 @@ def compute(run: Run, cfg: Config, iteration: int | None, name: str, key: str) -
         sub=sub,
     )
     write_file_atomic(
-        Path(run.path) / EVAL_DIR / f"{name}.json",
+        run.inside(Path(run.path) / EVAL_DIR / f"{name}.json"),
         (result.model_dump_json(indent=1, exclude_none=True) + "\n").encode(),
     )
     close_ledger(ledger)
@@ -180,7 +181,11 @@ def evaluate_shard(run: Run, cfg: Config, iteration: int | None, name: str, key:
                 f"{reward.name} {float(v):.3f}\n{text}"
                 for text, v in zip(prompts.texts_of(shown), scored.scores[: len(shown)])
             ]
-            write_grid(Path(run.path) / EVAL_DIR / f"{name}.png", dequantize(images[: len(shown)]), captions=captions)
+            write_grid(
+                run.inside(Path(run.path) / EVAL_DIR / f"{name}.png"),
+                dequantize(images[: len(shown)]),
+                captions=captions,
+            )
         maybe_fail("evaluate", shard.start)
     result = {**output_json(cat_outputs(outputs)), "nfe": pol.nfe - nfe0, "seconds": time.perf_counter() - t0}
     record(ledger_of(run, name), shard, key, result)
@@ -188,4 +193,4 @@ def evaluate_shard(run: Run, cfg: Config, iteration: int | None, name: str, key:
 
 def ledger_of(run: Run, name: str) -> Path:
     """The ledger of evaluation `name` (beside its JSON file)."""
-    return Path(run.path) / EVAL_DIR / f".{name}.shards"
+    return run.inside(Path(run.path) / EVAL_DIR / f".{name}.shards")

@@ -192,7 +192,7 @@ def score_shard(
 
 def ledger_of(run: Run, iteration: int, key: str) -> Path:
     """The ledger of the score stage of `iteration` under `key` (beside the iteration's stages)."""
-    return run.stage_path(iteration, "rollout").parent / f".score-{key[:16]}.shards"
+    return run.inside(run.stage_path(iteration, "rollout").parent / f".score-{key[:16]}.shards")
 
 
 def stored(run: Run, iteration: int, name: str, version: str | None = None) -> ScoreResult:

@@ -133,9 +133,9 @@ def export_lora(run: Run, cfg: Config, iteration: int) -> Path:
     """Write the weights after `iteration` (their EMA when enabled): the LoRA as `<run>/lora/`, in the
     format `StableDiffusion3Pipeline.load_lora_weights` reads; with full fine-tuning the transformer
     as `<run>/transformer/` (`SD3Transformer2DModel.from_pretrained`, safetensors)."""
+    out = run.inside(Path(run.path) / ("transformer" if cfg.model.finetune == "full" else "lora"))  # no link out
     pol = workspace.policy_after(run, cfg, iteration)
     if cfg.model.finetune == "full":
-        out = Path(run.path) / "transformer"
         pol.transformer.save_pretrained(str(out), safe_serialization=True)
         return out
-    return pol.save_lora(Path(run.path) / "lora")
+    return pol.save_lora(out)
