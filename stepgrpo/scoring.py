@@ -15,7 +15,7 @@ import torch
 
 from stepgrpo.images import dequantize
 from stepgrpo.report import track
-from stepgrpo.rewards.base import RewardOutput
+from stepgrpo.rewards.base import RewardOutput, checked
 
 
 def reward_images(decoder: Any, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,7 +96,8 @@ def score_images(
     outputs = []
     for c0 in track(range(0, len(images), chunk), progress):
         rows = slice(c0, c0 + chunk)
-        outputs.append(reward(dequantize(images[rows].to(device)), list(prompts[rows]), list(metadata[rows])))
+        out = reward(dequantize(images[rows].to(device)), list(prompts[rows]), list(metadata[rows]))
+        outputs.append(checked(out, len(images[rows]), str(getattr(reward, "name", reward))))
     return cat_outputs(outputs)
 
 

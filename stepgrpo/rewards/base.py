@@ -31,6 +31,37 @@ class RewardOutput:
     sub: Mapping[str, torch.Tensor] = field(default_factory=dict)  # name -> [N], NaN where not applicable
 
 
+def checked(out: Any, n: int, name: str) -> RewardOutput:
+    """`out`, what reward `name` returned for `n` images, if it keeps the contract: a
+    `RewardOutput` whose `scores`, `strict` and every `sub` hold `n` numbers each (as float tensors).
+    Else a ValueError naming the reward and what is wrong: an extra or a missing score would shift
+    every stored row silently."""
+
+    def vector(value: Any, what: str) -> torch.Tensor:
+        try:
+            t = torch.as_tensor(value, dtype=torch.float32)
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(
+                f"reward {name!r} returned {what} of type {type(value).__name__}, not {n} numbers"
+            ) from None
+        if t.dim() != 1 or len(t) != n:
+            raise ValueError(
+                f"reward {name!r} returned {what} of shape {tuple(t.shape)} for {n} images; it must return one "
+                "number per image, in the order given"
+            )
+        return t
+
+    if not isinstance(out, RewardOutput):
+        raise ValueError(f"reward {name!r} returned a {type(out).__name__}, not a RewardOutput(scores, strict, sub)")
+    if not isinstance(out.sub, Mapping) or not all(isinstance(k, str) for k in out.sub):
+        raise ValueError(f"reward {name!r} returned sub-scores that are not a mapping of names to scores")
+    return RewardOutput(
+        scores=vector(out.scores, "scores"),
+        strict=None if out.strict is None else vector(out.strict, "strict"),
+        sub={k: vector(v, f"sub-score {k!r}") for k, v in out.sub.items()},
+    )
+
+
 class Reward(Protocol):
     name: str
     version: str

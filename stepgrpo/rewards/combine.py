@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from stepgrpo.rewards.base import Reward, RewardOutput
+from stepgrpo.rewards.base import Reward, RewardOutput, checked
 
 
 class WeightedSum:
@@ -38,7 +38,7 @@ class WeightedSum:
         stricts = []
         sub: dict[str, torch.Tensor] = {}
         for reward, weight in self.parts:
-            out = reward(images, prompts, metadata)
+            out = checked(reward(images, prompts, metadata), images.shape[0], reward.name)
             scores = out.scores.float().cpu()
             total = total + weight * scores
             sub[reward.name] = scores

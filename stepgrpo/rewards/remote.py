@@ -20,8 +20,10 @@ serves that identity (a swapped service would otherwise mix two rewards' rows un
 from __future__ import annotations
 
 import base64
+import http.client
 import io
 import json
+import socket
 import threading
 import urllib.error
 import urllib.request
@@ -37,6 +39,9 @@ from stepgrpo.images import dequantize, quantize
 from stepgrpo.rewards.base import REWARDS, Reward, RewardOutput
 
 MAX_BODY = 1 << 30  # bytes a server reads from one request
+MAX_IMAGE_PIXELS = 1 << 24  # one image's pixels a server decodes (4096 x 4096): checked from the PNG header
+MAX_REQUEST_PIXELS = 1 << 26  # all images' pixels of one request (~0.8 GB as float32 RGB)
+LISTEN_BACKLOG = 128  # connections the server's socket queues (http.server's default of 5 resets clients)
 
 
 def encode_images(images: torch.Tensor) -> list[str]:
@@ -50,8 +55,23 @@ def encode_images(images: torch.Tensor) -> list[str]:
 
 
 def decode_images(encoded: Sequence[str]) -> torch.Tensor:
-    """base64 PNG -> `[N, 3, H, W]` float32 in [0, 1] (exactly the client's 8-bit images)."""
-    arrays = [np.asarray(Image.open(io.BytesIO(base64.b64decode(e))).convert("RGB")) for e in encoded]
+    """base64 PNG -> `[N, 3, H, W]` float32 in [0, 1] (exactly the client's 8-bit images). Every
+    image's size is read from its header and bounded before any is decoded (`MAX_IMAGE_PIXELS`,
+    `MAX_REQUEST_PIXELS`): a small request of huge PNGs must not allocate gigabytes."""
+    opened, total = [], 0
+    for i, e in enumerate(encoded):
+        image = Image.open(io.BytesIO(base64.b64decode(e, validate=True)))
+        pixels = image.size[0] * image.size[1]
+        total += pixels
+        if pixels > MAX_IMAGE_PIXELS or total > MAX_REQUEST_PIXELS:
+            raise ValueError(
+                f"image {i} is {image.size[0]}x{image.size[1]}: over the server's limits ({MAX_IMAGE_PIXELS} pixels "
+                f"an image, {MAX_REQUEST_PIXELS} a request); send smaller images or fewer a request"
+            )
+        opened.append(image)
+    if len({im.size for im in opened}) > 1:
+        raise ValueError(f"the images of one request differ in size: {sorted({im.size for im in opened})}")
+    arrays = [np.asarray(im.convert("RGB")) for im in opened]
     return dequantize(torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous())
 
 
@@ -66,6 +86,8 @@ class HttpReward:
         self._checked = False
 
     def _request(self, path: str, body: dict[str, Any] | None = None) -> Any:
+        """The JSON answer of the server, within `timeout` seconds for the whole request (a server
+        that answers one byte at a time is given up on, not waited for byte by byte)."""
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(
             self.url + path,
@@ -73,17 +95,43 @@ class HttpReward:
             headers={"Content-Type": "application/json"},
             method="GET" if data is None else "POST",
         )
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                return json.loads(response.read())
-        except urllib.error.HTTPError as err:
+        answer: dict[str, Any] = {}
+
+        def call() -> None:
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                    answer["value"] = json.loads(response.read())
+            except BaseException as err:  # handed to the caller's thread
+                answer["error"] = err
+
+        worker = threading.Thread(target=call, daemon=True, name=f"reward-http {self.url}")
+        worker.start()
+        worker.join(self.timeout)
+        if worker.is_alive():
+            raise RuntimeError(
+                f"reward server {self.url}{path} did not answer within {self.timeout:g} s; check that it is healthy, "
+                "or raise reward.options.timeout"
+            )
+        err = answer.get("error")
+        if err is None:
+            return answer["value"]
+        if isinstance(err, urllib.error.HTTPError):
             detail = err.read().decode(errors="replace")[:500]
             raise RuntimeError(f"reward server {self.url}{path} answered {err.code}: {detail}") from None
-        except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
+        reason = getattr(err, "reason", None)
+        if isinstance(err, urllib.error.URLError) and isinstance(reason, ConnectionRefusedError | socket.gaierror):
             raise RuntimeError(
-                f"reward server {self.url} cannot be reached ({err}); start it with `stepgrpo reward-server` "
+                f"reward server {self.url} cannot be reached ({reason}); start it with `stepgrpo reward-server` "
                 "where the reward's dependencies are installed, or fix reward.options.url"
             ) from None
+        if isinstance(err, json.JSONDecodeError | UnicodeDecodeError):
+            raise RuntimeError(f"reward server {self.url}{path} answered something that is not JSON ({err})") from None
+        if isinstance(err, http.client.HTTPException | ConnectionError | urllib.error.URLError | TimeoutError):
+            raise RuntimeError(
+                f"reward server {self.url}{path} failed while answering ({type(err).__name__}: {err}): it may have "
+                "crashed; see its log"
+            ) from None
+        raise err
 
     def check(self) -> None:
         """The server must serve the identity this reward declares."""
@@ -112,6 +160,17 @@ class HttpReward:
                     "metadata": [dict(m) for m in metadata[rows]],
                 },
             )
+            if not isinstance(answer, dict) or not isinstance(answer.get("scores"), list):
+                raise ValueError(
+                    f"reward {self.name!r} (server {self.url}) answered {type(answer).__name__} without a list of "
+                    "scores"
+                )
+            n = len(images[rows])
+            for field in ("scores", "strict"):
+                if answer.get(field) is not None and len(answer[field]) != n:
+                    raise ValueError(
+                        f"reward {self.name!r} (server {self.url}) returned {len(answer[field])} {field} for {n} images"
+                    )
             parts.append(answer)
         return RewardOutput(
             scores=torch.tensor([v for p in parts for v in p["scores"]], dtype=torch.float32),
@@ -119,7 +178,7 @@ class HttpReward:
             if any(p.get("strict") is None for p in parts)
             else torch.tensor([v for p in parts for v in p["strict"]], dtype=torch.float32),
             sub={
-                n: torch.tensor([v for p in parts for v in p["sub"][n]], dtype=torch.float32)
+                n: torch.tensor([v for p in parts for v in (p.get("sub") or {}).get(n, [])], dtype=torch.float32)
                 for n in (parts[0].get("sub") or {} if parts else {})
             },
         )
@@ -174,4 +233,8 @@ def serve(reward: Reward, host: str = "127.0.0.1", port: int = 8100) -> Threadin
         def log_message(self, format: str, *args: Any) -> None:  # quiet: one line per batch is noise
             pass
 
-    return ThreadingHTTPServer((host, port), Handler)
+    class Server(ThreadingHTTPServer):
+        request_queue_size = LISTEN_BACKLOG
+        daemon_threads = True
+
+    return Server((host, port), Handler)

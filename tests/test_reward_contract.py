@@ -1,0 +1,193 @@
+"""The reward contract is checked at every call: one number per image, named when broken; a reward's
+options are part of its stored rows' identity; the HTTP reward gives up on a server within its
+deadline and says what happened; the reward server queues many clients and bounds what it decodes."""
+
+from __future__ import annotations
+
+import base64
+import io
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from PIL import Image
+
+from stepgrpo.config import RewardConfig
+from stepgrpo.rewards import build_reward
+from stepgrpo.rewards.base import RewardOutput, checked
+from stepgrpo.rewards.remote import HttpReward, serve
+from stepgrpo.scoring import score_images
+
+N = 4
+
+
+class Broken:
+    """A reward that breaks the contract in one way (`how`)."""
+
+    name, version = "broken", "1"
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+
+    def __call__(self, images, prompts, metadata):
+        n = len(images)
+        return {
+            "one more": RewardOutput(scores=torch.zeros(n + 1)),
+            "one fewer": RewardOutput(scores=torch.zeros(n - 1)),
+            "short strict": RewardOutput(scores=torch.zeros(n), strict=torch.zeros(n - 1)),
+            "short sub": RewardOutput(scores=torch.zeros(n), sub={"count": torch.zeros(1)}),
+            "a list": [0.0] * n,
+            "strings": RewardOutput(scores=["high"] * n),
+            "a matrix": RewardOutput(scores=torch.zeros(n, 2)),
+        }[self.how]
+
+
+@pytest.mark.parametrize("how", ["one more", "one fewer", "short strict", "short sub", "a list", "strings", "a matrix"])
+def test_a_reward_that_breaks_the_contract_is_named(how):
+    images = torch.zeros(N, 3, 8, 8, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="reward 'broken'"):
+        score_images(Broken(how), images, ["a"] * N, [{}] * N, chunk=N)
+
+
+def test_a_weighted_sum_checks_each_part():
+    from stepgrpo.rewards.combine import WeightedSum
+
+    with pytest.raises(ValueError, match="reward 'broken'.*shape \\(5,\\) for 4 images"):
+        WeightedSum([(Broken("one more"), 1.0)])(torch.zeros(N, 3, 8, 8), ["a"] * N, [{}] * N)
+
+
+def test_a_good_output_passes_unchanged():
+    out = checked(RewardOutput(scores=[1, 2], strict=torch.ones(2), sub={"a": [0.5, 0.5]}), 2, "r")
+    assert out.scores.dtype == torch.float32 and out.scores.tolist() == [1.0, 2.0] and out.sub["a"].shape == (2,)
+
+
+def test_reward_options_are_part_of_the_stored_identity():
+    """Rows scored with other options are never read back as these (a plug-in's declared identity
+    rarely names its options; the built-ins' are checked the same way)."""
+    from stepgrpo.workspace import reward_identity
+
+    plain = reward_identity(RewardConfig(name="jpeg_compressibility"))
+    other = reward_identity(RewardConfig(name="jpeg_compressibility", options={"quality": 50}))
+    again = reward_identity(RewardConfig(name="jpeg_compressibility", options={"quality": 50}))
+    assert plain["name"] == other["name"] and plain["version"] != other["version"] == again["version"]
+    assert other["version"].startswith(other["declared_version"] + "+")  # the built reward carries the declared one
+    assert (
+        build_reward({"name": "jpeg_compressibility", "options": {"quality": 50}}).version == other["declared_version"]
+    )
+
+
+# ------------------------------------------------------------------------------ the HTTP reward
+
+
+def _server_thread(handler) -> tuple[str, socket.socket]:
+    """A raw TCP server running `handler(conn)` for each connection; its URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)
+
+    def loop():
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=handler, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=loop, daemon=True).start()
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", sock
+
+
+def test_a_server_that_drips_its_answer_is_given_up_within_the_deadline():
+    def drip(conn):
+        conn.recv(65536)
+        try:
+            for byte in b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n":
+                conn.send(bytes([byte]))
+                time.sleep(0.3)
+        except OSError:
+            pass
+
+    url, sock = _server_thread(drip)
+    reward = HttpReward(url, "x", "1", timeout=1.5)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="did not answer within 1.5 s"):
+        reward.check()
+    assert time.monotonic() - t0 < 4
+    sock.close()
+
+
+def test_a_server_that_crashes_mid_request_is_not_called_unreachable():
+    def crash(conn):
+        conn.recv(65536)
+        conn.close()
+
+    url, sock = _server_thread(crash)
+    with pytest.raises(RuntimeError, match="may have crashed") as err:
+        HttpReward(url, "x", "1", timeout=5).check()
+    assert "cannot be reached" not in str(err.value)
+    sock.close()
+
+
+def test_a_refused_connection_is_unreachable():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(RuntimeError, match="cannot be reached"):
+        HttpReward(f"http://127.0.0.1:{port}", "x", "1", timeout=5).check()
+
+
+@pytest.fixture(scope="module")
+def jpeg_server():
+    server = serve(build_reward("jpeg_compressibility"), "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_the_reward_server_serves_a_hundred_clients_at_once(jpeg_server):
+    reward = HttpReward(jpeg_server, "jpeg_compressibility", "1", timeout=120)
+    images = torch.rand(2, 3, 16, 16)
+
+    def one(_):
+        return HttpReward(jpeg_server, reward.name, build_reward("jpeg_compressibility").version, timeout=120)(
+            images, ["a", "b"], [{}, {}]
+        ).scores
+
+    with ThreadPoolExecutor(100) as pool:
+        results = list(pool.map(one, range(100)))
+    assert all(torch.equal(r, results[0]) for r in results)
+
+
+def test_the_reward_server_refuses_huge_images_before_decoding_them(jpeg_server):
+    import json
+    import urllib.error
+    import urllib.request
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (9000, 9000)).save(buffer, format="PNG")  # 81 megapixels, a small file
+    body = {"images": [base64.b64encode(buffer.getvalue()).decode()], "prompts": ["a"]}
+    request = urllib.request.Request(
+        jpeg_server + "/score", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=60)
+    assert err.value.code == 400 and "9000x9000" in err.value.read().decode()
+
+
+def test_the_http_reward_checks_the_answers_length(jpeg_server):
+    """An answer for fewer images than sent is named, not stored shifted."""
+
+    class Short(HttpReward):
+        def _request(self, path, body=None):
+            answer = super()._request(path, body)
+            if path == "/score":
+                answer["scores"] = answer["scores"][:-1]
+            return answer
+
+    version = build_reward("jpeg_compressibility").version
+    with pytest.raises(ValueError, match="returned 1 scores for 2 images"):
+        Short(jpeg_server, "jpeg_compressibility", version)(torch.rand(2, 3, 8, 8), ["a", "b"], [{}, {}])
