@@ -66,6 +66,11 @@ def check_config(cfg: Config, calibrated: bool = False) -> None:
             f"run.prompts {cfg.run.prompts!r} holds no prompt: one prompt a line (.txt), "
             "or one JSON object with a 'prompt' field a line (.jsonl)"
         )
+    if cfg.run.prompts_per_iteration > len(prompts.ids("train")):
+        raise StageError(
+            f"run.prompts_per_iteration={cfg.run.prompts_per_iteration} exceeds the {len(prompts.ids('train'))} "
+            f"training prompts of run.prompts {cfg.run.prompts!r}: lower it, or give more prompts"
+        )
     if cfg.run.heldout_prompts is not None and not prompts.ids("test"):
         raise StageError(f"run.heldout_prompts {cfg.run.heldout_prompts!r} holds no prompt")
     try:

@@ -340,7 +340,7 @@ class RunConfig(_Section):
     """Distinct prompts per iteration; B = prompts_per_iteration x group_size trajectories."""
     group_size: int = Field(4, ge=2)
     """G, trajectories per prompt sharing the initial noise x_0 (Flow-GRPO: 24)."""
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**63)
     """Master seed: prompts, noise and update shuffling of iteration i derive from (seed, i)."""
     eval_every: int = Field(0, ge=0)
     """Evaluate every N iterations (0: only before and after training)."""
@@ -418,7 +418,7 @@ class ScaleConfig(_Section):
     """Times Prefect runs a stage task again after a failure that may pass (an out-of-memory error,
     a reward server that did not answer; not bad input or damaged data). Safe: every stage is
     idempotent and a retry reuses the shards the failed attempt finished. 0: no retries."""
-    threads: int | None = Field(None, ge=1)
+    threads: int | None = Field(None, ge=1, le=1024)
     """torch CPU threads of every stepgrpo process of the run (the flow, the update's processes); None:
     `STEPGRPO_THREADS` when set, else torch's default of one per core. The shipped shapes configs
     set 1: the tiny model gains little from two, and loses a lot when a second process shares the cores."""

@@ -20,6 +20,11 @@ The name and the version are the plug-in's identity: every stored reward row and
 names them, so bump the version whenever a change can change the numbers. A plug-in is validated
 when a config names it, like the built-ins: a module that does not import, an object that is not
 marked, a wrong signature or a missing version is a config error that says so.
+
+A reference is imported only when the user's own input names it: a command's `--reward` /
+`--scheme` / `--set`, their `--config` file, the Prefect run form, `STEPGRPO_PLUGINS` in the
+environment, or `allow("mypkg.rewards:Redness")` in their own Python code. A reference that only a
+stored run's manifest names is never imported (an installed entry point is: it is installed).
 """
 
 from __future__ import annotations
@@ -29,11 +34,11 @@ from typing import Any, TypeVar
 
 from stepgrpo.rewards.base import REWARDS
 from stepgrpo_core.credit import SCHEMES
-from stepgrpo_core.registry import PluginError
+from stepgrpo_core.registry import PluginError, allow
 
 T = TypeVar("T", bound=Callable[..., Any])
 
-__all__ = ["PluginError", "reward", "scheme"]
+__all__ = ["PluginError", "allow", "reward", "scheme"]
 
 
 def reward(

@@ -130,7 +130,10 @@ def find_prompt_file(path: str) -> Path:
 
 def read_prompt_file(path: Path) -> tuple[list[str], list[dict[str, Any]]]:
     """Prompts and metadata of a `.txt` or `.jsonl` file (module doc)."""
-    lines = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    try:
+        lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except UnicodeDecodeError as err:
+        raise StageError(f"{path} is not UTF-8 text (byte {err.start}: {err.reason}); save it as UTF-8") from None
     if path.suffix != ".jsonl":
         return lines, [{} for _ in lines]
     texts, metadata = [], []
@@ -146,6 +149,13 @@ def read_prompt_file(path: Path) -> tuple[list[str], list[dict[str, Any]]]:
                 f"{path}:{number} has no 'prompt' string field; each line must look like "
                 '{"prompt": "a photo of two dogs", "tag": "counting", "include": [...]}'
             )
+        try:  # a lone surrogate (`"\\ud800"`) parses, but no UTF-8 table can store it
+            json.dumps(row, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise StageError(
+                f"{path}:{number} holds a character that is not valid Unicode ({err.reason}, e.g. a lone surrogate "
+                "escape like \\ud800); fix that line"
+            ) from None
         texts.append(row["prompt"])
         metadata.append(row)
     return texts, metadata

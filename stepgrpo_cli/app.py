@@ -380,16 +380,19 @@ def reward_server(
 @app.command()
 def runs(root: Annotated[Path, typer.Option(help="Directory holding run directories.")] = Path("runs")) -> None:
     """List the runs under ROOT."""
+    from storage.errors import StorageError
+    from storage.publish import read_json
+
     table = Table(
         "run id", "config", "created", "iterations", "checkpoints", "held-out reward (base -> last)", title=str(root)
     )
     for path in sorted(p for p in root.glob("*") if (p / "manifest.json").is_file()):
         try:
-            m = json.loads((path / "manifest.json").read_text())
+            m = read_json(path / "manifest.json", "run manifest")
             iters = [d for d in path.glob("iter_*") if (d / "rollout.zarr" / "_published.json").is_file()]
             ckpts = [d for d in (path / "checkpoints").glob("iter_*") if (d / "_published.json").is_file()]
             evals = _evals(path)
-        except (OSError, ValueError, KeyError, TypeError) as err:  # one broken run does not hide the others
+        except (OSError, ValueError, KeyError, TypeError, StorageError) as err:  # one broken run hides no other
             table.add_row(path.name, f"[red]unreadable: {escape(str(err))[:80]}[/]", "", "", "", "")
             continue
         reward = (
@@ -532,6 +535,8 @@ def _diagnostics(r: Any, iters: list[int]) -> None:
     from stepgrpo.scoring import reward_summary
     from stepgrpo.workspace import reward_identity
     from stepgrpo_core.registry import PluginError
+    from storage.errors import StorageError
+    from storage.publish import read_json
 
     try:
         reward = reward_identity(stored_config(r).reward)["name"]
@@ -559,7 +564,11 @@ def _diagnostics(r: Any, iters: list[int]) -> None:
         state = r.stage_path(i, "checkpoint") / "state.json"
         if not state.is_file():
             continue
-        u = json.loads(state.read_text())["update"]
+        try:
+            u = read_json(state, "checkpoint state")["update"]
+        except (StorageError, KeyError, TypeError) as err:
+            err_console.print(f"[bold red]damaged:[/] {escape(str(state))}: {escape(str(err))}", soft_wrap=True)
+            continue
         score: dict[str, Any] = {}
         names = set(r.read_rewards(i).column("reward_name").to_pylist()) if r.stage_manifest(i, "rollout") else set()
         if reward in names:
@@ -602,14 +611,23 @@ def _diagnostics(r: Any, iters: list[int]) -> None:
 
 
 def _evals(path: Path) -> list[tuple[str, float]]:
+    """The run's held-out evaluations at its own settings, `(label, reward)`, oldest first; a damaged
+    record is named on stderr and left out."""
+    from storage.errors import StorageError
+    from storage.publish import read_json
+
     out = []
     for f in (path / "eval").glob("*.json"):
-        e = json.loads(f.read_text())
-        if f.stem != e["label"]:
+        try:
+            e = read_json(f, "evaluation record")
+            label, value = e["label"], float(e["reward_mean"])
+            order = -1 if label == "base" else int(label.removeprefix("iter_"))
+        except (StorageError, KeyError, TypeError, ValueError, AttributeError) as err:
+            err_console.print(f"[bold red]damaged:[/] {escape(str(f))}: {escape(str(err))}", soft_wrap=True)
+            continue
+        if f.stem != label:
             continue  # an evaluation with other settings than the run's (`evaluate --set ...`)
-        out.append(
-            (e["label"], e["reward_mean"], -1 if e["label"] == "base" else int(e["label"].removeprefix("iter_")))
-        )
+        out.append((label, value, order))
     return [(label, value) for label, value, _ in sorted(out, key=lambda x: x[2])]
 
 

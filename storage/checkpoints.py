@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from storage.errors import CorruptChunkError, NotPublishedError
-from storage.publish import check_json
+from storage.publish import check_json, read_json
 from storage.retention import check_not_pruned
 from storage.schema import check_name
 from storage.writer import StageWriter, digest_files
@@ -83,4 +83,4 @@ class Checkpoints:
                 "digest (damaged or edited); restore it or resume from an earlier checkpoint"
             )
         tensors = {p.stem: load_file(str(p)) for p in sorted(path.glob("*.safetensors"))}
-        return Checkpoint(iteration, tensors, json.loads((path / STATE_FILE).read_text()), manifest)
+        return Checkpoint(iteration, tensors, read_json(path / STATE_FILE, "checkpoint state"), manifest)

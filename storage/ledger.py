@@ -27,7 +27,7 @@ def finished(ledger: Path, shard: range, key: str) -> dict[str, Any] | None:
     """The result a finished shard recorded under `key`, or None (not finished, or other inputs)."""
     try:
         record = json.loads(record_path(ledger, shard).read_text())
-    except (FileNotFoundError, ValueError):
+    except (FileNotFoundError, ValueError, RecursionError):  # a damaged record: the shard is computed again
         return None
     if not isinstance(record, dict) or record.get("key") != key:
         return None
@@ -57,7 +57,7 @@ def close_ledger(ledger: Path) -> None:
 def stage_key(ledger: Path) -> str | None:
     try:
         found = json.loads((ledger / "stage.json").read_text())
-    except (FileNotFoundError, ValueError):
+    except (FileNotFoundError, ValueError, RecursionError):  # a damaged record: the shard is computed again
         return None
     return found.get("key") if isinstance(found, dict) else None
 

@@ -50,6 +50,39 @@ def check_json(obj: Any, where: str) -> None:
         ) from None
 
 
+SEAL_KEY = "seal"  # a stored JSON record's own digest: a flipped byte anywhere in it is noticed
+
+
+def seal(record: Mapping[str, Any]) -> dict[str, Any]:
+    """`record` with its digest under `SEAL_KEY` (sha256 of its canonical JSON without the seal)."""
+    body = {k: v for k, v in record.items() if k != SEAL_KEY}
+    return {**body, SEAL_KEY: hashlib.sha256(canonical_json(body).encode()).hexdigest()}
+
+
+def check_seal(record: Mapping[str, Any], path: Path) -> None:
+    """A `CorruptChunkError` naming `path` if `record` carries a seal its content does not match
+    (records written before seals existed carry none)."""
+    if SEAL_KEY in record and seal(record)[SEAL_KEY] != record[SEAL_KEY]:
+        raise CorruptChunkError(f"{path} does not match its seal (damaged or edited)")
+
+
+def read_json(path: Path, what: str = "record") -> Any:
+    """A stored JSON file, or a `CorruptChunkError` that names it when it does not parse (bad bytes,
+    nesting deeper than the parser allows, integers longer than Python converts); `FileNotFoundError`
+    when it is not there. A sealed record (`seal`) is checked."""
+    try:
+        data = json.loads(Path(path).read_bytes())
+    except FileNotFoundError:
+        raise
+    except (ValueError, RecursionError, UnicodeDecodeError) as err:
+        raise CorruptChunkError(
+            f"{path} is not JSON that can be read ({type(err).__name__}: {str(err)[:120]}): the {what} is damaged"
+        ) from None
+    if isinstance(data, dict):
+        check_seal(data, path)
+    return data
+
+
 def utc_now() -> str:
     """Current UTC time, ISO 8601."""
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -174,7 +207,7 @@ def _fsync_path(path: Path) -> None:
 def publish_dir(tmp: Path, final: Path, manifest: Mapping[str, Any]) -> None:
     """Write `_published.json` into `tmp`, then rename `tmp` to `final` (the atomic step)."""
     check_json(dict(manifest), "a stage manifest")
-    (tmp / PUBLISHED_FILE).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    (tmp / PUBLISHED_FILE).write_text(json.dumps(seal(manifest), indent=1, sort_keys=True) + "\n")
     _fsync_path(tmp / PUBLISHED_FILE)
     os.rename(tmp, final)  # fails if final exists: stages are never replaced
     _fsync_path(final.parent)
@@ -183,15 +216,12 @@ def publish_dir(tmp: Path, final: Path, manifest: Mapping[str, Any]) -> None:
 def read_published(final: Path) -> dict[str, Any] | None:
     """The manifest of the stage published at `final`, or None if it is not published."""
     try:
-        manifest = json.loads((final / PUBLISHED_FILE).read_text())
+        manifest = read_json(final / PUBLISHED_FILE, "stage manifest")
     except FileNotFoundError:
         return None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CorruptChunkError(
-            f"{final / PUBLISHED_FILE} is not JSON ({err}): the stage's manifest is damaged"
-        ) from None
     if not isinstance(manifest, dict):
         raise CorruptChunkError(f"{final / PUBLISHED_FILE} is not a stage manifest: the stage's manifest is damaged")
+    manifest.pop(SEAL_KEY, None)  # checked by read_json
     return manifest
 
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from storage.errors import StorageError
-from storage.publish import utc_now, write_file_atomic
+from storage.errors import CorruptChunkError, StorageError
+from storage.publish import read_json, utc_now, write_file_atomic
 
 if TYPE_CHECKING:
     from storage.run import Run
@@ -59,7 +59,14 @@ class PruneReport:
 def pruned(path: Path) -> dict[str, Any] | None:
     """The `_pruned.json` record of the stage directory at `path`, or None."""
     f = path / PRUNED_FILE
-    return json.loads(f.read_text()) if f.is_file() else None
+    if not f.is_file():
+        return None
+    record = read_json(f, "retention record")
+    fields_ok = isinstance(record, dict) and isinstance(record.get("removed"), list)
+    fields_ok = fields_ok and all(isinstance(record.get(f), str) for f in ("why", "pruned_at"))
+    if not fields_ok or not all(isinstance(n, str) for n in record["removed"]):
+        raise CorruptChunkError(f"{f} is not a retention record (a list of removed arrays): it is damaged")
+    return record
 
 
 def check_not_pruned(path: Path, names: list[str] | None, what: str) -> None:

@@ -41,8 +41,10 @@ from storage.publish import (
     fresh_partial,
     lock_path,
     no_links,
+    read_json,
     read_published,
     release_lock,
+    seal,
     utc_now,
     write_file_atomic,
 )
@@ -169,18 +171,17 @@ class Run(StageStores, RunTables, Checkpoints):
         """Open an existing run; raises SchemaVersionError if it was written with another schema."""
         path = Path(path)
         try:
-            manifest = json.loads((path / MANIFEST_FILE).read_text())
-            if not isinstance(manifest, dict) or "run_id" not in manifest or "config" not in manifest:
-                raise StorageError(f"{path / MANIFEST_FILE} is not a run manifest (no run_id / config); restore it")
-        except json.JSONDecodeError as err:
+            manifest = read_json(path / MANIFEST_FILE, "run manifest")
+        except CorruptChunkError as err:
             raise StorageError(
-                f"{path / MANIFEST_FILE} is not JSON ({err.msg}, line {err.lineno}); the run cannot be opened until "
-                "it is restored (from a copy of the run)"
+                f"{err}; the run cannot be opened until its manifest.json is restored (from a copy of the run)"
             ) from None
         except FileNotFoundError:
             raise FileNotFoundError(
                 f"{path} is not a run directory (no {MANIFEST_FILE}); create it with Run.create"
             ) from None
+        if not isinstance(manifest, dict) or "run_id" not in manifest or not isinstance(manifest.get("config"), dict):
+            raise StorageError(f"{path / MANIFEST_FILE} is not a run manifest (no run_id / config); restore it")
         _check_schema(manifest.get("schema_version"), f"run {manifest.get('run_id', path.name)}")
         return cls(path, manifest)
 
@@ -261,10 +262,10 @@ class Run(StageStores, RunTables, Checkpoints):
         """Iterations whose `stage` is published, ascending."""
         found = []
         for d in list(self.path.glob("iter_*")) + list((self.path / "checkpoints").glob("iter_*")):
-            try:
-                k = int(d.name.removeprefix("iter_"))
-            except ValueError:
-                continue
+            digits = d.name.removeprefix("iter_")
+            if not (digits.isdecimal() and digits.isascii()):
+                continue  # not a stage folder (`iter_-1`, `iter_x`): not read
+            k = int(digits)
             if k not in found and (self.stage_path(k, stage) / PUBLISHED_FILE).exists():
                 found.append(k)
         return sorted(found)
@@ -312,7 +313,7 @@ class Run(StageStores, RunTables, Checkpoints):
     def read_draw(self, iteration: int) -> dict[str, Any]:
         """The published draw of `iteration`, checked against its digest."""
         self.verify(iteration, "draw")
-        return json.loads((self.stage_path(iteration, "draw") / DRAW_FILE).read_text())
+        return read_json(self.stage_path(iteration, "draw") / DRAW_FILE, "draw record")
 
     # --- verification ---------------------------------------------------------------------------
 
@@ -350,8 +351,8 @@ class Run(StageStores, RunTables, Checkpoints):
         path = self.stage_path(iteration, stage)
         if stage == "checkpoint":
             try:
-                json.loads((path / "state.json").read_text())
-            except (OSError, ValueError) as err:
+                read_json(path / "state.json", "checkpoint state")
+            except (OSError, StorageError) as err:
                 raise CorruptChunkError(f"{what}: its state.json cannot be read ({err})") from None
             return
         try:
@@ -382,7 +383,29 @@ class Run(StageStores, RunTables, Checkpoints):
             items += [(f"iteration {k} {stage}", (k, stage)) for k in self.iterations(stage)]
         for table in ("rewards", "advantages"):
             items += [(f"{table}/{p.name}", p) for p in sorted((self.path / table).glob("part-*.parquet"))]
+        items += [(name, ("export", name)) for name in self.EXPORTS if (self.path / name / PUBLISHED_FILE).is_file()]
+        for folder in self.RECORDS:
+            items += [(f"{folder}/{p.name}", ("record", p)) for p in sorted((self.path / folder).glob("*.json"))]
         return items
+
+    EXPORTS = ("lora", "transformer")  # the run's exported weights (`tasks.update.export_lora`)
+    RECORDS = ("eval",)  # folders of sealed JSON records (`storage.publish.seal`)
+
+    def seal_export(self, name: str) -> dict[str, Any]:
+        """Record the digest of the export folder `name` (in it, as `_published.json`), so that a
+        damaged or truncated export is found by `verify_all`."""
+        folder = self.inside(self.path / name)
+        digest, size, count = digest_files(folder)
+        record = seal({"digest": digest, "bytes": size, "files": count, "exported_at": utc_now()})
+        write_file_atomic(folder / PUBLISHED_FILE, (json.dumps(record, indent=1, sort_keys=True) + "\n").encode())
+        return record
+
+    def verify_export(self, name: str) -> None:
+        """The export folder `name` against its recorded digest (`CorruptChunkError` if it differs)."""
+        folder = self.path / name
+        record = read_json(folder / PUBLISHED_FILE, f"{name} export record")
+        if not isinstance(record, dict) or digest_files(folder)[0] != record.get("digest"):
+            raise CorruptChunkError(f"{folder}: its files no longer match their recorded digest (damaged or edited)")
 
     def verify_all(self) -> list[tuple[str, str]]:
         """Check every stored item (`stored_items`); returns `(item, what is wrong)` for those that fail."""
@@ -395,6 +418,10 @@ class Run(StageStores, RunTables, Checkpoints):
                     self.verify_prompts()
                 elif isinstance(item, Path):
                     tables.verify_part(item, *TABLES[item.parent.name])
+                elif item[0] == "export":
+                    self.verify_export(item[1])
+                elif item[0] == "record":
+                    read_json(item[1], "record")  # parses, and matches its seal
                 else:
                     self.verify(*item)
             except StorageError as err:

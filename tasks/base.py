@@ -170,8 +170,8 @@ def check_key(recorded: str | None, key: Key, what: str) -> None:
     """A stage published from other inputs is an error: a run's stages are immutable."""
     if not key.accepts(recorded):
         raise StageError(
-            f"{what} is already published from other inputs (key {recorded[:12]} != {key.value[:12]}); "
-            "the run's stages are immutable: start a new run id"
+            f"{what} is already published from other inputs (stored key {recorded}, this run's key {key.value}); "
+            "the run's stages are immutable: start a new run id, or if the stored stage was edited, move it aside"
         )
 
 

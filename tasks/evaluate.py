@@ -26,8 +26,9 @@ from stepgrpo.sampling import encode, generator
 from stepgrpo.scoring import cat_outputs, output_json, output_of_json, score_images
 from stepgrpo.sharding import blocks_per_shard
 from stepgrpo_core.rollout import rollout as sample
+from storage.errors import StorageError
 from storage.ledger import close_ledger, open_ledger, record
-from storage.publish import write_file_atomic
+from storage.publish import SEAL_KEY, read_json, seal, write_file_atomic
 from storage.run import Run
 from tasks.base import fan_out, shard_task, stage_task, warn
 from tasks.keys import Key, stage_key
@@ -55,9 +56,10 @@ def read(run: Run, name: str) -> EvaluateResult | None:
     if not path.is_file():
         return None
     try:
-        return EvaluateResult.model_validate(json.loads(path.read_text()))
-    except ValueError:
-        warn(f"{path} does not parse; kept aside as {run.set_aside_file(path).name}, evaluating again")
+        record = read_json(path, "evaluation record")  # checks its seal
+        return EvaluateResult.model_validate({k: v for k, v in record.items() if k != SEAL_KEY})
+    except (ValueError, StorageError):
+        warn(f"{path} is damaged; kept aside as {run.set_aside_file(path).name}, evaluating again")
         return None
 
 
@@ -129,9 +131,9 @@ def compute(run: Run, cfg: Config, iteration: int | None, name: str, key: str) -
         strict_scores=None if strict is None else strict.tolist(),
         sub=sub,
     )
+    record = seal(result.model_dump(mode="json", exclude_none=True))
     write_file_atomic(
-        run.inside(Path(run.path) / EVAL_DIR / f"{name}.json"),
-        (result.model_dump_json(indent=1, exclude_none=True) + "\n").encode(),
+        run.inside(Path(run.path) / EVAL_DIR / f"{name}.json"), (json.dumps(record, indent=1) + "\n").encode()
     )
     close_ledger(ledger)
     return result

@@ -44,6 +44,16 @@ def _write(tmp: Path, name: str, text: str) -> Path:
     return path
 
 
+SURROGATE_LINE = '{"prompt": "a \\ud800 circle"}'  # valid JSON, a lone surrogate escape
+NOT_UTF8 = b"a red circle\n\xff\xfe"
+
+
+def _write_bytes(tmp: Path, name: str, data: bytes) -> Path:
+    path = tmp / name
+    path.write_bytes(data)
+    return path
+
+
 # (name, how to make the case in a temporary directory -> CLI arguments after `train`, what the message says)
 TRAIN_CASES = {
     "unknown field": (lambda t: ["--set", "optim.lrr=1"], ["optim.lrr", "unknown field"]),
@@ -111,6 +121,8 @@ TRAIN_CASES = {
             "--set",
             f"run.prompts={_write(t, 'p.txt', 'a red circle')}",
             "--set",
+            "run.prompts_per_iteration=1",
+            "--set",
             f"run.heldout_prompts={_write(t, 'h.txt', chr(10))}",
         ],
         ["run.heldout_prompts", "holds no prompt"],
@@ -122,6 +134,19 @@ TRAIN_CASES = {
     "a .jsonl line without a prompt": (
         lambda t: ["--set", f"run.prompts={_write(t, 'q.jsonl', json.dumps({'tag': 'counting'}))}"],
         ["q.jsonl:1", "'prompt'"],
+    ),
+    "a .jsonl prompt with a lone surrogate": (
+        lambda t: ["--set", "run.prompts=" + str(_write(t, "s.jsonl", SURROGATE_LINE))],
+        ["s.jsonl:1", "not valid Unicode"],
+    ),
+    "a prompt file that is not UTF-8": (
+        lambda t: ["--set", "run.prompts=" + str(_write_bytes(t, "b.txt", NOT_UTF8))],
+        ["b.txt", "not UTF-8"],
+    ),
+    "a seed beyond 64 bits": (lambda t: ["--set", f"run.seed={2**70}"], ["run.seed"]),
+    "more prompts an iteration than the prompt set holds": (
+        lambda t: ["--set", f"run.prompts={_write(t, 'two.txt', 'a red circle' + chr(10) + 'a blue square')}"],
+        ["run.prompts_per_iteration=4 exceeds the 2 training prompts"],
     ),
     "shards that split a model call": (
         lambda t: ["--set", "model.max_batch=8", "--set", "scale.groups_per_shard=3"],
@@ -209,6 +234,18 @@ def test_commands_on_a_run_refuse_bad_input_early(stored_run, case):
     assert _published(stored_run) == []  # nothing was written into the run
 
 
+def test_a_step_reward_scheme_on_a_run_without_step_rewards_is_refused_early(here):
+    """The README's old quick start: `credit` with turning_point on an outcome run (final samples only)."""
+    from stepgrpo.config import load_config
+    from storage.run import Run
+
+    cfg = load_config(None, ["run.runs_root=runs", "completion.method=null", "credit.scheme=outcome"])
+    run = Run.create(here / "runs", "o", cfg.model_dump(mode="json")).path
+    result = invoke("credit", str(run), "--scheme", "turning_point")
+    assert result.exit_code == 1 and "needs step rewards" in result.output and "outcome" in result.output
+    assert "Starting temporary server" not in result.output
+
+
 def test_a_broken_manifest_is_named(stored_run):
     (stored_run / "manifest.json").write_text("{not json")
     for args in (["rescore", str(stored_run), "--reward", "shapes"], ["inspect", str(stored_run)]):
@@ -219,4 +256,4 @@ def test_a_broken_manifest_is_named(stored_run):
 
 
 def test_the_catalogue_has_the_cases_the_reliability_doc_promises():
-    assert len(TRAIN_CASES) + len(OFFLINE_CASES) + 2 >= 30
+    assert len(TRAIN_CASES) + len(OFFLINE_CASES) + 3 >= 34

@@ -837,3 +837,107 @@ def test_an_installed_plugin_rescores_and_recredits_a_stored_run_offline(
     # the same objects by reference, without the entry points: the identity (and so the rows) is the same
     again = rescore(str(run_dir), "stepgrpo_redness:Redness", {"sharpness": 2.0})
     assert again["scores"] == out["scores"] and calls["score"] == 2  # cached: nothing scored again
+
+
+def _flip_key_bit(manifest: Path) -> None:
+    """Flip one bit of the stage key recorded in a `_published.json` (the JSON stays valid)."""
+    text = manifest.read_text()
+    key = json.loads(text)["inputs"]["key"]
+    flipped = key[:-1] + ("1" if key[-1] != "1" else "0")
+    manifest.write_text(text.replace(key, flipped))
+
+
+DAMAGE = {
+    # name: (how to damage a copy of the trained run, what `inspect --verify` names)
+    "a flipped bit of a stage key": (
+        lambda r: _flip_key_bit(r / "iter_1" / "rollout.zarr" / "_published.json"),
+        "iteration 1 rollout",
+    ),
+    "a flipped byte of the exported LoRA": (lambda r: _flip(r / "lora" / "pytorch_lora_weights.safetensors"), "lora"),
+    "a truncated exported LoRA": (
+        lambda r: (r / "lora" / "pytorch_lora_weights.safetensors").write_bytes(b"x"),
+        "lora",
+    ),
+    "an edited evaluation record": (
+        lambda r: (r / "eval" / "base.json").write_text(
+            (r / "eval" / "base.json").read_text().replace('"label"', '"label" ', 1).replace("0.", "1.", 1)
+        ),
+        "eval/base.json",
+    ),
+    "a garbled retention record": (
+        lambda r: (r / "iter_0" / "rollout.zarr" / "_pruned.json").write_text("{garbled"),
+        "_pruned.json",
+    ),
+    "JSON nested thousands deep": (
+        lambda r: (r / "iter_0" / "rollout.zarr" / "_published.json").write_text("[" * 5000 + "]" * 5000),
+        "_published.json",
+    ),
+    "a 5000-digit integer": (
+        lambda r: (r / "checkpoints" / "iter_0" / "_published.json").write_text('{"n": ' + "9" * 5000 + "}"),
+        "_published.json",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGE))
+def test_every_stored_file_a_command_reads_is_verified_or_named(trained, tmp_path, case):
+    """`inspect --verify` names the damaged file; `inspect` and `runs` name it or carry on; a stray
+    `iter_-1/` folder is not read."""
+    from typer.testing import CliRunner
+
+    from stepgrpo_cli import app
+
+    damage, named = DAMAGE[case]
+    copy = _copy(trained, tmp_path, "r")
+    (copy / "iter_-1").mkdir()
+    clean = CliRunner().invoke(app, ["inspect", str(copy), "--verify"])
+    assert clean.exit_code == 0, clean.output
+    damage(copy)
+    result = CliRunner().invoke(app, ["inspect", str(copy), "--verify"])
+    assert result.exit_code == 1 and named in result.output, (case, result.output)
+    shown = CliRunner().invoke(app, ["inspect", str(copy)])
+    assert "Traceback" not in shown.output and (shown.exit_code == 0 or named in shown.output), shown.output
+    listed = CliRunner().invoke(app, ["runs", "--root", str(tmp_path)])
+    assert listed.exit_code == 0 and "r" in listed.output, listed.output
+
+
+def test_a_key_mismatch_shows_both_whole_keys(trained, tiny, tmp_path):
+    from tasks.base import check_key
+    from tasks.keys import Key
+
+    with pytest.raises(StageError) as err:
+        check_key("a" * 64, Key("b" * 64), "iteration 0 rollout")
+    assert "a" * 64 in str(err.value) and "b" * 64 in str(err.value)
+
+
+def test_rescore_finds_the_completions_of_a_substeps_run(trained, tmp_path):
+    """The stored folder of `substeps:5` is `completions/substeps-5`: a re-score finds it."""
+    from stepgrpo.runs import check_rescorable
+    from storage.run import Run
+
+    copy = _copy(trained, tmp_path)
+    (copy / "iter_0" / "completions" / "remaining.zarr").rename(copy / "iter_0" / "completions" / "substeps-5.zarr")
+    check_rescorable(Run.open(copy), "substeps:5", [0])  # raised "completion method 'substeps:5' must match"
+
+
+def test_the_readme_commands_run_in_order(harness, tiny, tmp_path, monkeypatch):
+    """The README's "Using it" commands, as written, at tiny settings (its train gets `--set`s)."""
+    import shlex
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from stepgrpo_cli import app
+
+    repo = Path(__file__).resolve().parents[1]
+    shutil.copytree(repo / "configs", tmp_path / "configs")
+    monkeypatch.chdir(tmp_path)
+    text = (repo / "README.md").read_text()
+    block = text[text.index("## Using it") :].split("```bash", 1)[1].split("```", 1)[0]
+    commands = [shlex.split(line.split("#", 1)[0]) for line in block.splitlines() if line.startswith(".venv/bin")]
+    assert [c[1] for c in commands] == ["--help", "train", "inspect", "rescore", "credit"]
+    small = [o for o in tiny if not o.startswith(("reward.", "credit."))] + ["run.iterations=1", "run.eval_prompts=2"]
+    for args in commands:
+        args = args[1:] + ([a for o in small for a in ("--set", o)] if args[1] == "train" else [])
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 0, (args, result.output)

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from stepgrpo.config import ConfigError, load_config
+from stepgrpo.plugins import allow
+from storage.publish import options_digest
 
 PLUGINS = """
 import torch
@@ -69,11 +71,14 @@ def test_a_plugin_reward_is_named_by_reference_and_identified_by_its_declared_na
     from stepgrpo.rewards import build_reward
 
     cfg = load_config(None, [f"reward.name={plugins}:Brightness", "reward.options={gamma: 2.0}"])
-    assert workspace.reward_identity(cfg.reward) == {"name": "brightness", "version": "3", "options": {"gamma": 2.0}}
+    identity = workspace.reward_identity(cfg.reward)
+    assert identity["name"] == "brightness" and identity["declared_version"] == "3"
+    assert identity["version"] == "3+" + options_digest({"gamma": 2.0})[:8]  # rows of other options are others
     built = build_reward({"name": cfg.reward.name, "options": {"gamma": 2.0}})
     assert (built.name, built.version) == ("brightness", "3")
     assert built(torch.full((2, 3, 4, 4), 0.5), ["a", "b"], [{}, {}]).scores.tolist() == [0.25, 0.25]
-    # a factory function: the built reward gets the declared name and version
+    # a factory function: the built reward gets the declared name and version (named in code: allowed there)
+    allow(f"{plugins}:darkness_factory")
     dark = build_reward(f"{plugins}:darkness_factory")
     assert (dark.name, dark.version) == ("darkness", "1")
     # in a weighted sum, by reference, with and without a weight

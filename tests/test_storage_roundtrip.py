@@ -18,6 +18,7 @@ from storage import (
     options_digest,
 )
 from storage.arrays import bf16_values
+from storage.publish import seal
 from storage.schema import COMPLETION, ROLLOUT
 
 B, T, C, H, W = 4, 3, 2, 4, 4
@@ -261,7 +262,7 @@ def test_stage_written_with_another_schema_version_is_refused(tmp_path):
     write_rollout(run, 0, rollout_inputs())
     published = run.stage_path(0, "rollout") / "_published.json"
     manifest = json.loads(published.read_text())
-    published.write_text(json.dumps({**manifest, "schema_version": 99}))
+    published.write_text(json.dumps(seal({**manifest, "schema_version": 99})))  # sealed by the code that wrote it
     with pytest.raises(SchemaVersionError, match="version 99"):
         run.read_rollout(0)
 
