@@ -139,6 +139,7 @@ def main(argv: list[str]) -> None:
     import torch.distributed as dist
 
     from stepgrpo import workspace
+    from stepgrpo.runs import pin_threads
     from stepgrpo.training import DataParallel
     from tasks.update import train
 
@@ -150,11 +151,13 @@ def main(argv: list[str]) -> None:
         device = f"cuda:{local}"
         torch.cuda.set_device(device)
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"device": device})})
-    workspace.set_threads(cfg.scale.threads)
+    run = Run.open(run_dir)
+    if pin_threads(run) is None:
+        workspace.set_threads(cfg.scale.threads)
     init_group("nccl" if gpu else "gloo")
     try:
         parallel = DataParallel(rank, world, cfg.model.device if gpu else "cpu")
-        train(Run.open(run_dir), cfg, int(iteration), scheme, options_digest, key, parallel)
+        train(run, cfg, int(iteration), scheme, options_digest, key, parallel)
         dist.barrier()
     finally:
         dist.destroy_process_group()

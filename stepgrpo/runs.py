@@ -24,6 +24,7 @@ from storage.run import Run, find_run
 from storage.schema import NAME_RE, completion_stage
 
 MODEL_FACT = "model_identity"  # manifest fact: `workspace.policy_identity` of the run's model (and init LoRA)
+THREADS_FACT = "compute_threads"  # manifest fact: torch's CPU threads every computation of the run uses
 
 # Locks this process holds, by lock path: (the lock, how many holders in this process).
 _held: dict[str, tuple[Any, int]] = {}
@@ -116,6 +117,10 @@ def open_run(cfg: Config, run_dir: str | Path) -> Run:
             raise
         check_resumable(cfg, run_dir)  # refuses any change but where the stages run (`scale`)
         run = Run.open(run_dir)
+    if run.fact(THREADS_FACT) is None:  # the count this run computes with from now on (docs/RELIABILITY.md)
+        from stepgrpo import environment
+
+        run.record_fact(THREADS_FACT, str(environment.apply(cfg.scale.threads)))
     recorded = run.fact(MODEL_FACT)
     if recorded is None:
         run.record_fact(MODEL_FACT, identity)  # a run created before models were fingerprinted
@@ -125,6 +130,19 @@ def open_run(cfg: Config, run_dir: str | Path) -> Run:
             "(their fingerprint differs); restore that model or start a new --run-id"
         )
     return run
+
+
+def pin_threads(run: Run) -> int | None:
+    """Compute with the torch thread count `run` recorded (`THREADS_FACT`), in whatever process
+    (the flow's, a Ray worker, an update rank): a CPU kernel's last bits can depend on the thread
+    count, and a recomputed stage must give the bytes its downstream stages were keyed on. Returns
+    the count, None for a run that has none recorded (left as it is)."""
+    raw = run.fact(THREADS_FACT)
+    if raw is None or not str(raw).isdecimal() or not 1 <= int(raw) <= 1024:
+        return None
+    from stepgrpo import environment
+
+    return environment.apply(int(raw))
 
 
 def check_resumable(cfg: Config, run_dir: Path) -> None:

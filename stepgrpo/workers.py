@@ -177,22 +177,6 @@ def _read_probe(path: str) -> str | None:
         return None
 
 
-def shard_threads() -> None:
-    """On a Ray worker, use as many torch threads as the shard asked CPUs (Ray sets OMP_NUM_THREADS
-    for each task, but a reused worker process keeps the thread count torch read at import).
-    Elsewhere (in-process shards) nothing changes."""
-    import sys
-
-    if "ray" not in sys.modules:
-        return
-    import ray
-
-    if ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE:
-        import torch
-
-        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-
-
 def run_shards(task: Any, shards: Sequence[range], params: dict[str, Any], what: str, unit: str = "rows") -> None:
     """Run `task(**params, shard=r)` for every shard `r` (a range of `unit`) on the flow's workers."""
     if shards:

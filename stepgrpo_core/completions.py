@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .conditioning import take
+from .conditioning import row_digests, take
 from .kernels import step_moments
 from .registry import Registry
 from .rollout import Velocity, check_sigmas
@@ -211,4 +211,26 @@ def complete(
         raise ValueError(f"through must be an int in [0, T = {num_steps}]; got {through!r}")
     out = COMPLETIONS.get(name)(velocity, states, s, cond, max_batch, arg, through)
     out.latents[:, through:] = states[:, -1:]  # deterministic from `through` on: the sample itself
+    tie_equal_states(states, cond, out.latents, through)
     return out
+
+
+def tie_equal_states(states: torch.Tensor, cond: Any, latents: torch.Tensor, through: int) -> None:
+    """Give states that are bitwise equal (same `x_k` bytes, same conditioning) the completion of
+    the first of them, in place. A group's members share `x_0`, but their rows sit at other
+    positions of a batched model call, and on some CPUs (AVX512, several threads) a GEMM gives a
+    row other last bits at another position; equal inputs must give equal clean latents (their
+    rewards and decodes are then shared exactly). `states`, `latents`: `[B, T+1, C, H, W]`."""
+    import hashlib
+
+    conds = row_digests(cond, states.shape[0]) if cond is not None else [b""] * states.shape[0]
+    flat = states[:, :through].detach().cpu().contiguous()
+    if flat.dtype == torch.bfloat16:
+        flat = flat.view(torch.int16)
+    for k in range(through):
+        first: dict[bytes, int] = {}
+        for b in range(states.shape[0]):
+            key = hashlib.blake2b(flat[b, k].numpy().tobytes() + conds[b], digest_size=16).digest()
+            a = first.setdefault(key, b)
+            if a != b:
+                latents[b, k] = latents[a, k]

@@ -85,3 +85,25 @@ def repeat_interleave(cond: Cond, repeats: int) -> Cond:
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be a positive int, got {repeats!r}")
     return _map(cond, lambda t, path: t.repeat_interleave(repeats, dim=0))
+
+
+def row_digests(cond: Cond, batch: int) -> list[bytes]:
+    """A digest of each row `b < batch` of `cond` (its bytes in every tensor leaf): rows with equal
+    digests condition a model identically."""
+    import hashlib
+
+    hashes = [hashlib.blake2b(digest_size=16) for _ in range(batch)]
+
+    def feed(t: torch.Tensor, path: str) -> torch.Tensor:
+        rows = t.detach().cpu().contiguous()
+        for b in range(batch):
+            hashes[b].update(path.encode())
+            hashes[b].update(
+                rows[b].numpy().tobytes()
+                if rows.dtype != torch.bfloat16
+                else rows[b].view(torch.int16).numpy().tobytes()
+            )
+        return t
+
+    _map(cond, feed)
+    return [h.digest() for h in hashes]

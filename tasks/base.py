@@ -39,6 +39,7 @@ def stage_task(stage: str) -> Callable[[Callable[..., Any]], Any]:
     def decorate(fn: Callable[..., Any]) -> Any:
         @functools.wraps(fn)
         def measured(*args: Any, **kwargs: Any) -> Any:
+            _pin_threads(args)
             device = _cuda_device(args)
             if device is None:
                 return fn(*args, **kwargs)
@@ -52,6 +53,15 @@ def stage_task(stage: str) -> Callable[[Callable[..., Any]], Any]:
         return task(name=stage, cache_policy=NO_CACHE, persist_result=False, task_run_name=_run_name(stage))(measured)
 
     return decorate
+
+
+def _pin_threads(args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> None:
+    """Compute with the thread count the stage's run recorded (`stepgrpo.runs.pin_threads`)."""
+    from stepgrpo.runs import pin_threads
+
+    run = args[0] if args else (kwargs or {}).get("run")
+    if isinstance(run, Run):
+        pin_threads(run)
 
 
 def _cuda_device(args: tuple[Any, ...]) -> Any:
@@ -103,14 +113,12 @@ def with_retries(stage: Any, retries: int) -> Any:
 def shard_task(stage: str) -> Callable[[Callable[..., Any]], Any]:
     """`@shard_task("rollout")`: the Prefect task of one shard of a stage (`stepgrpo.workers`). It
     writes its rows and then its ledger record (`storage.ledger`); it returns nothing. On a Ray
-    worker it first takes the torch threads of its CPU request (`workers.shard_threads`)."""
+    worker as in this process it computes with the thread count its run recorded (`_pin_threads`)."""
 
     def decorate(fn: Callable[..., Any]) -> Any:
         @functools.wraps(fn)
         def shard(*args: Any, **kwargs: Any) -> None:
-            from stepgrpo.workers import shard_threads
-
-            shard_threads()
+            _pin_threads(args, kwargs)
             return fn(*args, **kwargs)
 
         return task(

@@ -159,3 +159,22 @@ def test_through_is_checked():
     states, cond = make()
     with pytest.raises(ValueError, match="through must be an int in"):
         complete("tweedie", Counting(), states, SIGMAS, cond, max_batch=4, through=T + 1)
+
+
+@pytest.mark.parametrize("method", ["remaining", "substeps:2", "tweedie"])
+def test_equal_states_get_equal_completions_whatever_their_batch_position(method):
+    """A group's members share x_0; a model whose last bits depend on a row's position in the batch
+    (a GEMM's tail handling on some CPUs) must still give them one completion, bit for bit."""
+
+    def position_dependent(x, sigma, cond):
+        wobble = 1e-6 * torch.arange(x.shape[0], dtype=x.dtype).reshape(-1, 1, 1, 1)
+        return torch.tanh(x) * cond["scale"].reshape(-1, 1, 1, 1) + wobble
+
+    states, _ = make(batch=4)
+    states[1, 0] = states[0, 0]  # members 0, 1 share x_0 and their prompt; 2 shares x_0 with another prompt
+    states[2, 0] = states[0, 0]
+    cond = {"scale": torch.tensor([1.0, 1.0, 1.5, 0.5])}
+    latents = complete(method, position_dependent, states, SIGMAS, cond, max_batch=3).latents
+    assert torch.equal(latents[0, 0], latents[1, 0])  # equal state, equal conditioning
+    assert not torch.equal(latents[0, 0], latents[2, 0])  # equal state, other conditioning
+    assert not torch.equal(latents[0, 1], latents[1, 1])  # other states keep their own
