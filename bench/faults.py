@@ -16,6 +16,12 @@ images, rewards, advantages, checkpoints, evaluations, the MLflow store, the exp
    is reported as such (`-`), not counted.
 3. Two writers: two `train` processes on one new run id at once, and a `rescore` while a `train`
    owns the run. One is refused naming the holder; the other finishes; the run verifies.
+4. A run directory that attacks (DESIGN.md, "A stored config is data too"): a manifest naming a
+   module that writes a file when imported (every command), `venv.__main__` / `tqdm.__main__`, a
+   stored Ray address with a listener, links `lora/` and `eval/` out of the run, `B = 10^12` in a
+   stage's metadata; and a 2-process update killed by a kill -9 of the process group, of the
+   command alone, and by SIGTERM: each case holds when nothing ran, connected or was written
+   outside, the command answered in time, and no process the command started is left.
 
     .venv/bin/python bench/faults.py                 # writes bench/out/faults/faults.json
     .venv/bin/python bench/faults.py --kills 3       # a quick look
@@ -164,7 +170,11 @@ KINDS = {  # kind -> the file to flip in a run directory
     "checkpoint tensors": lambda r: r / "checkpoints" / "iter_1" / "lora.safetensors",
     "checkpoint state": lambda r: r / "checkpoints" / "iter_1" / "state.json",
     "run manifest": lambda r: r / "manifest.json",
+    "a stage key's bit": lambda r: r / "iter_1" / "rollout.zarr" / "_published.json",
+    "exported LoRA": lambda r: r / "lora" / "pytorch_lora_weights.safetensors",
+    "evaluation record": lambda r: r / "eval" / "base.json",
 }
+KEY_FLIP = "a stage key's bit"  # flipped inside the key's hex digits: the JSON stays valid
 # Which commands read which kinds (a command that never reads a file cannot notice its damage).
 READS = {
     "resume": set(KINDS),
@@ -188,6 +198,9 @@ READS = {
     },
     "inspect --verify": set(KINDS),
 }
+READS["resume"] -= {"exported LoRA"}  # a resume writes the export again (it does not read it)
+READS["rescore"] |= {KEY_FLIP}
+READS["credit"] |= {KEY_FLIP}
 
 
 def flip_trial(out: Path, reference: Path, kind: str, command: str) -> dict[str, Any]:
@@ -197,7 +210,12 @@ def flip_trial(out: Path, reference: Path, kind: str, command: str) -> dict[str,
     shutil.rmtree(run_dir, ignore_errors=True)
     shutil.copytree(reference, run_dir)
     target = KINDS[kind](run_dir)
-    flip(target)
+    if kind == KEY_FLIP:
+        text = target.read_text()
+        key = json.loads(text)["inputs"]["key"]
+        target.write_text(text.replace(key, key[:-1] + ("1" if key[-1] != "1" else "0")))
+    else:
+        flip(target)
     cmd = {
         "resume": train_cmd(run_dir),
         "rescore": stepgrpo("rescore", str(run_dir), "--reward", "jpeg_compressibility"),
@@ -215,6 +233,7 @@ def flip_trial(out: Path, reference: Path, kind: str, command: str) -> dict[str,
         or "not a readable" in text
         or "published from other inputs" in text
         or "another config" in text
+        or "seal" in text
     )
     # noticed: stopped naming the damage, or said it, kept the damaged data aside, recomputed it and
     # left a run that verifies
@@ -229,6 +248,168 @@ def flip_trial(out: Path, reference: Path, kind: str, command: str) -> dict[str,
         "reads": kind in READS[command],
         "said": next((line.strip() for line in text.splitlines() if "damaged" in line or "error" in line), "")[:200],
     }
+
+
+# -------------------------------------------------------------- 4. a run directory that attacks
+
+
+def _copy_of(out: Path, reference: Path, name: str) -> Path:
+    run_dir = out / "trust" / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.copytree(reference, run_dir)
+    return run_dir
+
+
+def _edit_config(run_dir: Path, section: str, values: dict[str, Any]) -> None:
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    manifest["config"][section] = {**manifest["config"][section], **values}
+    (run_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _trial(case: str, held: bool, said: str) -> dict[str, Any]:
+    line = next((x.strip() for x in said.splitlines() if "error" in x.lower() or "damaged" in x), said.strip())
+    print(f"{case}: {'held' if held else 'NOT HELD'}  {line[:110]}", flush=True)
+    return {"case": case, "held": held, "said": line[:300]}
+
+
+def trust_trials(out: Path, reference: Path) -> list[dict[str, Any]]:
+    """Each attack of a run directory, on a copy of the reference run, through the console script."""
+    import socket
+
+    trials = []
+    site = out / "trust" / "site"
+    site.mkdir(parents=True, exist_ok=True)
+    marker = out / "trust" / "imported"
+    (site / "evil_mod.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\nx = 1\n")
+    commands = {
+        "inspect": lambda r: stepgrpo("inspect", str(r)),
+        "credit": lambda r: stepgrpo("credit", str(r), "--scheme", "dense"),
+        "rescore": lambda r: stepgrpo("rescore", str(r), "--reward", "jpeg_compressibility"),
+        "evaluate": lambda r: stepgrpo("evaluate", str(r)),
+        "train (resume)": train_cmd,
+    }
+    for name, command in commands.items():
+        run_dir = _copy_of(out, reference, "plugin")
+        _edit_config(run_dir, "reward", {"name": "evil_mod:x"})
+        marker.unlink(missing_ok=True)
+        with (out / "trust" / "plugin.log").open("w") as f:
+            rc = subprocess.run(
+                command(run_dir),
+                cwd=ROOT,
+                env={**env(out), "PYTHONPATH": str(site)},
+                stdout=f,
+                stderr=subprocess.STDOUT,
+            ).returncode
+        said = (out / "trust" / "plugin.log").read_text()
+        trials.append(_trial(f"manifest names a module (reward.name), {name}", not marker.exists(), said or f"rc {rc}"))
+    for module in ("venv.__main__", "tqdm.__main__"):
+        run_dir = _copy_of(out, reference, "main")
+        _edit_config(run_dir, "reward", {"name": f"{module}:x"})
+        t0 = time.perf_counter()
+        done = subprocess.run(
+            stepgrpo("inspect", "."), cwd=run_dir, env=env(out), capture_output=True, text=True, timeout=120
+        )
+        held = done.returncode == 0 and not (run_dir / "x").exists() and time.perf_counter() - t0 < 60
+        trials.append(_trial(f"manifest names {module}, inspect", held, done.stdout + done.stderr))
+    run_dir = _copy_of(out, reference, "scale")
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.settimeout(0.5)
+    _edit_config(run_dir, "scale", {"workers": "ray", "address": f"ray://127.0.0.1:{listener.getsockname()[1]}"})
+    rc, said = run(stepgrpo("rescore", str(run_dir), "--reward", "jpeg_compressibility"), out, out / "trust" / "s.log")
+    try:
+        listener.accept()
+        connected = True
+    except TimeoutError:
+        connected = False
+    listener.close()
+    trials.append(_trial("stored scale.address of a Ray cluster, rescore", rc == 0 and not connected, said))
+    for link, command in (("lora", train_cmd), ("eval", None)):
+        run_dir = _copy_of(out, reference, f"link-{link}")
+        outside = out / "trust" / f"outside-{link}"
+        shutil.rmtree(outside, ignore_errors=True)
+        outside.mkdir()
+        (outside / "pytorch_lora_weights.safetensors").write_text("precious")
+        shutil.rmtree(run_dir / link)
+        os.symlink(outside, run_dir / link)
+        cmd = command(run_dir) if command else stepgrpo("evaluate", str(run_dir), "--set", "run.eval_prompts=3")
+        rc, said = run(cmd, out, out / "trust" / f"link-{link}.log")
+        kept = [p.name for p in outside.iterdir()] == ["pytorch_lora_weights.safetensors"]
+        held = rc != 0 and kept and (outside / "pytorch_lora_weights.safetensors").read_text() == "precious"
+        trials.append(_trial(f"a link {link}/ out of the run, {'train' if command else 'evaluate'}", held, said))
+    run_dir = _copy_of(out, reference, "dims")
+    stage = run_dir / "iter_0" / "rollout.zarr"
+    for meta in [stage / "_published.json", stage / "zarr.json", *stage.glob("*/zarr.json")]:
+        data = json.loads(meta.read_text())
+        if "attrs" in data:
+            data["attrs"]["B"] = 10**12
+        if "attributes" in data and "B" in data["attributes"]:
+            data["attributes"]["B"] = 10**12
+        if data.get("shape") and data["shape"][0] == 8:
+            data["shape"][0] = 10**12
+        meta.write_text(json.dumps(data))
+    for args in (["inspect", str(run_dir)], ["inspect", str(run_dir), "--verify"]):
+        t0 = time.perf_counter()
+        rc, said = run(stepgrpo(*args), out, out / "trust" / "dims.log")
+        held = rc == 1 and "dim B" in said and time.perf_counter() - t0 < 60
+        trials.append(_trial(f"B = 10^12 in a stage's metadata, {' '.join(args[::2][:1] + args[2:])}", held, said))
+    trials += orphan_trials(out)
+    return trials
+
+
+def orphan_trials(out: Path) -> list[dict[str, Any]]:
+    """A 2-process update killed three ways: every process the command started ends with it."""
+    from stepgrpo.reaper import descendants, start_time
+
+    trials = []
+    for how in ("kill -9 of the process group", "kill -9 of the command alone", "SIGTERM of the command"):
+        run_dir = out / "trust" / "orphans"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        log = out / "trust" / "orphans.log"
+        cmd = [*train_cmd(run_dir), "--set", "scale.update_processes=2"]
+        with log.open("w") as f:
+            proc = subprocess.Popen(
+                cmd, cwd=ROOT, env=env(out), stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        seen: dict[int, str] = {}
+        deadline = time.monotonic() + 600
+        while proc.poll() is None and time.monotonic() < deadline:
+            seen.update(descendants(proc.pid))
+            ranks = [p for p in seen if "stepgrpo.parallel" in _cmdline(p)]
+            if len(ranks) == 2 and all(start_time(p) for p in ranks):
+                time.sleep(1.0)
+                break
+            time.sleep(0.1)
+        seen.update(descendants(proc.pid))
+        if how == "kill -9 of the process group":
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            os.kill(proc.pid, signal.SIGKILL if "9" in how else signal.SIGTERM)
+        proc.wait()
+        time.sleep(10)
+        left = [p for p, t in seen.items() if start_time(p) == t and _state(p) not in ("Z", "X")]
+        ranks = sum("stepgrpo.parallel" in _cmdline(p) for p in seen)
+        trials.append(
+            _trial(f"{how} during a 2-process update ({ranks} ranks seen)", ranks == 2 and not left, f"left {left}")
+        )
+        for p in left:
+            os.kill(p, signal.SIGKILL)
+    return trials
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "X"
 
 
 # ------------------------------------------------------------------------------ 3. two writers
@@ -296,7 +477,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=OUT_DIR / "faults")
     p.add_argument("--kills", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--skip", nargs="*", default=[], choices=["kills", "flips", "concurrency"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["kills", "flips", "concurrency", "trust"])
     p.add_argument("--report", action="store_true", help="print the tables of OUT/faults.json and stop")
     a = p.parse_args()
     if a.report:
@@ -354,6 +535,9 @@ def main() -> None:
                 flush=True,
             )
         write_json(result_file, results)
+    if "trust" not in a.skip:
+        results["trust"] = trust_trials(a.out, reference)
+        write_json(result_file, results)
     report(results)
 
 
@@ -388,6 +572,13 @@ def report(results: dict[str, Any]) -> None:
         print(f"detected {sum(f['detected'] for f in counted)}/{len(counted)} where the command reads the file")
     for c in results.get("concurrency", []):
         print(f"{c['case']}: {'pass' if c['pass'] else 'FAIL'} (exit codes {c['exit_codes']})")
+    trust = results.get("trust", [])
+    if trust:
+        print(
+            f"\na run directory that attacks, processes left behind: {sum(t['held'] for t in trust)}/{len(trust)} held"
+        )
+        for t in trust:
+            print(f"  {'held    ' if t['held'] else 'NOT HELD'} {t['case']}")
 
 
 if __name__ == "__main__":

@@ -72,10 +72,16 @@ def _ensure_store(root: Path) -> None:
             f"warning: {store} could not be read (an interrupted creation?); kept aside as {aside.name}, "
             "starting a new one"
         )
+    for leftover in root.glob(f".{STORE_FILE}.*.creating*"):  # a creation that was killed or failed
+        leftover.unlink(missing_ok=True)
     tmp = root / f".{STORE_FILE}.{os.getpid()}.creating"
-    tmp.unlink(missing_ok=True)
-    _migrate(tmp)
-    os.replace(tmp, store)
+    try:
+        _migrate(tmp)
+        os.replace(tmp, store)
+    except BaseException:  # a full disk, an interrupt: nothing half-made is left behind
+        for partial in root.glob(f"{tmp.name}*"):  # with SQLite's journal files
+            partial.unlink(missing_ok=True)
+        raise
 
 
 def _migrate(path: Path) -> None:
@@ -150,7 +156,13 @@ class Tracker:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.client.set_terminated(self.run_id, "FINISHED" if exc_type is None else "FAILED")
+        if exc_type is None:
+            self.client.set_terminated(self.run_id, "FINISHED")
+            return
+        try:  # the run failed: its own error is what the user must see (a full disk fails MLflow too)
+            self.client.set_terminated(self.run_id, "FAILED")
+        except Exception as err:
+            print(f"warning: MLflow could not mark run {self.run_id} failed ({type(err).__name__}: {err})")
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         from mlflow.entities import Param

@@ -183,11 +183,22 @@ def _check_checkpoint(path: Path, iteration: int | None) -> None:
 
 
 def _owned(path: Path, flow: Any, **kwargs: Any) -> Any:
-    """Run `flow` holding the run's lock (taken here, before its Prefect server starts)."""
+    """Run `flow` holding the run's lock (taken here, before its Prefect server starts). Whatever
+    ends this process, what it starts ends with it (`stepgrpo.reaper`; SIGTERM is an orderly exit
+    that stops Prefect's temporary server)."""
+    import signal
+
+    from stepgrpo import reaper
     from stepgrpo.runs import owned
 
+    reaper.start()
+    signal.signal(signal.SIGTERM, _terminated)
     with owned(path):
         return flow(**kwargs)
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 @app.command()

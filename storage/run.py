@@ -51,6 +51,7 @@ from storage.publish import (
 from storage.retention import pruned
 from storage.run_tables import RunTables
 from storage.schema import (
+    EXPORT_FILE,
     PUBLISHED_FILE,
     READABLE_SCHEMA_VERSIONS,
     SCHEMA_VERSION,
@@ -383,7 +384,7 @@ class Run(StageStores, RunTables, Checkpoints):
             items += [(f"iteration {k} {stage}", (k, stage)) for k in self.iterations(stage)]
         for table in ("rewards", "advantages"):
             items += [(f"{table}/{p.name}", p) for p in sorted((self.path / table).glob("part-*.parquet"))]
-        items += [(name, ("export", name)) for name in self.EXPORTS if (self.path / name / PUBLISHED_FILE).is_file()]
+        items += [(name, ("export", name)) for name in self.EXPORTS if (self.path / name / EXPORT_FILE).is_file()]
         for folder in self.RECORDS:
             items += [(f"{folder}/{p.name}", ("record", p)) for p in sorted((self.path / folder).glob("*.json"))]
         return items
@@ -392,18 +393,18 @@ class Run(StageStores, RunTables, Checkpoints):
     RECORDS = ("eval",)  # folders of sealed JSON records (`storage.publish.seal`)
 
     def seal_export(self, name: str) -> dict[str, Any]:
-        """Record the digest of the export folder `name` (in it, as `_published.json`), so that a
+        """Record the digest of the export folder `name` (in it, as `_export.json`), so that a
         damaged or truncated export is found by `verify_all`."""
         folder = self.inside(self.path / name)
         digest, size, count = digest_files(folder)
         record = seal({"digest": digest, "bytes": size, "files": count, "exported_at": utc_now()})
-        write_file_atomic(folder / PUBLISHED_FILE, (json.dumps(record, indent=1, sort_keys=True) + "\n").encode())
+        write_file_atomic(folder / EXPORT_FILE, (json.dumps(record, indent=1, sort_keys=True) + "\n").encode())
         return record
 
     def verify_export(self, name: str) -> None:
         """The export folder `name` against its recorded digest (`CorruptChunkError` if it differs)."""
         folder = self.path / name
-        record = read_json(folder / PUBLISHED_FILE, f"{name} export record")
+        record = read_json(folder / EXPORT_FILE, f"{name} export record")
         if not isinstance(record, dict) or digest_files(folder)[0] != record.get("digest"):
             raise CorruptChunkError(f"{folder}: its files no longer match their recorded digest (damaged or edited)")
 

@@ -64,6 +64,7 @@ BF16_BITS = "uint16"  # the NumPy dtype that holds bf16 latents
 CHUNK_KEY_SEPARATOR = "."
 CHECKSUM_BYTES = 4  # crc32c appended to every chunk, little endian
 PUBLISHED_FILE = "_published.json"
+EXPORT_FILE = "_export.json"  # the digest of an exported folder (`lora/`, `transformer/`), beside its files
 
 # Files a run directory may hold: data formats only, never pickle (opening a run must not run code).
 ALLOWED_FILE_SUFFIXES = (".json", ".yaml", ".yml", ".parquet", ".safetensors")

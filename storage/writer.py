@@ -23,7 +23,7 @@ from storage.publish import (
     release_lock,
     utc_now,
 )
-from storage.schema import ALLOWED_FILE_SUFFIXES, PUBLISHED_FILE, SCHEMA_VERSION, StoreSpec
+from storage.schema import ALLOWED_FILE_SUFFIXES, EXPORT_FILE, PUBLISHED_FILE, SCHEMA_VERSION, StoreSpec
 
 
 class StageWriter:
@@ -164,10 +164,11 @@ def metadata_digest(root: Path) -> str:
 
 
 def digest_files(root: Path) -> tuple[str, int, int]:
-    """sha256 over the sorted relative paths and bytes of the files under `root`; refuses non-data files."""
+    """sha256 over the sorted relative paths and bytes of the files under `root` (not its own
+    records); refuses non-data files."""
     digest = hashlib.sha256()
     total = count = 0
-    for path in sorted(p for p in root.rglob("*") if p.is_file() and p.name != PUBLISHED_FILE):
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and p.name not in (PUBLISHED_FILE, EXPORT_FILE)):
         rel = path.relative_to(root).as_posix()
         if path.suffix not in ALLOWED_FILE_SUFFIXES:
             raise ValueError(
