@@ -419,9 +419,12 @@ class ScaleConfig(_Section):
     a reward server that did not answer; not bad input or damaged data). Safe: every stage is
     idempotent and a retry reuses the shards the failed attempt finished. 0: no retries."""
     threads: int | None = Field(None, ge=1, le=1024)
-    """torch CPU threads of every stepgrpo process of the run (the flow, the update's processes); None:
-    `STEPGRPO_THREADS` when set, else torch's default of one per core. The shipped shapes configs
-    set 1: the tiny model gains little from two, and loses a lot when a second process shares the cores."""
+    """torch CPU threads of every stepgrpo process of the run (the flow, Ray shards, the update's
+    processes); None: `STEPGRPO_THREADS` when set, else torch's default of one per core. A new run
+    records the count, and every computation of the run uses the recorded count from then on, on
+    resume too: a CPU kernel's last bits depend on it (docs/RELIABILITY.md, "Same bytes"). The
+    shipped shapes configs set 1: the tiny model gains little from two, and loses a lot when a
+    second process shares the cores."""
     update_processes: int = Field(1, ge=1)
     """Data-parallel processes of the policy update (torch.distributed: gloo on CPU, NCCL on GPUs),
     each with a disjoint part of every optimizer step's trajectories; 1: the update in this process."""

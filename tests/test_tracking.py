@@ -45,3 +45,46 @@ def test_a_run_logs_to_its_roots_store_and_reopens_its_mlflow_run(tmp_path, monk
     assert sorted((m.step, m.value) for m in history) == [(0, 1.0), (1, 2.0)]
     with Tracker.start(tmp_path / "runs" / "b", "exp", "b") as other:
         assert not other.resumed and other.run_id != first.run_id
+
+
+def test_a_full_disk_shows_the_runs_own_error_not_mlflows(tmp_path, monkeypatch):
+    """A stage that fails with ENOSPC: MLflow cannot record the failure either (its SQLite file is
+    on the same disk); the error the user sees is the stage's."""
+    import errno
+
+    import pytest
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    run_dir = tmp_path / "runs" / "a"
+    run_dir.mkdir(parents=True)
+    with pytest.raises(OSError, match="No space left") as err:
+        with Tracker.start(run_dir, "exp", "a") as tracker:
+
+            def full(*args, **kwargs):
+                raise sqlite3.OperationalError("database or disk is full")
+
+            monkeypatch.setattr(tracker.client, "set_terminated", full)
+            raise OSError(errno.ENOSPC, "No space left on device")
+    assert err.value.errno == errno.ENOSPC
+
+
+def test_a_failed_store_creation_leaves_nothing_half_made(tmp_path, monkeypatch):
+    import errno
+
+    import pytest
+
+    from stepgrpo import tracking
+
+    root = tmp_path / "runs"
+    root.mkdir()
+    (root / f".{STORE_FILE}.12345.creating").write_text("left by a killed creation")
+
+    def full(path):
+        path.write_bytes(b"half")
+        (path.parent / f"{path.name}-journal").write_bytes(b"j")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tracking, "_migrate", full)
+    with pytest.raises(OSError, match="No space left"):
+        ensure_local_store(root)
+    assert sorted(p.name for p in root.iterdir()) == [f".{STORE_FILE}.lock"]
