@@ -24,10 +24,12 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# Two workers, one test file each at a time (a file's fixtures, e.g. its trained run, are built once);
+# most slow tests wait on servers and subprocesses, so two of them share 2 cores well. The slowest 15 at the end.
 test: install lint
 	PREFECT_SERVER_ANALYTICS_ENABLED=false MLFLOW_DISABLE_TELEMETRY=true \
 	PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120 \
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests -n 2 --dist loadfile --durations=15
 
 # The demo: the shipped shapes model, a temporary local Prefect server, a run under runs/.
 # (One torch thread: the config's `scale.threads`, applied by the flow itself.)

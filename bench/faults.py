@@ -276,6 +276,8 @@ def trust_trials(out: Path, reference: Path) -> list[dict[str, Any]]:
     """Each attack of a run directory, on a copy of the reference run, through the console script."""
     import socket
 
+    from storage.publish import seal
+
     trials = []
     site = out / "trust" / "site"
     site.mkdir(parents=True, exist_ok=True)
@@ -344,6 +346,7 @@ def trust_trials(out: Path, reference: Path) -> list[dict[str, Any]]:
         data = json.loads(meta.read_text())
         if "attrs" in data:
             data["attrs"]["B"] = 10**12
+            data = seal(data)  # consistent: sealed again, as a crafted run would be
         if "attributes" in data and "B" in data["attributes"]:
             data["attributes"]["B"] = 10**12
         if data.get("shape") and data["shape"][0] == 8:

@@ -12,6 +12,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from storage.publish import SEAL_KEY
+
 
 class Result(BaseModel):
     """A stage's typed result (frozen; unknown fields are an error)."""
@@ -25,9 +27,10 @@ class Result(BaseModel):
     @classmethod
     def _untyped_record(cls, data: Any) -> Any:
         """Records written as plain dicts (calibration and evaluation files of older runs) also
-        named their stage; the type says it now."""
-        if isinstance(data, dict) and "stage" in data:
-            data = {k: v for k, v in data.items() if k != "stage"}
+        named their stage; the type says it now. A stored record's seal (`storage.publish.seal`) is
+        checked by the reader that reads its file, not part of the result."""
+        if isinstance(data, dict) and ("stage" in data or SEAL_KEY in data):
+            data = {k: v for k, v in data.items() if k not in ("stage", SEAL_KEY)}
         return data
 
     def to_json(self) -> str:

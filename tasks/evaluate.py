@@ -28,7 +28,7 @@ from stepgrpo.sharding import blocks_per_shard
 from stepgrpo_core.rollout import rollout as sample
 from storage.errors import StorageError
 from storage.ledger import close_ledger, open_ledger, record
-from storage.publish import SEAL_KEY, read_json, seal, write_file_atomic
+from storage.publish import read_json, seal, write_file_atomic
 from storage.run import Run
 from tasks.base import fan_out, shard_task, stage_task, warn
 from tasks.keys import Key, stage_key
@@ -57,7 +57,7 @@ def read(run: Run, name: str) -> EvaluateResult | None:
         return None
     try:
         record = read_json(path, "evaluation record")  # checks its seal
-        return EvaluateResult.model_validate({k: v for k, v in record.items() if k != SEAL_KEY})
+        return EvaluateResult.model_validate(record)
     except (ValueError, StorageError):
         warn(f"{path} is damaged; kept aside as {run.set_aside_file(path).name}, evaluating again")
         return None

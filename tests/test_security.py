@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 
 from stepgrpo_cli import app
 from stepgrpo_core.registry import PLUGINS_ENV, PluginError, allow, allowed
+from storage.publish import seal
 
 runner = CliRunner()
 
@@ -221,7 +222,7 @@ def test_huge_consistent_dims_are_refused_before_anything_is_allocated(tmp_path,
     stage = run_dir / "iter_0" / "rollout.zarr"
     published = json.loads((stage / "_published.json").read_text())
     published["attrs"]["B"] = 10**12
-    (stage / "_published.json").write_text(json.dumps(published))
+    (stage / "_published.json").write_text(json.dumps(seal(published)))  # consistent, sealed again
     group = json.loads((stage / "zarr.json").read_text())
     group["attributes"]["B"] = 10**12
     (stage / "zarr.json").write_text(json.dumps(group))
