@@ -118,9 +118,7 @@ def open_run(cfg: Config, run_dir: str | Path) -> Run:
         check_resumable(cfg, run_dir)  # refuses any change but where the stages run (`scale`)
         run = Run.open(run_dir)
     if run.fact(THREADS_FACT) is None:  # the count this run computes with from now on (docs/RELIABILITY.md)
-        from stepgrpo import environment
-
-        run.record_fact(THREADS_FACT, str(environment.apply(cfg.scale.threads)))
+        run.record_fact(THREADS_FACT, str(compute_threads(cfg)))
     recorded = run.fact(MODEL_FACT)
     if recorded is None:
         run.record_fact(MODEL_FACT, identity)  # a run created before models were fingerprinted
@@ -130,6 +128,19 @@ def open_run(cfg: Config, run_dir: str | Path) -> Run:
             "(their fingerprint differs); restore that model or start a new --run-id"
         )
     return run
+
+
+def compute_threads(cfg: Config) -> int:
+    """The torch thread count a new run records: `scale.threads`; unset, a Ray shard's CPUs
+    (`scale.cpus_per_shard`, rounded up) for a run on Ray workers, else `STEPGRPO_THREADS` or
+    torch's default (applied in this process too)."""
+    import math
+
+    from stepgrpo import environment
+
+    if cfg.scale.threads is None and cfg.scale.workers == "ray":
+        return environment.apply(max(1, math.ceil(cfg.scale.cpus_per_shard)))
+    return environment.apply(cfg.scale.threads)
 
 
 def pin_threads(run: Run) -> int | None:

@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .conditioning import row_digests, take
+from .conditioning import row_digests, take, tensor_bytes
 from .kernels import step_moments
 from .registry import Registry
 from .rollout import Velocity, check_sigmas
@@ -223,14 +223,12 @@ def tie_equal_states(states: torch.Tensor, cond: Any, latents: torch.Tensor, thr
     rewards and decodes are then shared exactly). `states`, `latents`: `[B, T+1, C, H, W]`."""
     import hashlib
 
-    conds = row_digests(cond, states.shape[0]) if cond is not None else [b""] * states.shape[0]
-    flat = states[:, :through].detach().cpu().contiguous()
-    if flat.dtype == torch.bfloat16:
-        flat = flat.view(torch.int16)
+    conds = row_digests(cond, states.shape[0])
+    flat = states[:, :through].detach().cpu()
     for k in range(through):
         first: dict[bytes, int] = {}
         for b in range(states.shape[0]):
-            key = hashlib.blake2b(flat[b, k].numpy().tobytes() + conds[b], digest_size=16).digest()
+            key = hashlib.blake2b(tensor_bytes(flat[b, k]) + conds[b], digest_size=16).digest()
             a = first.setdefault(key, b)
             if a != b:
                 latents[b, k] = latents[a, k]

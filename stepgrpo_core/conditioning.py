@@ -87,6 +87,12 @@ def repeat_interleave(cond: Cond, repeats: int) -> Cond:
     return _map(cond, lambda t, path: t.repeat_interleave(repeats, dim=0))
 
 
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """The bytes of `t` (on the CPU; bf16, which NumPy lacks, as its bits)."""
+    t = t.detach().cpu().contiguous()
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes()
+
+
 def row_digests(cond: Cond, batch: int) -> list[bytes]:
     """A digest of each row `b < batch` of `cond` (its bytes in every tensor leaf): rows with equal
     digests condition a model identically."""
@@ -95,14 +101,9 @@ def row_digests(cond: Cond, batch: int) -> list[bytes]:
     hashes = [hashlib.blake2b(digest_size=16) for _ in range(batch)]
 
     def feed(t: torch.Tensor, path: str) -> torch.Tensor:
-        rows = t.detach().cpu().contiguous()
         for b in range(batch):
             hashes[b].update(path.encode())
-            hashes[b].update(
-                rows[b].numpy().tobytes()
-                if rows.dtype != torch.bfloat16
-                else rows[b].view(torch.int16).numpy().tobytes()
-            )
+            hashes[b].update(tensor_bytes(t[b]))
         return t
 
     _map(cond, feed)

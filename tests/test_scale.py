@@ -24,7 +24,10 @@ pytestmark = pytest.mark.slow
 
 # 8 groups of 3, 6 rows a model call: 4 shards of 2 groups, one evaluation call per seed.
 SHARDED = ["scale.groups_per_shard=2"]
-RAY = ["scale.workers=ray", "scale.num_workers=2", *SHARDED]
+# Two threads a computation, recorded by each run (the in-process reference too), so the bytes
+# compared are those of one thread count whatever the test process started with; a shard asks as
+# many CPUs (one shard at a time on the 2-CPU cluster: no oversubscription).
+RAY = ["scale.workers=ray", "scale.num_workers=2", "scale.cpus_per_shard=2", *SHARDED]
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +63,7 @@ def tiny(tmp_path_factory) -> list[str]:
         "optim.micro_batch=4",
         "optim.optimizer_steps=2",
         "optim.lr=1e-3",
+        "scale.threads=2",
     ]
 
 
