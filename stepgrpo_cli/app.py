@@ -373,9 +373,11 @@ def reward_server(
     """Serve REWARD over HTTP for the `http` reward of runs elsewhere (stepgrpo.rewards.remote)."""
     from stepgrpo.rewards import build_reward
     from stepgrpo.rewards.remote import serve
+    from stepgrpo_core.registry import allow, references_in
 
     try:
         parsed = json.loads(options)
+        allow(*references_in([reward, parsed]))  # this command's own reward (or a weighted sum's parts)
         built = build_reward({"name": reward, "options": parsed} if parsed else reward)
         server = serve(built, host, port)
     except (ValueError, TypeError, KeyError, OSError) as err:

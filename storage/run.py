@@ -397,8 +397,11 @@ class Run(StageStores, RunTables, Checkpoints):
         damaged or truncated export is found by `verify_all`."""
         folder = self.inside(self.path / name)
         digest, size, count = digest_files(folder)
-        record = seal({"digest": digest, "bytes": size, "files": count, "exported_at": utc_now()})
-        write_file_atomic(folder / EXPORT_FILE, (json.dumps(record, indent=1, sort_keys=True) + "\n").encode())
+        record = seal({"digest": digest, "bytes": size, "files": count})  # no time: equal exports, equal bytes
+        data = (json.dumps(record, indent=1, sort_keys=True) + "\n").encode()
+        target = folder / EXPORT_FILE
+        if not (target.is_file() and target.read_bytes() == data):  # an unchanged export is not rewritten
+            write_file_atomic(target, data)
         return record
 
     def verify_export(self, name: str) -> None:
