@@ -206,7 +206,7 @@ READS["credit"] |= {KEY_FLIP}
 def flip_trial(out: Path, reference: Path, kind: str, command: str) -> dict[str, Any]:
     import storage.run
 
-    run_dir = out / "flips" / f"{kind.replace(' ', '_')}-{command.split()[0]}"
+    run_dir = out / "flips" / f"{kind.replace(' ', '_').replace(chr(39), '')}-{command.split()[0]}"
     shutil.rmtree(run_dir, ignore_errors=True)
     shutil.copytree(reference, run_dir)
     target = KINDS[kind](run_dir)
@@ -261,9 +261,12 @@ def _copy_of(out: Path, reference: Path, name: str) -> Path:
 
 
 def _edit_config(run_dir: Path, section: str, values: dict[str, Any]) -> None:
+    """Edit the run's stored config as a crafted run would: consistently, sealed again."""
+    from storage.publish import seal
+
     manifest = json.loads((run_dir / "manifest.json").read_text())
     manifest["config"][section] = {**manifest["config"][section], **values}
-    (run_dir / "manifest.json").write_text(json.dumps(manifest))
+    (run_dir / "manifest.json").write_text(json.dumps(seal(manifest)))
 
 
 def _trial(case: str, held: bool, said: str) -> dict[str, Any]:
@@ -385,6 +388,7 @@ def orphan_trials(out: Path) -> list[dict[str, Any]]:
                 break
             time.sleep(0.1)
         seen.update(descendants(proc.pid))
+        ranks = sum("stepgrpo.parallel" in _cmdline(p) for p in seen)  # counted while they live
         if how == "kill -9 of the process group":
             os.killpg(proc.pid, signal.SIGKILL)
         else:
@@ -392,7 +396,6 @@ def orphan_trials(out: Path) -> list[dict[str, Any]]:
         proc.wait()
         time.sleep(10)
         left = [p for p, t in seen.items() if start_time(p) == t and _state(p) not in ("Z", "X")]
-        ranks = sum("stepgrpo.parallel" in _cmdline(p) for p in seen)
         trials.append(
             _trial(f"{how} during a 2-process update ({ranks} ranks seen)", ranks == 2 and not left, f"left {left}")
         )

@@ -34,6 +34,7 @@ from storage.checkpoints import Checkpoint, Checkpoints
 from storage.errors import AlreadyPublishedError, CorruptChunkError, NotPublishedError, SchemaVersionError, StorageError
 from storage.ledger import resumable
 from storage.publish import (
+    SEAL_KEY,
     acquire_lock,
     canonical_json,
     check_json,
@@ -157,7 +158,7 @@ class Run(StageStores, RunTables, Checkpoints):
         check_json(manifest["facts"], "the run facts")
         tmp = Path(root) / f".{run_id}.{secrets.token_hex(4)}.creating"
         tmp.mkdir(parents=True)
-        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        (tmp / MANIFEST_FILE).write_text(json.dumps(seal(manifest), indent=1, sort_keys=True) + "\n")
         try:
             os.rename(tmp, path)  # atomic: a run directory always has its manifest
         except OSError:
@@ -183,6 +184,7 @@ class Run(StageStores, RunTables, Checkpoints):
             ) from None
         if not isinstance(manifest, dict) or "run_id" not in manifest or not isinstance(manifest.get("config"), dict):
             raise StorageError(f"{path / MANIFEST_FILE} is not a run manifest (no run_id / config); restore it")
+        manifest.pop(SEAL_KEY, None)  # checked by read_json: an edited manifest is refused, named
         _check_schema(manifest.get("schema_version"), f"run {manifest.get('run_id', path.name)}")
         return cls(path, manifest)
 
@@ -220,7 +222,8 @@ class Run(StageStores, RunTables, Checkpoints):
                 raise ValueError(f"run {self.run_id}: fact {name!r} is recorded as {known!r}, not {value!r}")
             return
         manifest = {**self.manifest, "facts": {**self.manifest.get("facts", {}), name: value}}
-        write_file_atomic(self.path / MANIFEST_FILE, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
+        data = json.dumps(seal(manifest), indent=1, sort_keys=True) + "\n"
+        write_file_atomic(self.path / MANIFEST_FILE, data.encode())
         self.manifest = manifest
 
     # --- stages -------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ def make_run(root: Path, **sections) -> Path:
     manifest = json.loads((run / "manifest.json").read_text())
     for name, value in sections.items():
         manifest["config"][name] = {**manifest["config"][name], **value}
-    (run / "manifest.json").write_text(json.dumps(manifest))
+    (run / "manifest.json").write_text(json.dumps(seal(manifest)))  # a crafted run seals what it edits
     return run
 
 
