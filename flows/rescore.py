@@ -16,7 +16,7 @@ from flows.progress import name_flow_run, run_name_from_parameters
 from stepgrpo import environment
 from stepgrpo.runs import check_rescorable, owned_stored, stored_iterations
 from stepgrpo.workers import workers
-from stepgrpo_core.registry import allow
+from stepgrpo_core.registry import allow, references_in
 from tasks import bind, complete, rollout
 
 
@@ -25,7 +25,8 @@ def rescore(
     run: str, reward: str, reward_options: dict[str, Any] | None = None, iterations: list[int] | None = None
 ) -> dict[str, Any]:
     """Score every stored iteration (or `iterations`) of `run` with `reward`."""
-    allow(reward)  # the caller's own reward (the command line, the run form); the stored run's is never imported
+    # the caller's own reward (the command line, the run form) may be imported; the stored run's never
+    allow(*references_in([reward, reward_options]))
     with owned_stored(run, replace={"reward": {"name": reward, "options": reward_options or {}}}) as (stored, cfg):
         environment.apply(cfg.scale.threads)
         name_flow_run(f"{stored.run_id} rescore {reward}")

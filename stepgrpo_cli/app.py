@@ -113,10 +113,10 @@ def _check_run(
     from stepgrpo.checks import check_model
     from stepgrpo.errors import StageError
     from stepgrpo.runs import open_stored
-    from stepgrpo_core.registry import allow
+    from stepgrpo_core.registry import allow, references_in
     from storage.run import Run, find_run
 
-    allow(*(name for name in (reward, scheme) if name))  # this command's own names may be imported
+    allow(*references_in([reward, reward_options, scheme]))  # this command's own names may be imported
     replace: dict[str, Any] = {}
     if reward is not None:
         from stepgrpo.rewards import REWARDS, reward_identity
