@@ -115,8 +115,9 @@ def open_run(cfg: Config, run_dir: str | Path) -> Run:
     except ValueError as err:
         if "different config" not in str(err):
             raise
-        check_resumable(cfg, run_dir)  # refuses any change but where the stages run (`scale`)
+        check_resumable(cfg, run_dir)  # refuses any change but where and how long the stages run
         run = Run.open(run_dir)
+    check_length(cfg, run)
     if run.fact(THREADS_FACT) is None:  # the count this run computes with from now on (docs/RELIABILITY.md)
         run.record_fact(THREADS_FACT, str(compute_threads(cfg)))
     recorded = run.fact(MODEL_FACT)
@@ -167,7 +168,22 @@ def check_resumable(cfg: Config, run_dir: Path) -> None:
         raise StageError(
             f"run {run_dir.name} was created with another config (changed: {', '.join(changed)}); "
             "resume it with the same config, pick a new --run-id, or use `stepgrpo rescore` / "
-            "`stepgrpo credit` to try another reward / scheme on its stored trajectories"
+            "`stepgrpo credit` to try another reward / scheme on its stored trajectories. A resume may change "
+            f"only {', '.join(LENGTH_FIELDS)} (a larger run.iterations extends the run), "
+            f"{', '.join(RETENTION_FIELDS)} and scale.*"
+        )
+    check_length(cfg, Run.open(run_dir))
+
+
+def check_length(cfg: Config, run: Run) -> None:
+    """A run is extended by a larger `run.iterations`, never shortened: its export is the weights of
+    its last iteration, which a shorter resume would overwrite with an earlier one's."""
+    trained = run.iterations("checkpoint")
+    if trained and cfg.run.iterations < max(trained) + 1:
+        raise StageError(
+            f"run.iterations={cfg.run.iterations} is fewer than the {max(trained) + 1} iterations run {run.run_id} "
+            "has trained: a run is extended, never shortened (its export is the last iteration's); evaluate an "
+            "earlier checkpoint with `stepgrpo evaluate RUN --iteration K`"
         )
 
 
@@ -181,11 +197,15 @@ def with_defaults(stored: dict[str, Any]) -> dict[str, Any]:
 
 
 RETENTION_FIELDS = ("storage.keep", "storage.keep_last", "storage.checkpoint_every")
+# How long a run goes and how often it is evaluated: no stage's key reads them, so a run resumes with
+# them changed (a finished run is extended by a larger `run.iterations`, every stored stage reused).
+LENGTH_FIELDS = ("run.iterations", "run.eval_every")
 
 
 def resumable_change(field: str) -> bool:
-    """Whether a run may resume with `field` changed: where stages run (`scale`), or retention."""
-    return field.split(".")[0] == "scale" or field in RETENTION_FIELDS
+    """Whether a run may resume with `field` changed: where stages run (`scale`), retention, or its
+    length and evaluation cadence."""
+    return field.split(".")[0] == "scale" or field in RETENTION_FIELDS or field in LENGTH_FIELDS
 
 
 def retention_plan(run: Run, storage: Any) -> list[tuple[int, str]]:

@@ -199,6 +199,25 @@ def test_a_run_refuses_another_config(trained, tiny):
         train(overrides=[*tiny, "optim.lr=0.5"], run_dir=trained["run_dir"])
 
 
+def test_a_finished_run_is_extended_by_more_iterations_and_never_shortened(trained, tiny, tmp_path, calls):
+    """`run.iterations` 2 -> 3 on a finished run: its stored stages are reused as they are, one more
+    iteration is trained and exported; fewer iterations than it trained is refused, naming why."""
+    from flows.train import train
+    from storage.run import Run
+
+    copy = _copy(trained, tmp_path)
+    before = {i: Run.open(copy).stage_manifest(i, "checkpoint")["digest"] for i in (0, 1)}
+    out = train(overrides=[*tiny, "run.iterations=3", "run.eval_every=0"], run_dir=str(copy))
+    assert calls["rollout"] == calls["update"] == 1, calls  # iteration 2 only
+    run = Run.open(copy)
+    assert {i: run.stage_manifest(i, "checkpoint")["digest"] for i in (0, 1)} == before
+    assert run.iterations("checkpoint") == [0, 1, 2] and out["evaluations"][-1]["label"] == "iter_2"
+    with pytest.raises(StageError, match="run.iterations=2 is fewer than the 3 iterations"):
+        train(overrides=[*tiny, "run.iterations=2"], run_dir=str(copy))
+    with pytest.raises(StageError, match="may change only run.iterations, run.eval_every"):
+        train(overrides=[*tiny, "run.iterations=3", "optim.lr=0.5"], run_dir=str(copy))
+
+
 def test_the_curriculum_draws_stored_prompts_by_gain_variance_and_resumes(harness, tiny, tmp_path, calls):
     import numpy as np
 
