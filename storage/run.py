@@ -197,15 +197,9 @@ class Run(StageStores, RunTables, Checkpoints):
         """Upper bounds of a stored stage's dims from the run's config (`B`: the trajectories of an
         iteration, `T`: its steps, `K`: its states), checked before a store is read, so that dims a
         damaged or hostile metadata file declares never size an allocation or a loop."""
-        section = lambda name: self.config.get(name) if isinstance(self.config.get(name), dict) else {}  # noqa: E731
-        run, sampler = section("run"), section("sampler")
-        ints = lambda *xs: all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in xs)  # noqa: E731
-        limits = {}
-        B = (run.get("prompts_per_iteration"), run.get("group_size"))
-        if ints(*B):
-            limits["B"] = B[0] * B[1]
-        T = sampler.get("steps")
-        if ints(T):
+        P, G, T = (_positive_int(self.config, s, f) for s, f in CONFIG_DIMS)
+        limits = {"B": P * G} if P and G else {}
+        if T:
             limits.update(T=T, K=T + 1)
         return limits
 
@@ -461,6 +455,16 @@ class Run(StageStores, RunTables, Checkpoints):
         )
         check_token(writer.lock, token, writer.what)
         return writer
+
+
+# The config fields that bound a stage's dims: prompts and group size (B), steps (T).
+CONFIG_DIMS = (("run", "prompts_per_iteration"), ("run", "group_size"), ("sampler", "steps"))
+
+
+def _positive_int(config: Mapping[str, Any], section: str, field: str) -> int | None:
+    """`config[section][field]` if it is a positive int (a stored config is data: anything else is None)."""
+    value = config.get(section, {}).get(field) if isinstance(config.get(section), Mapping) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def find_run(run: str | os.PathLike[str], runs_root: str | os.PathLike[str] = "runs") -> Path:
