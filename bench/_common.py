@@ -342,8 +342,10 @@ def bare_loop(
     from stepgrpo.prompts import prompt_source
     from stepgrpo.sampling import complete_chunks, encode, generator, iteration_plan, sample_iteration
     from stepgrpo.scoring import reward_images, score_images
+    from stepgrpo_core.completions import completed_through
     from stepgrpo_core.credit import assign
     from stepgrpo_core.kernels import KERNELS
+    from tasks.credit import trained_mask
 
     if KERNELS.facts(cfg.sampler.kernel)["calibrated"]:
         raise ValueError("the bare loop has no calibration stage; benchmark a kernel with a fixed noise")
@@ -368,14 +370,15 @@ def bare_loop(
         log_probs = torch.cat([c.sde.log_probs for c in chunks])
         t1 = time.perf_counter()
         nfe_rollout = pol.nfe - nfe0
-        if method:  # as the complete stage completes (the states after the window are x_T: scored once)
+        if method:  # as the complete stage completes (the states after `through` are x_T: scored once)
+            through = completed_through(method, end, T)
             done = [
                 out.latents
                 for _, out in complete_chunks(
-                    pol, method, states.numpy(), sigmas, prompts.texts, plan.prompt_ids, mb, end
+                    pol, method, states.numpy(), sigmas, prompts.texts, plan.prompt_ids, mb, through
                 )
             ]
-            clean = torch.cat(done)[:, [*range(end), T]]
+            clean = torch.cat(done)[:, [*range(through), T]]
         else:
             clean = torch.stack([ode_final, states[:, -1]], dim=1)
         t2 = time.perf_counter()
@@ -388,11 +391,13 @@ def bare_loop(
             reward, images, prompts.texts_of(pids), prompts.metadata_of(pids), chunk=mb
         ).scores.reshape(B, K)
         t3 = time.perf_counter()
-        if method:  # R_k = R_T after the window
-            grid = torch.cat([scored[:, :end], scored[:, -1:].expand(B, T + 1 - end)], dim=1)
+        if method:  # R_k = R_T after `through`
+            grid = torch.cat([scored[:, :through], scored[:, -1:].expand(B, T + 1 - through)], dim=1)
         else:
             grid = scored[:, -1:].expand(B, T + 1).clone()  # outcome reads R_T only
-        credit = assign(cfg.credit.scheme, grid, torch.from_numpy(plan.group_ids).long(), **cfg.credit.options)
+        credit = assign(
+            cfg.credit.scheme, grid, torch.from_numpy(plan.group_ids).long(), trained_mask(cfg), **cfg.credit.options
+        )
         t4 = time.perf_counter()
         batch = training.Batch(
             states,

@@ -39,5 +39,9 @@ def calibrate(
         name_flow_run(f"{run.run_id} calibrate")
         stage = bind(run, cfg)
         result = stage.calibrate(run, cfg, stage.prompts(run, cfg))
-    print(f"psi after {len(result.rounds)} rounds: {[round(p, 4) for p in result.psi]}")
+    start = result.rounds[0]["psi"] if result.rounds and result.rounds[0].get("round") == -1 else None
+    done = sum(1 for r in result.rounds if r.get("round", 0) >= 0)
+    if start is not None:
+        print(f"psi before: {[round(p, 4) for p in start]}")
+    print(f"psi after {done} rounds: {[round(p, 4) for p in result.psi]}")
     return {"run_dir": str(run.path), **result.record()}

@@ -141,6 +141,10 @@ class SamplerConfig(_Section):
     """Number of stochastic steps from `sde_window_start`; None means every step."""
     eval_steps: int = Field(40, ge=1)
     """ODE steps of evaluation sampling (Flow-GRPO evaluates with 40)."""
+    shared_x0: bool = True
+    """A group's members start from one initial noise `x_0` (GRPO's group shares prompt and noise);
+    false gives each member its own `x_0` and its own `R_0` (its own ODE sample), as Flow-GRPO's
+    and TP-GRPO's code do (`same_latent = False`)."""
 
     @field_validator("kernel")
     @classmethod
@@ -218,7 +222,21 @@ class CreditConfig(_Section):
                 f"options {unknown} are not options of scheme {self.scheme!r}; allowed: "
                 f"{', '.join(sorted(valid)) or 'none'}"
             )
+        check_option_values(self.scheme, self.options)
         return self
+
+
+def check_option_values(scheme: str, options: Mapping[str, Any]) -> None:
+    """Run `scheme` once on a tiny batch with `options`, so a bad value (a negative mini-batch, a
+    wrong type) fails when the config is built, in the scheme's own words, not at the credit stage."""
+    import torch
+
+    from stepgrpo_core.credit import assign
+
+    try:
+        assign(scheme, torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), **options)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"credit.options of scheme {scheme!r}: {err}") from None
 
 
 class OptimConfig(_Section):
@@ -257,6 +275,10 @@ class OptimConfig(_Section):
     """Also train step T-1 when `train_steps` is None. Off as in Flow-GRPO (`timestep_fraction`
     0.99) and TP-GRPO: its std is tiny and its noise barely changes the image, yet it dominates the
     gradient."""
+    step_weighting: Literal["uniform", "noise"] = "uniform"
+    """Per-step loss weight, orthogonal to credit: `uniform` (every trained step 1) or `noise`
+    (TempFlow-GRPO, arXiv 2508.04324: proportional to the step's transition std, normalized to mean 1
+    over the trained steps; `stepgrpo_core.loss.step_weights`)."""
     detach_uncond: bool = True
     """With CFG, detach the unconditional branch in the update so the gradient flows through the
     conditional prediction only (Flow-GRPO's `compute_log_prob`)."""
@@ -310,14 +332,15 @@ class OptimConfig(_Section):
 
 
 class CalibrationConfig(_Section):
-    rounds: int = Field(3, ge=1)
-    """DenseGRPO `psi` calibration rounds."""
+    rounds: int = Field(8, ge=1)
+    """DenseGRPO `psi` calibration rounds (each samples with the run's SDE window)."""
     prompts: int = Field(4, ge=1)
     """Prompts sampled per round (each with the run's group size)."""
     eps1: float = Field(2.0, ge=0)
     """Balance threshold on |#(g_k > 0) - #(g_k < 0)| (DenseGRPO: 2)."""
-    eps2: float = Field(0.01, gt=0)
-    """Step of each psi update (DenseGRPO: 0.01)."""
+    eps2: float = Field(0.1, gt=0)
+    """Step of each psi update. DenseGRPO's 0.01 over a few rounds moves psi ~2-3.5 by about 1 %,
+    i.e. not at all; 0.1 over 8 rounds can move a step's psi by up to 0.8 (METHODS.md)."""
     init_a: float = Field(0.7, ge=0)
     """Initial psi[k] = init_a * sqrt(s / (1 - s)), the flow kernel's noise (a choice, METHODS.md)."""
 
@@ -523,6 +546,7 @@ STAGE_FIELDS: dict[str, tuple[str, ...]] = {
         "sampler.noise",
         "sampler.sde_window_start",
         "sampler.sde_window_size",
+        "sampler.shared_x0",
         "run.prompts",
         "run.prompts_per_iteration",
         "run.group_size",
@@ -556,9 +580,14 @@ STAGE_FIELDS: dict[str, tuple[str, ...]] = {
 }
 
 
+# Fields added after runs were stored, at the value that computes what the code did before them:
+# left out of a key at that value, so a stored run keeps its keys (and its stages) under new code.
+KEY_NEUTRAL: dict[str, Any] = {"sampler.shared_x0": True, "optim.step_weighting": "uniform"}
+
+
 def stage_fields(config: Config, stage: str) -> dict[str, Any]:
     """The values of the fields `stage` reads, flattened: the config part of its cache key."""
-    flat = config.flat()
+    flat = {k: v for k, v in config.flat().items() if k not in KEY_NEUTRAL or KEY_NEUTRAL[k] != v}
     out: dict[str, Any] = {}
     for field in STAGE_FIELDS[stage]:
         out.update({k: v for k, v in flat.items() if k == field or k.startswith(field + ".")})

@@ -102,13 +102,15 @@ def sample_groups(
     ode_reference: bool = False,
     progress: str = "sample",
     groups: range | None = None,
+    shared_x0: bool = True,
 ) -> Iterator[GroupChunk]:
     """Sample `len(group_noise)` groups of `group_size` trajectories, `groups_per_call` at a time.
 
-    Group `g` starts from the noise of `generator(*group_noise[g])`, shared by its members; the
-    call that starts at group `c0` draws its SDE noise from `generator(*sde_seed(c0))`. With
-    `ode_reference`, each group's `x_0` is also sampled by the ODE (one per group: its members
-    share prompt and noise). `groups`: only these groups (a shard's; it starts at a call boundary).
+    Group `g` starts from the noise of `generator(*group_noise[g])`, shared by its members (with
+    `shared_x0` False, member `m` draws its own from `generator(*group_noise[g], m)`); the call
+    that starts at group `c0` draws its SDE noise from `generator(*sde_seed(c0))`. With
+    `ode_reference`, each distinct `x_0` is also sampled by the ODE (one per group when its members
+    share it). `groups`: only these groups (a shard's; it starts at a call boundary).
     """
     from stepgrpo_core.rollout import rollout
 
@@ -116,9 +118,17 @@ def sample_groups(
     groups = groups or range(P)
     for c0 in track(range(groups.start, groups.stop, groups_per_call), progress):
         called = range(c0, min(groups.stop, c0 + groups_per_call))
-        x0 = torch.cat(
-            [pol.initial_noise(1, generator(*group_noise[g], device=pol.device)).expand(G, -1, -1, -1) for g in called]
-        )
+        if shared_x0:
+            x0 = torch.cat(
+                [
+                    pol.initial_noise(1, generator(*group_noise[g], device=pol.device)).expand(G, -1, -1, -1)
+                    for g in called
+                ]
+            )
+        else:
+            x0 = torch.cat(
+                [pol.initial_noise(1, generator(*group_noise[g], m, device=pol.device)) for g in called for m in range(G)]
+            )
         rows = np.arange(c0 * G, (called[-1] + 1) * G)
         cond = encode(pol, texts, prompt_ids[rows])
         sde = rollout(
@@ -134,9 +144,10 @@ def sample_groups(
         ode_final, nfe_ode = None, 0
         if ode_reference:
             before = pol.nfe
-            firsts = torch.arange(0, len(rows), G)
-            ode = rollout(pol.velocity, x0[::G], sigmas, take(cond, firsts), kernel="ode")
-            ode_final, nfe_ode = ode.states[:, -1].repeat_interleave(G, dim=0), pol.nfe - before
+            step = G if shared_x0 else 1  # one ODE sample per distinct x_0
+            firsts = torch.arange(0, len(rows), step)
+            ode = rollout(pol.velocity, x0[::step], sigmas, take(cond, firsts), kernel="ode")
+            ode_final, nfe_ode = ode.states[:, -1].repeat_interleave(step, dim=0), pol.nfe - before
         yield GroupChunk(rows, cond, sde, ode_final, nfe_ode)
 
 
@@ -171,6 +182,7 @@ def sample_iteration(
         ode_reference=True,
         progress=f"rollout {iteration}",
         groups=groups,
+        shared_x0=cfg.sampler.shared_x0,
     )
 
 

@@ -24,7 +24,7 @@ import torch
 from stepgrpo.config import Config
 from stepgrpo_core.conditioning import take
 from stepgrpo_core.kernels import diffusion_coefficient
-from stepgrpo_core.loss import grpo_loss
+from stepgrpo_core.loss import grpo_loss, step_weights
 from stepgrpo_core.rollout import step_log_prob
 
 # torch's AdamW keeps per-parameter tensors under these names (plus "step").
@@ -164,6 +164,8 @@ def update(
     named = {n: p for n, p in pol.transformer.named_parameters() if p.requires_grad}
     before = _flat(trained, grad=False)
     diag = Diagnostics(steps)
+    # per-step loss weights, mean 1 over the trained steps (`optim.step_weighting`)
+    weight = dict(zip(steps, step_weights(o.step_weighting, kernel, sigmas, noise, steps).tolist()))
     velocity = _velocity(pol, o.detach_uncond)
     for epoch in range(o.inner_epochs):
         order = rows[torch.randperm(len(rows), generator=generator)]
@@ -190,8 +192,9 @@ def update(
                             kernel,
                             noise,
                         )
-                        # the mean over the part's trajectories and the trained steps, whatever the micro-batches
-                        (loss.loss * (len(idx) / (len(part) * len(steps)))).backward()
+                        # the mean over the part's trajectories and the trained steps, whatever the
+                        # micro-batches (each step's loss times its weight, mean weight 1)
+                        (loss.loss * (weight[k] * len(idx) / (len(part) * len(steps)))).backward()
                         diag.add_loss(k, first, len(idx), loss)
                     if first and o.diagnostics:
                         accumulated = _flat(trained, grad=True)

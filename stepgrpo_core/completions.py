@@ -25,8 +25,11 @@ from `end` on is `ode`, so the ODE completion of `x_k`, `k >= end`, on the rollo
 the sample `x_T` itself. `complete(..., through=end)` completes only `x_0 .. x_{end-1}` and copies
 `x_T` into the rest: `remaining` then costs `sum_{k < end} (T - k)` NFEs per trajectory,
 `substeps:N` costs `N end`, `tweedie` `end` (the minimum for the window). For `remaining` the
-copies are exactly what recomputing would give; for `substeps` / `tweedie` a state after the window
-takes its trajectory's own ODE on the training grid instead of `N` fresh substeps (a *choice*).
+copies are exactly what recomputing would give. For a method that is not the rollout's own ODE
+(`substeps`, `tweedie`: fact `exact_tail` False), the window's last state `x_end` is completed with
+the method too (`completed_through`): the last trained gain `R_end - R_{end-1}` then compares two
+completions by the same method (Stepwise-Flow-GRPO completes every state alike), and the switch to
+the trajectory's own ODE lands on the untrained step after the window.
 
 NFE = velocity rows evaluated. Shapes: `states [B, T+1, C, H, W]` -> latents `[B, T+1, C, H, W]`
 in the dtype of `states`; the Euler steps use `kernels.step_moments("ode", ...)` in fp32.
@@ -54,7 +57,9 @@ class Completion(NamedTuple):
 # `arg` is the text after ':' in the method name (None when absent) and only states k < through
 # are completed (the caller copies x_T into the rest).
 CompletionFn = Callable[[Velocity, torch.Tensor, torch.Tensor, Any, int, "str | None", int], Completion]
-COMPLETIONS: Registry[CompletionFn] = Registry("completion")
+# Fact `exact_tail`: completing a state after the SDE window gives the sample x_T itself (the method
+# runs the rollout's own ODE on its own grid), so those states are copied, not completed.
+COMPLETIONS: Registry[CompletionFn] = Registry("completion", exact_tail=False)
 
 
 def parse_method(method: str) -> tuple[str, str | None]:
@@ -66,6 +71,14 @@ def parse_method(method: str) -> tuple[str, str | None]:
     name, sep, arg = method.partition(":")
     COMPLETIONS.validate(name)
     return name, (arg if sep else None)
+
+
+def completed_through(method: str, window_end: int, num_steps: int) -> int:
+    """How many states `x_0 .. x_{n-1}` a completion by `method` computes for a rollout whose SDE
+    window ends at step `window_end` (module doc): `window_end` for an `exact_tail` method, else
+    one more (the window's last state), at most `T`."""
+    name, _ = parse_method(method)
+    return window_end if COMPLETIONS.facts(name)["exact_tail"] else min(window_end + 1, num_steps)
 
 
 def validate_method(method: str) -> str:
@@ -118,7 +131,7 @@ def _nonfinal_rows(states: torch.Tensor, sigmas: torch.Tensor, through: int):
     return z, rows, sigmas[:through].repeat(batch)
 
 
-@COMPLETIONS.register("remaining")
+@COMPLETIONS.register("remaining", exact_tail=True)
 def remaining(velocity, states, sigmas, cond, max_batch, arg, through) -> Completion:
     """Euler on the rest of the grid, all states at the same grid level in one batch (module doc)."""
     _no_arg("remaining")(arg)

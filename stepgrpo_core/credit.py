@@ -8,9 +8,15 @@ Schemes (registry `SCHEMES`, one function each, same signature `(rewards, gains,
 
 - `outcome` (Flow-GRPO): `A_k = (R_T - mean_group(R_T)) / (std + STD_EPS)` for every `k`; `std`
   over the whole batch (`global_std=True`, default) or per group.
-- `stepwise` (Stepwise-Flow-GRPO): gains normalized jointly over all `B x T` entries.
+- `stepwise` (Stepwise-Flow-GRPO, arXiv 2603.28718, "gain-based advantages"): gains normalized
+  jointly over the `B x T'` entries of the `T'` trained steps (not per step).
 - `dense` (DenseGRPO): gains normalized per step `k` within each group.
-- `turning_point` (TP-GRPO): turning points get the aggregated reward `R_T - R_k`, then as `dense`.
+- `turning_point` (TP-GRPO, arXiv 2602.06422): turning points get the aggregated reward
+  `R_T - R_k` (balanced over sampling mini-batches), then as `dense`.
+
+Context: a scheme may declare the keyword `trained=None`; `assign` then passes the `[T]` bool mask
+of the steps the update trains (the SDE window without the final step, `Config.trained_steps`).
+It is not an option: the config never sets it.
 
 Every std is the population std (ddof 0, as NumPy and Flow-GRPO) plus `STD_EPS`, so a group with
 no variance gets advantage exactly 0. Groups whose advantages are all 0 carry no signal and are
@@ -30,6 +36,12 @@ import torch
 from .registry import PluginError, Registry, takes_positional
 
 STD_EPS = 1e-4  # added to every std of a normalization (Flow-GRPO's 1e-4)
+# Keywords `assign` supplies from the run, not from `credit.options`: `trained [T]` bool, the steps
+# the update trains (a scheme that declares it reads it; its stored advantages name the steps).
+CONTEXT = ("trained",)
+# TP-GRPO's sampling mini-batch: the authors' SD3 launch config samples 9 images a GPU batch, and
+# their code balances the turning points within each such batch (METHODS.md, scheme 4).
+TP_SAMPLE_BATCH = 9
 
 
 @dataclass(frozen=True)
@@ -92,7 +104,7 @@ def check_scheme(name: str, fn: Scheme) -> None:
     if not callable(fn):
         raise PluginError(f"credit scheme {name!r}: {fn!r} is not callable")
     takes_positional(name, "credit scheme", fn, 3, "fn(rewards, gains, groups, **options)")
-    params = list(inspect.signature(fn).parameters.values())[3:]
+    params = [p for p in list(inspect.signature(fn).parameters.values())[3:] if p.name not in CONTEXT]
     variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
     bare = [p.name for p in params if p.default is inspect.Parameter.empty or p.kind in variadic]
     if bare:
@@ -129,12 +141,26 @@ def outcome(rewards, gains, groups: Groups, global_std: bool = True):
     return adv.expand_as(gains).clone(), _no_turning(gains)
 
 
-@SCHEMES.register("stepwise")
-def stepwise(rewards, gains, groups: Groups):
-    """Stepwise-Flow-GRPO: gains normalized jointly over all B x T entries (not per step)."""
-    shifted = gains - gains.reshape(-1)[0]
+# version 2: normalized over the trained steps only (version 1: over all B x T gains, the untrained
+# steps' zero gains included).
+@SCHEMES.register("stepwise", version="2")
+def stepwise(rewards, gains, groups: Groups, baseline: bool = False, trained: torch.Tensor | None = None):
+    """Stepwise-Flow-GRPO: gains normalized jointly over the `B x T'` trained entries (not per step).
+
+    `trained [T]` bool: the steps the update trains (None: every step); the other steps' gains stay
+    out of the mean and std, and their advantages are 0. `baseline` (a *choice*, off as the paper
+    does not subtract one): subtract each group's mean gain per step first (a per-prompt
+    baseline); with a group-shared `x_0` the gains of one prompt then compare like with like.
+    """
+    mask = torch.ones(gains.shape[1], dtype=torch.bool) if trained is None else trained.to(torch.bool)
+    g = gains[:, mask]  # [B, T']
+    if baseline:
+        g = g - (groups.sum(g) / groups.sizes[:, None])[groups.index]
+    shifted = g - g.reshape(-1)[0]  # exact zero for constant gains (see Groups.normalize)
     centered = shifted - shifted.mean()
-    return centered / (centered.std(correction=0) + STD_EPS), _no_turning(gains)
+    adv = torch.zeros_like(gains)
+    adv[:, mask] = centered / (centered.std(correction=0) + STD_EPS)
+    return adv, _no_turning(gains)
 
 
 @SCHEMES.register("dense")
@@ -164,8 +190,12 @@ def turning_points(
     return turn
 
 
-def balance_turning_points(turn: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """Balance the turning points of a batch as TP-GRPO's code does (METHODS.md, scheme 4).
+def balance_turning_points(turn: torch.Tensor, delta: torch.Tensor, over: int | None = None) -> torch.Tensor:
+    """Balance the turning points as TP-GRPO's code does (METHODS.md, scheme 4).
+
+    `over`: the size of a sampling mini-batch (consecutive trajectories, the last one shorter);
+    each is balanced on its own, as the authors' code balances each GPU's sampling batch. None:
+    the rows given are one batch.
 
     `turn [B, T]` bool, `delta [B]` each trajectory's `R_T - R_0`. The turning points are split by
     the sign of their trajectory's `delta` and ranked by `|delta|`; the `min(#pos, #neg)` largest
@@ -174,6 +204,8 @@ def balance_turning_points(turn: torch.Tensor, delta: torch.Tensor) -> torch.Ten
     earlier position (row-major).
     """
     B, T = turn.shape
+    if over is not None and over < B:
+        return torch.cat([balance_turning_points(turn[i : i + over], delta[i : i + over]) for i in range(0, B, over)])
     flat_turn = turn.reshape(-1)
     flat_delta = delta.reshape(B, 1).expand(B, T).reshape(-1)
     pos, neg = flat_turn & (flat_delta > 0), flat_turn & (flat_delta < 0)
@@ -190,45 +222,80 @@ def balance_turning_points(turn: torch.Tensor, delta: torch.Tensor) -> torch.Ten
 
 
 def turning_point_rewards(
-    rewards: torch.Tensor, consistency: bool = True, first_step: bool = True, balance: bool = True
+    rewards: torch.Tensor,
+    consistency: bool = True,
+    first_step: bool = True,
+    balance: bool = True,
+    balance_over: int | str = TP_SAMPLE_BATCH,
 ):
     """TP-GRPO step rewards `[B, T]` and the kept turning points `[B, T]` bool.
 
     `rewards [B, T+1]`. A kept turning point's reward is the aggregated `R_T - R_k` (its own
-    `g_k` is dropped); every other step keeps `g_k`.
+    `g_k` is dropped); every other step keeps `g_k`. `balance_over`: the sampling mini-batch
+    balanced at once (trajectories in rollout order), or `"iteration"` for the whole batch.
     """
     gains = rewards[:, 1:] - rewards[:, :-1]
     turn = turning_points(rewards, gains, consistency=consistency, first_step=first_step)
     aggregated = rewards[:, -1:] - rewards[:, :-1]  # [B, T] R_T - R_k
     if balance:
-        turn = balance_turning_points(turn, rewards[:, -1] - rewards[:, 0])
+        turn = balance_turning_points(turn, rewards[:, -1] - rewards[:, 0], balance_size(balance_over))
     return torch.where(turn, aggregated, gains), turn
 
 
+def balance_size(balance_over: int | str) -> int | None:
+    """`balance_over` as a mini-batch size (None: the whole iteration); rejects other values."""
+    if balance_over == "iteration":
+        return None
+    if isinstance(balance_over, bool) or not isinstance(balance_over, int) or balance_over < 1:
+        raise ValueError(
+            f"turning_point balance_over must be a positive number of trajectories (the authors': "
+            f"{TP_SAMPLE_BATCH}) or 'iteration'; got {balance_over!r}"
+        )
+    return balance_over
+
+
 # version 2: balancing by the trajectory's R_T - R_0, every turning point kept when all share one
-# sign (version 1 ranked by R_T - R_k and kept none of a one-signed batch).
-@SCHEMES.register("turning_point", version="2")
+# sign (version 1 ranked by R_T - R_k and kept none of a one-signed batch). Version 3: balanced
+# over sampling mini-batches of `balance_over` trajectories (version 2: over the whole iteration).
+@SCHEMES.register("turning_point", version="3")
 def turning_point(
-    rewards, gains, groups: Groups, consistency: bool = True, first_step: bool = True, balance: bool = True
+    rewards,
+    gains,
+    groups: Groups,
+    consistency: bool = True,
+    first_step: bool = True,
+    balance: bool = True,
+    balance_over: int | str = TP_SAMPLE_BATCH,
 ):
     """TP-GRPO: turning points take the aggregated reward `R_T - R_k`; then per-(group, step) normalization."""
-    step_rewards, turn = turning_point_rewards(rewards, consistency=consistency, first_step=first_step, balance=balance)
+    step_rewards, turn = turning_point_rewards(
+        rewards, consistency=consistency, first_step=first_step, balance=balance, balance_over=balance_over
+    )
     return groups.normalize(step_rewards), turn
 
 
 def scheme_options(scheme: str) -> dict[str, object]:
     """The options of `scheme` and their defaults (for config validation and docs)."""
-    params = list(inspect.signature(SCHEMES.get(scheme)).parameters.values())[3:]
+    params = [p for p in list(inspect.signature(SCHEMES.get(scheme)).parameters.values())[3:] if p.name not in CONTEXT]
     return {p.name: p.default for p in params}
 
 
-def assign(scheme: str, rewards: torch.Tensor, group_ids: torch.Tensor, **options) -> Credit:
+def reads_trained(scheme: str) -> bool:
+    """Whether `scheme` declares the `trained` keyword (its advantages depend on the trained steps)."""
+    return "trained" in inspect.signature(SCHEMES.get(scheme)).parameters
+
+
+def assign(
+    scheme: str, rewards: torch.Tensor, group_ids: torch.Tensor, trained: torch.Tensor | None = None, **options
+) -> Credit:
     """Advantages of every step under credit `scheme` (module doc).
 
     Args:
         scheme: a `SCHEMES` name: `outcome`, `stepwise`, `dense`, `turning_point`.
         rewards: `[B, T+1]`, `rewards[:, k] = R_k`; no NaN (fill or drop missing rewards first).
         group_ids: `[B]` int64, equal for trajectories of the same prompt (sharing `x_0`).
+        trained: `[T]` bool, the steps the update trains (None: every step); passed to a scheme
+            that declares `trained` (`CONTEXT`).
         options: the scheme's options (`scheme_options(scheme)`); unknown ones are rejected.
 
     Returns `Credit` (advantages `[B, T]` fp32, gains, turning mask, keep mask, drop counts).
@@ -253,7 +320,10 @@ def assign(scheme: str, rewards: torch.Tensor, group_ids: torch.Tensor, **option
         raise ValueError("rewards contain NaN: drop those trajectories or fill the missing rewards before credit")
     groups = Groups(group_ids.to(rewards.device))
     gains = rewards[:, 1:] - rewards[:, :-1]
-    out = fn(rewards, gains, groups, **options)
+    if trained is not None and (trained.shape != (gains.shape[1],) or not bool(trained.any())):
+        raise ValueError(f"trained must be a [T={gains.shape[1]}] bool mask with at least one step")
+    context = {"trained": trained.cpu().bool()} if trained is not None and reads_trained(scheme) else {}
+    out = fn(rewards, gains, groups, **options, **context)
     advantages, turn = out if isinstance(out, tuple) else (out, _no_turning(gains))  # a plug-in may return A alone
     if not isinstance(advantages, torch.Tensor) or advantages.shape != gains.shape:
         got = tuple(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages).__name__

@@ -8,12 +8,13 @@ METHODS.md, "Transition kernels". With `s = sigmas[k]`, `s' = sigmas[k+1]`, `dt 
 | ode    | 0                                        | x + v dt  (Euler)                                |
 | flow   | eps_t sqrt(-dt), eps_t = a sqrt(s/(1-s)) | x + v dt + eps_t^2 / (2 s) (x + (1 - s) v) dt    |
 | cps    | s' sin(a pi / 2)                         | (1 - s') x0_hat + sqrt(s'^2 - std^2) x1_hat      |
-| ddim   | eta s' sqrt(1 - s)                       | as cps                                           |
+| ddim   | eta s' sqrt(1 - r^2), r = SNR ratio      | as cps                                           |
 | psi    | psi[k] sqrt(-dt) (psi[k] replaces eps_t) | as flow                                          |
 
 Sources: `flow` is Flow-GRPO's SDE (Euler-Maruyama of the reverse SDE that keeps the flow's
 marginals), `cps` its "coefficients-preserving" sampler, `ddim` Stepwise-Flow-GRPO's DDIM-like
-SDE, `psi` DenseGRPO's per-step calibrated noise.
+SDE (arXiv 2603.28718; DDIM's eq. 16, Song et al. 2021, on the flow's coefficients: see `ddim`),
+`psi` DenseGRPO's per-step calibrated noise.
 
 `s = 1` for `flow`: `a sqrt(s / (1 - s))` is infinite at pure noise. Flow-GRPO's
 `sde_step_with_logprob` substitutes `sigmas[1]` for `s` in the denominator only:
@@ -49,7 +50,8 @@ Kernel = Callable[
 ]
 # Facts: `calibrated` (the noise is a per-step table calibrated on the run's base policy, not a
 # number of the config) and `calibrate_with` (the credit scheme whose step gains calibration reads).
-KERNELS: Registry[Kernel] = Registry("kernel", calibrated=False, calibrate_with=None)
+# Fact `version`: bumped when a kernel samples other steps from the same noise (rollouts name it).
+KERNELS: Registry[Kernel] = Registry("kernel", calibrated=False, calibrate_with=None, version="1")
 
 LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 
@@ -106,13 +108,23 @@ def cps(x, v, sigma, sigma_next, noise):
     return _preserving_mean(x, v, sigma, sigma_next, std), std
 
 
-@KERNELS.register("ddim")
+# version 2: DDIM's posterior std (version 1 used `eta s' sqrt(1 - s)`, which is no DDIM formula:
+# 0 at s = 1 and about a fifth of DDIM's noise on the early steps of a shifted grid).
+@KERNELS.register("ddim", version="2")
 def ddim(x, v, sigma, sigma_next, noise):
-    """Stepwise-Flow-GRPO DDIM-like step; `noise` is `eta` in [0, 1], std `eta s' sqrt(1 - s)`.
+    """Stepwise-Flow-GRPO's DDIM-inspired step; `noise` is `eta` in [0, 1].
 
-    At `s = 1` (step 0) the std is 0: the first step is deterministic under this kernel.
+    DDIM (Song et al. 2021, eq. 16) draws `x_{t-1}` with std
+    `sigma_t(eta) = eta sqrt((1 - abar_{t-1}) / (1 - abar_t)) sqrt(1 - abar_t / abar_{t-1})`, the std of
+    the forward process's posterior `q(x_{t-1} | x_t, x_0)` scaled by `eta`. Written for any signal /
+    noise coefficients `(a, b)` (rectified flow: `a = 1 - s`, `b = s`) it is
+    `eta (b' / b) sqrt(b^2 - (a b' / a')^2) = eta s' sqrt(1 - r^2)`, `r = ((1 - s) s') / (s (1 - s'))`
+    (the ratio of the two levels' signal-to-noise ratios, < 1). `eta = 0` is the ODE (DDIM),
+    `eta = 1` the posterior (DDPM-like); at `s = 1` the std is `eta s'`, at `s' = 0` it is 0. The
+    mean is the coefficients-preserving one (as `cps`), so every `eta` keeps the flow's marginals.
     """
-    std = noise * sigma_next * torch.sqrt((1.0 - sigma).clamp_min(0.0))
+    r = (1.0 - sigma) * sigma_next / (sigma * (1.0 - sigma_next)).clamp_min(1e-12)
+    std = noise * sigma_next * torch.sqrt((1.0 - r**2).clamp_min(0.0))
     return _preserving_mean(x, v, sigma, sigma_next, std), std
 
 

@@ -98,3 +98,38 @@ def grpo_loss(
             ratio_max=float(r.max()),
         )
     return LossOutput(loss, policy_loss.detach(), kl.detach(), **stats)
+
+
+STEP_WEIGHTINGS = ("uniform", "noise")
+
+
+def step_weights(
+    mode: str, kernel: str, sigmas: torch.Tensor, noise: float | torch.Tensor, steps: list[int]
+) -> torch.Tensor:
+    """Per-step loss weights `w [len(steps)]` fp32, orthogonal to credit (METHODS.md, "Per-step loss weighting").
+
+    `uniform`: 1 for every trained step. `noise` (TempFlow-GRPO, arXiv 2508.04324): `w_k`
+    proportional to the step's transition std (the std of `x_{k+1} | x_k`, `eps_t sqrt(-dt)` for
+    `flow`), normalized to mean 1 over the trained `steps` (TempFlow-GRPO's code scales by a fixed
+    2.25 instead; the mean keeps the loss's scale, so a learning rate tuned with `uniform` stays
+    comparable). `sigmas [T+1]`, `noise` as `rollout.rollout` takes it (the psi table for `psi`).
+    """
+    from .kernels import step_moments
+    from .rollout import PER_STEP_NOISE, check_sigmas
+
+    if mode not in STEP_WEIGHTINGS:
+        raise ValueError(f"step weighting {mode!r} is not one of {', '.join(STEP_WEIGHTINGS)}")
+    if not steps:
+        return torch.zeros(0)
+    if mode == "uniform":
+        return torch.ones(len(steps))
+    s = check_sigmas(sigmas).cpu()
+    x = torch.zeros(1, 1, 1, 1)
+    stds = []
+    for k in steps:
+        n = noise[k] if kernel in PER_STEP_NOISE else noise
+        stds.append(float(step_moments(kernel, x, x, s[k], s[k + 1], n)[1]))
+    std = torch.tensor(stds, dtype=torch.float32)
+    if not bool((std > 0).all()):
+        raise ValueError(f"step weighting noise needs a stochastic kernel on every trained step; stds {stds}")
+    return std / std.mean()

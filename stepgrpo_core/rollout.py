@@ -101,7 +101,7 @@ def rollout(
         window: `(start, size)`: only steps `start .. start+size-1` use `kernel`, the rest `ode`.
         generator: the RNG for the step noise (on the device of `x0`); fix it for reproducibility.
 
-    Returns `Rollout`. A step inside the window whose std is 0 (e.g. `ddim` at `sigma = 1`) has no
+    Returns `Rollout`. A step inside the window whose std is 0 (e.g. `ddim` with `eta = 0`) has no
     density and gets a NaN log-prob, like the steps outside the window: it cannot be trained.
     The log-prob is taken of the state as stored (after the cast to the dtype of `x0`), so
     `step_log_prob` on the stored states reproduces it exactly.
@@ -154,7 +154,7 @@ def step_log_prob(
 
     Returns `StepLogProb(log_prob [B], mean [B,C,H,W], std [B,1,1,1])`. Call it once per trained
     step with `velocity` = the policy (gradient) and, under `torch.no_grad()`, with the reference
-    policy for the KL's `ref_mean`. Steps whose std is 0 (ode, `ddim` at `sigma = 1`) are rejected
+    policy for the KL's `ref_mean`. Steps whose std is 0 (ode, `ddim` with `eta = 0`) are rejected
     by `log_prob`: train only the stochastic steps (finite `Rollout.log_probs`).
     """
     if states.dim() != 5:

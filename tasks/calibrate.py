@@ -1,9 +1,11 @@
 """The calibrate stage: DenseGRPO's per-step exploration noise `psi` for a calibrated kernel.
 
-With the base policy, each round samples groups with the current table, completes and scores
-every state, and moves `psi[k]` by the sign of the step gains that the kernel's declared scheme
-(`calibrate_with`) reads (`stepgrpo_core.calibration`). The table is stored in the run as
-`calibration/psi.json`, with the rounds' history.
+With the base policy, each round samples groups with the current table and the run's SDE window
+(as training samples them), completes and scores every state the window makes stochastic, and
+moves `psi[k]` of the window's steps by the sign of the step gains that the kernel's declared
+scheme (`calibrate_with`) reads (`stepgrpo_core.calibration`); the steps outside the window keep
+their table value (they are ODE steps). The table is stored in the run as `calibration/psi.json`,
+with the table it started from and the rounds' history.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def read(run: Run) -> CalibrateResult | None:
 
 def compute(run: Run, cfg: Config, key: str) -> CalibrateResult:
     from stepgrpo_core.calibration import initial_psi, update_psi
-    from stepgrpo_core.completions import complete
+    from stepgrpo_core.completions import complete, completed_through
     from stepgrpo_core.credit import assign
 
     path = run.inside(Path(run.path) / CALIBRATION_FILE)  # no write through a link out of the run
@@ -79,7 +81,11 @@ def compute(run: Run, cfg: Config, key: str) -> CalibrateResult:
     scheme = KERNELS.facts(kernel)["calibrate_with"]
     sigmas = pol.sigmas(T)
     psi = initial_psi(sigmas.cpu(), c.init_a)
-    history = []
+    start, end = cfg.sampler.window()
+    window = torch.zeros(T, dtype=torch.bool)
+    window[start:end] = True
+    through = completed_through(cfg.completion.method, end, T)
+    history = [{"round": -1, "psi": psi.tolist()}]  # the starting table
     for r in range(c.rounds):
         pick = torch.randperm(len(train_ids), generator=generator(seed, "calibrate-prompts", r))[: c.prompts]
         pids = np.repeat(train_ids[pick.numpy()], G)
@@ -94,9 +100,13 @@ def compute(run: Run, cfg: Config, key: str) -> CalibrateResult:
             noise=psi.to(pol.device),
             sde_seed=lambda c0, r=r: (seed, "calibrate-sde", r),
             groups_per_call=len(pick),
+            window=(start, end - start),
             progress=f"calibrate {r}",
+            shared_x0=cfg.sampler.shared_x0,
         )
-        done = complete(cfg.completion.method, pol.velocity, chunk.sde.states, sigmas, chunk.cond, cfg.model.max_batch)
+        done = complete(
+            cfg.completion.method, pol.velocity, chunk.sde.states, sigmas, chunk.cond, cfg.model.max_batch, through
+        )
         B, T1 = done.latents.shape[:2]
         images = pol.decoder.decode_uint8(done.latents.reshape(B * T1, *done.latents.shape[2:]))
         rows = np.repeat(pids, T1)
@@ -110,7 +120,7 @@ def compute(run: Run, cfg: Config, key: str) -> CalibrateResult:
         )
         scores = scored.scores.float().reshape(B, T1)
         gains = assign(scheme, scores, torch.from_numpy(np.repeat(np.arange(len(pick)), G))).gains
-        psi = update_psi(psi, gains.cpu(), c.eps1, c.eps2)
+        psi = torch.where(window, update_psi(psi, gains.cpu(), c.eps1, c.eps2), psi)
         history.append({"round": r, "reward_mean": float(scores[:, -1].mean()), "psi": psi.tolist()})
     result = CalibrateResult(
         key=key, psi=psi.tolist(), rounds=history, seconds=time.perf_counter() - t0, digest=digest_of(psi.tolist())

@@ -1,8 +1,9 @@
 """The complete stage: the clean image each stored state leads to, by ODE completion.
 
 Every state before the end of the SDE window is completed with `completion.method`
-(`stepgrpo_core.completions`); the states after it evolve deterministically, so their completion
-is the sample `x_T` itself and costs nothing. The clean latents and NFEs are stored.
+(`stepgrpo_core.completions`), and the window's last state too when the method is not the
+rollout's own ODE (`completed_through`); the states after that evolve deterministically, so their
+completion is the sample `x_T` itself and costs nothing. The clean latents and NFEs are stored.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from stepgrpo.sampling import complete_chunks
 from stepgrpo.sharding import shard_ranges
 from storage.ledger import record
 from storage.run import Run
+from stepgrpo_core.completions import completed_through
 from storage.schema import completion_stage
 from tasks.base import fan_out, manifest, reuse, shard_task, stage_task
 from tasks.keys import Key, stage_key
@@ -69,7 +71,8 @@ def compute(run: Run, cfg: Config, iteration: int, key: str) -> None:
     method = cfg.completion.method
     t0 = time.perf_counter()
     rollout = run.stage_manifest(iteration, "rollout")
-    through = window_end(rollout["attrs"]["kernel_params"], int(rollout["attrs"]["T"]))
+    T = int(rollout["attrs"]["T"])
+    through = completed_through(method, window_end(rollout["attrs"]["kernel_params"], T), T)
     writer = run.begin_completion(
         iteration,
         method_dir(method),

@@ -71,6 +71,25 @@ def model_identity(run: Run, cfg: Config) -> str:
     return workspace.policy_identity(cfg.model)
 
 
+def code_facts(stage: str, cfg: Config) -> dict[str, Any]:
+    """What changed in a stage's computation after runs were stored, for the configs it changed:
+    part of the key only there, so every other stored stage keeps its key."""
+    from stepgrpo_core.completions import COMPLETIONS, parse_method
+    from stepgrpo_core.kernels import KERNELS
+
+    start, end = cfg.sampler.window()
+    facts: dict[str, Any] = {}
+    if stage in ("rollout", "calibrate") and KERNELS.facts(cfg.sampler.kernel)["version"] != "1":
+        facts["kernel_version"] = KERNELS.facts(cfg.sampler.kernel)["version"]
+    method = cfg.completion.method
+    if stage == "complete" and method is not None and end < cfg.sampler.steps:
+        if not COMPLETIONS.facts(parse_method(method)[0])["exact_tail"]:
+            facts["completes_window_end"] = True  # stepgrpo_core.completions.completed_through
+    if stage == "calibrate" and (start, end) != (0, cfg.sampler.steps):
+        facts["calibrates_in_window"] = True
+    return facts
+
+
 def stage_key(stage: str, run: Run, cfg: Config, iteration: int, upstream: Mapping[str, Upstream]) -> Key:
     from stepgrpo import workspace
 
@@ -80,6 +99,7 @@ def stage_key(stage: str, run: Run, cfg: Config, iteration: int, upstream: Mappi
         "fields": stage_fields(cfg, stage),
         "inputs": key_inputs(upstream),
         "salt": CODE_SALT,
+        **code_facts(stage, cfg),
     }
     if stage not in MODEL_FREE_STAGES:
         parts["model"] = model_identity(run, cfg)

@@ -44,7 +44,7 @@ def ref_per_group_step(values, gids):
     return out
 
 
-def ref_turning(R, consistency=True, first_step=True, balance=True):
+def ref_turning(R, consistency=True, first_step=True, balance=True, balance_over=9):
     B, T = len(R), len(R[0]) - 1
     step = [[R[b][k + 1] - R[b][k] for k in range(T)] for b in range(B)]
     turn = [[False] * T for _ in range(B)]
@@ -59,14 +59,18 @@ def ref_turning(R, consistency=True, first_step=True, balance=True):
             if ok and consistency:
                 ok = sign(step[b][k]) * sign(R[b][T] - R[b][k + 1]) > 0
             turn[b][k] = ok
-    if balance:  # by the trajectory's delta; a one-signed batch keeps every turning point
-        points = [(R[b][T] - R[b][0], b * T + k) for b in range(B) for k in range(T) if turn[b][k]]
-        pos = sorted((-abs(d), i) for d, i in points if d > 0)
-        neg = sorted((-abs(d), i) for d, i in points if d < 0)
-        if pos and neg:
-            n = min(len(pos), len(neg))
-            kept = {i for _, i in pos[:n]} | {i for _, i in neg[:n]}
-            turn = [[b * T + k in kept for k in range(T)] for b in range(B)]
+    if balance:  # by the trajectory's delta, per sampling mini-batch; a one-signed batch keeps all
+        size = B if balance_over == "iteration" else balance_over
+        for lo in range(0, B, size):
+            batch = range(lo, min(B, lo + size))
+            points = [(R[b][T] - R[b][0], b * T + k) for b in batch for k in range(T) if turn[b][k]]
+            pos = sorted((-abs(d), i) for d, i in points if d > 0)
+            neg = sorted((-abs(d), i) for d, i in points if d < 0)
+            if pos and neg:
+                n = min(len(pos), len(neg))
+                kept = {i for _, i in pos[:n]} | {i for _, i in neg[:n]}
+                for b in batch:
+                    turn[b] = [b * T + k in kept for k in range(T)]
     for b in range(B):
         for k in range(T):
             if turn[b][k]:
@@ -94,8 +98,20 @@ def ref_assign(scheme, R, gids, **opts):
                     adv[b] = a
         A = [[adv[b]] * T for b in range(B)]
     elif scheme == "stepwise":
-        flat = ref_normalize([g for row in gains for g in row])
-        A = [flat[b * T : (b + 1) * T] for b in range(B)]
+        trained = opts.get("trained", [True] * T)
+        cols = [k for k in range(T) if trained[k]]
+        values = [[gains[b][k] for k in cols] for b in range(B)]
+        if opts.get("baseline", False):  # each group's mean gain per step subtracted first
+            for rows in ref_groups(gids):
+                for j in range(len(cols)):
+                    m = sum(values[b][j] for b in rows) / len(rows)
+                    for b in rows:
+                        values[b][j] -= m
+        flat = ref_normalize([v for row in values for v in row])
+        A = [[0.0] * T for _ in range(B)]
+        for b in range(B):
+            for j, k in enumerate(cols):
+                A[b][k] = flat[b * len(cols) + j]
     elif scheme == "dense":
         A = ref_per_group_step(gains, gids)
     else:
@@ -135,8 +151,11 @@ OPTIONS = [
     ("outcome", {}),
     ("outcome", {"global_std": False}),
     ("stepwise", {}),
+    ("stepwise", {"baseline": True}),
     ("dense", {}),
     ("turning_point", {}),
+    ("turning_point", {"balance_over": 2}),
+    ("turning_point", {"balance_over": "iteration"}),
     ("turning_point", {"consistency": False}),
     ("turning_point", {"first_step": False}),
     ("turning_point", {"balance": False}),
@@ -318,7 +337,7 @@ def test_turning_point_advantages_are_stored_under_the_scheme_version():
     from tasks.credit import stored_options
 
     tp_cfg = load_config(None, ["credit.scheme=turning_point", "completion.method=remaining"])
-    assert stored_options(tp_cfg, "shapes", "1")["scheme_version"] == "2"
+    assert stored_options(tp_cfg, "shapes", "1")["scheme_version"] == "3"
     dense = load_config(None, ["credit.scheme=dense", "completion.method=remaining"])
     assert "scheme_version" not in stored_options(dense, "shapes", "1")  # version 1: the digest runs made before
 
@@ -340,14 +359,20 @@ def test_turning_point_scheme_normalizes_per_group_and_step():
 
 
 def test_options_are_validated():
-    assert scheme_options("turning_point") == {"consistency": True, "first_step": True, "balance": True}
+    assert scheme_options("turning_point") == {
+        "consistency": True,
+        "first_step": True,
+        "balance": True,
+        "balance_over": 9,
+    }
+    assert scheme_options("stepwise") == {"baseline": False}  # `trained` is context, not an option
     assert scheme_options("outcome") == {"global_std": True}
     rewards, gids = random_batch()
     with pytest.raises(
-        TypeError, match=r"no option\(s\) \['balanced'\]; valid options: \['balance', 'consistency', 'first_step'\]"
+        TypeError, match=r"no option\(s\) \['balanced'\]; valid options: \['balance', 'balance_over', 'consistency', 'first_step'\]"
     ):
         assign("turning_point", rewards, gids, balanced=True)
-    with pytest.raises(TypeError, match="valid options: none"):
+    with pytest.raises(TypeError, match=r"valid options: \['baseline'\]"):
         assign("stepwise", rewards, gids, global_std=True)
     with pytest.raises(KeyError, match="known credit schemes: dense, outcome, stepwise, turning_point"):
         assign("grpo", rewards, gids)
@@ -376,3 +401,48 @@ def test_the_turning_point_count_benchmark_runs():
     assert lines[0].startswith("one-signed") and "v1      [0, 0]" in done.stdout
     before, v2 = lines[1].split(None, 1)[1], lines[3].split(None, 1)[1]
     assert before == v2  # a one-signed batch keeps every turning point
+
+
+# --- in context: the trained steps, the sampling mini-batch -----------------------------------
+
+
+def test_stepwise_normalizes_over_the_trained_steps_only():
+    # T = 4, steps 0-1 trained (an SDE window of 2): gains [[1, 0, 0, 0], [-1, 0, 0, 0]].
+    # Over the 2 x 2 trained entries [1, 0, -1, 0]: mean 0, std sqrt(1/2), so A_0 = +-1 / (0.7071 + 1e-4);
+    # over all 2 x 4 entries (version 1) the untrained zeros would shrink the std to 1/2 and give +-2.
+    rewards = torch.tensor([[0, 1, 1, 1, 1], [0, -1, -1, -1, -1]], dtype=torch.float32)
+    trained = torch.tensor([True, True, False, False])
+    A = assign("stepwise", rewards, torch.tensor([0, 1]), trained).advantages
+    a = 1 / (0.5**0.5 + STD_EPS)
+    torch.testing.assert_close(A, torch.tensor([[a, 0, 0, 0], [-a, 0, 0, 0]]))
+    assert assign("stepwise", rewards, torch.tensor([0, 1])).advantages[0, 0] == pytest.approx(1 / (0.5 + STD_EPS))
+    # schemes that do not declare `trained` ignore it
+    torch.testing.assert_close(
+        assign("dense", rewards, torch.tensor([0, 0]), trained).advantages,
+        assign("dense", rewards, torch.tensor([0, 0])).advantages,
+    )
+
+
+def test_stepwise_baseline_subtracts_each_groups_mean_gain_per_step():
+    # one group of 2: gains [[2, 0], [0, 0]] -> minus the group mean [1, 0] -> [[1, 0], [-1, 0]]
+    rewards = torch.tensor([[0, 2, 2], [0, 0, 0]], dtype=torch.float32)
+    A = assign("stepwise", rewards, torch.tensor([0, 0]), baseline=True).advantages
+    a = 1 / (0.5**0.5 + STD_EPS)  # [1, 0, -1, 0]: std sqrt(1/2)
+    torch.testing.assert_close(A, torch.tensor([[a, 0], [-a, 0]]))
+
+
+def test_turning_points_are_balanced_per_sampling_mini_batch():
+    # A_ (delta +3, step 1), C_ (delta +3, steps 0 and 2), F_ (delta -3, step 1).
+    # Over the iteration: 3 positive, 1 negative -> one of each kept (A_ and F_).
+    assert tp([A_, C_, F_], balance_over="iteration")[1] == [[False, True, False, False], [False] * 4, [False, True, False, False]]
+    # Mini-batches of 2 (the authors balance each sampling batch): [A_, C_] is one-signed, so all
+    # of its turning points stay; [F_] alone stays too.
+    assert tp([A_, C_, F_], balance_over=2)[1] == [
+        [False, True, False, False],
+        [True, False, True, False],
+        [False, True, False, False],
+    ]
+    # the default mini-batch is the authors' 9 images: 3 rows are one batch
+    assert tp([A_, C_, F_])[1] == tp([A_, C_, F_], balance_over="iteration")[1]
+    with pytest.raises(ValueError, match="balance_over"):
+        tp([A_], balance_over=0)

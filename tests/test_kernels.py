@@ -77,8 +77,11 @@ def test_table_values():
     assert std.item() == pytest.approx(0.7 * math.sqrt(0.5 / 0.5) * math.sqrt(0.25))  # 0.35
     _, std = step_moments("cps", x, x, 0.5, 0.25, 0.7)
     assert std.item() == pytest.approx(0.25 * math.sin(0.7 * math.pi / 2))
+    # ddim (DDIM eq. 16 on a = 1 - s, b = s): r = (1 - 0.5) 0.25 / (0.5 (1 - 0.25)) = 1/3,
+    # std = eta s' sqrt(1 - r^2) = 0.25 sqrt(8/9); in DDIM's own terms with abar = a^2 / (a^2 + b^2)
+    # (the VP rescaling x / sqrt(a^2 + b^2)) the same std comes out: checked in test_ddim_is_ddim.
     _, std = step_moments("ddim", x, x, 0.5, 0.25, 1.0)
-    assert std.item() == pytest.approx(1.0 * 0.25 * math.sqrt(0.5))
+    assert std.item() == pytest.approx(0.25 * math.sqrt(8.0 / 9.0))
     _, std = step_moments("psi", x, x, 0.5, 0.25, 0.3)
     assert std.item() == pytest.approx(0.3 * 0.5)
     # flow at s = 1: sigma_next (= sigmas[1] at step 0) replaces s in the denominator only:
@@ -86,9 +89,26 @@ def test_table_values():
     _, std = step_moments("flow", x, x, 1.0, 0.9, 0.7)
     assert std.item() == pytest.approx(0.7 * math.sqrt(1.0 / 0.1) * math.sqrt(0.1))
     assert flow_scale(torch.tensor(1.0), torch.tensor(0.9), 0.7).item() == pytest.approx(0.7 * math.sqrt(10.0))
-    # ddim at s = 1 is deterministic (sqrt(1 - s) = 0).
-    _, std = step_moments("ddim", x, x, 1.0, 0.9, 1.0)
+    # ddim at s = 1: r = 0, std = eta s' (all of x_{k+1}'s noise is fresh); at s' = 0: std 0.
+    _, std = step_moments("ddim", x, x, 1.0, 0.9, 0.5)
+    assert std.item() == pytest.approx(0.45)
+    _, std = step_moments("ddim", x, x, 0.3, 0.0, 1.0)
     assert std.item() == 0.0
+
+
+@pytest.mark.parametrize("s,s_next", [(0.9, 0.7), (0.5, 0.25), (0.2, 0.05)])
+def test_ddim_is_ddim(s, s_next):
+    # DDIM's eq. 16 in its own variance-preserving terms: the state x / sqrt(a^2 + b^2) has
+    # abar = a^2 / (a^2 + b^2); sigma_VP = sqrt((1 - abar') / (1 - abar)) sqrt(1 - abar / abar'),
+    # and back in flow units the std is sigma_VP sqrt(a'^2 + b'^2).
+    def abar(t):
+        return (1 - t) ** 2 / ((1 - t) ** 2 + t**2)
+
+    vp = math.sqrt((1 - abar(s_next)) / (1 - abar(s))) * math.sqrt(1 - abar(s) / abar(s_next))
+    expected = vp * math.sqrt((1 - s_next) ** 2 + s_next**2)
+    x = torch.zeros(1, 1, 1, 1)
+    _, std = step_moments("ddim", x, x, s, s_next, 1.0)
+    assert std.item() == pytest.approx(expected, rel=1e-5)
 
 
 def test_mean_formulas():
