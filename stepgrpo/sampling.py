@@ -127,7 +127,11 @@ def sample_groups(
             )
         else:
             x0 = torch.cat(
-                [pol.initial_noise(1, generator(*group_noise[g], m, device=pol.device)) for g in called for m in range(G)]
+                [
+                    pol.initial_noise(1, generator(*group_noise[g], m, device=pol.device))
+                    for g in called
+                    for m in range(G)
+                ]
             )
         rows = np.arange(c0 * G, (called[-1] + 1) * G)
         cond = encode(pol, texts, prompt_ids[rows])

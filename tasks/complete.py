@@ -21,9 +21,9 @@ from stepgrpo.prompts import stored_prompts
 from stepgrpo.results import CompleteResult, RolloutResult, UpdateResult
 from stepgrpo.sampling import complete_chunks
 from stepgrpo.sharding import shard_ranges
+from stepgrpo_core.completions import completed_through
 from storage.ledger import record
 from storage.run import Run
-from stepgrpo_core.completions import completed_through
 from storage.schema import completion_stage
 from tasks.base import fan_out, manifest, reuse, shard_task, stage_task
 from tasks.keys import Key, stage_key

@@ -369,7 +369,9 @@ def test_options_are_validated():
     assert scheme_options("outcome") == {"global_std": True}
     rewards, gids = random_batch()
     with pytest.raises(
-        TypeError, match=r"no option\(s\) \['balanced'\]; valid options: \['balance', 'balance_over', 'consistency', 'first_step'\]"
+        TypeError,
+        match=r"no option\(s\) \['balanced'\]; valid options: "
+        r"\['balance', 'balance_over', 'consistency', 'first_step'\]",
     ):
         assign("turning_point", rewards, gids, balanced=True)
     with pytest.raises(TypeError, match=r"valid options: \['baseline'\]"):
@@ -434,7 +436,11 @@ def test_stepwise_baseline_subtracts_each_groups_mean_gain_per_step():
 def test_turning_points_are_balanced_per_sampling_mini_batch():
     # A_ (delta +3, step 1), C_ (delta +3, steps 0 and 2), F_ (delta -3, step 1).
     # Over the iteration: 3 positive, 1 negative -> one of each kept (A_ and F_).
-    assert tp([A_, C_, F_], balance_over="iteration")[1] == [[False, True, False, False], [False] * 4, [False, True, False, False]]
+    assert tp([A_, C_, F_], balance_over="iteration")[1] == [
+        [False, True, False, False],
+        [False] * 4,
+        [False, True, False, False],
+    ]
     # Mini-batches of 2 (the authors balance each sampling batch): [A_, C_] is one-signed, so all
     # of its turning points stay; [F_] alone stays too.
     assert tp([A_, C_, F_], balance_over=2)[1] == [
