@@ -169,3 +169,28 @@ class EvaluateResult(Result):
             data = dict(data)
             data["sub"] = {k.removeprefix("sub_"): data.pop(k) for k in list(data) if k.startswith("sub_")}
         return data
+
+
+class QualityResult(Result):
+    """The credit-quality check of one stored iteration (`tasks.quality`, METHODS.md "Judging credit")."""
+
+    key: str  # what the check read (its cache key)
+    iteration: int
+    continuations: int  # M, SDE continuations per state
+    seed: int  # the continuations' seed (each chunk's generator derives from it, the run seed and k)
+    reward_name: str
+    reward_version: str
+    trajectories: int  # B
+    groups: int  # prompt groups (the bootstrap's unit)
+    trained_steps: list[int]
+    schemes: list[str]  # judged, in order; a scheme that needs step rewards is skipped on final-only runs
+    skipped: list[str]  # schemes that could not be judged, with why
+    steps: list[dict[str, Any]]  # per trained step: stepgrpo_core.quality.step_table
+    gradient: dict[str, Any]  # "uniform" / "noise": {"reliability", "half_cosine", "rows": per scheme}
+    values: list[list[float]]  # [B, T+1] V(x_k), the Monte-Carlo true values
+    value_halves: list[list[list[float]]]  # [2, B, T+1] the same from each half of the continuations
+    nfe: int  # transformer rows of the continuations
+    score_rows: int  # per-row scores of the gradient check
+    seconds: float
+    seconds_continuations: float
+    seconds_gradient: float

@@ -321,6 +321,110 @@ def credit(
     console.print(table)
 
 
+@app.command("credit-quality")
+def credit_quality(
+    run: RunArg,
+    iteration: Annotated[
+        int | None, typer.Option(help="The stored iteration to judge (default: the latest scored one).")
+    ] = None,
+    continuations: Annotated[
+        int, typer.Option(help="SDE continuations M per state (even: two halves measure the Monte-Carlo noise).")
+    ] = 8,
+    scheme: Annotated[
+        list[str] | None,
+        typer.Option("--scheme", help="A scheme to judge (repeatable; default every registered scheme)."),
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the continuations (recorded).")] = 0,
+    set_: SetOpt = None,
+) -> None:
+    """Judge every credit scheme on a stored iteration of RUN against Monte-Carlo true advantages."""
+    path = _run(_check_quality, run, iteration, continuations, scheme or [], set_ or [])
+    from flows.quality import credit_quality as quality_flow
+
+    out = _run(
+        _owned,
+        path,
+        quality_flow,
+        run=str(path),
+        iteration=iteration,
+        continuations=continuations,
+        schemes=scheme or None,
+        seed=seed,
+        overrides=set_ or None,
+    )
+    console.print(quality_tables(out))
+
+
+def _check_quality(
+    run: str, iteration: int | None, continuations: int, schemes: list[str], overrides: list[str]
+) -> Path:
+    """The check's inputs, before any server starts: its schemes, the run, the iteration's rollout."""
+    from stepgrpo.errors import StageError
+    from storage.run import Run
+    from tasks.quality import schemes_to_judge
+
+    if continuations < 2 or continuations % 2:
+        raise StageError(f"--continuations must be an even number >= 2 (two halves); got {continuations}")
+    from stepgrpo_core.registry import allow
+
+    allow(*schemes)
+    schemes_to_judge(schemes)
+    path = _check_run(run, overrides=overrides)
+    done = Run.open(path).iterations("rollout")
+    if not done:
+        raise StageError(f"run {path.name} has no published rollout yet: nothing to judge")
+    if iteration is not None and iteration not in done:
+        raise StageError(f"run {path.name} has no published rollout at iteration {iteration}; stored: {done}")
+    return path
+
+
+def quality_tables(out: dict[str, Any]) -> Any:
+    """The check's two tables: per trained step, and the gradient check per scheme."""
+    from rich.console import Group
+
+    schemes = out["schemes"]
+    steps = Table(
+        "k",
+        "A* var share",
+        "rel A*",
+        *[f"corr {s[:8]}" for s in schemes],
+        "corr R,V",
+        "var R/V",
+        title=f"credit quality of {Path(out['run_dir']).name} iteration {out['iteration']}, M = {out['continuations']}",
+    )
+    for row in out["steps"]:
+        steps.add_row(
+            str(row["step"]),
+            _fmt(row["share"], 2),
+            _fmt(row["reliability"], 2),
+            *[_fmt(row.get(f"corr/{s}"), 2) for s in schemes],
+            _fmt(row["r_corr"], 2),
+            _fmt(row["r_var_ratio"], 1),
+        )
+    grad = Table(
+        "scheme", "weights", "cosine", "95 % interval", "raw", "- outcome", "95 % interval", title="gradient check"
+    )
+    for label, check in out["gradient"].items():
+        for row in check["rows"]:
+            grad.add_row(
+                row["scheme"],
+                label,
+                _fmt(row["cosine"], 3),
+                f"[{_fmt(row['low'], 2)}, {_fmt(row['high'], 2)}]",
+                _fmt(row["raw"], 3),
+                _fmt(row.get("diff"), 3),
+                f"[{_fmt(row.get('diff_low'), 2)}, {_fmt(row.get('diff_high'), 2)}]"
+                if row.get("diff") is not None
+                else "",
+            )
+    rel = ", ".join(f"{k} {_fmt(v['reliability'], 2)}" for k, v in out["gradient"].items())
+    notes = (
+        f"reliability of G(A*): {rel}; {out['score_rows']} scored rows, {out['nfe']} NFEs, "
+        f"{out['seconds']:.0f} s; record {out['record']}"
+    )
+    return Group(steps, grad, *([f"skipped: {'; '.join(out['skipped'])}"] if out["skipped"] else []), notes)
+
+
 @app.command()
 def calibrate(
     config: ConfigOpt = None, set_: SetOpt = None, run_dir: RunDirOpt = None, run_id: RunIdOpt = None

@@ -387,7 +387,7 @@ class Run(StageStores, RunTables, Checkpoints):
         return items
 
     EXPORTS = ("lora", "transformer")  # the run's exported weights (`tasks.update.export_lora`)
-    RECORDS = ("eval",)  # folders of sealed JSON records (`storage.publish.seal`)
+    RECORDS = ("eval", "credit_quality")  # folders of sealed JSON records (`storage.publish.seal`)
 
     def seal_export(self, name: str) -> dict[str, Any]:
         """Record the digest of the export folder `name` (in it, as `_export.json`), so that a
