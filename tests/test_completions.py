@@ -178,3 +178,14 @@ def test_equal_states_get_equal_completions_whatever_their_batch_position(method
     assert torch.equal(latents[0, 0], latents[1, 0])  # equal state, equal conditioning
     assert not torch.equal(latents[0, 0], latents[2, 0])  # equal state, other conditioning
     assert not torch.equal(latents[0, 1], latents[1, 1])  # other states keep their own
+
+
+def test_the_window_s_last_state_is_completed_by_a_method_that_is_not_the_rollouts_own_ode():
+    from stepgrpo_core.completions import completed_through
+
+    # window [0, 3) of 10 steps: remaining's completion of x_3 is x_T itself (copied); substeps and
+    # tweedie complete x_3 too, so the last trained gain R_3 - R_2 compares two alike completions
+    assert completed_through("remaining", 3, 10) == 3
+    assert completed_through("substeps:5", 3, 10) == 4
+    assert completed_through("tweedie", 3, 10) == 4
+    assert completed_through("substeps:5", 10, 10) == 10  # no window: every state but x_T, as before

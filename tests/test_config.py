@@ -222,3 +222,29 @@ def test_a_flow_takes_the_config_or_a_path_not_both():
     assert config_from(None, CONFIGS / "demo.yaml") == cfg
     with pytest.raises(ConfigError, match="not both"):
         config_from(cfg, "configs/demo.yaml")
+
+
+def test_fields_added_later_stay_out_of_stored_runs_keys_at_their_old_behaviour():
+    from stepgrpo.config import stage_fields
+
+    cfg = load_config(None, [])
+    assert "sampler.shared_x0" not in stage_fields(cfg, "rollout")
+    assert "optim.step_weighting" not in stage_fields(cfg, "update")
+    own = load_config(None, ["sampler.shared_x0=false", "optim.step_weighting=noise"])
+    assert stage_fields(own, "rollout")["sampler.shared_x0"] is False
+    assert stage_fields(own, "update")["optim.step_weighting"] == "noise"
+    assert stage_fields(own, "complete") == stage_fields(cfg, "complete")
+
+
+def test_stage_keys_name_what_changed_only_where_it_changed():
+    from tasks.keys import code_facts
+
+    w3 = ["sampler.sde_window_size=3"]
+    assert code_facts("complete", load_config(None, [*w3, "completion.method=remaining"])) == {}
+    assert code_facts("complete", load_config(None, [*w3, "completion.method=substeps:5"])) == {
+        "completes_window_end": True
+    }
+    assert code_facts("complete", load_config(None, ["completion.method=substeps:5"])) == {}  # no window
+    assert code_facts("rollout", load_config(None, [])) == {}  # flow: version 1
+    assert code_facts("rollout", load_config(None, ["sampler.kernel=ddim"])) == {"kernel_version": "2"}
+    assert code_facts("calibrate", load_config(None, [*w3, "sampler.kernel=psi"])) == {"calibrates_in_window": True}

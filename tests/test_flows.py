@@ -417,11 +417,18 @@ def test_psi_kernel_calibrates_then_trains(harness, tiny, tmp_path, calls):
             "run.iterations=1",
             "calibration.rounds=2",
             "calibration.prompts=2",
+            "sampler.sde_window_size=2",
         ],
         run_dir=str(tmp_path / "psi"),
     )
     psi = json.loads((tmp_path / "psi" / "calibration" / "psi.json").read_text())
-    assert len(psi["psi"]) == 4 and len(psi["rounds"]) == 2
+    assert len(psi["psi"]) == 4 and [r["round"] for r in psi["rounds"]] == [-1, 0, 1]  # -1: the starting table
+    start = psi["rounds"][0]["psi"]
+    # calibrated with the training window: steps 0-1 moved by +-eps2 (0.1) a round, 2-3 (ODE) kept
+    assert psi["psi"][2:] == start[2:]
+    for k in (0, 1):
+        moved = (psi["psi"][k] - start[k]) / 0.1
+        assert abs(moved - round(moved)) < 1e-4 and round(moved) in (-2, 0, 2)
     assert calls["calibrate"] == 1 and out["iterations"][0]["iteration"] == 0
 
 
@@ -518,6 +525,87 @@ def test_outcome_runs_store_the_ode_sample_of_each_group(harness, tiny, tmp_path
     grid = run.reward_grid(0, "jpeg_compressibility")
     assert bool(torch.isfinite(grid[:, 0]).all()) and bool(torch.isfinite(grid[:, -1]).all())
     assert torch.equal(grid[0:3, 0], grid[0:1, 0].expand(3))  # shared within a group
+
+
+def test_shared_x0_false_gives_each_member_its_own_noise_and_R0(harness, tiny, tmp_path):
+    from flows.train import train
+    from storage.run import Run
+
+    overrides = [*tiny, "completion.method=null", "credit.scheme=outcome", "run.iterations=1"]
+    out = train(overrides=[*overrides, "sampler.shared_x0=false"], run_dir=str(tmp_path / "own"))
+    run = Run.open(out["run_dir"])
+    assert run.stage_manifest(0, "rollout")["inputs"]["nfe_ode"] == 6 * 4  # one ODE sample per member
+    x0 = torch.from_numpy(run.read_array(0, "rollout", "states")[:, 0]).reshape(6, -1)
+    assert len({tuple(row.tolist()) for row in x0}) == 6  # no two members share x_0
+    grid = run.reward_grid(0, "jpeg_compressibility")
+    assert len(set(grid[0:3, 0].tolist())) > 1  # R_0 per member
+    # the shared default keys its rollout as runs made before the option (no field in its key)
+    shared = train(overrides=overrides, run_dir=str(tmp_path / "shared"))
+    assert Run.open(shared["run_dir"]).stage_manifest(0, "rollout")["digest"] != run.stage_manifest(0, "rollout")[
+        "digest"
+    ]
+
+
+def test_substeps_complete_the_window_s_last_state_by_the_same_method(harness, tiny, tmp_path):
+    from flows.train import train
+    from storage.run import Run
+
+    out = train(
+        overrides=[*tiny, "completion.method=substeps:2", "run.iterations=1", "sampler.sde_window_size=2"],
+        run_dir=str(tmp_path / "substeps"),
+    )
+    run = Run.open(out["run_dir"])
+    m = run.stage_manifest(0, "completions/substeps-2")
+    assert m["attrs"]["deterministic_from"] == 3  # x_0, x_1 and the window's last state x_2
+    assert m["attrs"]["nfe"] == 6 * 2 * 3
+    grid = run.reward_grid(0, "jpeg_compressibility")
+    assert torch.equal(grid[:, 3], grid[:, 4])  # after the window's last state: the sample's own reward
+    assert not torch.equal(grid[:, 2], grid[:, 4])  # x_2 by 2 substeps, not by the rollout's own ODE
+
+
+def test_credit_quality_is_stored_reused_and_computed_again_when_damaged(trained, monkeypatch):
+    from flows.quality import credit_quality
+    from storage.run import Run
+    from tasks import quality
+
+    out = credit_quality(run=trained["run_dir"], iteration=1, continuations=2)
+    assert out["schemes"] == ["dense", "outcome", "stepwise", "turning_point"] and not out["skipped"]
+    assert [r["step"] for r in out["steps"]] == [0, 1, 2]  # the trained steps (T = 4, the final one not)
+    assert out["nfe"] == 6 * 2 * (4 + 3 + 2 + 1)  # B x M continuations of x_0 .. x_3
+    assert out["score_rows"] == 6 * 3 and out["groups"] == 2
+    for label in ("uniform", "noise"):
+        rows = {r["scheme"]: r for r in out["gradient"][label]["rows"]}
+        assert set(rows) == set(out["schemes"]) and "diff" not in rows["outcome"] and "diff" in rows["dense"]
+    values = torch.tensor(out["values"], dtype=torch.float64)
+    grid = Run.open(trained["run_dir"]).reward_grid(1, "jpeg_compressibility").double()
+    torch.testing.assert_close(values[:, -1], grid[:, -1])  # V(x_T) = R_T
+    record = Path(out["record"])
+    assert record.parent.name == "credit_quality" and record.is_file()
+
+    def no_compute(*args, **kwargs):
+        raise AssertionError("a stored check was computed again")
+
+    with monkeypatch.context() as m:
+        m.setattr(quality, "compute", no_compute)
+        again = credit_quality(run=trained["run_dir"], iteration=1, continuations=2)
+    assert again["values"] == out["values"] and again["seconds"] == out["seconds"]
+    # a damaged record is found by verify, set aside, and computed again to the same numbers
+    data = json.loads(record.read_text())
+    data["gradient"]["uniform"]["rows"][0]["cosine"] = 0.999
+    record.write_text(json.dumps(data))
+    problems = Run.open(trained["run_dir"]).verify_all()
+    assert any("credit_quality" in what for what, _ in problems)
+    redone = credit_quality(run=trained["run_dir"], iteration=1, continuations=2)
+    assert redone["values"] == out["values"] and redone["gradient"] == out["gradient"]
+    assert any(p.name.startswith(record.name) and p != record for p in record.parent.iterdir())  # the kept copy
+    # logged as an MLflow run of its own, tagged with its parent
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(trained["tracking_uri"])
+    exp = client.get_experiment_by_name("stepgrpo")
+    (child,) = client.search_runs([exp.experiment_id], filter_string="tags.`stepgrpo.kind` = 'credit-quality'")
+    assert child.data.tags["stepgrpo.parent_run_id"] == "tiny-a"
+    assert "gradient_uniform/dense/cosine" in child.data.metrics
 
 
 def _stored_overrides(trained: dict) -> list[str]:

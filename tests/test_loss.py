@@ -128,3 +128,26 @@ def test_flow_grpo_kl_form_is_the_exact_kl_with_beta_times_dt():
     by_hand = (((mean - ref_mean) ** 2).mean(dim=(1, 2, 3)) / (2 * (0.7**2 * sigma / (1 - sigma)))).mean()
     torch.testing.assert_close(flow_grpo.kl, by_hand, rtol=1e-5, atol=0)
     torch.testing.assert_close(flow_grpo.loss, exact.loss, rtol=1e-5, atol=0)
+
+
+def test_step_weights_worked_example():
+    import math
+
+    from stepgrpo_core.loss import step_weights
+
+    # flow kernel, a = 0.7, grid [1, 0.5, 0.25, 0]: step 0's std is 0.7 sqrt(1 / (1 - 0.5)) sqrt(0.5) = 0.7
+    # (s_d = sigmas[1] at s = 1), step 1's 0.7 sqrt(0.5 / 0.5) sqrt(0.25) = 0.35: weights 0.7 / 0.525
+    # and 0.35 / 0.525 = 4/3 and 2/3 (mean 1 over the trained steps).
+    sigmas = torch.tensor([1.0, 0.5, 0.25, 0.0])
+    w = step_weights("noise", "flow", sigmas, 0.7, [0, 1])
+    torch.testing.assert_close(w, torch.tensor([4 / 3, 2 / 3]))
+    assert step_weights("uniform", "flow", sigmas, 0.7, [0, 1]).tolist() == [1.0, 1.0]
+    # psi reads its table; one trained step always weighs 1
+    w = step_weights("noise", "psi", sigmas, torch.tensor([1.0, 2.0, 3.0]), [1, 2])
+    s1, s2 = 2.0 * math.sqrt(0.25), 3.0 * math.sqrt(0.25)
+    torch.testing.assert_close(w, torch.tensor([s1, s2]) / ((s1 + s2) / 2))
+    assert step_weights("noise", "flow", sigmas, 0.7, [2]).tolist() == [1.0]
+    with pytest.raises(ValueError, match="uniform, noise"):
+        step_weights("late", "flow", sigmas, 0.7, [0])
+    with pytest.raises(ValueError, match="stochastic kernel"):
+        step_weights("noise", "ode", sigmas, 0.7, [0])

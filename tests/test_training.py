@@ -59,7 +59,7 @@ def batch(seed: int = 0):
     return out, advantages, torch.arange(GROUPS).repeat_interleave(G)
 
 
-def run_update(overrides, seed=0):
+def run_update(overrides, seed=0, adv_scale=None):
     cfg = load_config(
         None,
         [
@@ -72,6 +72,8 @@ def run_update(overrides, seed=0):
         ],
     )
     out, adv, groups = batch(seed)
+    if adv_scale is not None:
+        adv = adv * adv_scale
     pol = Policy()
     opt = training.make_optimizer(pol.trainable_parameters(), cfg)
     start = {n: p.detach().clone() for n, p in pol.transformer.named_parameters()}
@@ -206,3 +208,19 @@ def test_flow_grpo_kl_form_is_the_exact_kl_over_dt():
     _, _, exact = run_update([*over, "optim.kl_form=exact"])
     assert exact["kl"] > 0
     assert fg["kl"] == pytest.approx(exact["kl"] / 4, rel=1e-4)
+
+
+def test_noise_step_weighting_weighs_each_steps_loss_by_its_std():
+    # On-policy (ratio 1) the weighted loss's gradient is the gradient with the advantages of step
+    # k scaled by w_k: the summed gradient's norm says so. w = std_k / mean over trained steps.
+    from stepgrpo_core.loss import step_weights
+
+    w = step_weights("noise", "flow", SIGMAS, 0.7, [0, 1, 2])
+    assert w.mean().item() == pytest.approx(1.0) and not torch.allclose(w, torch.ones(3))
+    scale = torch.cat([w, torch.ones(1)])  # step 3 is not trained
+    common = ["optim.optimizer_steps=1", "optim.diagnostics=false", "optim.max_grad_norm=1e6"]
+    _, _, weighted = run_update([*common, "optim.step_weighting=noise"])
+    _, _, scaled = run_update(common, adv_scale=scale)
+    _, _, uniform = run_update(common)
+    assert weighted["grad_norm"] == pytest.approx(scaled["grad_norm"], rel=1e-5)
+    assert abs(weighted["grad_norm"] - uniform["grad_norm"]) > 1e-3 * uniform["grad_norm"]
