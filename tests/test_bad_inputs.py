@@ -221,6 +221,18 @@ OFFLINE_CASES = {
         ["eval_promptz", "unknown field"],
     ),
     "inspecting a missing run": (lambda r: ["inspect", str(r.parent / "nope")], ["no run"]),
+    "a credit-quality check with an odd number of continuations": (
+        lambda r: ["credit-quality", str(r), "--continuations", "3"],
+        ["--continuations", "even"],
+    ),
+    "a credit-quality check of a run with no rollout": (
+        lambda r: ["credit-quality", str(r)],
+        ["no published rollout"],
+    ),
+    "a credit-quality check of an unknown scheme": (
+        lambda r: ["credit-quality", str(r), "--scheme", "nope"],
+        ["known credit schemes"],
+    ),
 }
 
 

@@ -541,9 +541,9 @@ def test_shared_x0_false_gives_each_member_its_own_noise_and_R0(harness, tiny, t
     assert len(set(grid[0:3, 0].tolist())) > 1  # R_0 per member
     # the shared default keys its rollout as runs made before the option (no field in its key)
     shared = train(overrides=overrides, run_dir=str(tmp_path / "shared"))
-    assert Run.open(shared["run_dir"]).stage_manifest(0, "rollout")["digest"] != run.stage_manifest(0, "rollout")[
-        "digest"
-    ]
+    assert (
+        Run.open(shared["run_dir"]).stage_manifest(0, "rollout")["digest"] != run.stage_manifest(0, "rollout")["digest"]
+    )
 
 
 def test_substeps_complete_the_window_s_last_state_by_the_same_method(harness, tiny, tmp_path):
@@ -1051,9 +1051,15 @@ def test_the_readme_commands_run_in_order(harness, tiny, tmp_path, monkeypatch):
     text = (repo / "README.md").read_text()
     block = text[text.index("## Using it") :].split("```bash", 1)[1].split("```", 1)[0]
     commands = [shlex.split(line.split("#", 1)[0]) for line in block.splitlines() if line.startswith(".venv/bin")]
-    assert [c[1] for c in commands] == ["--help", "train", "inspect", "rescore", "credit"]
+    assert [c[1] for c in commands] == ["--help", "train", "inspect", "rescore", "credit", "credit-quality"]
     small = [o for o in tiny if not o.startswith(("reward.", "credit."))] + ["run.iterations=1", "run.eval_prompts=2"]
+    # Prefect's console handler keeps the stream it was made with: make it now, on the real stderr,
+    # not inside the first CliRunner (whose captured stream is closed when that command returns)
+    from prefect.logging.configuration import setup_logging
+
+    setup_logging()
     for args in commands:
         args = args[1:] + ([a for o in small for a in ("--set", o)] if args[1] == "train" else [])
+        args += ["--continuations", "2"] if args[0] == "credit-quality" else []  # tiny settings
         result = CliRunner().invoke(app, args)
         assert result.exit_code == 0, (args, result.output)
