@@ -94,6 +94,6 @@ def test_the_recipe_reaches_its_first_rollout(recipe, sd35_like, flux_like, tmp_
     assert run.stage_manifest(0, "rollout")["attrs"]["latent_dtype"] == cfg.model.dtype  # stored as sampled
     start, end = cfg.sampler.window()
     stochastic = torch.isfinite(torch.from_numpy(data.log_probs[0])).tolist()
-    # a log-prob inside the SDE window only; all of it but ddim's deterministic ends (std 0 at s = 1 and s' = 0)
-    ends = (0, cfg.sampler.steps - 1) if cfg.sampler.kernel == "ddim" else ()
+    # a log-prob inside the SDE window only; all of it but ddim's deterministic last step (std 0 at s' = 0)
+    ends = (cfg.sampler.steps - 1,) if cfg.sampler.kernel == "ddim" else ()
     assert [k for k, x in enumerate(stochastic) if x] == [k for k in range(start, end) if k not in ends]

@@ -60,11 +60,12 @@ def test_shapes_window_and_nfe(kind):
 
 
 def test_deterministic_steps_inside_window_get_nan():
-    # ddim has std 0 at sigma = 1 and both ddim and cps at sigma' = 0 (std proportional to s'):
+    # ddim and cps have std 0 at sigma' = 0 (std proportional to s'), and ddim with eta 0 everywhere:
     # no density, so NaN like the ode steps.
     x0, cond = make()
     ddim = rollout(nonlinear_velocity, x0, SIGMAS, cond, kernel="ddim", noise=1.0)
-    assert ddim.log_probs[:, [0, 5]].isnan().all() and ddim.log_probs[:, 1:5].isfinite().all()
+    assert ddim.log_probs[:, -1].isnan().all() and ddim.log_probs[:, :-1].isfinite().all()
+    assert rollout(nonlinear_velocity, x0, SIGMAS, cond, kernel="ddim", noise=0.0).log_probs.isnan().all()
     cps = rollout(nonlinear_velocity, x0, SIGMAS, cond, kernel="cps", noise=0.7)
     assert cps.log_probs[:, -1].isnan().all() and cps.log_probs[:, :-1].isfinite().all()
 
