@@ -65,8 +65,14 @@ class SignalWatch:
 def paired_gain(
     before: Mapping[str, Any], after: Mapping[str, Any], key: str = "scores"
 ) -> tuple[float, float, float] | None:
-    """Mean of `after - before` over paired held-out samples and its 95 % t-interval; None when the
-    two evaluations are not paired (other prompts, seeds or an older record without scores)."""
+    """Mean of `after - before` over paired held-out samples and its 95 % t-interval over prompts;
+    None when the two evaluations are not paired (other prompts, seeds or an older record without
+    scores).
+
+    The noise seeds of one prompt are not independent samples (they share the prompt's difficulty),
+    so the interval treats the prompt as the unit: each prompt's differences are averaged over its
+    seeds first (scores are seed-major, `EvaluateResult`), then the t-interval is taken over the
+    prompts. With one seed a prompt this is the plain paired interval."""
     a, b = before.get(key), after.get(key)
     if (
         not a
@@ -75,7 +81,12 @@ def paired_gain(
         or (before.get("prompts"), before.get("seeds")) != (after.get("prompts"), after.get("seeds"))
     ):
         return None
-    return mean_interval([y - x for x, y in zip(a, b)])
+    prompts = int(before.get("prompts") or len(a))
+    seeds = len(a) // prompts if prompts and len(a) % prompts == 0 else 1
+    diffs = [y - x for x, y in zip(a, b)]
+    if seeds > 1:
+        diffs = [sum(diffs[s * prompts + p] for s in range(seeds)) / seeds for p in range(prompts)]
+    return mean_interval(diffs)
 
 
 def mean_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:
@@ -161,10 +172,11 @@ def print_summary(run_dir: Path, tracking_uri: str, evals: Sequence[Mapping[str,
     if len(evals) > 1:
         gain = paired_gain(evals[0], evals[-1])
         if gain is not None:
-            samples = evals[0]["prompts"] * evals[0]["seeds"]
+            prompts, seeds = evals[0]["prompts"], evals[0]["seeds"]
             verdict = "rose" if gain[1] > 0 else "fell" if gain[2] < 0 else "did not move beyond noise"
+            pairs = f"{prompts} held-out prompts" + (f" x {seeds} seeds, averaged per prompt" if seeds > 1 else "")
             print(
-                f"paired gain over the base ({samples} held-out prompt x seed pairs): {gain[0]:+.4f}, "
+                f"paired gain over the base ({pairs}): {gain[0]:+.4f}, "
                 f"95 % interval [{gain[1]:+.4f}, {gain[2]:+.4f}]: the held-out reward {verdict}",
                 file=out,
             )

@@ -23,6 +23,17 @@ def test_paired_gain_is_the_mean_difference_with_a_t_interval():
         and hi == pytest.approx(0.1 + half, abs=1e-6)
     )
     assert paired_gain(before, {**after, "seeds": 2}) is None  # not the same samples
+
+
+def test_paired_gain_treats_the_prompt_as_the_unit():
+    # 2 prompts x 2 seeds, seed-major: differences [0.1, 0.3 | 0.1, 0.3]. Counting the 4 pairs as
+    # independent would give sd 0.115 over n = 4; averaged per prompt the differences are 0.1 and
+    # 0.3 (n = 2), mean 0.2, sd 0.1414, t(0.975, 1) = 12.706.
+    before = {"scores": [0.0, 0.0, 0.0, 0.0], "prompts": 2, "seeds": 2}
+    after = {"scores": [0.1, 0.3, 0.1, 0.3], "prompts": 2, "seeds": 2}
+    mean, lo, hi = paired_gain(before, after)
+    half = 12.706205 * math.sqrt(0.02) / math.sqrt(2)
+    assert mean == pytest.approx(0.2) and hi - mean == pytest.approx(half, abs=1e-5) and lo < 0
     assert paired_gain({"prompts": 3, "seeds": 1}, after) is None  # an old record without scores
 
 
