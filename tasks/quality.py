@@ -11,12 +11,16 @@ true-advantage gradient, with uniform and with `noise` step weighting.
 Stored as one sealed JSON record per check, `credit_quality/iter_<k>-<key>.json` (the key covers
 everything the check reads: the rollout, the policy, the stored rewards, the reward model, `M`,
 the seed, the schemes and their versions and options, the trained steps), so a stored check is
-reused, and a damaged one is set aside and computed again.
+reused, and a damaged one is set aside and computed again. The continuations, most of the cost,
+are kept state by state while the check runs (`credit_quality/.partial-<key>/k<k>.json`, sealed):
+a stopped check resumes at the first state it had not finished, and the folder goes when the
+record is published.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -125,7 +129,25 @@ def execute(
     path.parent.mkdir(parents=True, exist_ok=True)
     record = seal(result.model_dump(mode="json", exclude_none=True))
     write_file_atomic(path, (json.dumps(record) + "\n").encode())
+    shutil.rmtree(partial_dir(run, key), ignore_errors=True)
     return result
+
+
+def partial_dir(run: Run, key: str) -> Path:
+    """Where a running check keeps the continuations of the states it finished."""
+    return run.inside(Path(run.path) / QUALITY_DIR / f".partial-{key[:16]}")
+
+
+def read_partial(path: Path, key: str, k: int, shape: tuple[int, int]) -> torch.Tensor | None:
+    """State `k`'s stored continuation rewards `[B, M]`, if intact and made under `key`."""
+    if not path.is_file():
+        return None
+    try:
+        found = read_json(path, "partial credit-quality record")
+        rewards = torch.tensor(found["rewards"], dtype=torch.float64)
+    except (StorageError, KeyError, TypeError, ValueError):
+        return None
+    return rewards if found.get("key") == key and found.get("k") == k and tuple(rewards.shape) == shape else None
 
 
 def compute(
@@ -154,7 +176,7 @@ def compute(
     judged = list(tables)
 
     pol = workspace.policy_at(run, cfg, iteration)
-    finals, nfe = _continuations(run, cfg, pol, iteration, data, rewards, continuations, seed)
+    finals, nfe = _continuations(run, cfg, pol, iteration, data, rewards, continuations, seed, key)
     t1 = time.perf_counter()
     tv = true_values(finals)
     steps = step_table(rewards if step_rewards else rewards[:, -1:].expand_as(rewards), tv, tables, group_ids, trained)
@@ -209,11 +231,11 @@ def compute(
 
 
 def _continuations(
-    run: Run, cfg: Config, pol: Any, iteration: int, data: Any, rewards: torch.Tensor, m: int, seed: int
+    run: Run, cfg: Config, pol: Any, iteration: int, data: Any, rewards: torch.Tensor, m: int, seed: int, key: str
 ) -> tuple[torch.Tensor, int]:
     """Final rewards `[B, T+1, M]` of `m` SDE continuations of every stored state inside the SDE
     window (the states from its end on evolve deterministically: their entries are `R_T`), and
-    the continuations' NFEs."""
+    the continuations' NFEs (a state a stopped call finished is read back, its NFEs counted)."""
     B, T1 = rewards.shape
     T = T1 - 1
     start, size = data.kernel_params.get("window", [0, T])
@@ -227,7 +249,15 @@ def _continuations(
     finals = rewards[:, -1:, None].expand(B, T1, m).clone()
     rows_per_call = max(1, cfg.model.max_batch // m) if m <= cfg.model.max_batch else 1
     nfe0 = pol.nfe
+    partial = partial_dir(run, key)
+    partial.mkdir(parents=True, exist_ok=True)
+    read_back = 0
     for k in track(range(end), f"continue {iteration}"):
+        done = read_partial(partial / f"k{k}.json", key, k, (B, m))
+        if done is not None:
+            finals[:, k] = done
+            read_back += B * m * (T - k)  # what computing them cost (a CFG pair counts once)
+            continue
         for b0 in range(0, B, rows_per_call):
             rows = torch.arange(b0, min(B, b0 + rows_per_call))
             reps = rows.repeat_interleave(m)  # trajectory of each continuation
@@ -248,7 +278,9 @@ def _continuations(
                 progress="",
             )
             finals[rows, k] = out.scores.double().reshape(len(rows), m)
-    return finals, pol.nfe - nfe0
+        record = seal({"key": key, "k": k, "rewards": finals[:, k].tolist()})
+        write_file_atomic(partial / f"k{k}.json", json.dumps(record).encode())
+    return finals, pol.nfe - nfe0 + read_back
 
 
 def _gradient_sums(

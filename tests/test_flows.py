@@ -608,6 +608,30 @@ def test_credit_quality_is_stored_reused_and_computed_again_when_damaged(trained
     assert "gradient_uniform/dense/cosine" in child.data.metrics
 
 
+def test_a_stopped_credit_quality_check_resumes_at_the_first_unfinished_state(trained, monkeypatch):
+    from flows.quality import credit_quality
+    from tasks import quality
+
+    original, seen = quality.continue_states, []
+
+    def stop_at_two(*args, **kwargs):
+        k = args[3]
+        seen.append(k)
+        if k == 2 and stop:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(quality, "continue_states", stop_at_two)
+    stop = True
+    with pytest.raises(BaseException):
+        credit_quality(run=trained["run_dir"], iteration=0, continuations=2, seed=5)
+    stop, seen[:] = False, []
+    out = credit_quality(run=trained["run_dir"], iteration=0, continuations=2, seed=5)
+    assert min(seen) == 2  # states 0 and 1 were read back
+    assert out["nfe"] == 6 * 2 * (4 + 3 + 2 + 1)  # counted as if computed
+    assert not any(p.name.startswith(".partial") for p in Path(out["record"]).parent.iterdir())
+
+
 def _stored_overrides(trained: dict) -> list[str]:
     from storage.run import Run
 
