@@ -399,7 +399,9 @@ def quality_tables(out: dict[str, Any]) -> Any:
             _fmt(row["reliability"], 2),
             *[_fmt(row.get(f"corr/{s}"), 2) for s in schemes],
             _fmt(row["r_corr"], 2),
-            _fmt(row["r_var_ratio"], 1),
+            # no corrected correlation: V has no readable within-group spread there (a group's
+            # members share x_0 at step 0), so neither has the ratio
+            _fmt(row["r_var_ratio"] if row["r_corr"] is not None else None, 1),
         )
     grad = Table(
         "scheme", "weights", "cosine", "95 % interval", "raw", "- outcome", "95 % interval", title="gradient check"
