@@ -618,12 +618,12 @@ def test_a_stopped_credit_quality_check_resumes_at_the_first_unfinished_state(tr
         k = args[3]
         seen.append(k)
         if k == 2 and stop:
-            raise KeyboardInterrupt
+            raise RuntimeError("stopped at state 2")
         return original(*args, **kwargs)
 
     monkeypatch.setattr(quality, "continue_states", stop_at_two)
     stop = True
-    with pytest.raises(BaseException):
+    with pytest.raises(RuntimeError, match="stopped at state 2"):
         credit_quality(run=trained["run_dir"], iteration=0, continuations=2, seed=5)
     stop, seen[:] = False, []
     out = credit_quality(run=trained["run_dir"], iteration=0, continuations=2, seed=5)
