@@ -642,6 +642,34 @@ def _inspect(run: str) -> None:
     _diagnostics(r, iters)
     for label, value in _evals(r.path):
         console.print(f"held-out reward {label}: {value:.4f}")
+    _quality_checks(r)
+
+
+def _quality_checks(r: Any) -> None:
+    """One line per stored credit-quality check: each scheme's corrected gradient cosine, and its
+    paired difference to outcome with the 95 % interval (`stepgrpo credit-quality`)."""
+    from storage.errors import StorageError
+    from storage.publish import read_json
+    from tasks.quality import QUALITY_DIR
+
+    for path in sorted((r.path / QUALITY_DIR).glob("iter_*.json")):
+        try:
+            c = read_json(path, "credit-quality record")
+            rows = c["gradient"]["uniform"]["rows"]
+        except (StorageError, KeyError, TypeError) as err:
+            err_console.print(f"[bold red]damaged:[/] {escape(str(path))}: {escape(str(err))}", soft_wrap=True)
+            continue
+        parts = []
+        for row in rows:
+            text = f"{row['scheme']} {_fmt(row['cosine'], 3)}"
+            if row.get("diff") is not None:
+                text += f" ({row['diff']:+.3f} [{_fmt(row.get('diff_low'), 2)}, {_fmt(row.get('diff_high'), 2)}])"
+            parts.append(text)
+        console.print(
+            f"credit quality iter_{c['iteration']} (M = {c['continuations']}, {c['groups']} groups): "
+            + "; ".join(parts),
+            soft_wrap=True,
+        )
 
 
 def _diagnostics(r: Any, iters: list[int]) -> None:

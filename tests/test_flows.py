@@ -581,6 +581,12 @@ def test_credit_quality_is_stored_reused_and_computed_again_when_damaged(trained
     torch.testing.assert_close(values[:, -1], grid[:, -1])  # V(x_T) = R_T
     record = Path(out["record"])
     assert record.parent.name == "credit_quality" and record.is_file()
+    from typer.testing import CliRunner
+
+    from stepgrpo_cli import app
+
+    shown = CliRunner().invoke(app, ["inspect", trained["run_dir"]])
+    assert shown.exit_code == 0 and "credit quality iter_1 (M = 2, 2 groups): dense" in shown.output
 
     def no_compute(*args, **kwargs):
         raise AssertionError("a stored check was computed again")
