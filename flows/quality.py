@@ -9,6 +9,7 @@ from prefect import flow
 from flows.progress import name_flow_run, run_name_from_parameters
 from stepgrpo import environment
 from stepgrpo.runs import owned_stored, stored_iterations
+from stepgrpo.workspace import reward_identity
 from stepgrpo_core.registry import allow
 from tasks import score
 from tasks.quality import credit_quality as check_stage
@@ -35,19 +36,13 @@ def credit_quality(
         name_flow_run(f"{stored.run_id} credit-quality")
         if iteration is None:
             iteration = max(stored_iterations(stored))
-        score.stored(stored, iteration, _training_reward(cfg))  # the iteration is scored (clear error if not)
+        score.stored(stored, iteration, reward_identity(cfg.reward)["name"])  # scored (a clear error if not)
         result = check_stage(stored, cfg, iteration, continuations, names, seed)
         path = record_path(stored, iteration, result.key)
         _log(stored, cfg, result, path)
         for row in result.gradient["uniform"]["rows"]:
             print(f"iteration {iteration}: {row['scheme']} gradient cosine {_fmt(row['cosine'])}")
         return {"run_dir": str(stored.path), "record": str(path), **result.record()}
-
-
-def _training_reward(cfg: Any) -> str:
-    from stepgrpo.workspace import reward_identity
-
-    return reward_identity(cfg.reward)["name"]
 
 
 def _fmt(x: float | None) -> str:

@@ -166,7 +166,7 @@ def update(
     diag = Diagnostics(steps)
     # per-step loss weights, mean 1 over the trained steps (`optim.step_weighting`)
     weight = dict(zip(steps, step_weights(o.step_weighting, kernel, sigmas, noise, steps).tolist()))
-    velocity = _velocity(pol, o.detach_uncond)
+    velocity = update_velocity(pol, o.detach_uncond)
     for epoch in range(o.inner_epochs):
         order = rows[torch.randperm(len(rows), generator=generator)]
         parts = [p for p in order.tensor_split(min(o.optimizer_steps, max(1, len(order)))) if len(p)]
@@ -274,7 +274,7 @@ def _step_loss(
     )
 
 
-def _velocity(pol: Any, detach_uncond: bool):
+def update_velocity(pol: Any, detach_uncond: bool):
     """The policy's velocity, with CFG's unconditional branch detached when asked (Flow-GRPO)."""
     if not detach_uncond or not hasattr(pol, "detached_uncond"):
         return pol.velocity

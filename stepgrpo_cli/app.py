@@ -360,12 +360,11 @@ def _check_quality(
 ) -> Path:
     """The check's inputs, before any server starts: its schemes, the run, the iteration's rollout."""
     from stepgrpo.errors import StageError
-    from storage.run import Run
-    from tasks.quality import schemes_to_judge
-
-    if continuations < 2 or continuations % 2:
-        raise StageError(f"--continuations must be an even number >= 2 (two halves); got {continuations}")
     from stepgrpo_core.registry import allow
+    from storage.run import Run
+    from tasks.quality import check_continuations, schemes_to_judge
+
+    check_continuations(continuations)
 
     allow(*schemes)
     schemes_to_judge(schemes)

@@ -37,7 +37,7 @@ from stepgrpo.results import QualityResult
 from stepgrpo.sampling import encode, generator
 from stepgrpo.scoring import reward_images, score_images
 from stepgrpo_core.conditioning import take
-from stepgrpo_core.credit import SCHEMES, assign, scheme_options
+from stepgrpo_core.credit import SCHEMES, assign
 from stepgrpo_core.loss import step_weights
 from stepgrpo_core.quality import (
     GradientSums,
@@ -53,6 +53,7 @@ from storage.publish import read_json, seal, write_file_atomic
 from storage.run import Run
 from tasks.base import stage_task, warn
 from tasks.credit import trained_mask
+from tasks.rollout import stored_noise
 
 QUALITY_DIR = "credit_quality"
 TRUTH = ("true", "true_a", "true_b")  # A* and its two halves' tables
@@ -113,11 +114,16 @@ def read(run: Run, path: Path, key: str) -> QualityResult | None:
     return found if found.key == key else None
 
 
+def check_continuations(continuations: int) -> None:
+    """M continuations split into two halves: an even number >= 2."""
+    if continuations < 2 or continuations % 2:
+        raise StageError(f"--continuations must be an even number >= 2 (two halves); got {continuations}")
+
+
 def execute(
     run: Run, cfg: Config, iteration: int, continuations: int, schemes: list[str], seed: int = 0
 ) -> QualityResult:
-    if continuations < 2 or continuations % 2:
-        raise StageError(f"--continuations must be an even number >= 2 (two halves); got {continuations}")
+    check_continuations(continuations)
     if run.stage_manifest(iteration, "rollout") is None:
         raise StageError(f"run {run.run_id} has no published rollout at iteration {iteration}")
     key = key_of(run, cfg, iteration, continuations, schemes, seed)
@@ -166,24 +172,22 @@ def compute(
     mask = trained_mask(cfg)
     tables, skipped = {}, []
     step_rewards = bool(torch.isfinite(rewards).all())
+    grid = rewards if step_rewards else rewards[:, -1:].expand_as(rewards)  # final-only runs: R_T everywhere
     for s, options in scheme_setup(cfg, schemes).items():
         if SCHEMES.facts(s)["step_rewards"] and not step_rewards:
             skipped.append(f"{s}: needs a reward for every state; this run was scored on final samples only")
             continue
-        grid = rewards if step_rewards else rewards[:, -1:].expand_as(rewards)
         adv = assign(s, grid.float(), group_ids, mask, **options).advantages.double()
         tables[s] = adv.clamp(-cfg.optim.adv_clip, cfg.optim.adv_clip)  # as the loss clips them
     judged = list(tables)
 
     pol = workspace.policy_at(run, cfg, iteration)
-    finals, nfe = _continuations(run, cfg, pol, iteration, data, rewards, continuations, seed, key)
+    noise = stored_noise(data.kernel_params, pol.device)
+    finals, nfe = _continuations(run, cfg, pol, iteration, data, rewards, noise, continuations, seed, key)
     t1 = time.perf_counter()
     tv = true_values(finals)
-    steps = step_table(rewards if step_rewards else rewards[:, -1:].expand_as(rewards), tv, tables, group_ids, trained)
-    noise = data.kernel_params["noise"]
-    noise = torch.tensor(noise, dtype=torch.float32) if isinstance(noise, list) else float(noise)
-    sigmas = torch.from_numpy(data.sigmas)
-    weights = step_weights("noise", data.kernel, sigmas, noise, trained)
+    steps = step_table(grid, tv, tables, group_ids, trained)
+    weights = step_weights("noise", data.kernel, torch.from_numpy(data.sigmas), noise, trained)
     w = torch.zeros(rewards.shape[1] - 1, dtype=torch.float64)
     w[trained] = weights.double()
     truth = {
@@ -191,13 +195,13 @@ def compute(
         "true_a": true_advantages(tv.halves[0]),
         "true_b": true_advantages(tv.halves[1]),
     }
-    every = {**truth, **tables}
-    every |= {f"{name}@noise": t * w for name, t in every.items()}
-    sums, rows = _gradient_sums(pol, cfg, data, stored_prompts(run).texts, every, group_ids, trained, noise)
+    plain = {**truth, **tables}
+    weighted = {f"{name}@noise": t * w for name, t in plain.items()}
+    sums, rows = _gradient_sums(pol, cfg, data, stored_prompts(run).texts, plain | weighted, group_ids, trained, noise)
     gradient = {}
     for suffix, label in (("", "uniform"), ("@noise", "noise")):
         check = gradient_check(
-            {n.removesuffix(suffix): s for n, s in sums.items() if n.endswith(suffix) and ("@" in n) == bool(suffix)},
+            {name: sums[name + suffix] for name in plain},
             judged,
             truth=TRUTH,
             baseline="outcome" if "outcome" in judged else None,
@@ -231,7 +235,16 @@ def compute(
 
 
 def _continuations(
-    run: Run, cfg: Config, pol: Any, iteration: int, data: Any, rewards: torch.Tensor, m: int, seed: int, key: str
+    run: Run,
+    cfg: Config,
+    pol: Any,
+    iteration: int,
+    data: Any,
+    rewards: torch.Tensor,
+    noise: float | torch.Tensor,
+    m: int,
+    seed: int,
+    key: str,
 ) -> tuple[torch.Tensor, int]:
     """Final rewards `[B, T+1, M]` of `m` SDE continuations of every stored state inside the SDE
     window (the states from its end on evolve deterministically: their entries are `R_T`), and
@@ -240,14 +253,12 @@ def _continuations(
     T = T1 - 1
     start, size = data.kernel_params.get("window", [0, T])
     end = int(start) + int(size)
-    noise = data.kernel_params["noise"]
-    noise = torch.tensor(noise, dtype=torch.float32, device=pol.device) if isinstance(noise, list) else float(noise)
     sigmas = torch.from_numpy(data.sigmas).to(pol.device)
     prompts = stored_prompts(run)
     reward = workspace.reward(cfg.reward)
     cond = encode(pol, prompts.texts, data.prompt_ids)
     finals = rewards[:, -1:, None].expand(B, T1, m).clone()
-    rows_per_call = max(1, cfg.model.max_batch // m) if m <= cfg.model.max_batch else 1
+    rows_per_call = max(1, cfg.model.max_batch // m)  # trajectories a call continues, m times each
     nfe0 = pol.nfe
     partial = partial_dir(run, key)
     partial.mkdir(parents=True, exist_ok=True)
@@ -294,22 +305,21 @@ def _gradient_sums(
     noise: float | torch.Tensor,
 ) -> tuple[dict[str, torch.Tensor], int]:
     """Per-group sums of `A s` for every table, from one LoRA score per trained row (`GradientSums`)."""
-    from stepgrpo.training import _velocity
+    from stepgrpo.training import update_velocity
 
     params = pol.trainable_parameters()
-    velocity = _velocity(pol, cfg.optim.detach_uncond)
+    velocity = update_velocity(pol, cfg.optim.detach_uncond)  # the velocity the update differentiates
     sums = GradientSums(tables, group_ids, sum(p.numel() for p in params))
     cond = encode(pol, texts, data.prompt_ids)
     states = torch.from_numpy(data.states).to(pol.device, pol.dtype)
     sigmas = torch.from_numpy(data.sigmas).to(pol.device)
-    table_noise = noise.to(pol.device) if isinstance(noise, torch.Tensor) else noise
     finite = np.isfinite(data.log_probs)
     for b in track(range(states.shape[0]), "scores"):
         one = take(cond, torch.tensor([b]))
         for k in trained:
             if not finite[b, k]:
                 continue
-            lp = step_log_prob(velocity, states[b : b + 1], sigmas, one, k, data.kernel, table_noise).log_prob.sum()
+            lp = step_log_prob(velocity, states[b : b + 1], sigmas, one, k, data.kernel, noise).log_prob.sum()
             grads = torch.autograd.grad(lp, params, allow_unused=True)
             flat = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, grads)])
             sums.add(b, k, flat)
@@ -332,5 +342,4 @@ def schemes_to_judge(requested: list[str] | None) -> list[str]:
     names = requested or SCHEMES.names()
     for s in names:
         SCHEMES.validate(s)
-        scheme_options(s)
     return list(dict.fromkeys(names))

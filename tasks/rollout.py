@@ -60,6 +60,12 @@ def kernel_noise(cfg: Config, psi: CalibrateResult | None) -> float | torch.Tens
     return torch.tensor(psi.psi, dtype=torch.float32)
 
 
+def stored_noise(kernel_params: dict[str, Any], device: str | torch.device = "cpu") -> float | torch.Tensor:
+    """The kernel's `noise` as a stored rollout records it: a float, or the psi table as an fp32 tensor."""
+    noise = kernel_params["noise"]
+    return torch.tensor(noise, dtype=torch.float32, device=device) if isinstance(noise, list) else float(noise)
+
+
 def execute(run: Run, cfg: Config, iteration: int, noise: float | torch.Tensor, key: Key) -> RolloutResult:
     if not reuse(run, iteration, "rollout", key, f"iteration {iteration} rollout"):
         compute(run, cfg, iteration, noise, key.value)

@@ -20,6 +20,7 @@ from stepgrpo.sampling import encode, generator
 from storage.run import Run
 from tasks.base import manifest, reuse, stage_task
 from tasks.keys import Key, stage_key
+from tasks.rollout import stored_noise
 
 
 @stage_task("update")
@@ -80,7 +81,6 @@ def train(
     if cfg.optim.kl_reference == "ema":
         pol.set_reference(ema)  # the EMA after the previous iteration (the base weights at iteration 0)
     data = run.read_rollout(iteration)
-    noise = data.kernel_params["noise"]
     batch = training.Batch(
         states=torch.from_numpy(data.states).to(pol.device, pol.dtype),
         old_log_probs=torch.from_numpy(data.log_probs).to(pol.device),
@@ -89,7 +89,7 @@ def train(
         cond=encode(pol, stored_prompts(run).texts, data.prompt_ids),
         sigmas=torch.from_numpy(data.sigmas).to(pol.device),
         kernel=data.kernel,
-        noise=torch.tensor(noise, dtype=torch.float32, device=pol.device) if isinstance(noise, list) else float(noise),
+        noise=stored_noise(data.kernel_params, pol.device),
     )
     shuffle = generator(cfg.run.seed, "update", iteration)
     summary = training.update(
