@@ -329,7 +329,9 @@ def bare_loop(
 ) -> list[dict[str, Any]]:
     """The training loop with no Prefect, no storage, no tracking: the same core functions and the
     same seeds as the pipeline's stages (prompts, noise, SDE noise, update order), on tensors in
-    memory. Returns per-iteration records: seconds per phase, NFEs, the mean final reward.
+    memory. Returns per-iteration records: seconds per phase, NFEs, the mean final reward, and the
+    reward grid and advantages themselves (`rewards` [B, T+1], `advantages`), which a test holds
+    equal to the pipeline's (tests/test_flows.py), so the overhead ratio keeps measuring the same work.
 
     It is the reference the pipeline's overhead is measured against (bench/costs.py): anything
     the pipeline spends beyond this is orchestration, storage and tracking. Kernels with a
@@ -423,6 +425,9 @@ def bare_loop(
             "nfe_rollout": nfe_rollout,
             "nfe_complete": nfe_complete,
             "clip_frac": summary.get("clip_frac"),
+            "rewards": grid,
+            "advantages": credit.advantages,
+            "update_stats": summary,
         }
         records.append(rec)
         if on_iteration:

@@ -31,6 +31,7 @@ stated rule), `heldout.csv`, `curves.csv`, `gains.csv`, `ablations.csv`, `sde_ga
     .venv/bin/python bench/credit_schemes.py --jobs 2      # the comparison of docs/BENCHMARKS.md
     .venv/bin/python bench/credit_schemes.py --quick       # every path at tiny settings (~6 min)
     python bench/credit_schemes.py --gpu                   # on a CUDA machine: 8x the trajectories
+    .venv/bin/python bench/credit_schemes.py --regime w9   # the papers' regime (bench/_w9.py), resumable
 """
 
 from __future__ import annotations
@@ -948,12 +949,26 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--jobs", type=int, help="runs at once (one torch thread each)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--report-only", action="store_true", help="read the finished runs and report")
+    ap.add_argument(
+        "--regime",
+        choices=("w3", "w9"),
+        default="w3",
+        help="w3: the shipped early-window recipes and the papers' ablations (default); "
+        "w9: the papers' 9-step window against outcome at W9 and W3 (bench/_w9.py)",
+    )
+    ap.add_argument("--records", type=Path, help="--regime w9: where the finished runs' records are kept")
     return ap
 
 
 def main() -> None:
     ap = parser()
     a = ap.parse_args()
+    if a.regime == "w9":
+        if a.gpu:
+            ap.error("--regime w9 has no --gpu preset yet; run it on the CPU (or --quick)")
+        from bench import _w9
+
+        return _w9.main(a)
     s = settings(a)
     if a.gpu and not a.report_only:
         import torch

@@ -89,6 +89,7 @@ def iteration_metrics(
         "nfe/rollout": rollout.nfe,
         "nfe/ode_reference": rollout.nfe_ode,
         "nfe/complete": clean.nfe if isinstance(clean, CompleteResult) else 0,
+        "nfe/update": update.nfe,
     }
     for name in ("clip_frac", "approx_kl", "kl", "loss", "grad_norm", "signal_cosine", "signal_cosine_window"):
         out[name] = u.get(name)
@@ -115,6 +116,13 @@ def iteration_metrics(
     return {k: float(v) for k, v in out.items() if isinstance(v, int | float) and math.isfinite(float(v))}
 
 
+def iteration_cost(metrics: dict[str, float]) -> tuple[float, float]:
+    """One iteration's transformer forwards (rollout, its ODE reference, completions, update) and
+    training seconds (its stages' own, evaluations excluded), from its `iteration_metrics`."""
+    nfe = sum(metrics.get(f"nfe/{k}", 0.0) for k in ("rollout", "ode_reference", "complete", "update"))
+    return nfe, sum(v for k, v in metrics.items() if k.startswith("seconds/"))
+
+
 def iteration_row(iteration: int, rewards: ScoreResult, update: UpdateResult) -> dict[str, Any]:
     """One row of the run's reward table (console, Prefect artifact)."""
     u = update.stats
@@ -137,6 +145,7 @@ class TrainingLog:
         self.evaluations: list[dict[str, Any]] = []
         self.watch = report.SignalWatch()
         self.freed = 0
+        self.cost = [0.0, 0.0]  # cumulative transformer NFEs and training seconds (cached iterations too)
 
     def __enter__(self) -> TrainingLog:
         from prefect.artifacts import create_progress_artifact
@@ -181,7 +190,12 @@ class TrainingLog:
         """Iteration `i`'s stage results: metrics, its row and console line, the signal check."""
         from prefect.artifacts import update_progress_artifact
 
-        self.tracker.log_metrics(iteration_metrics(rollout, clean, rewards, credit, update, draw), step=i)
+        metrics = iteration_metrics(rollout, clean, rewards, credit, update, draw)
+        nfe, seconds = iteration_cost(metrics)
+        self.cost = [self.cost[0] + nfe, self.cost[1] + seconds]
+        # compare any two runs at equal compute in the MLflow UI: plot against these, not the step
+        metrics |= {"cost/nfe_total": self.cost[0], "cost/seconds_total": self.cost[1]}
+        self.tracker.log_metrics(metrics, step=i)
         self.rows.append(iteration_row(i, rewards, update))
         print(report.iteration_line(self.rows[-1]))
         if (warning := self.watch.see(i, update.stats)) is not None:

@@ -133,11 +133,13 @@ class CreditResult(StageResult):
 
 class UpdateResult(StageResult):
     """The checkpoint an update published (`digest`) and what the update measured (`stats`:
-    `stepgrpo.training.Diagnostics.summary`, lists with None where a value was not finite)."""
+    `stepgrpo.training.Diagnostics.summary`, lists with None where a value was not finite) and
+    its transformer forwards (`nfe`; 0 for checkpoints stored before it was recorded)."""
 
     iteration: int
     seconds: float
     stats: dict[str, int | float | list[int | float | None]]
+    nfe: int = 0
 
 
 class EvaluateResult(Result):

@@ -126,7 +126,8 @@ def stored(run: Run, iteration: int, verify: bool = False) -> UpdateResult:
     m = manifest(run, iteration, "checkpoint", f"checkpoint {iteration}", verify)
     state = json.loads((run.stage_path(iteration, "checkpoint") / "state.json").read_text())
     seconds = m["inputs"].get("seconds", state.get("seconds", 0.0))  # older checkpoints kept it in state.json
-    return UpdateResult(digest=m["digest"], iteration=iteration, seconds=seconds, stats=state["update"])
+    nfe = int(m["inputs"].get("nfe", 0))
+    return UpdateResult(digest=m["digest"], iteration=iteration, seconds=seconds, stats=state["update"], nfe=nfe)
 
 
 def export_lora(run: Run, cfg: Config, iteration: int) -> Path:

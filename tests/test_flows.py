@@ -91,6 +91,31 @@ def trained(harness, tiny, tmp_path_factory) -> dict:
     return train(overrides=tiny, run_dir=str(run_dir)) | {"model_path": tiny[0].removeprefix("model.path=")}
 
 
+def test_the_bare_loop_computes_what_the_pipeline_stores(trained):
+    """bench/costs.py's overhead ratio divides the pipeline's time by `_common.bare_loop`'s: the two
+    must do the same work. On the same config the bare loop's rewards and advantages of every
+    iteration equal what the pipeline stored (the second iteration after an update of each)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    try:
+        import _common
+    finally:  # bench/_common.py takes its folder off the path itself
+        sys.path[:] = [p for p in sys.path if not p.endswith("/bench")]
+    from stepgrpo.config import validate_config
+    from storage import Run
+
+    run = Run.open(Path(trained["run_dir"]))
+    cfg = validate_config(run.config)
+    bare = _common.bare_loop(cfg, cfg.run.iterations)
+    assert len(bare) == 2
+    for i, rec in enumerate(bare):
+        grid = run.reward_grid(i, cfg.reward.name)
+        assert torch.allclose(rec["rewards"].float(), grid, atol=1e-6), i
+        stored = run.advantage_grid(i, cfg.credit.scheme)
+        trained_steps = torch.isfinite(stored)
+        assert trained_steps.any()
+        assert torch.allclose(rec["advantages"][trained_steps].float(), stored[trained_steps], atol=1e-5), i
+
+
 def test_train_runs_every_stage_and_tracks_it(trained):
     run_dir = Path(trained["run_dir"])
     assert [e["label"] for e in trained["evaluations"]] == ["base", "iter_1"]
@@ -138,6 +163,16 @@ def test_train_runs_every_stage_and_tracks_it(trained):
         assert metric in mlrun.data.metrics, metric
     assert len(client.get_metric_history(mlrun.info.run_id, "reward/mean")) == 2
     assert [m.step for m in client.get_metric_history(mlrun.info.run_id, "reward/mean")] == [0, 1]
+    # cumulative cost, for comparing runs at equal compute: the running sum of every forward an iteration made
+    hist = {
+        k: [m.value for m in sorted(client.get_metric_history(mlrun.info.run_id, k), key=lambda m: m.step)]
+        for k in ("nfe/rollout", "nfe/ode_reference", "nfe/complete", "nfe/update", "cost/nfe_total")
+    }
+    per_iteration = [sum(v) for v in zip(*(hist[k] for k in hist if k != "cost/nfe_total"))]
+    assert hist["cost/nfe_total"] == [per_iteration[0], per_iteration[0] + per_iteration[1]]
+    assert min(hist["nfe/update"]) > 0
+    seconds = [m.value for m in client.get_metric_history(mlrun.info.run_id, "cost/seconds_total")]
+    assert len(seconds) == 2 and 0 < min(seconds)
     assert sorted(m.step for m in client.get_metric_history(mlrun.info.run_id, "eval/mean")) == [0, 2]
     artifacts = {a.path for a in client.list_artifacts(mlrun.info.run_id)}
     assert {"lora", "images"} <= artifacts

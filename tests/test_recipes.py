@@ -97,3 +97,25 @@ def test_the_recipe_reaches_its_first_rollout(recipe, sd35_like, flux_like, tmp_
     # a log-prob inside the SDE window only; all of it but ddim's deterministic last step (std 0 at s' = 0)
     ends = (cfg.sampler.steps - 1,) if cfg.sampler.kernel == "ddim" else ()
     assert [k for k, x in enumerate(stochastic) if x] == [k for k in range(start, end) if k not in ends]
+
+
+@pytest.mark.parametrize("recipe", [r for r in RECIPES if r.endswith("_w9.yaml")])
+def test_the_papers_regime_recipes_reach_their_first_update(recipe):
+    """The 9-step-window recipes (docs/BENCHMARKS.md, "The papers' regime") train steps 0-8 of 10:
+    one iteration through rollout, completion, scoring, credit and the update, in memory
+    (`bench/_common.bare_loop`, held equal to the pipeline by tests/test_flows.py)."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import _common
+    finally:  # bench/_common.py takes its folder off the path itself
+        sys.path[:] = [p for p in sys.path if not p.endswith("/bench")]
+    cfg = load_config(REPO / "configs" / recipe, ["run.prompts_per_iteration=1", "run.group_size=2"])
+    assert cfg.sampler.window() == (0, 9) and list(cfg.trained_steps()) == list(range(9))
+    (rec,) = _common.bare_loop(cfg, 1)
+    adv = rec["advantages"]
+    assert adv.shape == (2, 10) and bool(torch.isfinite(adv[:, :9]).all())
+    if cfg.credit.scheme != "outcome":  # every trained state completed and scored
+        assert rec["nfe_complete"] > 0 and bool(torch.isfinite(rec["rewards"]).all())
+    assert rec["update_stats"]["grad_norm"] is not None and rec["update_stats"]["grad_norm"] >= 0

@@ -1,0 +1,554 @@
+"""`bench/credit_schemes.py --regime w9`: the papers' regime (the SDE on steps 0-8 of 10, those
+9 steps trained), outcome credit against each step-level scheme with enough seeds to decide.
+
+Arms (`ARMS`): `outcome_w9`, `dense_w9`, `stepwise_w9`, `turning_point_w9` (configs/shapes_<scheme>_w9.yaml,
+each scheme with its paper's completion) and the shipped early-window recipe `outcome_w3` as the
+reference. Seed `S` of every arm sees the same prompts and initial noise in every iteration, and
+its held-out evaluations (126 prompts x 8 noise seeds) the same prompts and noise as its base, so
+any two arms of a seed pair sample by sample; intervals treat the prompt as the unit
+(`stepgrpo.report.paired_gain`), and pooled intervals the training seed.
+
+Budgets: equal trajectories (every arm after `--iterations`) and equal compute: an outcome arm
+runs longer and is read at its first evaluated iteration whose cumulative transformer NFEs (or
+training seconds) reach the step-level arm's after `--iterations` (so outcome gets at least the
+same compute; the table gives the ratio).
+
+Before its training result, each arm has a prediction: `stepgrpo credit-quality` on iteration 0 of
+its first seed (the base policy, nothing trained yet), judging the arm's scheme and outcome on the
+same rows.
+
+The durable state is small: one record per finished run (`<records>/<arm>/seed_<S>.json`: its
+argv, per-iteration costs, rewards and held-out scores) and one per check, kept under
+docs/bench/credit_schemes_w9/runs, so the comparison resumes from them in another checkout; the
+run directories (`--out`) are scratch. A record is written only after its run finished.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from _common import ROOT, machine, mean_ci, relative, write_json
+
+from bench.learning import run_env, run_seed
+
+# arm -> (config, scheme, completion its scheme's paper uses)
+ARMS: dict[str, tuple[str, str]] = {
+    "outcome_w9": ("configs/shapes_outcome_w9.yaml", "outcome"),
+    "dense_w9": ("configs/shapes_dense_w9.yaml", "dense"),
+    "stepwise_w9": ("configs/shapes_stepwise_w9.yaml", "stepwise"),
+    "turning_point_w9": ("configs/shapes_turning_point_w9.yaml", "turning_point"),
+    "outcome_w3": ("configs/shapes_outcome.yaml", "outcome"),
+}
+OUTCOMES = ("outcome_w9", "outcome_w3")  # the two outcome recipes every step-level arm is compared with
+STEP_LEVEL = ("dense_w9", "stepwise_w9", "turning_point_w9")
+PAPERS = {
+    "stepwise_w9": ("Stepwise-Flow-GRPO", "reaches Flow-GRPO's reward in 2-3x fewer iterations", 0.5),
+    "turning_point_w9": ("TP-GRPO", "reaches Flow-GRPO's reward in about a third of the steps", 0.4),
+    "dense_w9": ("DenseGRPO", None, None),
+}
+RECORDS = ROOT / "docs" / "bench" / "credit_schemes_w9" / "runs"
+PRESETS: dict[str, dict[str, Any]] = {
+    # the comparison of docs/BENCHMARKS.md ("The papers' regime"): ~13 core-hours, resumable
+    "full": {
+        "iterations": 100,
+        "eval_every": 25,
+        # long enough to reach a step-level arm's cost after 100 iterations
+        # (its NFEs are ~3.4x outcome_w9's, ~4.9x outcome_w3's)
+        "outcome_iterations": {"outcome_w9": 350, "outcome_w3": 500},
+        "seeds": {"outcome_w9": 6, "dense_w9": 6, "stepwise_w9": 3, "turning_point_w9": 3, "outcome_w3": 3},
+        "continuations": 8,
+        "set": ["run.eval_seeds=8"],
+    },
+    # every path at tiny settings: a test runs it
+    "quick": {
+        "iterations": 2,
+        "eval_every": 1,
+        "outcome_iterations": {"outcome_w9": 4, "outcome_w3": 4},
+        "seeds": {"outcome_w9": 2, "dense_w9": 2, "stepwise_w9": 1, "turning_point_w9": 1, "outcome_w3": 1},
+        "continuations": 2,
+        "set": [
+            "run.prompts_per_iteration=2",
+            "run.group_size=4",
+            "run.eval_prompts=8",
+            "run.eval_seeds=1",
+            "optim.diagnostics=false",
+        ],
+    },
+}
+
+
+@dataclass
+class W9:
+    iterations: int
+    eval_every: int
+    outcome_iterations: dict[str, int]
+    seeds: dict[str, int]  # arm -> number of seeds (0 .. n-1)
+    continuations: int
+    overrides: list[str]
+    jobs: int
+    out: Path  # run directories (scratch)
+    records: Path  # the durable records
+
+    def arm_seeds(self, arm: str) -> list[int]:
+        return list(range(self.seeds[arm]))
+
+    def overrides_of(self, arm: str) -> list[str]:
+        n = self.outcome_iterations.get(arm, self.iterations)
+        return [*self.overrides, f"run.iterations={n}", f"run.eval_every={self.eval_every}"]
+
+    def argv(self, arm: str) -> list[str]:
+        return [ARMS[arm][0], *self.overrides_of(arm)]
+
+    def record_path(self, arm: str, seed: int) -> Path:
+        return self.records / arm / f"seed_{seed}.json"
+
+    def check_path(self, arm: str) -> Path:
+        return self.records / arm / "check_seed_0.json"
+
+
+def settings(a: Any) -> W9:
+    p = PRESETS["quick" if a.quick else "full"]
+    seeds = dict(p["seeds"])
+    if a.seeds:  # --seeds N: at most N seeds per arm
+        seeds = {k: min(v, max(a.seeds) + 1) for k, v in seeds.items()}
+    return W9(
+        iterations=a.iterations or p["iterations"],
+        eval_every=a.eval_every or p["eval_every"],
+        outcome_iterations=dict(p["outcome_iterations"]),
+        seeds=seeds,
+        continuations=p["continuations"],
+        overrides=list(p.get("set", [])) + a.overrides,
+        jobs=a.jobs or 1,
+        out=(
+            a.out or ROOT / "bench" / "out" / ("credit_schemes_w9_quick" if a.quick else "credit_schemes_w9")
+        ).resolve(),
+        records=(a.records or (a.out / "records" if a.quick and a.out else RECORDS)).resolve(),
+    )
+
+
+# --------------------------------------------------------------------------------- running
+
+
+def record_of(run_dir: Path, argv: list[str]) -> dict[str, Any]:
+    """The durable record of a finished run: costs per iteration, training rewards, and every
+    held-out evaluation with its per-sample scores (what pairing needs)."""
+    from _common import read_run
+
+    from bench.credit_schemes import read_evals  # the same reading as the early-window comparison
+
+    rec = read_run(run_dir)
+    evals = {}
+    for it, e in read_evals(run_dir).items():
+        keep = ("label", "prompts", "seeds", "reward_mean", "reward_strict", "sub")
+        evals[str(it)] = {k: e.get(k) for k in keep} | {"scores": [round(x, 6) for x in e["scores"]]}
+    return {
+        "argv": argv,
+        "nfe": [sum(n.values()) for n in rec.nfe],
+        "seconds": rec.iter_seconds,
+        "setup_seconds": rec.setup_seconds,
+        "train_reward": rec.train_reward,
+        "evals": evals,
+    }
+
+
+def train_one(s: W9, arm: str, seed: int) -> None:
+    """Train one (arm, seed) unless its record exists; then its record (and, for seed 0, the check)."""
+    path = s.record_path(arm, seed)
+    if path.is_file() and json.loads(path.read_text())["argv"] == s.argv(arm):
+        return
+    out = (s.out / arm).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    if seed == 0:  # the prediction first, from the first iteration alone
+        check(s, arm, out)
+    t0 = time.perf_counter()
+    done = run_seed(ARMS[arm][0], seed, s.overrides_of(arm), out)
+    write_json(path, record_of(done["run_dir"], s.argv(arm)))
+    print(f"{arm} seed {seed}: recorded after {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+def check(s: W9, arm: str, out: Path) -> None:
+    """`stepgrpo credit-quality` on iteration 0 of the arm's seed-0 run (one iteration trained in
+    a run directory of its own: the same prompts, noise and base policy as the arm's iteration 0)."""
+    path = s.check_path(arm)
+    if path.is_file():
+        return
+    scheme = ARMS[arm][1]
+    run_dir = out / "check_seed_0"
+    env = run_env(out, "check")
+    stepgrpo = str(Path(sys.executable).parent / "stepgrpo")
+    sets = [*s.overrides_of(arm), "run.iterations=1", "run.seed=0"]
+    steps = [
+        ["train", "--config", ARMS[arm][0], "--run-dir", str(run_dir), *[x for o in sets for x in ("--set", o)]],
+        ["credit-quality", str(run_dir), "--iteration", "0", "--continuations", str(s.continuations)]
+        + [x for name in dict.fromkeys(("outcome", scheme)) for x in ("--scheme", name)],
+    ]
+    for i, args in enumerate(steps):
+        log = out / f"check-{i}.log"
+        with log.open("w") as f:
+            rc = subprocess.run([stepgrpo, *args], cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+        if rc != 0:
+            raise SystemExit(f"`stepgrpo {args[0]}` for the {arm} check exited {rc}; see {relative(log)}")
+    (found,) = sorted((run_dir / "credit_quality").glob("iter_0-*.json"))
+    c = json.loads(found.read_text())
+    write_json(
+        path,
+        {"arm": arm, "scheme": scheme, **{k: c[k] for k in ("continuations", "groups", "gradient", "nfe", "seconds")}},
+    )
+    print(f"{arm}: credit-quality check of iteration 0 recorded ({c['seconds']:.0f} s)", flush=True)
+
+
+def queue(s: W9) -> list[tuple[str, int]]:
+    """Seed-major: every arm of seed 0 before any of seed 1, so a stopped comparison holds whole
+    pairs; the costly step-level arms first within a seed."""
+    order = ("dense_w9", "outcome_w9", "stepwise_w9", "turning_point_w9", "outcome_w3")
+    return [(arm, seed) for seed in range(max(s.seeds.values())) for arm in order if seed < s.seeds[arm]]
+
+
+# --------------------------------------------------------------------------------- analysis
+
+
+@dataclass
+class Rec:
+    arm: str
+    seed: int
+    nfe: list[int]
+    seconds: list[float]
+    setup_seconds: float
+    evals: dict[int, dict[str, Any]]
+
+    def cost(self, n: int, per: str) -> float:
+        if per == "nfe":
+            return float(sum(self.nfe[:n]))
+        return self.setup_seconds + n * float(statistics.median(self.seconds))  # robust to other load a while
+
+
+def load(s: W9, arm: str, seed: int) -> Rec | None:
+    path = s.record_path(arm, seed)
+    if not path.is_file():
+        return None
+    r = json.loads(path.read_text())
+    if r["argv"] != s.argv(arm):
+        return None  # a record of other settings
+    evals = {int(k): v for k, v in r["evals"].items()}
+    return Rec(arm, seed, r["nfe"], r["seconds"], r["setup_seconds"], evals)
+
+
+def gain(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float, float]:
+    from bench.credit_schemes import paired
+
+    return paired(a, b)
+
+
+def matched(o: Rec, cost: float, per: str) -> int:
+    """Outcome's first evaluated iteration whose cumulative cost reaches `cost` (its last if none)."""
+    its = sorted(i for i in o.evals if i > 0)
+    return next((i for i in its if o.cost(i, per) >= cost), its[-1])
+
+
+def over(values: list[float]) -> dict[str, float]:
+    m, lo, hi = mean_ci(values)
+    return {"mean": m, "lo": lo, "hi": hi, "n": len(values)}
+
+
+def analyse(runs: dict[tuple[str, int], Rec], s: W9) -> dict[str, Any]:
+    N = s.iterations
+    out: dict[str, Any] = {"iterations": N, "arms": {}, "vs": {}}
+    any_run = next(iter(runs.values()))
+    out["pairs"] = len(any_run.evals[0]["scores"])
+    for arm in ARMS:
+        rows = [
+            {
+                "seed": r.seed,
+                "reward": r.evals[N]["reward_mean"],
+                "gain": list(gain(r.evals[0], r.evals[N])),
+                "nfe_per_iteration": r.cost(N, "nfe") / N,
+                "seconds_per_iteration": statistics.median(r.seconds),
+            }
+            for (a, _), r in sorted(runs.items())
+            if a == arm
+        ]
+        if rows:
+            out["arms"][arm] = {"per_seed": rows, "gain": over([x["gain"][0] for x in rows])}
+    for arm in (*STEP_LEVEL, "outcome_w3"):
+        for ref in OUTCOMES:
+            if arm == ref:
+                continue
+            seeds = sorted(seed for (a, seed) in runs if a == arm and (ref, seed) in runs)
+            if not seeds:
+                continue
+            entry: dict[str, Any] = {}
+            for budget in ("trajectories", "nfe", "seconds"):
+                rows = []
+                for seed in seeds:
+                    r, o = runs[arm, seed], runs[ref, seed]
+                    if budget == "trajectories":
+                        n = N
+                    else:
+                        n = matched(o, r.cost(N, budget), budget)
+                    d = gain(o.evals[n], r.evals[N])
+                    fraction = o.cost(n, budget if budget != "trajectories" else "nfe") / r.cost(
+                        N, budget if budget != "trajectories" else "nfe"
+                    )
+                    # an outcome run that ended before the arm's cost: not equal compute (flagged)
+                    short = budget != "trajectories" and fraction < 0.99
+                    rows.append(
+                        {"seed": seed, "outcome_iterations": n, "cost_ratio": fraction, "diff": list(d), "short": short}
+                    )
+                entry[budget] = {"per_seed": rows, "pooled": over([x["diff"][0] for x in rows])}
+            if arm in PAPERS and ref == "outcome_w9" and PAPERS[arm][1]:
+                entry["speed"] = speed(runs, arm, ref, seeds, N)
+            out["vs"][f"{arm} - {ref}"] = entry
+    return out
+
+
+def speed(runs: dict[tuple[str, int], Rec], arm: str, ref: str, seeds: list[int], N: int) -> dict[str, Any]:
+    """Iterations the arm needs to reach outcome's held-out reward after N (linear between its
+    evaluations), as a fraction of N, per seed."""
+    from bench.credit_schemes import crossing
+
+    rows = []
+    for seed in seeds:
+        r, o = runs[arm, seed], runs[ref, seed]
+        target = o.evals[N]["reward_mean"]
+        rose = target > r.evals[0]["reward_mean"]
+        x = crossing([(float(i), r.evals[i]["reward_mean"]) for i in sorted(r.evals)], target) if rose else None
+        rows.append({"seed": seed, "outcome_rose": rose, "ratio": None if x is None else x / N})
+    return {"per_seed": rows}
+
+
+def speed_verdict(e: dict[str, Any], claimed: float) -> str:
+    rows = e["per_seed"]
+    if not all(x["outcome_rose"] for x in rows):
+        return "not resolved at this scale"
+    if all(x["ratio"] is not None and x["ratio"] <= claimed for x in rows):
+        return "consistent"
+    if all(x["ratio"] is None or x["ratio"] > claimed for x in rows):
+        return "contradicted"
+    return "not resolved at this scale"
+
+
+def claims(a: dict[str, Any]) -> list[dict[str, str]]:
+    from bench.credit_schemes import ci, verdict
+
+    N, rows = a["iterations"], []
+    for arm, (paper, speed_claim, fraction) in PAPERS.items():
+        e = a["vs"].get(f"{arm} - outcome_w9")
+        if e is None:
+            continue
+        for budget, claim in (
+            ("trajectories", "higher reward than Flow-GRPO at the same iterations"),
+            ("nfe", "higher reward than Flow-GRPO at equal transformer NFEs"),
+            ("seconds", "higher reward than Flow-GRPO at equal training seconds"),
+        ):
+            p = e[budget]["pooled"]
+            its = "/".join(str(x["outcome_iterations"]) for x in e[budget]["per_seed"])
+            rows.append(
+                {
+                    "paper": paper,
+                    "claim": claim,
+                    "measured": f"{arm} after {N} - outcome_w9 after {its}: {ci(p)} over {p['n']} seeds",
+                    "verdict": verdict(p)
+                    + (" (one training seed)" if p["n"] < 2 else "")
+                    + (
+                        " (outcome ran short of equal compute)"
+                        if any(x["short"] for x in e[budget]["per_seed"])
+                        else ""
+                    ),
+                }
+            )
+        if speed_claim:
+            sp = e["speed"]
+            per = ", ".join("-" if x["ratio"] is None else f"{x['ratio']:.2f}" for x in sp["per_seed"])
+            rows.append(
+                {
+                    "paper": paper,
+                    "claim": f"{speed_claim} (outcome_w9's after {N})",
+                    "measured": f"iterations / outcome's, per seed: {per}",
+                    "verdict": speed_verdict(sp, fraction),
+                }
+            )
+    return rows
+
+
+def prediction(s: W9, arm: str) -> str:
+    """The arm's credit-quality check: its scheme's corrected gradient cosine, and the difference to
+    outcome's on the same rows, with their bootstrap intervals."""
+    path = s.check_path(arm)
+    if not path.is_file():
+        return "n/a"
+    c = json.loads(path.read_text())
+    from bench.credit_schemes import fmt
+
+    rows = {r["scheme"]: r for r in c["gradient"]["uniform"]["rows"]}
+    r = rows[c["scheme"]]
+    text = f"{fmt(r['cosine'], 2)} [{fmt(r['low'], 2)}, {fmt(r['high'], 2)}]"
+    if r.get("diff") is not None:
+        text += f"; minus outcome {fmt(r['diff'], 2)} [{fmt(r.get('diff_low'), 2)}, {fmt(r.get('diff_high'), 2)}]"
+    return text + f" ({c['groups']} groups, M = {c['continuations']})"
+
+
+def summary_md(a: dict[str, Any], s: W9, info: dict[str, Any]) -> str:
+    from bench.credit_schemes import ci, fmt
+
+    N = a["iterations"]
+    L = [
+        f"settings: {json.dumps(info['settings'])}",
+        f"machine: {json.dumps(info['machine'])}",
+        "",
+        f"### Each arm after {N} iterations: held-out gain over its base (paired, {a['pairs']} samples, "
+        "interval by prompt; pooled: t-interval over seeds), and the credit-quality prediction",
+        "",
+        "| arm | seeds | gain, pooled | gain per seed | NFE / iteration | s / iteration "
+        "| predicted gradient cosine (iteration 0) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for arm, e in a["arms"].items():
+        per = "; ".join(
+            f"{x['seed']}: {fmt(x['gain'][0])} [{fmt(x['gain'][1])}, {fmt(x['gain'][2])}]" for x in e["per_seed"]
+        )
+        nfe = statistics.mean(x["nfe_per_iteration"] for x in e["per_seed"])
+        sec = statistics.mean(x["seconds_per_iteration"] for x in e["per_seed"])
+        L.append(
+            f"| {arm} | {len(e['per_seed'])} | {ci(e['gain'])} | {per} | {nfe:.0f} | {sec:.1f} | {prediction(s, arm)} |"
+        )
+    for budget, what in (
+        ("trajectories", f"equal trajectories (both after {N} iterations)"),
+        ("nfe", "equal transformer NFEs (outcome read at its first evaluation with at least the arm's NFEs)"),
+        ("seconds", "equal training seconds (likewise)"),
+    ):
+        L += [
+            "",
+            f"### Step-level minus outcome at {what}",
+            "",
+            "| comparison | pooled | per seed (outcome's iterations, its cost / the arm's) |",
+            "|---|---|---|",
+        ]
+        for key, e in a["vs"].items():
+            rows = e[budget]["per_seed"]
+            per = "; ".join(
+                f"{x['seed']}: {fmt(x['diff'][0])} [{fmt(x['diff'][1])}, {fmt(x['diff'][2])}] "
+                f"({x['outcome_iterations']}, {x['cost_ratio']:.2f}x{', short' if x['short'] else ''})"
+                for x in rows
+            )
+            L.append(f"| {key} | {ci(e[budget]['pooled'])} | {per} |")
+    return "\n".join(L) + "\n"
+
+
+def csv_rows(a: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for key, e in a["vs"].items():
+        arm, ref = key.split(" - ")
+        for budget in ("trajectories", "nfe", "seconds"):
+            for x in e[budget]["per_seed"]:
+                d = x["diff"]
+                rows.append(
+                    {
+                        "arm": arm,
+                        "reference": ref,
+                        "budget": budget,
+                        "seed": x["seed"],
+                        "diff": d[0],
+                        "lo": d[1],
+                        "hi": d[2],
+                        "reference_iterations": x["outcome_iterations"],
+                        "cost_ratio": x["cost_ratio"],
+                        "short": x["short"],
+                    }
+                )
+            p = e[budget]["pooled"]
+            rows.append(
+                {
+                    "arm": arm,
+                    "reference": ref,
+                    "budget": budget,
+                    "seed": "pooled",
+                    "diff": p["mean"],
+                    "lo": p["lo"],
+                    "hi": p["hi"],
+                }
+            )
+    return rows
+
+
+def plot(runs: dict[tuple[str, int], Rec], s: W9, path: Path) -> None:
+    """Held-out gain over the base against cumulative transformer NFEs, each arm's seeds' mean."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = {
+        "outcome_w9": "black",
+        "outcome_w3": "grey",
+        "dense_w9": "tab:orange",
+        "stepwise_w9": "tab:blue",
+        "turning_point_w9": "tab:green",
+    }
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for arm in ARMS:
+        rs = [r for (a, _), r in sorted(runs.items()) if a == arm]
+        if not rs:
+            continue
+        its = sorted(set.intersection(*(set(r.evals) for r in rs)))
+        g = [statistics.mean(gain(r.evals[0], r.evals[i])[0] if i else 0.0 for r in rs) for i in its]
+        axes[0].plot(its, g, marker="o", color=colours[arm], label=f"{arm} ({len(rs)} seeds)")
+        axes[1].plot(
+            [statistics.mean(r.cost(i, "nfe") for r in rs) / 1e3 for i in its], g, marker="o", color=colours[arm]
+        )
+    axes[0].set_xlabel("iteration")
+    axes[1].set_xlabel("cumulative transformer NFEs (thousands)")
+    axes[0].set_ylabel("held-out gain over the base (paired)")
+    for ax in axes:
+        ax.axhline(0, color="grey", lw=0.8)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(a: Any) -> None:
+    s = settings(a)
+    s.out.mkdir(parents=True, exist_ok=True)
+    started = machine()
+    if not a.report_only:
+        with ThreadPoolExecutor(max(1, s.jobs)) as pool:
+            list(pool.map(lambda job: train_one(s, *job), queue(s)))
+    runs = {job: r for job in queue(s) if (r := load(s, *job)) is not None}
+    missing = [f"{arm} seed {seed}" for arm, seed in queue(s) if (arm, seed) not in runs]
+    if missing:
+        print(f"not finished yet ({len(missing)}): {', '.join(missing)}; reporting what is recorded", flush=True)
+    if not runs:
+        raise SystemExit("no finished run recorded yet: run without --report-only")
+    analysis = analyse(runs, s)
+    info = {
+        "settings": {k: (relative(v) if isinstance(v, Path) else v) for k, v in vars(s).items()},
+        "machine": {"start": started, "end": machine()},
+    }
+    table = claims(analysis)
+    from bench.credit_schemes import claims_md
+
+    report = s.records.parent
+    report.mkdir(parents=True, exist_ok=True)
+    (report / "summary.md").write_text(summary_md(analysis, s, info))
+    (report / "claims.md").write_text(claims_md(table))
+    write_json(report / "analysis.json", {**info, **analysis, "claims": table, "missing": missing})
+    import csv
+
+    rows = csv_rows(analysis)
+    with (report / "comparison.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, list(dict.fromkeys(k for r in rows for k in r)))
+        w.writeheader()
+        w.writerows(rows)
+    plot(runs, s, report / "heldout.png")
+    print((report / "summary.md").read_text())
+    print((report / "claims.md").read_text())
+    print(f"wrote {relative(report)}/: summary.md, claims.md, analysis.json, comparison.csv, heldout.png")
