@@ -11,10 +11,17 @@ data-parallel workers.
 
 from __future__ import annotations
 
+import math
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from stepgrpo.config import Config
+    from storage.run import Run
 
 TELEMETRY_OFF = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
 THREADS_ENV = "STEPGRPO_THREADS"
+THREADS_FACT = "compute_threads"  # manifest fact: torch's CPU threads every computation of the run uses
 
 
 def apply(threads: int | None = None) -> int:
@@ -36,3 +43,23 @@ def _env_threads() -> int | None:
     if not raw.isdigit() or int(raw) < 1:
         raise ValueError(f"{THREADS_ENV}={raw!r}: expected a positive whole number of torch threads (or unset it)")
     return int(raw)
+
+
+def compute_threads(cfg: Config) -> int:
+    """The torch thread count a new run records: `scale.threads`; unset, a Ray shard's CPUs
+    (`scale.cpus_per_shard`, rounded up) for a run on Ray workers, else `STEPGRPO_THREADS` or
+    torch's default (applied in this process too)."""
+    if cfg.scale.threads is None and cfg.scale.workers == "ray":
+        return apply(max(1, math.ceil(cfg.scale.cpus_per_shard)))
+    return apply(cfg.scale.threads)
+
+
+def pin_threads(run: Run) -> int | None:
+    """Compute with the torch thread count `run` recorded (`THREADS_FACT`), in whatever process
+    (the flow's, a Ray worker, an update rank): a CPU kernel's last bits can depend on the thread
+    count, and a recomputed stage must give the bytes its downstream stages were keyed on. Returns
+    the count, None for a run that has none recorded (left as it is)."""
+    raw = run.fact(THREADS_FACT)
+    if raw is None or not str(raw).isdecimal() or not 1 <= int(raw) <= 1024:
+        return None
+    return apply(int(raw))

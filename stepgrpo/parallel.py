@@ -139,7 +139,7 @@ def main(argv: list[str]) -> None:
     import torch.distributed as dist
 
     from stepgrpo import workspace
-    from stepgrpo.runs import pin_threads
+    from stepgrpo.environment import pin_threads
     from stepgrpo.training import DataParallel
     from tasks.update import train
 

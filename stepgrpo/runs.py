@@ -18,13 +18,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from stepgrpo import environment
 from stepgrpo.config import Config, apply_overrides, validate_config
 from stepgrpo.errors import StageError
 from storage.run import Run, find_run
 from storage.schema import NAME_RE, completion_stage
 
 MODEL_FACT = "model_identity"  # manifest fact: `workspace.policy_identity` of the run's model (and init LoRA)
-THREADS_FACT = "compute_threads"  # manifest fact: torch's CPU threads every computation of the run uses
 
 # Locks this process holds, by lock path: (the lock, how many holders in this process).
 _held: dict[str, tuple[Any, int]] = {}
@@ -118,8 +118,8 @@ def open_run(cfg: Config, run_dir: str | Path) -> Run:
         check_resumable(cfg, run_dir)  # refuses any change but where and how long the stages run
         run = Run.open(run_dir)
     check_length(cfg, run)
-    if run.fact(THREADS_FACT) is None:  # the count this run computes with from now on (docs/RELIABILITY.md)
-        run.record_fact(THREADS_FACT, str(compute_threads(cfg)))
+    if run.fact(environment.THREADS_FACT) is None:  # the count this run computes with from now on (RELIABILITY.md)
+        run.record_fact(environment.THREADS_FACT, str(environment.compute_threads(cfg)))
     recorded = run.fact(MODEL_FACT)
     if recorded is None:
         run.record_fact(MODEL_FACT, identity)  # a run created before models were fingerprinted
@@ -129,32 +129,6 @@ def open_run(cfg: Config, run_dir: str | Path) -> Run:
             "(their fingerprint differs); restore that model or start a new --run-id"
         )
     return run
-
-
-def compute_threads(cfg: Config) -> int:
-    """The torch thread count a new run records: `scale.threads`; unset, a Ray shard's CPUs
-    (`scale.cpus_per_shard`, rounded up) for a run on Ray workers, else `STEPGRPO_THREADS` or
-    torch's default (applied in this process too)."""
-    import math
-
-    from stepgrpo import environment
-
-    if cfg.scale.threads is None and cfg.scale.workers == "ray":
-        return environment.apply(max(1, math.ceil(cfg.scale.cpus_per_shard)))
-    return environment.apply(cfg.scale.threads)
-
-
-def pin_threads(run: Run) -> int | None:
-    """Compute with the torch thread count `run` recorded (`THREADS_FACT`), in whatever process
-    (the flow's, a Ray worker, an update rank): a CPU kernel's last bits can depend on the thread
-    count, and a recomputed stage must give the bytes its downstream stages were keyed on. Returns
-    the count, None for a run that has none recorded (left as it is)."""
-    raw = run.fact(THREADS_FACT)
-    if raw is None or not str(raw).isdecimal() or not 1 <= int(raw) <= 1024:
-        return None
-    from stepgrpo import environment
-
-    return environment.apply(int(raw))
 
 
 def check_resumable(cfg: Config, run_dir: Path) -> None:

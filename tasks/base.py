@@ -56,8 +56,8 @@ def stage_task(stage: str) -> Callable[[Callable[..., Any]], Any]:
 
 
 def _pin_threads(args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> None:
-    """Compute with the thread count the stage's run recorded (`stepgrpo.runs.pin_threads`)."""
-    from stepgrpo.runs import pin_threads
+    """Compute with the thread count the stage's run recorded (`stepgrpo.environment.pin_threads`)."""
+    from stepgrpo.environment import pin_threads
 
     run = args[0] if args else (kwargs or {}).get("run")
     if isinstance(run, Run):
