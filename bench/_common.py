@@ -340,10 +340,10 @@ def bare_loop(
     import numpy as np
     import torch
 
-    from stepgrpo import training, workspace
+    from stepgrpo.loops import training, workspace
+    from stepgrpo.loops.sampling import complete_chunks, encode, generator, iteration_plan, sample_iteration
+    from stepgrpo.loops.scoring import reward_images, score_images
     from stepgrpo.prompts import prompt_source
-    from stepgrpo.sampling import complete_chunks, encode, generator, iteration_plan, sample_iteration
-    from stepgrpo.scoring import reward_images, score_images
     from stepgrpo_core.completions import completed_through
     from stepgrpo_core.credit import assign
     from stepgrpo_core.kernels import KERNELS
@@ -440,8 +440,8 @@ def bare_loop(
 
 def mean_ci(values: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:
     """Mean and a Student-t confidence interval over independent runs (seeds), NaN skipped; the
-    interval is NaN for n < 2 (`stepgrpo.report.mean_interval` does the arithmetic)."""
-    from stepgrpo.report import mean_interval
+    interval is NaN for n < 2 (`stepgrpo.reporting.report.mean_interval` does the arithmetic)."""
+    from stepgrpo.reporting.report import mean_interval
 
     v = [x for x in values if x == x]
     if not v:

@@ -6,7 +6,7 @@ each scheme with its paper's completion) and the shipped early-window recipe `ou
 reference. Seed `S` of every arm sees the same prompts and initial noise in every iteration, and
 its held-out evaluations (126 prompts x 8 noise seeds) the same prompts and noise as its base, so
 any two arms of a seed pair sample by sample; intervals treat the prompt as the unit
-(`stepgrpo.report.paired_gain`), and pooled intervals the training seed.
+(`stepgrpo.reporting.report.paired_gain`), and pooled intervals the training seed.
 
 Budgets: equal trajectories (every arm after `--iterations`) and equal compute: an outcome arm
 runs longer and is read at its first evaluated iteration whose cumulative transformer NFEs (or

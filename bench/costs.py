@@ -71,9 +71,9 @@ def nfe_table(cfg: Any) -> dict[str, Any]:
     import numpy as np
     import torch
 
-    from stepgrpo import workspace
+    from stepgrpo.loops import workspace
+    from stepgrpo.loops.sampling import encode, generator
     from stepgrpo.prompts import prompt_source
-    from stepgrpo.sampling import encode, generator
     from stepgrpo_core.completions import complete
     from stepgrpo_core.rollout import rollout
 
@@ -111,8 +111,8 @@ def nfe_table(cfg: Any) -> dict[str, Any]:
 
 def calibration_cost(a: argparse.Namespace, out: Path) -> dict[str, Any]:
     """DenseGRPO psi calibration, once, as the calibrate stage runs it (its own temporary run)."""
-    from stepgrpo import workspace
     from stepgrpo.config import load_config
+    from stepgrpo.loops import workspace
     from storage import Run
     from tasks import calibrate, prompts
 
@@ -137,7 +137,7 @@ def calibration_cost(a: argparse.Namespace, out: Path) -> dict[str, Any]:
 
 def mlflow_stage_seconds(run_dir: Path) -> dict[str, list[float]]:
     """`seconds/<stage>` per iteration, as the train flow logged them to MLflow."""
-    from stepgrpo.tracking import find_mlflow_run
+    from stepgrpo.reporting.tracking import find_mlflow_run
 
     client, mlrun = find_mlflow_run(run_dir)
     out: dict[str, list[float]] = {}
@@ -179,11 +179,11 @@ def regenerate(run_dir: Path, reward_name: str) -> dict[str, Any]:
     import numpy as np
     import torch
 
-    from stepgrpo import workspace
     from stepgrpo.config import RewardConfig, validate_config
+    from stepgrpo.loops import workspace
+    from stepgrpo.loops.sampling import complete_chunks, iteration_plan, sample_iteration
+    from stepgrpo.loops.scoring import reward_images, score_images
     from stepgrpo.prompts import stored_prompts
-    from stepgrpo.sampling import complete_chunks, iteration_plan, sample_iteration
-    from stepgrpo.scoring import reward_images, score_images
     from storage import Run
 
     run = Run.open(run_dir)
@@ -231,7 +231,7 @@ def rescore_costs(run_dir: Path, reward_name: str, cfg: Any) -> dict[str, Any]:
     import shutil
 
     from flows.rescore import rescore
-    from stepgrpo import workspace
+    from stepgrpo.loops import workspace
 
     pol = workspace.policy(cfg)
     bare = run_dir.parent / (run_dir.name + "-no-images")

@@ -273,7 +273,7 @@ def read(name: str, seed: int, s: Settings) -> Run:
 
 def paired(before: dict[str, Any], after: dict[str, Any]) -> tuple[float, float, float]:
     """Mean of after - before over the paired held-out samples, with its 95 % interval."""
-    from stepgrpo.report import paired_gain
+    from stepgrpo.reporting.report import paired_gain
 
     g = paired_gain(before, after)
     if g is None:

@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2, help="runs at once (one core each); 2 runs a seed's arms together")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
-    from stepgrpo.report import paired_gain
+    from stepgrpo.reporting.report import paired_gain
 
     out = (a.out or OUT_DIR / "curriculum" / f"{Path(a.config).stem}_{a.iterations}").resolve()
     started = machine()

@@ -366,7 +366,7 @@ def trust_trials(out: Path, reference: Path) -> list[dict[str, Any]]:
 
 def orphan_trials(out: Path) -> list[dict[str, Any]]:
     """A 2-process update killed three ways: every process the command started ends with it."""
-    from stepgrpo.reaper import descendants, start_time
+    from stepgrpo.runtime.reaper import descendants, start_time
 
     trials = []
     for how in ("kill -9 of the process group", "kill -9 of the command alone", "SIGTERM of the command"):
@@ -382,13 +382,13 @@ def orphan_trials(out: Path) -> list[dict[str, Any]]:
         deadline = time.monotonic() + 600
         while proc.poll() is None and time.monotonic() < deadline:
             seen.update(descendants(proc.pid))
-            ranks = [p for p in seen if "stepgrpo.parallel" in _cmdline(p)]
+            ranks = [p for p in seen if "stepgrpo.loops.update" in _cmdline(p)]
             if len(ranks) == 2 and all(start_time(p) for p in ranks):
                 time.sleep(1.0)
                 break
             time.sleep(0.1)
         seen.update(descendants(proc.pid))
-        ranks = sum("stepgrpo.parallel" in _cmdline(p) for p in seen)  # counted while they live
+        ranks = sum("stepgrpo.loops.update" in _cmdline(p) for p in seen)  # counted while they live
         if how == "kill -9 of the process group":
             os.killpg(proc.pid, signal.SIGKILL)
         else:

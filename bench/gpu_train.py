@@ -105,7 +105,7 @@ def row_flops(model_dir: Path, device: str, dtype: str) -> float:
 
 
 def mlflow_numbers(run_dir: Path) -> dict[str, float]:
-    from stepgrpo.tracking import find_mlflow_run
+    from stepgrpo.reporting.tracking import find_mlflow_run
 
     client, run = find_mlflow_run(run_dir)
     if run is None:

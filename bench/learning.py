@@ -95,7 +95,7 @@ def run_seed(config: str, seed: int, overrides: list[str], out: Path) -> dict[st
 
 def read_seed(done: dict[str, Any]) -> dict[str, Any]:
     """The seed's evaluations (iteration -> record) and its paired gains over its base."""
-    from stepgrpo.report import paired_gain
+    from stepgrpo.reporting.report import paired_gain
     from stepgrpo.results import EvaluateResult
 
     evals = {}

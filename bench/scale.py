@@ -86,9 +86,9 @@ BARE = """
 import sys, time
 import numpy as np, torch
 torch.set_num_threads(1)
-from stepgrpo import workspace
+from stepgrpo.loops import workspace
 from stepgrpo.config import load_config
-from stepgrpo.sampling import sample_groups
+from stepgrpo.loops.sampling import sample_groups
 cfg = load_config("configs/demo.yaml", ["model.max_batch=32", "run.group_size=4"])
 pol = workspace.policy(cfg)
 def once():

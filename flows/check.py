@@ -17,10 +17,10 @@ def check(
     config_path: str | None = "configs/demo.yaml", overrides: list[str] | None = None, report: str | None = None
 ) -> dict[str, Any]:
     """Validate `config_path` (+ overrides) and list what the registries know; write `report` (JSON) if given."""
-    from stepgrpo import environment
     from stepgrpo.config import load_config
+    from stepgrpo.loops.workspace import resolve_model_path
     from stepgrpo.rewards import REWARDS
-    from stepgrpo.workspace import resolve_model_path
+    from stepgrpo.runtime import environment
     from stepgrpo_core.completions import COMPLETIONS
     from stepgrpo_core.credit import SCHEMES
     from stepgrpo_core.kernels import KERNELS

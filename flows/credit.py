@@ -7,8 +7,8 @@ from typing import Any
 from prefect import flow
 
 from flows.progress import name_flow_run, run_name_from_parameters
-from stepgrpo import environment
 from stepgrpo.runs import owned_stored, stored_iterations
+from stepgrpo.runtime import environment
 from stepgrpo_core.registry import allow
 from tasks import bind, rollout, score
 
@@ -40,6 +40,6 @@ def credit(
 
 
 def _training_reward(cfg: Any) -> str:
-    from stepgrpo.workspace import reward_identity
+    from stepgrpo.loops.workspace import reward_identity
 
     return reward_identity(cfg.reward)["name"]

@@ -7,9 +7,9 @@ from typing import Any
 from prefect import flow
 
 from flows.progress import evaluation_record, name_flow_run, run_name_from_parameters
-from stepgrpo import environment
 from stepgrpo.runs import latest_checkpoint, owned_stored
-from stepgrpo.workers import workers
+from stepgrpo.runtime import environment
+from stepgrpo.runtime.workers import workers
 from tasks import bind, update
 
 

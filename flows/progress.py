@@ -11,8 +11,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from stepgrpo import report
 from stepgrpo.config import Config
+from stepgrpo.reporting import report
+from stepgrpo.reporting.tracking import Tracker
 from stepgrpo.results import (
     CompleteResult,
     CreditResult,
@@ -22,7 +23,6 @@ from stepgrpo.results import (
     ScoreResult,
     UpdateResult,
 )
-from stepgrpo.tracking import Tracker
 from storage.run import Run
 
 

@@ -7,9 +7,9 @@ from typing import Any
 from prefect import flow
 
 from flows.progress import name_flow_run, run_name_from_parameters
-from stepgrpo import environment
+from stepgrpo.loops.workspace import reward_identity
 from stepgrpo.runs import owned_stored, stored_iterations
-from stepgrpo.workspace import reward_identity
+from stepgrpo.runtime import environment
 from stepgrpo_core.registry import allow
 from tasks import score
 from tasks.quality import credit_quality as check_stage
@@ -51,7 +51,7 @@ def _fmt(x: float | None) -> str:
 
 def _log(stored: Any, cfg: Any, result: Any, path: Any) -> None:
     """The check as an MLflow run of its own, tagged with its parent (the training run)."""
-    from stepgrpo.tracking import Tracker, find_mlflow_run
+    from stepgrpo.reporting.tracking import Tracker, find_mlflow_run
 
     _, parent = find_mlflow_run(stored.path)
     tags = {"stepgrpo.parent_run_id": stored.run_id, "stepgrpo.kind": "credit-quality"}

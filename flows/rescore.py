@@ -13,9 +13,9 @@ from typing import Any
 from prefect import flow
 
 from flows.progress import name_flow_run, run_name_from_parameters
-from stepgrpo import environment
 from stepgrpo.runs import check_rescorable, owned_stored, stored_iterations
-from stepgrpo.workers import workers
+from stepgrpo.runtime import environment
+from stepgrpo.runtime.workers import workers
 from stepgrpo_core.registry import allow, references_in
 from tasks import bind, complete, rollout
 

@@ -12,15 +12,15 @@ from typing import Any
 from prefect import flow
 
 from flows.progress import TrainingLog, name_flow_run, run_name_from_parameters
-from stepgrpo import environment
 from stepgrpo.checks import check_config
 from stepgrpo.config import Config, config_from
+from stepgrpo.loops.update import export_lora
 from stepgrpo.runs import apply_retention, open_run, owned, resolve_run_dir
-from stepgrpo.workers import workers
+from stepgrpo.runtime import environment
+from stepgrpo.runtime.workers import workers
 from stepgrpo_core.kernels import KERNELS
 from storage.run import Run
 from tasks import bind
-from tasks.update import export_lora
 
 
 @flow(name="train", log_prints=True, flow_run_name=run_name_from_parameters)

@@ -22,7 +22,7 @@ COMPONENT_FILES = {
 
 def check_model(path: str) -> None:
     """A local pipeline directory names its components in `model_index.json`; each must be there."""
-    from stepgrpo.workspace import resolve_model_path
+    from stepgrpo.loops.workspace import resolve_model_path
 
     resolved = Path(resolve_model_path(path))
     if not resolved.is_dir():
@@ -51,9 +51,9 @@ def check_model(path: str) -> None:
 
 def check_config(cfg: Config, calibrated: bool = False) -> None:
     """The model's components, the prompt files, the reward's options and, for calibration, the kernel."""
+    from stepgrpo.loops.workspace import reward_identity
     from stepgrpo.policy.devices import check_device
     from stepgrpo.prompts import prompt_source
-    from stepgrpo.workspace import reward_identity
 
     try:
         check_device(cfg.model.device)
@@ -84,8 +84,8 @@ def check_config(cfg: Config, calibrated: bool = False) -> None:
 
 def check_scale(cfg: Config) -> None:
     """Shards of whole model calls; Ray installed when the config asks for it."""
-    from stepgrpo.sharding import check_shards
-    from stepgrpo.workers import check_ray_installed
+    from stepgrpo.runtime.sharding import check_shards
+    from stepgrpo.runtime.workers import check_ray_installed
 
     try:
         check_shards(cfg)

@@ -350,7 +350,7 @@ class RunConfig(_Section):
     """Config name: the MLflow experiment and the default prefix of run ids."""
     prompts: str = "shapes"
     """Prompt source: `shapes` (the synthetic task, train / held-out split), `geneval` or `ocr`
-    (prompt sets shipped as code, `stepgrpo.prompt_sets`, with their own held-out split), a hub
+    (prompt sets shipped as code, `stepgrpo.prompts.sets`, with their own held-out split), a hub
     dataset `hf:<id>[@<split>][:<column>]` (`pip install -e .[datasets]`), a `.txt` file (one prompt
     a line) or a `.jsonl` file (one object a line with a `prompt` field, the rest its metadata, as
     GenEval's `metadata.jsonl`); held-out prompts in `heldout_prompts`."""

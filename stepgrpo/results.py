@@ -95,7 +95,7 @@ class CompleteResult(StageResult):
 
 
 class ScoreResult(StageResult):
-    """One reward's rows of an iteration (`stepgrpo.scoring.reward_summary` for the numbers)."""
+    """One reward's rows of an iteration (`stepgrpo.loops.scoring.reward_summary` for the numbers)."""
 
     iteration: int
     reward_name: str
@@ -133,7 +133,7 @@ class CreditResult(StageResult):
 
 class UpdateResult(StageResult):
     """The checkpoint an update published (`digest`) and what the update measured (`stats`:
-    `stepgrpo.training.Diagnostics.summary`, lists with None where a value was not finite) and
+    `stepgrpo.loops.training.Diagnostics.summary`, lists with None where a value was not finite) and
     its transformer forwards (`nfe`; 0 for checkpoints stored before it was recorded)."""
 
     iteration: int
@@ -144,7 +144,7 @@ class UpdateResult(StageResult):
 
 class EvaluateResult(Result):
     """Held-out reward of one policy: one score per (seed, prompt), seed-major, so two
-    evaluations of a run compare pair by pair (`stepgrpo.report.paired_gain`)."""
+    evaluations of a run compare pair by pair (`stepgrpo.reporting.report.paired_gain`)."""
 
     label: str  # "base" or "iter_<k>"
     iteration: int | None = None  # None: the base model

@@ -18,9 +18,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from stepgrpo import environment
 from stepgrpo.config import Config, apply_overrides, validate_config
 from stepgrpo.errors import StageError
+from stepgrpo.runtime import environment
 from storage.run import Run, find_run
 from storage.schema import NAME_RE, completion_stage
 
@@ -104,7 +104,7 @@ def resolve_run_dir(cfg: Config, run_dir: str | None = None, run_id: str | None 
 def open_run(cfg: Config, run_dir: str | Path) -> Run:
     """Create the run directory bound to `cfg` and its model, or open it to resume (same config
     and the same model files required)."""
-    from stepgrpo import workspace
+    from stepgrpo.loops import workspace
 
     run_dir = Path(run_dir)
     identity = workspace.policy_identity(cfg.model)

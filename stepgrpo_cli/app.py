@@ -58,7 +58,7 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
 def _run(fn: Any, *args: Any, **kwargs: Any) -> Any:
     """Call a flow; on failure print a clear message and exit 1."""
     try:
-        from stepgrpo import environment
+        from stepgrpo.runtime import environment
 
         environment.apply()  # the flows apply it again with their config's `scale.threads`
         return fn(*args, **kwargs)
@@ -184,12 +184,12 @@ def _check_checkpoint(path: Path, iteration: int | None) -> None:
 
 def _owned(path: Path, flow: Any, **kwargs: Any) -> Any:
     """Run `flow` holding the run's lock (taken here, before its Prefect server starts). Whatever
-    ends this process, what it starts ends with it (`stepgrpo.reaper`; SIGTERM is an orderly exit
+    ends this process, what it starts ends with it (`stepgrpo.runtime.reaper`; SIGTERM is an orderly exit
     that stops Prefect's temporary server)."""
     import signal
 
-    from stepgrpo import reaper
     from stepgrpo.runs import owned
+    from stepgrpo.runtime import reaper
 
     reaper.start()
     signal.signal(signal.SIGTERM, _terminated)
@@ -208,7 +208,7 @@ def train(config: ConfigOpt = None, set_: SetOpt = None, run_dir: RunDirOpt = No
     from flows.train import train as train_flow
 
     out = _run(_owned, path, train_flow, config=cfg, run_dir=str(path))
-    from stepgrpo.report import print_summary
+    from stepgrpo.reporting.report import print_summary
 
     print_summary(Path(out["run_dir"]), out["tracking_uri"], out["evaluations"])
 
@@ -244,7 +244,7 @@ def deploy(
             "set PREFECT_API_URL (docs/PIPELINE.md)"
         )
         raise typer.Exit(1)
-    from stepgrpo.deployments import deploy_flow
+    from stepgrpo_cli.deployments import deploy_flow
 
     deployment = _run(deploy_flow, cfg, name or config.stem, pool, str(config), flow)
     console.print(f"deployment {flow}/{name or config.stem} ({deployment}) on pool {pool}: its run form holds {config}")
@@ -676,10 +676,10 @@ def _diagnostics(r: Any, iters: list[int]) -> None:
     import torch
 
     from stepgrpo.config import ConfigError
-    from stepgrpo.report import SignalWatch
+    from stepgrpo.loops.scoring import reward_summary
+    from stepgrpo.loops.workspace import reward_identity
+    from stepgrpo.reporting.report import SignalWatch
     from stepgrpo.runs import stored_config
-    from stepgrpo.scoring import reward_summary
-    from stepgrpo.workspace import reward_identity
     from stepgrpo_core.registry import PluginError
     from storage.errors import StorageError
     from storage.publish import read_json

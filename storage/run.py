@@ -271,7 +271,7 @@ class Run(StageStores, RunTables, Checkpoints):
     def _begin(self, iteration: int, stage: str, spec: StoreSpec | None, resume: str | None = None) -> StageWriter:
         """Take the stage's lock and start its `.partial` directory. With `resume` (the stage's
         key), a partial left by an interrupted attempt under the same key is kept with its
-        finished shards (`stepgrpo.sharding`), and an error keeps it for the next attempt."""
+        finished shards (`stepgrpo.runtime.sharding`), and an error keeps it for the next attempt."""
         final = self.inside(self.stage_path(iteration, stage))
         what = f"run {self.run_id} iteration {iteration} stage {stage}"
         if read_published(final) is not None:
@@ -386,7 +386,7 @@ class Run(StageStores, RunTables, Checkpoints):
             items += [(f"{folder}/{p.name}", ("record", p)) for p in sorted((self.path / folder).glob("*.json"))]
         return items
 
-    EXPORTS = ("lora", "transformer")  # the run's exported weights (`tasks.update.export_lora`)
+    EXPORTS = ("lora", "transformer")  # the run's exported weights (`stepgrpo.loops.update.export_lora`)
     RECORDS = ("eval", "credit_quality")  # folders of sealed JSON records (`storage.publish.seal`)
 
     def seal_export(self, name: str) -> dict[str, Any]:

@@ -56,8 +56,8 @@ def stage_task(stage: str) -> Callable[[Callable[..., Any]], Any]:
 
 
 def _pin_threads(args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> None:
-    """Compute with the thread count the stage's run recorded (`stepgrpo.environment.pin_threads`)."""
-    from stepgrpo.environment import pin_threads
+    """Compute with the thread count the stage's run recorded (`stepgrpo.runtime.environment.pin_threads`)."""
+    from stepgrpo.runtime.environment import pin_threads
 
     run = args[0] if args else (kwargs or {}).get("run")
     if isinstance(run, Run):
@@ -111,7 +111,7 @@ def with_retries(stage: Any, retries: int) -> Any:
 
 
 def shard_task(stage: str) -> Callable[[Callable[..., Any]], Any]:
-    """`@shard_task("rollout")`: the Prefect task of one shard of a stage (`stepgrpo.workers`). It
+    """`@shard_task("rollout")`: the Prefect task of one shard of a stage (`stepgrpo.runtime.workers`). It
     writes its rows and then its ledger record (`storage.ledger`); it returns nothing. On a Ray
     worker as in this process it computes with the thread count its run recorded (`_pin_threads`)."""
 
@@ -143,7 +143,7 @@ def fan_out(
 ) -> Shards:
     """Run `shard` for every shard not finished under `key` (its record missing, or its rows no
     longer `intact`) on the flow's workers."""
-    from stepgrpo.workers import run_shards
+    from stepgrpo.runtime.workers import run_shards
 
     def todo(r: range) -> bool:
         return ledger_result(ledger, r, key) is None or (intact is not None and not intact(r))

@@ -16,13 +16,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stepgrpo import workspace
 from stepgrpo.checks import check_calibrated
 from stepgrpo.config import Config, digest_of
+from stepgrpo.loops import workspace
+from stepgrpo.loops.sampling import generator, sample_groups
+from stepgrpo.loops.scoring import score_images
 from stepgrpo.prompts import stored_prompts
 from stepgrpo.results import CalibrateResult, PromptsResult
-from stepgrpo.sampling import generator, sample_groups
-from stepgrpo.scoring import score_images
 from stepgrpo_core.kernels import KERNELS
 from storage.publish import write_file_atomic
 from storage.run import Run

@@ -14,13 +14,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from stepgrpo import workspace
 from stepgrpo.config import Config
-from stepgrpo.faults import maybe_fail
+from stepgrpo.loops import workspace
+from stepgrpo.loops.sampling import complete_chunks
 from stepgrpo.prompts import stored_prompts
 from stepgrpo.results import CompleteResult, RolloutResult, UpdateResult
-from stepgrpo.sampling import complete_chunks
-from stepgrpo.sharding import shard_ranges
+from stepgrpo.runtime.faults import maybe_fail
+from stepgrpo.runtime.sharding import shard_ranges
 from stepgrpo_core.completions import completed_through
 from storage.ledger import record
 from storage.run import Run

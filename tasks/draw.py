@@ -1,7 +1,7 @@
 """The draw stage: the training prompts of an iteration under the gain-variance curriculum.
 
 Runs only with `curriculum.draw: gain_variance` (a uniform run draws from `(run.seed, iteration)`
-alone, `stepgrpo.sampling.iteration_plan`, and has no draw stage). It reads the stored rewards of
+alone, `stepgrpo.loops.sampling.iteration_plan`, and has no draw stage). It reads the stored rewards of
 the last `curriculum.window` iterations under the run's reward and the prompt and group of each
 of their trajectories, weighs every training prompt by the spread of its groups
 (`stepgrpo_core.curriculum`), draws `run.prompts_per_iteration` of them, and publishes the draw
@@ -17,11 +17,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from stepgrpo import workspace
 from stepgrpo.config import Config
+from stepgrpo.loops import workspace
+from stepgrpo.loops.sampling import generator, uniform_prompts
 from stepgrpo.prompts import stored_prompts
 from stepgrpo.results import DrawResult, PromptsResult
-from stepgrpo.sampling import generator, uniform_prompts
 from stepgrpo_core import curriculum
 from storage.run import Run
 from tasks.base import manifest, reuse, stage_task
@@ -97,7 +97,7 @@ def stored(run: Run, iteration: int) -> DrawResult:
 
 def drawn_prompts(run: Run, cfg: Config, iteration: int) -> np.ndarray | None:
     """The prompt ids iteration `iteration` samples (one per group) when the curriculum drew them,
-    else None (the uniform draw of `stepgrpo.sampling.iteration_plan`)."""
+    else None (the uniform draw of `stepgrpo.loops.sampling.iteration_plan`)."""
     if cfg.curriculum.draw == UNIFORM:
         return None
     return np.array(run.read_draw(iteration)["prompt_ids"], np.int64)

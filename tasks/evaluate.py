@@ -14,17 +14,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stepgrpo import workspace
 from stepgrpo.config import Config
 from stepgrpo.errors import StageError
-from stepgrpo.faults import maybe_fail
 from stepgrpo.images import dequantize
+from stepgrpo.loops import workspace
+from stepgrpo.loops.sampling import encode, generator
+from stepgrpo.loops.scoring import cat_outputs, output_json, output_of_json, score_images
 from stepgrpo.prompts import stored_prompts
-from stepgrpo.report import write_grid
+from stepgrpo.reporting.report import write_grid
 from stepgrpo.results import EvaluateResult, PromptsResult, UpdateResult
-from stepgrpo.sampling import encode, generator
-from stepgrpo.scoring import cat_outputs, output_json, output_of_json, score_images
-from stepgrpo.sharding import blocks_per_shard
+from stepgrpo.runtime.faults import maybe_fail
+from stepgrpo.runtime.sharding import blocks_per_shard
 from stepgrpo_core.rollout import rollout as sample
 from storage.errors import StorageError
 from storage.ledger import close_ledger, open_ledger, record

@@ -66,7 +66,7 @@ def model_identity(run: Run, cfg: Config) -> str:
     stored = run.config.get("model", {})
     if recorded is not None and (stored.get("path"), stored.get("init_lora")) == (cfg.model.path, cfg.model.init_lora):
         return recorded
-    from stepgrpo import workspace
+    from stepgrpo.loops import workspace
 
     return workspace.policy_identity(cfg.model)
 
@@ -91,7 +91,7 @@ def code_facts(stage: str, cfg: Config) -> dict[str, Any]:
 
 
 def stage_key(stage: str, run: Run, cfg: Config, iteration: int, upstream: Mapping[str, Upstream]) -> Key:
-    from stepgrpo import workspace
+    from stepgrpo.loops import workspace
 
     parts: dict[str, Any] = {
         "stage": stage,

@@ -28,14 +28,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from stepgrpo import workspace
 from stepgrpo.config import CODE_SALT, Config, digest_of
 from stepgrpo.errors import StageError
+from stepgrpo.loops import workspace
+from stepgrpo.loops.sampling import encode, generator, stored_noise
+from stepgrpo.loops.scoring import reward_images, score_images
 from stepgrpo.prompts import stored_prompts
-from stepgrpo.report import track
+from stepgrpo.reporting.report import track
 from stepgrpo.results import QualityResult
-from stepgrpo.sampling import encode, generator
-from stepgrpo.scoring import reward_images, score_images
 from stepgrpo_core.conditioning import take
 from stepgrpo_core.credit import SCHEMES, assign
 from stepgrpo_core.loss import step_weights
@@ -53,7 +53,6 @@ from storage.publish import read_json, seal, write_file_atomic
 from storage.run import Run
 from tasks.base import stage_task, warn
 from tasks.credit import trained_mask
-from tasks.rollout import stored_noise
 
 QUALITY_DIR = "credit_quality"
 TRUTH = ("true", "true_a", "true_b")  # A* and its two halves' tables
@@ -305,7 +304,7 @@ def _gradient_sums(
     noise: float | torch.Tensor,
 ) -> tuple[dict[str, torch.Tensor], int]:
     """Per-group sums of `A s` for every table, from one LoRA score per trained row (`GradientSums`)."""
-    from stepgrpo.training import update_velocity
+    from stepgrpo.loops.training import update_velocity
 
     params = pol.trainable_parameters()
     velocity = update_velocity(pol, cfg.optim.detach_uncond)  # the velocity the update differentiates

@@ -1,7 +1,7 @@
 """The rollout stage: sample an iteration's groups with the policy after the previous update.
 
 `prompts_per_iteration` groups of `group_size` trajectories (a group shares its prompt and initial
-noise, `stepgrpo.sampling.iteration_plan`), every state and step log-prob stored, and the ODE
+noise, `stepgrpo.loops.sampling.iteration_plan`), every state and step log-prob stored, and the ODE
 sample of each group's initial noise (`ode_final`: R_0 of outcome runs, and the ODE reward beside
 the SDE training reward).
 """
@@ -14,14 +14,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from stepgrpo import workspace
 from stepgrpo.config import Config
 from stepgrpo.errors import StageError
-from stepgrpo.faults import maybe_fail
+from stepgrpo.loops import workspace
+from stepgrpo.loops.sampling import iteration_plan, sample_iteration
 from stepgrpo.prompts import stored_prompts
 from stepgrpo.results import CalibrateResult, DrawResult, PromptsResult, RolloutResult, UpdateResult
-from stepgrpo.sampling import iteration_plan, sample_iteration
-from stepgrpo.sharding import shard_ranges
+from stepgrpo.runtime.faults import maybe_fail
+from stepgrpo.runtime.sharding import shard_ranges
 from stepgrpo_core.kernels import KERNELS
 from storage.ledger import record
 from storage.run import Run
@@ -60,12 +60,6 @@ def kernel_noise(cfg: Config, psi: CalibrateResult | None) -> float | torch.Tens
     return torch.tensor(psi.psi, dtype=torch.float32)
 
 
-def stored_noise(kernel_params: dict[str, Any], device: str | torch.device = "cpu") -> float | torch.Tensor:
-    """The kernel's `noise` as a stored rollout records it: a float, or the psi table as an fp32 tensor."""
-    noise = kernel_params["noise"]
-    return torch.tensor(noise, dtype=torch.float32, device=device) if isinstance(noise, list) else float(noise)
-
-
 def execute(run: Run, cfg: Config, iteration: int, noise: float | torch.Tensor, key: Key) -> RolloutResult:
     if not reuse(run, iteration, "rollout", key, f"iteration {iteration} rollout"):
         compute(run, cfg, iteration, noise, key.value)
@@ -73,7 +67,7 @@ def execute(run: Run, cfg: Config, iteration: int, noise: float | torch.Tensor, 
 
 
 def compute(run: Run, cfg: Config, iteration: int, noise: float | torch.Tensor, key: str) -> None:
-    """Sample the iteration's shards (`stepgrpo.sharding`) on the flow's workers, then publish."""
+    """Sample the iteration's shards (`stepgrpo.runtime.sharding`) on the flow's workers, then publish."""
     t0 = time.perf_counter()
     pol = workspace.policy(cfg)  # the grid and latent shape; the shards set the weights they sample with
     plan = iteration_plan(cfg, stored_prompts(run).splits, iteration, drawn_prompts(run, cfg, iteration))

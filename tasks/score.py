@@ -15,14 +15,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stepgrpo import workspace
 from stepgrpo.config import Config, digest_of
 from stepgrpo.errors import StageError
-from stepgrpo.faults import maybe_fail
+from stepgrpo.loops import workspace
+from stepgrpo.loops.scoring import (
+    cat_outputs,
+    decode_distinct,
+    output_json,
+    output_of_json,
+    reward_summary,
+    score_images,
+)
 from stepgrpo.prompts import stored_prompts
 from stepgrpo.results import CompleteResult, RolloutResult, ScoreResult
-from stepgrpo.scoring import cat_outputs, decode_distinct, output_json, output_of_json, reward_summary, score_images
-from stepgrpo.sharding import block_rows, blocks, shard_ranges
+from stepgrpo.runtime.faults import maybe_fail
+from stepgrpo.runtime.sharding import block_rows, blocks, shard_ranges
 from storage.errors import AlreadyPublishedError, CorruptChunkError, StageLockedError
 from storage.ledger import close_ledger, open_ledger, record
 from storage.run import Run
@@ -136,7 +143,7 @@ def score_shard(
     key: str,
     shard: range,
 ) -> None:
-    """Score the trajectories `shard`, block by block (`stepgrpo.sharding`): their stored images,
+    """Score the trajectories `shard`, block by block (`stepgrpo.runtime.sharding`): their stored images,
     or their clean latents decoded (and stored with `images_token`); then record the scores."""
     t0 = time.perf_counter()
     method = cfg.completion.method

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stepgrpo import training, workspace
 from stepgrpo.config import ConfigError, load_config
+from stepgrpo.loops import training, workspace
 from stepgrpo.policy.lora import LoraSpec
 from stepgrpo.policy.sd3 import SD3Policy
 from stepgrpo.shapes.model import build_pipeline, tiny_spec

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from stepgrpo import workspace
 from stepgrpo.config import load_config
 from stepgrpo.errors import StageError
+from stepgrpo.loops import workspace
+from stepgrpo.loops.sampling import encode
 from stepgrpo.prompts import stored_prompts
 from stepgrpo.rewards.base import RewardOutput
-from stepgrpo.sampling import encode
 from storage.publish import options_digest
 
 pytestmark = pytest.mark.slow
@@ -257,7 +257,7 @@ def test_the_curriculum_draws_stored_prompts_by_gain_variance_and_resumes(harnes
     import numpy as np
 
     from flows.train import train
-    from stepgrpo.sampling import iteration_plan
+    from stepgrpo.loops.sampling import iteration_plan
     from stepgrpo_core.curriculum import group_spread
     from storage.run import Run
 

@@ -2,7 +2,7 @@
 
 The policy is the exact velocity field of Gaussian data `N(mu, tau^2 I)` under the rectified flow,
 with `mu` the only trainable parameter; the reward is `-||x - target||^2`. Rollouts, completions,
-credit and the update are the production code (`stepgrpo_core` and `stepgrpo.training.update`),
+credit and the update are the production code (`stepgrpo_core` and `stepgrpo.loops.training.update`),
 so a sign error anywhere in log-probs, advantages or the loss makes the reward fall instead.
 """
 
@@ -13,8 +13,8 @@ import contextlib
 import pytest
 import torch
 
-from stepgrpo import training
 from stepgrpo.config import load_config
+from stepgrpo.loops import training
 from stepgrpo_core.completions import complete
 from stepgrpo_core.credit import assign
 from stepgrpo_core.rollout import rollout

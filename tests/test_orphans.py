@@ -33,13 +33,13 @@ COMMAND = textwrap.dedent(
 
 
 def _descendants(pid: int) -> set[int]:
-    from stepgrpo.reaper import descendants
+    from stepgrpo.runtime.reaper import descendants
 
     return set(descendants(pid))
 
 
 def _alive(pid: int) -> bool:
-    from stepgrpo.reaper import start_time
+    from stepgrpo.runtime.reaper import start_time
 
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]

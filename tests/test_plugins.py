@@ -67,7 +67,7 @@ def plugins(tmp_path, monkeypatch) -> str:
 
 
 def test_a_plugin_reward_is_named_by_reference_and_identified_by_its_declared_name_and_version(plugins):
-    from stepgrpo import workspace
+    from stepgrpo.loops import workspace
     from stepgrpo.rewards import build_reward
 
     cfg = load_config(None, [f"reward.name={plugins}:Brightness", "reward.options={gamma: 2.0}"])

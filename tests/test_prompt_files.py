@@ -42,7 +42,7 @@ def test_missing_prompt_file_is_named(tmp_path):
 
 
 def test_iteration_plan_fills_every_group_even_from_few_prompts(tmp_path):
-    from stepgrpo.sampling import iteration_plan
+    from stepgrpo.loops.sampling import iteration_plan
 
     few = tmp_path / "few.txt"
     few.write_text("a\nb\nc\n")

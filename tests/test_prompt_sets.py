@@ -7,8 +7,8 @@ import pytest
 
 from stepgrpo.config import load_config
 from stepgrpo.errors import StageError
-from stepgrpo.prompt_sets import COCO_CLASSES, TASKS, geneval_prompts, ocr_prompts
 from stepgrpo.prompts import prompt_source
+from stepgrpo.prompts.sets import COCO_CLASSES, TASKS, geneval_prompts, ocr_prompts
 from stepgrpo.rewards.geneval import validate_spec
 from stepgrpo.rewards.ocr import quoted_text
 

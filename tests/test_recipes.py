@@ -81,7 +81,7 @@ def test_the_recipe_reaches_its_first_rollout(recipe, sd35_like, flux_like, tmp_
     prompts = prompts_stage.execute(run, cfg)
     noise: float | torch.Tensor = cfg.sampler.noise
     if KERNELS.facts(cfg.sampler.kernel)["calibrated"]:  # psi: its initial table, before calibration
-        from stepgrpo import workspace
+        from stepgrpo.loops import workspace
 
         noise = initial_psi(workspace.policy(cfg).sigmas(cfg.sampler.steps).cpu(), cfg.calibration.init_a)
     key = stage_key("rollout", run, cfg, 0, {"prompts": prompts, "checkpoint": None, "psi": None})

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from stepgrpo.report import paired_gain
-from stepgrpo.scoring import reward_summary
+from stepgrpo.loops.scoring import reward_summary
+from stepgrpo.reporting.report import paired_gain
 
 
 def test_paired_gain_is_the_mean_difference_with_a_t_interval():

@@ -134,7 +134,8 @@ def test_key_inputs_name_what_downstream_stages_read():
 @pytest.fixture
 def no_models(monkeypatch):
     """Any attempt to load a policy, a decoder or a reward, or to fingerprint model files, fails."""
-    from stepgrpo import rewards, workspace
+    from stepgrpo import rewards
+    from stepgrpo.loops import workspace
 
     def refuse(*args, **kwargs):
         raise AssertionError("a cache key loaded a model")
@@ -193,7 +194,7 @@ def test_a_run_refuses_model_files_that_changed(tmp_path):
     assert run.fact("model_identity")
     assert open_run(cfg, tmp_path / "runs" / "r").fact("model_identity") == run.fact("model_identity")  # resume
 
-    from stepgrpo import workspace
+    from stepgrpo.loops import workspace
 
     workspace.model_identity.cache_clear()
     (model / "scheduler" / "scheduler_config.json").write_text("{}")

@@ -16,10 +16,10 @@ import torch
 from PIL import Image
 
 from stepgrpo.config import RewardConfig
+from stepgrpo.loops.scoring import score_images
 from stepgrpo.rewards import build_reward
 from stepgrpo.rewards.base import RewardOutput, checked
 from stepgrpo.rewards.remote import HttpReward, serve
-from stepgrpo.scoring import score_images
 
 N = 4
 
@@ -67,7 +67,7 @@ def test_a_good_output_passes_unchanged():
 def test_reward_options_are_part_of_the_stored_identity():
     """Rows scored with other options are never read back as these (a plug-in's declared identity
     rarely names its options; the built-ins' are checked the same way)."""
-    from stepgrpo.workspace import reward_identity
+    from stepgrpo.loops.workspace import reward_identity
 
     plain = reward_identity(RewardConfig(name="jpeg_compressibility"))
     other = reward_identity(RewardConfig(name="jpeg_compressibility", options={"quality": 50}))

@@ -211,7 +211,7 @@ def test_shards_must_hold_whole_model_calls(tiny, tmp_path):
 
 def test_a_remote_cluster_needs_a_prefect_server_it_can_reach(tiny, monkeypatch):
     from stepgrpo.config import load_config
-    from stepgrpo.workers import ray_runner
+    from stepgrpo.runtime.workers import ray_runner
 
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:4200/api")
     cfg = load_config(None, [*tiny, "scale.workers=ray", "scale.address=ray://head.example:10001"])
@@ -298,7 +298,7 @@ def test_a_node_that_cannot_see_the_run_directory_stops_the_run(tmp_path, monkey
     without the shared filesystem would): Ray's calls are replaced, the check's logic is real."""
     import ray
 
-    from stepgrpo.workers import check_shared
+    from stepgrpo.runtime.workers import check_shared
 
     class Remote:
         def options(self, **_):

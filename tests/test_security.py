@@ -196,9 +196,9 @@ def test_no_write_follows_a_link_out_of_the_run(tmp_path, link):
 
 def test_the_lora_export_refuses_a_linked_folder_before_loading_a_model(tmp_path):
     from stepgrpo.config import load_config
+    from stepgrpo.loops.update import export_lora
     from storage.errors import StorageError
     from storage.run import Run
-    from tasks.update import export_lora
 
     run_dir = make_run(tmp_path / "runs")
     (tmp_path / "outside").mkdir()
@@ -264,14 +264,14 @@ LOOPBACK_HEX = ("0100007F", "00000000000000000000000001000000")  # 127.0.0.1, ::
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_update_ranks_listen_on_loopback_only_and_die_with_their_launcher(tmp_path):
-    """Two ranks formed as the update forms them (`stepgrpo.parallel`): every socket they listen on
+    """Two ranks formed as the update forms them (`stepgrpo.runtime.parallel`): every socket they listen on
     is on the loopback interface; a kill -9 of the process that launched them kills them too."""
     script = tmp_path / "ranks.py"
     script.write_text(
         textwrap.dedent(
             f"""
             import json, os, sys, time
-            from stepgrpo import parallel
+            from stepgrpo.runtime import parallel
             procs = parallel.start_ranks([sys.executable, {str(tmp_path / "rank.py")!r}], 2, {str(tmp_path)!r})
             print(json.dumps([p.pid for p in procs]), flush=True)
             time.sleep(600)
@@ -282,8 +282,8 @@ def test_update_ranks_listen_on_loopback_only_and_die_with_their_launcher(tmp_pa
         textwrap.dedent(
             f"""
             import json, os, time
-            from stepgrpo import parallel
-            parallel._die_with_parent()
+            from stepgrpo.runtime import parallel
+            parallel.die_with_parent()
             import torch.distributed as dist
             parallel.init_group("gloo")
             dist.all_reduce(__import__("torch").ones(1))

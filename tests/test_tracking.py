@@ -5,7 +5,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 
-from stepgrpo.tracking import STORE_FILE, Tracker, ensure_local_store, store_dir, tracking_uri
+from stepgrpo.reporting.tracking import STORE_FILE, Tracker, ensure_local_store, store_dir, tracking_uri
 
 
 def test_runs_starting_at_once_share_one_store(tmp_path, monkeypatch):
@@ -73,7 +73,7 @@ def test_a_failed_store_creation_leaves_nothing_half_made(tmp_path, monkeypatch)
 
     import pytest
 
-    from stepgrpo import tracking
+    from stepgrpo.reporting import tracking
 
     root = tmp_path / "runs"
     root.mkdir()

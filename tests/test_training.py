@@ -7,8 +7,8 @@ import contextlib
 import pytest
 import torch
 
-from stepgrpo import training
 from stepgrpo.config import load_config
+from stepgrpo.loops import training
 from stepgrpo_core.rollout import rollout
 
 T, GROUPS, G = 4, 4, 4
@@ -173,7 +173,7 @@ def test_checkpoint_state_keeps_lists_and_drops_nan():
 
 
 def test_the_signal_watch_speaks_once_when_the_summed_cosine_reads_noise():
-    from stepgrpo.report import NOISE_COSINE, NOISE_WINDOW, SignalWatch
+    from stepgrpo.reporting.report import NOISE_COSINE, NOISE_WINDOW, SignalWatch
 
     watch = SignalWatch()
     assert watch.see(3, {"signal_cosine_window": 0.0, "signal_iterations": 3.0}) is None  # too few iterations yet

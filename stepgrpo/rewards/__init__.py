@@ -83,7 +83,7 @@ def _built(name: str, options: Mapping[str, Any]) -> Reward:
     """`REWARDS[name](**options)`, given the name and version its identity declares where it
     carries none (a plug-in's factory function may return a bare callable). That a reward's own
     name and version are its declared ones is checked where rewards are built for a run
-    (`stepgrpo.workspace.reward`)."""
+    (`stepgrpo.loops.workspace.reward`)."""
     reward = REWARDS.get(name)(**options)
     if not callable(reward):
         raise PluginError(f"reward {name!r}: its factory returned {type(reward).__name__}, not a callable reward")

@@ -259,6 +259,6 @@ def policy_after(run: Run, cfg: Config, iteration: int | None) -> SD3Policy:
 
 def set_threads(threads: int | None = None) -> None:
     """torch's CPU threads: `threads` (the config's `scale.threads`), else `STEPGRPO_THREADS` when set."""
-    from stepgrpo import environment
+    from stepgrpo.runtime import environment
 
     environment.apply(threads)

@@ -8,7 +8,7 @@ command's descendants (read from `/proc` four times a second) and, when the comm
 it holds closes, whatever killed it), terminates every recorded descendant that is still the same
 process (same start time), then kills those that ignore it.
 
-    python -m stepgrpo.reaper PID FD    # the watchdog (started by `start`)
+    python -m stepgrpo.runtime.reaper PID FD    # the watchdog (started by `start`)
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def start() -> None:
         return
     read, write = os.pipe()  # this process holds `write` until it dies; non-inheritable by children
     subprocess.Popen(
-        [sys.executable, "-m", "stepgrpo.reaper", str(os.getpid()), str(read)],
+        [sys.executable, "-m", "stepgrpo.runtime.reaper", str(os.getpid()), str(read)],
         pass_fds=(read,),
         start_new_session=True,  # a kill of the command's process group leaves it to clean up
         stdin=subprocess.DEVNULL,

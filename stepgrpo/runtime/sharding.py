@@ -4,7 +4,7 @@ A stage's work is a sequence of *blocks*: the rows one batched model call comput
 (`block_rows`). Batched kernels are not batch-invariant on CPU or GPU (a row's output moves in the
 last bits with the rows beside it), so a shard holds whole blocks and every block is computed
 alone, exactly as the in-process stage computes it: a shard's bytes never depend on how many
-shards there are. Seeds are per group and per model call (`stepgrpo.sampling`), never a stream
+shards there are. Seeds are per group and per model call (`stepgrpo.loops.sampling`), never a stream
 that runs across shards.
 
 A shard that finished records it in its stage's ledger (`storage.ledger`), so a stage interrupted

@@ -22,7 +22,7 @@ import torch
 
 from stepgrpo.config import Config
 from stepgrpo.errors import StageError
-from stepgrpo.report import track
+from stepgrpo.reporting.report import track
 from stepgrpo_core.conditioning import take
 
 
@@ -167,7 +167,7 @@ def sample_iteration(
     """The rollout of `iteration` (or of its `groups`): its plan's groups on the `cfg.sampler` grid,
     kernel and SDE window, whole groups per call up to `model.max_batch` rows (`groups_per_call`),
     with each group's ODE reference."""
-    from stepgrpo.sharding import groups_per_call
+    from stepgrpo.runtime.sharding import groups_per_call
 
     G = cfg.run.group_size
     start, end = cfg.sampler.window()
@@ -210,3 +210,9 @@ def complete_chunks(
         chunk = torch.from_numpy(states[rows]).to(pol.device, pol.dtype)
         cond = encode(pol, texts, prompt_ids[rows])
         yield c0, complete(method, pol.velocity, chunk, sigmas.to(pol.device), cond, max_batch, through)  # no_grad
+
+
+def stored_noise(kernel_params: dict[str, Any], device: str | torch.device = "cpu") -> float | torch.Tensor:
+    """The kernel's `noise` as a stored rollout records it: a float, or the psi table as an fp32 tensor."""
+    noise = kernel_params["noise"]
+    return torch.tensor(noise, dtype=torch.float32, device=device) if isinstance(noise, list) else float(noise)

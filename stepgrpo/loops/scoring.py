@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from stepgrpo.images import dequantize
-from stepgrpo.report import track
+from stepgrpo.reporting.report import track
 from stepgrpo.rewards.base import RewardOutput, checked
 
 

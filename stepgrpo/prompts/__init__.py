@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from stepgrpo.config import Config
 from stepgrpo.errors import StageError
 from stepgrpo.paths import REPO_ROOT
-from stepgrpo.prompt_sets import PROMPT_SETS
+from stepgrpo.prompts.sets import PROMPT_SETS
 
 if TYPE_CHECKING:
     from storage.run import Run

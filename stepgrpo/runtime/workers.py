@@ -4,7 +4,7 @@
 `scale.num_workers` CPUs started for the run, or the cluster at `scale.address`): every shard is a
 Prefect task run submitted to it with its CPU / GPU request (`remote_options`). Ray keeps a
 worker process alive between tasks, so the models a shard loads stay loaded for the next shard on
-that worker (`stepgrpo.workspace` caches them per process): a reward model is loaded once per
+that worker (`stepgrpo.loops.workspace` caches them per process): a reward model is loaded once per
 worker, not once per shard.
 
 Before the first shard, every node of the cluster must see the run directory (a probe file
