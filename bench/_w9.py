@@ -142,7 +142,7 @@ def record_of(run_dir: Path, argv: list[str]) -> dict[str, Any]:
     held-out evaluation with its per-sample scores (what pairing needs)."""
     from _common import read_run
 
-    from bench.credit_schemes import read_evals  # the same reading as the early-window comparison
+    from bench._schemes import read_evals  # the same reading as the early-window comparison
 
     rec = read_run(run_dir)
     evals = {}
@@ -242,7 +242,7 @@ def load(s: W9, arm: str, seed: int) -> Rec | None:
 
 
 def gain(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float, float]:
-    from bench.credit_schemes import paired
+    from bench._schemes import paired
 
     return paired(a, b)
 
@@ -312,7 +312,7 @@ def analyse(runs: dict[tuple[str, int], Rec], s: W9) -> dict[str, Any]:
 def speed(runs: dict[tuple[str, int], Rec], arm: str, ref: str, seeds: list[int], N: int) -> dict[str, Any]:
     """Iterations the arm needs to reach outcome's held-out reward after N (linear between its
     evaluations), as a fraction of N, per seed."""
-    from bench.credit_schemes import crossing
+    from bench._schemes import crossing
 
     rows = []
     for seed in seeds:
@@ -336,7 +336,7 @@ def speed_verdict(e: dict[str, Any], claimed: float) -> str:
 
 
 def claims(a: dict[str, Any]) -> list[dict[str, str]]:
-    from bench.credit_schemes import ci, verdict
+    from bench._schemes import ci, verdict
 
     N, rows = a["iterations"], []
     for arm, (paper, speed_claim, fraction) in PAPERS.items():
@@ -385,7 +385,7 @@ def prediction(s: W9, arm: str) -> str:
     if not path.is_file():
         return "n/a"
     c = json.loads(path.read_text())
-    from bench.credit_schemes import fmt
+    from bench._schemes import fmt
 
     rows = {r["scheme"]: r for r in c["gradient"]["uniform"]["rows"]}
     r = rows[c["scheme"]]
@@ -396,7 +396,7 @@ def prediction(s: W9, arm: str) -> str:
 
 
 def summary_md(a: dict[str, Any], s: W9, info: dict[str, Any]) -> str:
-    from bench.credit_schemes import ci, fmt
+    from bench._schemes import ci, fmt
 
     N = a["iterations"]
     L = [
@@ -534,7 +534,7 @@ def main(a: Any) -> None:
         "machine": {"start": started, "end": machine()},
     }
     table = claims(analysis)
-    from bench.credit_schemes import claims_md
+    from bench._schemes import claims_md
 
     report = s.records.parent
     report.mkdir(parents=True, exist_ok=True)

@@ -52,6 +52,7 @@ from typing import Any
 import _common  # noqa: F401  (first: sets sys.path to the repository root)
 from _common import OUT_DIR, ROOT, machine, mean_ci, read_run, relative, write_json
 
+from bench._schemes import ci, claims_md, crossing, fmt, paired, read_evals, verdict
 from bench.learning import run_env, run_seed
 
 # name -> (shipped config, overrides on it)
@@ -229,18 +230,6 @@ class Run:
         return float(self.evals[n]["reward_mean"])
 
 
-def read_evals(run_dir: Path) -> dict[int, dict[str, Any]]:
-    from stepgrpo.results import EvaluateResult
-
-    evals = {}
-    for f in (run_dir / "eval").glob("*.json"):
-        e = EvaluateResult.model_validate(json.loads(f.read_text())).record()
-        if f.stem != e["label"]:
-            continue  # an evaluation with other settings than the run's
-        evals[0 if e["label"] == "base" else int(e["label"].removeprefix("iter_")) + 1] = e
-    return evals
-
-
 def read(name: str, seed: int, s: Settings) -> Run:
     from stepgrpo.config import validate_config
 
@@ -271,29 +260,9 @@ def read(name: str, seed: int, s: Settings) -> Run:
 # ------------------------------------------------------------------------------- statistics
 
 
-def paired(before: dict[str, Any], after: dict[str, Any]) -> tuple[float, float, float]:
-    """Mean of after - before over the paired held-out samples, with its 95 % interval."""
-    from stepgrpo.reporting.report import paired_gain
-
-    g = paired_gain(before, after)
-    if g is None:
-        raise SystemExit(f"evaluations {before['label']} and {after['label']} are not paired (other prompts or noise)")
-    return g
-
-
 def over_seeds(values: list[float]) -> dict[str, float]:
     m, lo, hi = mean_ci(values)
     return {"mean": m, "lo": lo, "hi": hi, "n": len([v for v in values if v == v])}
-
-
-def crossing(points: list[tuple[float, float]], target: float) -> float | None:
-    """First x where the piecewise-linear curve through `points` (x, reward) reaches `target`."""
-    for (x0, y0), (x1, y1) in zip(points, points[1:]):
-        if y1 >= target > y0:
-            return x0 + (x1 - x0) * (target - y0) / (y1 - y0)
-        if y0 >= target:
-            return x0
-    return points[-1][0] if points and points[-1][1] >= target else None
 
 
 def matched_iteration(outcome: Run, cost: float, per: str) -> int:
@@ -305,16 +274,6 @@ def matched_iteration(outcome: Run, cost: float, per: str) -> int:
         if total(i) >= cost:
             return i
     return n
-
-
-def fmt(x: float | None, d: int = 3, sign: bool = True) -> str:
-    if x is None or x != x:
-        return "n/a"
-    return f"{x:+.{d}f}" if sign else f"{x:.{d}f}"
-
-
-def ci(v: dict[str, float], d: int = 3) -> str:
-    return f"{fmt(v['mean'], d)} [{fmt(v['lo'], d)}, {fmt(v['hi'], d)}]"
 
 
 # --------------------------------------------------------------------------------- analysis
@@ -510,17 +469,6 @@ def _interp(cum, x: float | None) -> float | None:
 
 
 # ------------------------------------------------------------------------------------ claims
-
-
-def verdict(v: dict[str, float] | None, threshold: float = 0.0) -> str:
-    """consistent: the interval lies above `threshold`; contradicted: below it; else not resolved."""
-    if v is None or v.get("lo") != v.get("lo"):
-        return "not resolved at this scale"
-    if v["lo"] > threshold:
-        return "consistent"
-    if v["hi"] < threshold:
-        return "contradicted"
-    return "not resolved at this scale"
 
 
 def speed_verdict(entry: dict[str, Any], claimed: float, ran: int) -> str:
@@ -750,15 +698,6 @@ def summary_md(a: dict[str, Any], s: Settings, info: dict[str, Any]) -> str:
                 f"- {name}: {t['raw']:.1f} found, {t['kept']:.1f} kept; none kept in "
                 f"{100 * t['none_kept']:.0f} % of {t['iterations']} iterations (all its seeds)"
             )
-    return "\n".join(L) + "\n"
-
-
-def claims_md(rows: list[dict[str, str]]) -> str:
-    L = [
-        "| paper | claim | measured here (95 % interval) | verdict |",
-        "|---|---|---|---|",
-    ]
-    L += [f"| {r['paper']} | {r['claim']} | {r['measured']} | {r['verdict']} |" for r in rows]
     return "\n".join(L) + "\n"
 
 

@@ -1,6 +1,6 @@
 """Pretrain the shipped `shapes` model: the autoencoder, then the transformer and text encoders.
 
-A thin wrapper: the stages, checkpoints and export live in `stepgrpo.shapes.pretrain`. Rerunning
+A thin wrapper: the stages, checkpoints and export live in `stepgrpo.pretraining.pretrain`. Rerunning
 with the same `workdir` resumes from the last checkpoint.
 """
 
@@ -10,8 +10,8 @@ from typing import Any
 
 from prefect import flow
 
-from stepgrpo.shapes.pretrain import PretrainConfig
-from stepgrpo.shapes.pretrain import pretrain as run_pretrain
+from stepgrpo.pretraining.pretrain import PretrainConfig
+from stepgrpo.pretraining.pretrain import pretrain as run_pretrain
 
 
 @flow(name="pretrain", log_prints=True)

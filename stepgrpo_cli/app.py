@@ -463,7 +463,7 @@ def evaluate(
 )
 def pretrain(ctx: typer.Context) -> None:
     """Pretrain the shipped `shapes` model into a new directory (`stepgrpo pretrain --help`: the options)."""
-    from stepgrpo.shapes.pretrain import main
+    from stepgrpo.pretraining.pretrain import main
 
     _run(main, list(ctx.args))
 

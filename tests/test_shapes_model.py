@@ -58,7 +58,7 @@ def test_default_spec_matches_the_latent_layout():
 
 
 def test_pretrain_runs_resumes_and_exports(tmp_path):
-    from stepgrpo.shapes.pretrain import PretrainConfig, pretrain
+    from stepgrpo.pretraining.pretrain import PretrainConfig, pretrain
 
     cfg = PretrainConfig(
         workdir=str(tmp_path / "w"),

@@ -374,7 +374,7 @@ def ema_pipeline(pipe, ema: dict[str, torch.Tensor]):
 
 
 def _evaluate_ema(cfg: PretrainConfig, pipe, ema, state: dict[str, Any]) -> None:
-    from stepgrpo.shapes.evaluate import evaluate
+    from stepgrpo.pretraining.evaluate import evaluate
 
     t = time.monotonic()
     result = evaluate(ema_pipeline(pipe, ema), seeds=(0,), guidance_scale=cfg.eval_cfg)

@@ -3,7 +3,7 @@
 `evaluate(pipe)` samples every held-out prompt once per seed with the pipeline's own Euler
 scheduler (deterministic: the ODE, no noise after the initial latents), scores the images and
 returns the per-category means per seed and over seeds. The model card's numbers come from
-`python -m stepgrpo.shapes.evaluate models/shapes --cfg 4 --seeds 0 1 2`.
+`python -m stepgrpo.pretraining.evaluate models/shapes --cfg 4 --seeds 0 1 2`.
 """
 
 from __future__ import annotations
