@@ -253,7 +253,7 @@ class StageStore:
         spec = self.spec.array(name)
         shape = self.shape(name)
         if name in self.removed:
-            from storage.retention import PrunedError
+            from storage.pruned import PrunedError
 
             raise PrunedError(
                 f"{self.path.parent.name}/{self.path.name}: {name} was pruned ({self.removed[name]}); this needs it. "

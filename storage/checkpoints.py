@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from storage.errors import CorruptChunkError, NotPublishedError
+from storage.pruned import check_not_pruned
 from storage.publish import check_json, read_json
-from storage.retention import check_not_pruned
 from storage.schema import check_name
 from storage.writer import StageWriter, digest_files
 

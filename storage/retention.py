@@ -15,7 +15,8 @@ the update is the last stage that reads its latents.
 
 A pruned stage gets `_pruned.json` (what was removed, when, how many bytes) before anything is
 deleted, so a reader never meets a missing array without the record that explains it, and an
-interrupted prune is finished by the next one.
+interrupted prune is finished by the next one. Reading those records (and the error a read of
+pruned data raises) is `storage.pruned`, below the run that this policy works on.
 """
 
 from __future__ import annotations
@@ -24,21 +25,16 @@ import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
-from storage.errors import CorruptChunkError, StorageError
-from storage.publish import read_json, utc_now, write_file_atomic
+from storage.pruned import PRUNED_FILE, pruned
+from storage.publish import utc_now, write_file_atomic
 
 if TYPE_CHECKING:
     from storage.run import Run
 
-PRUNED_FILE = "_pruned.json"
 BULK = {"rollout": ("states", "ode_final"), "completion": ("latents",), "images": ("images",)}
 Keep = Literal["all", "last", "tables"]
-
-
-class PrunedError(StorageError):
-    """A read of data that retention removed; the message names the stage and the setting."""
 
 
 @dataclass
@@ -54,35 +50,6 @@ class PruneReport:
         iters = sorted({i for i, _ in self.stages})
         span = f"{iters[0]}" if len(iters) == 1 else f"{iters[0]}-{iters[-1]}"
         return f"pruned {len(self.stages)} stage(s) of iterations {span}: freed {self.freed / 2**20:.1f} MiB"
-
-
-def pruned(path: Path) -> dict[str, Any] | None:
-    """The `_pruned.json` record of the stage directory at `path`, or None."""
-    f = path / PRUNED_FILE
-    if not f.is_file():
-        return None
-    record = read_json(f, "retention record")
-    fields_ok = isinstance(record, dict) and isinstance(record.get("removed"), list)
-    fields_ok = fields_ok and all(isinstance(record.get(f), str) for f in ("why", "pruned_at"))
-    if not fields_ok or not all(isinstance(n, str) for n in record["removed"]):
-        raise CorruptChunkError(f"{f} is not a retention record (a list of removed arrays): it is damaged")
-    return record
-
-
-def check_not_pruned(path: Path, names: list[str] | None, what: str) -> None:
-    """A `PrunedError` if any of `names` (arrays or tensor groups; None: any) was pruned from the
-    stage at `path`."""
-    record = pruned(path)
-    if record is None:
-        return
-    gone = sorted(set(record["removed"]) if names is None else set(names) & set(record["removed"]))
-    if gone:
-        raise PrunedError(
-            f"{what}: {', '.join(gone)} were pruned on {record['pruned_at']} ({record['why']}); this needs them. "
-            "A pruned run still resumes and recomputes advantages (`stepgrpo credit`); to re-score, complete "
-            "or evaluate it again, rerun those iterations in a new run with storage.keep: all (and "
-            "storage.checkpoint_every: 0)"
-        )
 
 
 def plan(

@@ -33,6 +33,7 @@ from storage.arrays import StageStore
 from storage.checkpoints import Checkpoint, Checkpoints
 from storage.errors import AlreadyPublishedError, CorruptChunkError, NotPublishedError, SchemaVersionError, StorageError
 from storage.ledger import resumable
+from storage.pruned import pruned
 from storage.publish import (
     SEAL_KEY,
     acquire_lock,
@@ -49,7 +50,6 @@ from storage.publish import (
     utc_now,
     write_file_atomic,
 )
-from storage.retention import pruned
 from storage.run_tables import RunTables
 from storage.schema import (
     EXPORT_FILE,

@@ -16,8 +16,8 @@ import numpy as np
 from storage.arrays import StageStore
 from storage.errors import NotPublishedError
 from storage.ledger import open_ledger
+from storage.pruned import pruned
 from storage.publish import fresh_partial
-from storage.retention import pruned
 from storage.schema import COMPLETION, IMAGES, ROLLOUT, StoreSpec, latent_storage_dtype
 from storage.writer import StageWriter, abort_on_error
 

@@ -933,7 +933,7 @@ def test_retention_prunes_finished_iterations_and_the_run_still_resumes(harness,
     from flows.rescore import rescore
     from flows.train import train
     from stepgrpo_cli.app import app
-    from storage.retention import PrunedError
+    from storage.pruned import PrunedError
     from storage.run import Run
 
     keep = [*tiny, "run.iterations=3", "storage.keep=last", "storage.keep_last=1", "storage.checkpoint_every=2"]
