@@ -91,18 +91,31 @@ def iteration_metrics(
         "nfe/complete": clean.nfe if isinstance(clean, CompleteResult) else 0,
         "nfe/update": update.nfe,
     }
-    for name in ("clip_frac", "approx_kl", "kl", "loss", "grad_norm", "signal_cosine", "signal_cosine_window"):
-        out[name] = u.get(name)
-    for name in ("mean", "std", "min", "max"):
-        out[f"ratio/{name}"] = u.get(f"ratio_{name}")
-    out["lora/distance"], out["lora/update_norm"] = u.get("lora_distance"), u.get("update_norm")
-    for phase in ("first", "later"):
-        out[f"clip_frac/{phase}"] = u.get(f"clip_frac_{phase}")
-        out[f"zero_grad_frac/{phase}"] = u.get(f"zero_grad_frac_{phase}")
-    steps = u.get("trained_step_ids") or []
-    for name in ("grad_energy_share", "clip_frac_later_by_step", "zero_grad_frac_later_by_step"):
-        for k, v in zip(steps, u.get(name) or []):
-            out[f"{name.removesuffix('_by_step')}/step_{k}"] = v
+    out |= {
+        "clip_frac": u.clip_frac,
+        "approx_kl": u.approx_kl,
+        "kl": u.kl,
+        "loss": u.loss,
+        "grad_norm": u.grad_norm,
+        "signal_cosine": u.signal_cosine,
+        "signal_cosine_window": u.signal_cosine_window,
+        "ratio/mean": u.ratio_mean,
+        "ratio/std": u.ratio_std,
+        "ratio/min": u.ratio_min,
+        "ratio/max": u.ratio_max,
+        "lora/distance": u.lora_distance,
+        "lora/update_norm": u.update_norm,
+        "clip_frac/first": u.clip_frac_first,
+        "clip_frac/later": u.clip_frac_later,
+        "zero_grad_frac/first": u.zero_grad_frac_first,
+        "zero_grad_frac/later": u.zero_grad_frac_later,
+    }
+    for name, values in (
+        ("grad_energy_share", u.grad_energy_share),
+        ("clip_frac_later", u.clip_frac_later_by_step),
+        ("zero_grad_frac_later", u.zero_grad_frac_later_by_step),
+    ):
+        out |= {f"{name}/step_{k}": v for k, v in zip(u.trained_step_ids, values)}
     for k, g in enumerate(c.gain_mean):
         out[f"gain/step_{k}"] = g
     if draw is not None:
@@ -132,7 +145,10 @@ def iteration_row(iteration: int, rewards: ScoreResult, update: UpdateResult) ->
         "reward_strict": rewards.reward_strict,
         "ode_reward_mean": rewards.ode_reward_mean,
         "group_reward_std": rewards.group_reward_std,
-        **{k: u.get(k) for k in ("clip_frac", "approx_kl", "signal_cosine", "signal_cosine_window", "lora_distance")},
+        **{
+            k: getattr(u, k)
+            for k in ("clip_frac", "approx_kl", "signal_cosine", "signal_cosine_window", "lora_distance")
+        },
     }
 
 

@@ -131,14 +131,57 @@ class CreditResult(StageResult):
         return {name: self.digest, "scheme": self.scheme, "options_digest": self.options_digest}
 
 
+Steps = list[float | None]  # one value per trained step (`trained_step_ids`), None where not finite
+
+
+class UpdateStats(BaseModel):
+    """What an update measured (`stepgrpo.loops.training.Diagnostics.summary`, stored in the
+    checkpoint's `state.json`): loss terms, the ratio's spread, clipping and zero-gradient shares
+    overall, on the first and later optimizer steps and per trained step, where the gradient energy
+    sits, the signal check, and the LoRA's movement. A value is None where it was not finite (or
+    not recorded by the version that stored it). Frozen; names it does not know are kept out."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    loss: float | None = None
+    policy_loss: float | None = None
+    kl: float | None = None
+    approx_kl: float | None = None
+    ratio_mean: float | None = None
+    ratio_std: float | None = None
+    ratio_min: float | None = None
+    ratio_max: float | None = None
+    clip_frac: float | None = None
+    clip_frac_first: float | None = None
+    clip_frac_later: float | None = None
+    clip_frac_first_by_step: Steps = []
+    clip_frac_later_by_step: Steps = []
+    zero_grad_frac: float | None = None
+    zero_grad_frac_first: float | None = None
+    zero_grad_frac_later: float | None = None
+    zero_grad_frac_first_by_step: Steps = []
+    zero_grad_frac_later_by_step: Steps = []
+    grad_energy_share: Steps = []
+    grad_norm: float | None = None
+    signal_cosine: float | None = None  # the two halves of this update's batches
+    signal_cosine_window: float | None = None  # the same, summed over the recent iterations
+    signal_iterations: int = 0  # how many iterations that window sums
+    update_norms: Steps = []  # each optimizer step's change
+    update_norm: float | None = None  # the iteration's change
+    lora_distance: float | None = None  # from the initial LoRA
+    trained_steps: int | None = None
+    trained_step_ids: list[int] = []
+    trained_trajectories: int | None = None
+    optimizer_steps: int | None = None
+
+
 class UpdateResult(StageResult):
-    """The checkpoint an update published (`digest`) and what the update measured (`stats`:
-    `stepgrpo.loops.training.Diagnostics.summary`, lists with None where a value was not finite) and
-    its transformer forwards (`nfe`; 0 for checkpoints stored before it was recorded)."""
+    """The checkpoint an update published (`digest`), what the update measured (`stats`) and its
+    transformer forwards (`nfe`; 0 for checkpoints stored before it was recorded)."""
 
     iteration: int
     seconds: float
-    stats: dict[str, int | float | list[int | float | None]]
+    stats: UpdateStats
     nfe: int = 0
 
 

@@ -128,15 +128,13 @@ def _check_run(
             raise StageError(f"--options: {err}") from None
         replace["reward"] = {"name": reward, "options": reward_options or {}}
     if scheme is not None:
-        from stepgrpo_core.credit import SCHEMES
-        from stepgrpo_core.credit import scheme_options as known
+        from stepgrpo_core.credit import SCHEMES, check_options
 
         SCHEMES.validate(scheme)
-        unknown = sorted(set(scheme_options or {}) - set(known(scheme)))
-        if unknown:
-            raise StageError(
-                f"--options: scheme {scheme!r} has no options {unknown}; its options: {sorted(known(scheme))}"
-            )
+        try:
+            check_options(scheme, scheme_options or {})
+        except ValueError as err:
+            raise StageError(f"--options: {err}") from None
         replace["credit"] = {"scheme": scheme, "options": scheme_options or {}}
     path = find_run(run)
     if scheme is not None and SCHEMES.facts(scheme)["step_rewards"]:
@@ -674,11 +672,13 @@ def _quality_checks(r: Any) -> None:
 def _diagnostics(r: Any, iters: list[int]) -> None:
     """The learning diagnostics of every trained iteration (the update's record, the run's reward)."""
     import torch
+    from pydantic import ValidationError
 
     from stepgrpo.config import ConfigError
     from stepgrpo.loops.scoring import reward_summary
     from stepgrpo.loops.workspace import reward_identity
     from stepgrpo.reporting.report import SignalWatch
+    from stepgrpo.results import UpdateStats
     from stepgrpo.runs import stored_config
     from stepgrpo_core.registry import PluginError
     from storage.errors import StorageError
@@ -711,8 +711,8 @@ def _diagnostics(r: Any, iters: list[int]) -> None:
         if not state.is_file():
             continue
         try:
-            u = read_json(state, "checkpoint state")["update"]
-        except (StorageError, KeyError, TypeError) as err:
+            u = UpdateStats.model_validate(read_json(state, "checkpoint state")["update"])
+        except (StorageError, KeyError, TypeError, ValidationError) as err:
             err_console.print(f"[bold red]damaged:[/] {escape(str(state))}: {escape(str(err))}", soft_wrap=True)
             continue
         score: dict[str, Any] = {}
@@ -720,25 +720,21 @@ def _diagnostics(r: Any, iters: list[int]) -> None:
         if reward in names:
             groups = torch.from_numpy(r.read_array(i, "rollout", "group_ids")).long()
             score = reward_summary(r.reward_grid(i, reward), r.reward_grid(i, reward, field="strict"), groups)
-        share = " ".join(
-            f"{k}:{v:.2f}"
-            for k, v in zip(u.get("trained_step_ids", []), u.get("grad_energy_share", []))
-            if v is not None
-        )
+        share = " ".join(f"{k}:{v:.2f}" for k, v in zip(u.trained_step_ids, u.grad_energy_share) if v is not None)
         table.add_row(
             str(i),
             _fmt(score.get("reward_mean")),
             _fmt(score.get("ode_reward_mean")),
             _fmt(score.get("group_reward_std")),
             _fmt(score.get("zero_std_groups"), 2),
-            f"{_fmt(u.get('clip_frac_first'), 3)}/{_fmt(u.get('clip_frac_later'), 3)}",
-            _fmt(u.get("zero_grad_frac_later"), 3),
-            _fmt(u.get("ratio_std"), 5),
-            _fmt(u.get("signal_cosine"), 3),
-            _fmt(u.get("signal_cosine_window"), 3),
+            f"{_fmt(u.clip_frac_first, 3)}/{_fmt(u.clip_frac_later, 3)}",
+            _fmt(u.zero_grad_frac_later, 3),
+            _fmt(u.ratio_std, 5),
+            _fmt(u.signal_cosine, 3),
+            _fmt(u.signal_cosine_window, 3),
             share or "-",
-            _fmt(u.get("update_norm")),
-            _fmt(u.get("lora_distance")),
+            _fmt(u.update_norm),
+            _fmt(u.lora_distance),
         )
         warning = warning or watch.see(i, u)
     if table.row_count:

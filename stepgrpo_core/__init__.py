@@ -15,6 +15,22 @@ pytree whose tensor leaves have leading dim B (see `conditioning.take`).
 Modules: `kernels` (transition kernels, log-density), `rollout` (sampling, re-scoring stored
 steps), `completions` (ODE completion of every state), `credit` (advantages from step rewards),
 `calibration` (DenseGRPO psi), `loss` (PPO-clip GRPO loss), `registry`.
+
+The papers, cited where their formulas are implemented (by arXiv id and the equation, or the
+component by the paper's own name where we cite no equation number):
+
+    Flow-GRPO           arXiv 2505.05470  Liu et al. 2025, Flow-GRPO: Training Flow Matching Models via Online RL
+    Stepwise-Flow-GRPO  arXiv 2603.28718  Savani et al. 2026, Stepwise Credit Assignment for GRPO on
+                                          Flow-Matching Models
+    TP-GRPO             arXiv 2602.06422  Tong et al. 2026, Alleviating Sparse Rewards by Modeling Step-Wise and
+                                          Long-Term Sampling Effects in Flow-Based GRPO
+    DenseGRPO           arXiv 2601.20218  Deng et al. 2026, DenseGRPO: From Sparse to Dense Reward for Flow Matching
+                                          Model Alignment
+    DDIM                arXiv 2010.02502  Song et al. 2021, Denoising Diffusion Implicit Models
+    PPO                 arXiv 1707.06347  Schulman et al. 2017, Proximal Policy Optimization Algorithms
+    GRPO                arXiv 2402.03300  Shao et al. 2024, DeepSeekMath (Group Relative Policy Optimization)
+    MixGRPO             arXiv 2507.21802  Li et al. 2025, MixGRPO: mixed ODE-SDE sampling (the SDE window)
+    TempFlow-GRPO       arXiv 2508.04324  per-step loss weighting by the step's noise
 """
 
 from .calibration import initial_psi, update_psi

@@ -1,4 +1,5 @@
-"""DenseGRPO exploration calibration: the per-step noise table `psi [T]` of the `psi` kernel.
+"""DenseGRPO exploration calibration: the per-step noise table `psi [T]` of the `psi` kernel
+(arXiv 2601.20218, "reward-aware exploration space calibration").
 
 METHODS.md, "DenseGRPO exploration calibration". Before training, sample `N` trajectories with
 the `psi` kernel, compute their dense gains `g [N, T]`, and per step `k`: widen the exploration

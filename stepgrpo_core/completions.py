@@ -59,7 +59,8 @@ class Completion(NamedTuple):
 CompletionFn = Callable[[Velocity, torch.Tensor, torch.Tensor, Any, int, "str | None", int], Completion]
 # Fact `exact_tail`: completing a state after the SDE window gives the sample x_T itself (the method
 # runs the rollout's own ODE on its own grid), so those states are copied, not completed.
-COMPLETIONS: Registry[CompletionFn] = Registry("completion", exact_tail=False)
+# Fact `argument`: checks the text after ':' (None when absent), raising ValueError in the method's words.
+COMPLETIONS: Registry[CompletionFn] = Registry("completion", exact_tail=False, argument=None)
 
 
 def parse_method(method: str) -> tuple[str, str | None]:
@@ -83,26 +84,25 @@ def completed_through(method: str, window_end: int, num_steps: int) -> int:
 
 def validate_method(method: str) -> str:
     """Return `method` if it names a completion with a valid argument (for config validation)."""
-    name, arg = parse_method(method)
-    _ARG_CHECKS[name](arg)
+    check_argument(*parse_method(method))
     return method
 
 
-def _no_arg(name: str):
-    def check(arg: str | None) -> None:
-        if arg is not None:
-            raise ValueError(f"completion {name!r} takes no ':' argument; use plain {name!r}")
-
-    return check
+def check_argument(name: str, arg: str | None) -> Any:
+    """The completion's `argument` fact applied to `arg` (its parsed value); a method without one
+    takes no argument."""
+    check = COMPLETIONS.facts(name)["argument"]
+    if check is not None:
+        return check(arg)
+    if arg is not None:
+        raise ValueError(f"completion {name!r} takes no ':' argument; use plain {name!r}")
+    return None
 
 
 def _substeps_n(arg: str | None) -> int:
     if arg is None or not arg.isdigit() or int(arg) < 1:
         raise ValueError(f"completion 'substeps' needs a positive step count, e.g. 'substeps:5'; got {arg!r}")
     return int(arg)
-
-
-_ARG_CHECKS = {"remaining": _no_arg("remaining"), "tweedie": _no_arg("tweedie"), "substeps": _substeps_n}
 
 
 def batched_velocity(
@@ -133,8 +133,10 @@ def _nonfinal_rows(states: torch.Tensor, sigmas: torch.Tensor, through: int):
 
 @COMPLETIONS.register("remaining", exact_tail=True)
 def remaining(velocity, states, sigmas, cond, max_batch, arg, through) -> Completion:
-    """Euler on the rest of the grid, all states at the same grid level in one batch (module doc)."""
-    _no_arg("remaining")(arg)
+    """Euler on the rest of the grid, all states at the same grid level in one batch (module doc).
+    DenseGRPO's completion (arXiv 2601.20218: the reward of the clean image an intermediate state
+    reaches by ODE denoising, `n = t` steps); TP-GRPO's (arXiv 2602.06422) likewise."""
+    check_argument("remaining", arg)
     batch, num_states = states.shape[:2]
     num_steps = num_states - 1
     latents = states.clone()  # x_T stays as is; row (b, k) is overwritten as state k runs down
@@ -154,9 +156,11 @@ def remaining(velocity, states, sigmas, cond, max_batch, arg, through) -> Comple
     return Completion(latents, nfe)
 
 
-@COMPLETIONS.register("substeps")
+@COMPLETIONS.register("substeps", argument=_substeps_n)
 def substeps(velocity, states, sigmas, cond, max_batch, arg, through) -> Completion:
-    """`N` uniform Euler steps from `sigmas[k]` to 0 for every state `k < through`, all in one batch."""
+    """`N` uniform Euler steps from `sigmas[k]` to 0 for every state `k < through`, all in one batch.
+    DenseGRPO's ablation of the number of ODE steps (arXiv 2601.20218, `n = 1, 2, t`); the completion
+    of Stepwise-Flow-GRPO's recipes here (`substeps:5`)."""
     n = _substeps_n(arg)
     batch = states.shape[0]
     latents = states.clone()
@@ -173,8 +177,10 @@ def substeps(velocity, states, sigmas, cond, max_batch, arg, through) -> Complet
 
 @COMPLETIONS.register("tweedie")
 def tweedie(velocity, states, sigmas, cond, max_batch, arg, through) -> Completion:
-    """One-step estimate `x0_hat = x_k - sigmas[k] v(x_k)` for every state `k < through`."""
-    _no_arg("tweedie")(arg)
+    """One-step estimate `x0_hat = x_k - sigmas[k] v(x_k)` for every state `k < through`: Tweedie's
+    formula for a rectified flow, Stepwise-Flow-GRPO's intermediate reward estimate (arXiv
+    2603.28718, "Tweedie estimates"); DenseGRPO's `n = 1` ablation."""
+    check_argument("tweedie", arg)
     batch = states.shape[0]
     latents = states.clone()
     z, rows, sigma = _nonfinal_rows(states, sigmas, through)

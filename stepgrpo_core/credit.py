@@ -28,7 +28,7 @@ Shapes: `B` trajectories, `T` steps.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -130,7 +130,8 @@ def _no_turning(gains: torch.Tensor) -> torch.Tensor:
 
 @SCHEMES.register("outcome", step_rewards=False)
 def outcome(rewards, gains, groups: Groups, global_std: bool = True):
-    """Flow-GRPO: the sample's group-relative reward for every step."""
+    """Flow-GRPO: the sample's group-relative reward for every step (arXiv 2505.05470, its GRPO
+    advantage, the group-normalized reward of GRPO, arXiv 2402.03300 eq. 3's `A_i`)."""
     final = rewards[:, -1:]  # [B, 1]
     if global_std:
         shifted = final - final[0]  # exact zero for a constant group (see Groups.normalize)
@@ -145,7 +146,8 @@ def outcome(rewards, gains, groups: Groups, global_std: bool = True):
 # steps' zero gains included).
 @SCHEMES.register("stepwise", version="2")
 def stepwise(rewards, gains, groups: Groups, baseline: bool = False, trained: torch.Tensor | None = None):
-    """Stepwise-Flow-GRPO: gains normalized jointly over the `B x T'` trained entries (not per step).
+    """Stepwise-Flow-GRPO: gains normalized jointly over the `B x T'` trained entries (not per step);
+    arXiv 2603.28718, "gain-based advantages" (the step's reward improvement `r_{t-1} - r_t`).
 
     `trained [T]` bool: the steps the update trains (None: every step); the other steps' gains stay
     out of the mean and std, and their advantages are 0. `baseline` (a *choice*, off as the paper
@@ -165,14 +167,17 @@ def stepwise(rewards, gains, groups: Groups, baseline: bool = False, trained: to
 
 @SCHEMES.register("dense")
 def dense(rewards, gains, groups: Groups):
-    """DenseGRPO: gains normalized per step within each group."""
+    """DenseGRPO: gains normalized per step within each group (arXiv 2601.20218, "dense reward": the
+    step-wise reward gain `R_{k+1} - R_k`, normalized in the group at each timestep)."""
     return groups.normalize(gains), _no_turning(gains)
 
 
 def turning_points(
     rewards: torch.Tensor, gains: torch.Tensor, consistency: bool = True, first_step: bool = True
 ) -> torch.Tensor:
-    """TP-GRPO turning points `[B, T]` bool, before balancing (METHODS.md, scheme 4).
+    """TP-GRPO turning points `[B, T]` bool, before balancing (METHODS.md, scheme 4; arXiv 2602.06422,
+    "turning points": a step whose incremental reward flips the local trend's sign to agree with the
+    trajectory's overall trend).
 
     With `delta = R_T - R_0` and `s_k = sign(g_k) sign(delta)`: step `k > 0` turns when
     `s_{k-1} < 0 < s_k`; step 0 (`first_step`) when `s_0 > 0`. With `consistency`, additionally
@@ -267,7 +272,9 @@ def turning_point(
     balance: bool = True,
     balance_over: int | str = TP_SAMPLE_BATCH,
 ):
-    """TP-GRPO: turning points take the aggregated reward `R_T - R_k`; then per-(group, step) normalization."""
+    """TP-GRPO: turning points take the aggregated reward `R_T - R_k`; then per-(group, step)
+    normalization. arXiv 2602.06422: "step-level incremental rewards" for every step, the
+    "aggregated long-term reward" for a turning point; the balancing rule is the authors' code's."""
     step_rewards, turn = turning_point_rewards(
         rewards, consistency=consistency, first_step=first_step, balance=balance, balance_over=balance_over
     )
@@ -278,6 +285,28 @@ def scheme_options(scheme: str) -> dict[str, object]:
     """The options of `scheme` and their defaults (for config validation and docs)."""
     params = [p for p in list(inspect.signature(SCHEMES.get(scheme)).parameters.values())[3:] if p.name not in CONTEXT]
     return {p.name: p.default for p in params}
+
+
+def unknown_options(scheme: str, options: Mapping[str, object]) -> str | None:
+    """What is wrong with the option names of `scheme` in `options`, or None when all are its own."""
+    valid = scheme_options(scheme)
+    unknown = sorted(set(options) - set(valid))
+    if not unknown:
+        return None
+    return f"credit scheme {scheme!r} has no option(s) {unknown}; valid options: {sorted(valid) or 'none'}"
+
+
+def check_options(scheme: str, options: Mapping[str, object]) -> None:
+    """The one check of a scheme's options, wherever they are given (a config, `stepgrpo credit
+    --options`): unknown names, then bad values, by running the scheme once on a tiny batch, so a
+    bad value (a negative mini-batch, a wrong type) fails in the scheme's own words before any stage
+    runs. Raises ValueError."""
+    if (problem := unknown_options(scheme, options)) is not None:
+        raise ValueError(problem)
+    try:
+        assign(scheme, torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), **options)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"credit.options of scheme {scheme!r}: {err}") from None
 
 
 def reads_trained(scheme: str) -> bool:
@@ -301,12 +330,8 @@ def assign(
     Returns `Credit` (advantages `[B, T]` fp32, gains, turning mask, keep mask, drop counts).
     """
     fn = SCHEMES.get(scheme)
-    valid = scheme_options(scheme)
-    unknown = sorted(set(options) - set(valid))
-    if unknown:
-        raise TypeError(
-            f"credit scheme {scheme!r} has no option(s) {unknown}; valid options: {sorted(valid) or 'none'}"
-        )
+    if (problem := unknown_options(scheme, options)) is not None:
+        raise TypeError(problem)
     if rewards.dim() != 2 or rewards.shape[1] < 2:
         raise ValueError(f"rewards must be [B, T+1] with T >= 1; got {tuple(rewards.shape)}")
     if group_ids.shape != (rewards.shape[0],) or group_ids.dtype not in (torch.int64, torch.int32):

@@ -51,7 +51,21 @@ Kernel = Callable[
 # Facts: `calibrated` (the noise is a per-step table calibrated on the run's base policy, not a
 # number of the config) and `calibrate_with` (the credit scheme whose step gains calibration reads).
 # Fact `version`: bumped when a kernel samples other steps from the same noise (rollouts name it).
-KERNELS: Registry[Kernel] = Registry("kernel", calibrated=False, calibrate_with=None, version="1")
+# Facts: `noise` (what the kernel's `noise` argument means and its valid range, `(name, low, high)`,
+# checked once in `step_moments` so every kernel rejects bad values in the same words; None: the
+# kernel ignores it), `per_step` (its noise is a table `[T]` indexed by the step, not one value),
+# `euler_maruyama` (its std is `eps_t sqrt(-dt)`: the diffusion coefficient is std / sqrt(-dt)),
+# `calibrated` / `calibrate_with` (its table is calibrated before training, by that scheme's
+# credit), `version` (bumped when a change can change its numbers; enters cache keys).
+KERNELS: Registry[Kernel] = Registry(
+    "kernel",
+    noise=None,
+    per_step=False,
+    euler_maruyama=False,
+    calibrated=False,
+    calibrate_with=None,
+    version="1",
+)
 
 LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 
@@ -85,34 +99,42 @@ def _preserving_mean(x, v, sigma, sigma_next, std):
 
 @KERNELS.register("ode")
 def ode(x, v, sigma, sigma_next, noise):
-    """Euler step of the probability-flow ODE; std 0 (`noise` ignored)."""
+    """Euler step of the probability-flow ODE; std 0 (`noise` ignored). The rectified-flow sampler
+    (SD3, arXiv 2403.03206)."""
     return x + v * (sigma_next - sigma), torch.zeros_like(sigma)
 
 
-@KERNELS.register("flow")
+@KERNELS.register("flow", noise=("a", 0.0, math.inf), euler_maruyama=True)
 def flow(x, v, sigma, sigma_next, noise):
-    """Flow-GRPO SDE step; `noise` is `a` (default 0.7)."""
+    """Flow-GRPO SDE step; `noise` is `a` (default 0.7). arXiv 2505.05470, "ODE-to-SDE conversion":
+    the reverse SDE with the flow's score and its Euler-Maruyama step, `sigma_t = a sqrt(t / (1 - t))`."""
     return _sde_moments(x, v, sigma, sigma_next, flow_scale(sigma, sigma_next, noise))
 
 
-@KERNELS.register("psi", calibrated=True, calibrate_with="dense")
+@KERNELS.register(
+    "psi", noise=("psi[k]", 0.0, math.inf), per_step=True, euler_maruyama=True, calibrated=True, calibrate_with="dense"
+)
 def psi(x, v, sigma, sigma_next, noise):
-    """DenseGRPO step: the `flow` SDE with `eps_t = psi[k]` (`noise` is the table entry)."""
+    """DenseGRPO step: the `flow` SDE with `eps_t = psi[k]` (`noise` is the table entry). arXiv
+    2601.20218, "reward-aware exploration calibration": a timestep-specific stochasticity in the SDE."""
     return _sde_moments(x, v, sigma, sigma_next, noise)
 
 
-@KERNELS.register("cps")
+@KERNELS.register("cps", noise=("a", 0.0, 1.0))  # std = s' sin(a pi/2) must stay <= s'
 def cps(x, v, sigma, sigma_next, noise):
-    """Flow-GRPO coefficients-preserving step; `noise` is `a` in [0, 1], std `s' sin(a pi / 2)`."""
+    """Coefficients-preserving step; `noise` is `a` in [0, 1], std `s' sin(a pi / 2)`: the mean keeps
+    the marginal's signal and noise coefficients (the `cps` sampler of Flow-GRPO's code, arXiv
+    2505.05470; the same mean as DDIM's eq. 12, arXiv 2010.02502)."""
     std = sigma_next * torch.sin(noise * (math.pi / 2.0))
     return _preserving_mean(x, v, sigma, sigma_next, std), std
 
 
 # version 2: DDIM's posterior std (version 1 used `eta s' sqrt(1 - s)`, which is no DDIM formula:
 # 0 at s = 1 and about a fifth of DDIM's noise on the early steps of a shifted grid).
-@KERNELS.register("ddim", version="2")
+@KERNELS.register("ddim", noise=("eta", 0.0, 1.0), version="2")  # std <= eta s' <= s'
 def ddim(x, v, sigma, sigma_next, noise):
-    """Stepwise-Flow-GRPO's DDIM-inspired step; `noise` is `eta` in [0, 1].
+    """Stepwise-Flow-GRPO's DDIM-inspired step (arXiv 2603.28718, "DDIM-inspired SDE"); `noise` is
+    `eta` in [0, 1]. The std is DDIM's eq. 16 (arXiv 2010.02502), the mean its eq. 12.
 
     DDIM (Song et al. 2021, eq. 16) draws `x_{t-1}` with std
     `sigma_t(eta) = eta sqrt((1 - abar_{t-1}) / (1 - abar_t)) sqrt(1 - abar_t / abar_{t-1})`, the std of
@@ -128,31 +150,17 @@ def ddim(x, v, sigma, sigma_next, noise):
     return _preserving_mean(x, v, sigma, sigma_next, std), std
 
 
-# Kernels whose std is `eps_t sqrt(-dt)` (Euler-Maruyama): their diffusion coefficient is std / sqrt(-dt).
-EULER_MARUYAMA = frozenset({"flow", "psi"})
-
-
 def diffusion_coefficient(kind: str, std: torch.Tensor, sigma, sigma_next) -> torch.Tensor:
     """The step's diffusion coefficient: `std / sqrt(-dt)` for `flow` / `psi`, `std` otherwise.
 
     `std: [B, 1, 1, 1]` from `step_moments`; `sigma, sigma_next` as there. Returns `[B, 1, 1, 1]` fp32.
     """
     KERNELS.validate(kind)
-    if kind not in EULER_MARUYAMA:
+    if not KERNELS.facts(kind)["euler_maruyama"]:
         return std.float()
     batch, device = std.shape[0], std.device
     dt = _as_column(sigma_next, batch, device, "sigma_next") - _as_column(sigma, batch, device, "sigma")
     return std.float() / torch.sqrt(-dt)
-
-
-# What `noise` means per kernel and its valid range; checked once in `step_moments` so every
-# kernel rejects bad values with the same message. A kernel absent here ignores `noise` (ode).
-NOISE_SPEC: dict[str, tuple[str, float, float]] = {
-    "flow": ("a", 0.0, math.inf),
-    "psi": ("psi[k]", 0.0, math.inf),
-    "cps": ("a", 0.0, 1.0),  # std = s' sin(a pi/2) must stay <= s'
-    "ddim": ("eta", 0.0, 1.0),  # std = eta s' sqrt(1 - s) must stay <= s'
-}
 
 
 def _as_column(value, batch: int, device: torch.device, name: str) -> torch.Tensor:
@@ -186,7 +194,7 @@ def step_moments(kind: str, x: torch.Tensor, v: torch.Tensor, sigma, sigma_next,
     s_next = _as_column(sigma_next, batch, device, "sigma_next")
     if bool((s_next > s).any()) or bool((s <= 0).any()) or bool((s_next < 0).any()):
         raise ValueError("a step needs 0 <= sigma_next <= sigma and sigma > 0 (the grid runs from 1 to 0)")
-    spec = NOISE_SPEC.get(kind)
+    spec = KERNELS.facts(kind)["noise"]
     if spec is None:  # the kernel ignores noise: do not force callers to pass a valid one
         n = torch.zeros_like(s)
     else:

@@ -52,7 +52,10 @@ def grpo_loss(
     ref_mean: torch.Tensor | None = None,
     kl_std: torch.Tensor | None = None,
 ) -> LossOutput:
-    """PPO-clip GRPO loss with advantage clipping and the reference KL (module doc)."""
+    """PPO-clip GRPO loss with advantage clipping and the reference KL (module doc): PPO's clipped
+    surrogate (arXiv 1707.06347 eq. 7) per step with GRPO's group advantages and KL penalty
+    (arXiv 2402.03300 eq. 3), on the SDE step's Gaussian log-density as Flow-GRPO does (arXiv
+    2505.05470)."""
     if log_prob.shape != old_log_prob.shape or log_prob.shape != advantages.shape:
         raise ValueError(
             f"log_prob, old_log_prob and advantages must share a shape; got {tuple(log_prob.shape)}, "
@@ -114,8 +117,8 @@ def step_weights(
     2.25 instead; the mean keeps the loss's scale, so a learning rate tuned with `uniform` stays
     comparable). `sigmas [T+1]`, `noise` as `rollout.rollout` takes it (the psi table for `psi`).
     """
-    from .kernels import step_moments
-    from .rollout import PER_STEP_NOISE, check_sigmas
+    from .kernels import KERNELS, step_moments
+    from .rollout import check_sigmas
 
     if mode not in STEP_WEIGHTINGS:
         raise ValueError(f"step weighting {mode!r} is not one of {', '.join(STEP_WEIGHTINGS)}")
@@ -127,7 +130,7 @@ def step_weights(
     x = torch.zeros(1, 1, 1, 1)
     stds = []
     for k in steps:
-        n = noise[k] if kernel in PER_STEP_NOISE else noise
+        n = noise[k] if KERNELS.facts(kernel)["per_step"] else noise
         stds.append(float(step_moments(kernel, x, x, s[k], s[k + 1], n)[1]))
     std = torch.tensor(stds, dtype=torch.float32)
     if not bool((std > 0).all()):

@@ -25,7 +25,8 @@ from typing import Any, NamedTuple
 import torch
 
 from .credit import Groups
-from .rollout import PER_STEP_NOISE, Velocity, check_window, rollout
+from .kernels import KERNELS
+from .rollout import Velocity, check_window, rollout
 
 
 class TrueValues(NamedTuple):
@@ -79,7 +80,7 @@ def continue_states(
     if k == num_steps:
         return states.clone()
     rest = shifted_window(window, k, num_steps)
-    table = noise[k:] if kernel in PER_STEP_NOISE else noise
+    table = noise[k:] if KERNELS.facts(kernel)["per_step"] else noise
     out = rollout(
         velocity,
         states,

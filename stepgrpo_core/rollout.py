@@ -23,9 +23,6 @@ from .kernels import KERNELS, log_prob, step_moments
 
 Velocity = Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]  # (x [B,C,H,W], sigma [B], cond) -> v
 
-# Kernels whose `noise` is a per-step table `[T]` (indexed by the step) rather than one value.
-PER_STEP_NOISE = frozenset({"psi"})
-
 
 class Rollout(NamedTuple):
     states: torch.Tensor  # [B, T+1, C, H, W] x_0 .. x_T, in the dtype of x0
@@ -63,7 +60,7 @@ def check_window(window: tuple[int, int] | None, num_steps: int) -> tuple[int, i
 
 
 def _check_noise(kernel: str, noise, num_steps: int) -> None:
-    if kernel in PER_STEP_NOISE:
+    if KERNELS.facts(kernel)["per_step"]:
         if not isinstance(noise, torch.Tensor) or noise.shape != (num_steps,):
             raise ValueError(
                 f"kernel {kernel!r} takes a per-step table noise: [T={num_steps}] tensor (e.g. "
@@ -73,7 +70,7 @@ def _check_noise(kernel: str, noise, num_steps: int) -> None:
 
 def _noise_at(kernel: str, noise, steps):
     """The kernel's noise for step(s) `steps` (int or `[B]`): a table lookup for per-step kernels."""
-    if kernel not in PER_STEP_NOISE:
+    if not KERNELS.facts(kernel)["per_step"]:
         return noise
     return noise[steps if isinstance(steps, int) else steps.to(noise.device)]
 

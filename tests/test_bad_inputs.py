@@ -214,7 +214,7 @@ OFFLINE_CASES = {
     "an unknown scheme": (lambda r: ["credit", str(r), "--scheme", "nope"], ["known credit schemes"]),
     "an unknown scheme option": (
         lambda r: ["credit", str(r), "--scheme", "dense", "--options", '{"x": 1}'],
-        ["has no options", "x"],
+        ["has no option(s)", "x"],
     ),
     "an evaluation override of an unknown field": (
         lambda r: ["evaluate", str(r), "--set", "run.eval_promptz=2"],

@@ -117,7 +117,7 @@ def test_flat_config_round_trips_through_overrides():
 
 
 def test_scheme_options_and_step_rewards_are_checked():
-    with pytest.raises(ConfigError, match="allowed: balance, balance_over, consistency, first_step"):
+    with pytest.raises(ConfigError, match=r"valid options: \['balance', 'balance_over', 'consistency', 'first_step'\]"):
         load_config(None, ["credit.scheme=turning_point", "credit.options={wobble: true}"])
     with pytest.raises(ConfigError, match="needs step rewards"):
         load_config(None, ["credit.scheme=dense", "completion.method=null"])

@@ -88,7 +88,7 @@ def test_results_round_trip_through_json(result):
     assert again == result and type(again) is type(result)
     assert type(result).model_validate(result.record()) == result
     if isinstance(result, UpdateResult):  # integers stay integers (step ids name metrics)
-        assert again.stats["trained_step_ids"] == [0, 1, 2] and isinstance(again.stats["optimizer_steps"], int)
+        assert again.stats.trained_step_ids == [0, 1, 2] and isinstance(again.stats.optimizer_steps, int)
 
 
 @pytest.mark.parametrize("result", EXAMPLES, ids=lambda r: type(r).__name__)

@@ -174,13 +174,14 @@ def test_checkpoint_state_keeps_lists_and_drops_nan():
 
 def test_the_signal_watch_speaks_once_when_the_summed_cosine_reads_noise():
     from stepgrpo.reporting.report import NOISE_COSINE, NOISE_WINDOW, SignalWatch
+    from stepgrpo.results import UpdateStats
 
     watch = SignalWatch()
-    assert watch.see(3, {"signal_cosine_window": 0.0, "signal_iterations": 3.0}) is None  # too few iterations yet
-    assert watch.see(30, {"signal_cosine_window": NOISE_COSINE + 0.1, "signal_iterations": 30.0}) is None
-    line = watch.see(31, {"signal_cosine_window": NOISE_COSINE / 2, "signal_iterations": float(NOISE_WINDOW)})
+    assert watch.see(3, UpdateStats(signal_cosine_window=0.0, signal_iterations=3)) is None  # too few iterations yet
+    assert watch.see(30, UpdateStats(signal_cosine_window=NOISE_COSINE + 0.1, signal_iterations=30)) is None
+    line = watch.see(31, UpdateStats(signal_cosine_window=NOISE_COSINE / 2, signal_iterations=NOISE_WINDOW))
     assert line is not None and "reads noise" in line and line.count("\n") == 0
-    assert watch.see(32, {"signal_cosine_window": 0.0, "signal_iterations": 32.0}) is None  # said once
+    assert watch.see(32, UpdateStats(signal_cosine_window=0.0, signal_iterations=32)) is None  # said once
 
 
 def test_summed_halves_show_a_weak_shared_direction_that_one_iteration_hides():

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from stepgrpo.config import Config
+from stepgrpo.results import UpdateStats
 
 
 def track(items: Sequence[Any] | range, description: str) -> Any:
@@ -41,15 +42,9 @@ class SignalWatch:
     def __init__(self) -> None:
         self.said = False
 
-    def see(self, iteration: int, update: Mapping[str, Any]) -> str | None:
-        cos, n = update.get("signal_cosine_window"), update.get("signal_iterations", 0)
-        if (
-            self.said
-            or not isinstance(cos, int | float)
-            or not math.isfinite(cos)
-            or n < NOISE_WINDOW
-            or cos >= NOISE_COSINE
-        ):
+    def see(self, iteration: int, update: UpdateStats) -> str | None:
+        cos, n = update.signal_cosine_window, update.signal_iterations
+        if self.said or cos is None or not math.isfinite(cos) or n < NOISE_WINDOW or cos >= NOISE_COSINE:
             return None
         self.said = True
         return (

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from stepgrpo.rewards import clip_models, geneval, jpeg, ocr, preference, remote, shapes  # noqa: F401  (they register)
@@ -29,7 +30,16 @@ from stepgrpo.rewards.base import REWARDS, Reward, RewardOutput
 from stepgrpo.rewards.combine import WeightedSum
 from stepgrpo_core.registry import PluginError, is_reference
 
-__all__ = ["REWARDS", "Reward", "RewardOutput", "WeightedSum", "build_reward", "parse_weights", "reward_identity"]
+__all__ = [
+    "REWARDS",
+    "Reward",
+    "RewardOutput",
+    "WeightedSum",
+    "build_reward",
+    "parse_spec",
+    "parse_weights",
+    "reward_identity",
+]
 
 Spec = str | Mapping[str, Any]
 
@@ -65,18 +75,50 @@ def _plugin_reference(item: str) -> bool:
     return is_reference(item) and item.partition(":")[0] not in REWARDS
 
 
-def build_reward(spec: Spec) -> Reward:
-    """Build a reward from a name, a `name:weight,...` string or a `{"name", "options"}` mapping."""
+@dataclass(frozen=True)
+class Part:
+    """One reward of a spec: its registered name (or plug-in reference), factory options, weight."""
+
+    name: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+    weight: float = 1.0
+
+
+def parse_spec(spec: Spec) -> Part | list[Part]:
+    """The one reading of a reward spec (module doc): one reward, or the parts of a weighted sum."""
     if isinstance(spec, str):
         if weighted_spec(spec):
-            return _weighted_defaults(spec)
-        return _built(spec, {})
+            return [Part(name, {}, w) for name, w in parse_weights(spec)]
+        return Part(spec)
     if isinstance(spec, Mapping):
         unknown = set(spec) - {"name", "options"}
         if unknown or "name" not in spec:
             raise ValueError(f"a reward spec mapping has keys 'name' and optional 'options', got {sorted(spec)}")
-        return _built(spec["name"], dict(spec.get("options") or {}))
+        return Part(spec["name"], dict(spec.get("options") or {}))
     raise TypeError(f"a reward spec is a string or a mapping, got {type(spec).__name__}")
+
+
+def weighted_parts(parts: str | Mapping[str, float] | Sequence[Mapping[str, Any]]) -> list[tuple[Spec, float]]:
+    """The `weighted` reward's parts, in any of its forms, as `(spec, weight)` pairs."""
+    if isinstance(parts, str):
+        return [(name, w) for name, w in parse_weights(parts)]
+    if isinstance(parts, Mapping):
+        return [(name, float(w)) for name, w in parts.items()]
+    out: list[tuple[Spec, float]] = []
+    for part in parts:
+        unknown = set(part) - {"name", "weight", "options"}
+        if unknown:
+            raise ValueError(f"a weighted part has keys name, weight, options; got unknown {sorted(unknown)}")
+        out.append(({"name": part["name"], "options": part.get("options") or {}}, float(part.get("weight", 1.0))))
+    return out
+
+
+def build_reward(spec: Spec) -> Reward:
+    """Build a reward from a name, a `name:weight,...` string or a `{"name", "options"}` mapping."""
+    parsed = parse_spec(spec)
+    if isinstance(parsed, list):
+        return WeightedSum([(_built(p.name, p.options), p.weight) for p in parsed])
+    return _built(parsed.name, parsed.options)
 
 
 def _built(name: str, options: Mapping[str, Any]) -> Reward:
@@ -96,16 +138,10 @@ def _built(name: str, options: Mapping[str, Any]) -> Reward:
 def reward_identity(spec: Spec) -> tuple[str, str]:
     """`(name, version)` of the reward `build_reward(spec)` would build, from the registry's
     declared identities: no model is loaded. Bad options fail as the factory would fail."""
-    if isinstance(spec, str):
-        if weighted_spec(spec):
-            return _weighted_identity([(_identity(name, {}), w) for name, w in parse_weights(spec)])
-        return _identity(spec, {})
-    if isinstance(spec, Mapping):
-        unknown = set(spec) - {"name", "options"}
-        if unknown or "name" not in spec:
-            raise ValueError(f"a reward spec mapping has keys 'name' and optional 'options', got {sorted(spec)}")
-        return _identity(spec["name"], dict(spec.get("options") or {}))
-    raise TypeError(f"a reward spec is a string or a mapping, got {type(spec).__name__}")
+    parsed = parse_spec(spec)
+    if isinstance(parsed, list):
+        return _weighted_identity([(_identity(p.name, p.options), p.weight) for p in parsed])
+    return _identity(parsed.name, parsed.options)
 
 
 def _identity(name: str, options: Mapping[str, Any]) -> tuple[str, str]:
@@ -127,33 +163,11 @@ def _weighted_identity(parts: Sequence[tuple[tuple[str, str], float]]) -> tuple[
 
 
 def _weighted_parts_identity(parts: str | Mapping[str, float] | Sequence[Mapping[str, Any]]) -> tuple[str, str]:
-    if isinstance(parts, str):
-        return reward_identity(parts)
-    if isinstance(parts, Mapping):
-        return _weighted_identity([(reward_identity(name), w) for name, w in parts.items()])
-    return _weighted_identity(
-        [(reward_identity({"name": p["name"], "options": p.get("options") or {}}), p.get("weight", 1.0)) for p in parts]
-    )
-
-
-def _weighted_defaults(spec: str) -> WeightedSum:
-    """A weighted sum of rewards built with their default options."""
-    return WeightedSum([(_built(name, {}), w) for name, w in parse_weights(spec)])
+    return _weighted_identity([(reward_identity(spec), w) for spec, w in weighted_parts(parts)])
 
 
 @REWARDS.register("weighted", identity=_weighted_parts_identity)
 def weighted(parts: str | Mapping[str, float] | Sequence[Mapping[str, Any]]) -> WeightedSum:
     """A weighted sum. parts: `"a:1,b:0.1"`, `{"a": 1, "b": 0.1}`, or a list of
     `{"name", "weight" (default 1), "options" (default none)}` mappings."""
-    if isinstance(parts, str):
-        return _weighted_defaults(parts)
-    if isinstance(parts, Mapping):
-        return WeightedSum([(build_reward(name), float(w)) for name, w in parts.items()])
-    built = []
-    for part in parts:
-        unknown = set(part) - {"name", "weight", "options"}
-        if unknown:
-            raise ValueError(f"a weighted part has keys name, weight, options; got unknown {sorted(unknown)}")
-        reward = build_reward({"name": part["name"], "options": part.get("options") or {}})
-        built.append((reward, float(part.get("weight", 1.0))))
-    return WeightedSum(built)
+    return WeightedSum([(build_reward(spec), w) for spec, w in weighted_parts(parts)])
