@@ -24,7 +24,8 @@ import time
 
 import torch
 
-from stepgrpo.policy.sd3 import DEFAULT_MODEL, SD3Policy
+from stepgrpo.policy.base import DEFAULT_MODEL
+from stepgrpo.policy.sd3 import SD3Policy
 from stepgrpo_core.completions import complete
 from stepgrpo_core.rollout import rollout
 

@@ -77,8 +77,9 @@ for _name, _value in {
 
 import torch  # noqa: E402
 
+from stepgrpo.policy.base import DEFAULT_MODEL  # noqa: E402
 from stepgrpo.policy.lora import LoraSpec  # noqa: E402
-from stepgrpo.policy.sd3 import DEFAULT_MODEL, SD3Policy  # noqa: E402
+from stepgrpo.policy.sd3 import SD3Policy  # noqa: E402
 from stepgrpo_core.completions import complete  # noqa: E402
 from stepgrpo_core.conditioning import take  # noqa: E402
 from stepgrpo_core.loss import grpo_loss  # noqa: E402

@@ -23,7 +23,7 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -58,6 +58,10 @@ QUALITY_DIR = "credit_quality"
 TRUTH = ("true", "true_a", "true_b")  # A* and its two halves' tables
 BOOTSTRAP_DRAWS = 2000
 VERSION = "1"  # bumped when the check computes other numbers from the same inputs (part of its key)
+
+
+if TYPE_CHECKING:
+    from stepgrpo.policy import Policy
 
 
 @stage_task("credit_quality")
@@ -236,7 +240,7 @@ def compute(
 def _continuations(
     run: Run,
     cfg: Config,
-    pol: Any,
+    pol: Policy,
     iteration: int,
     data: Any,
     rewards: torch.Tensor,
@@ -294,7 +298,7 @@ def _continuations(
 
 
 def _gradient_sums(
-    pol: Any,
+    pol: Policy,
     cfg: Config,
     data: Any,
     texts: Any,

@@ -338,7 +338,7 @@ def test_cache_keys_follow_the_contract(trained, tiny):
 @pytest.fixture
 def decodes(monkeypatch) -> collections.Counter:
     """Counts VAE decodes (latent rows)."""
-    from stepgrpo.policy.sd3 import ImageDecoder
+    from stepgrpo.policy.base import ImageDecoder
 
     counter: collections.Counter = collections.Counter()
     original = ImageDecoder.decode

@@ -13,7 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from diffusers import StableDiffusion3Pipeline  # noqa: E402
 
-from stepgrpo.policy import sd3  # noqa: E402
+from stepgrpo.policy import base  # noqa: E402
 from stepgrpo.policy.lora import TARGETS, LoraSpec  # noqa: E402
 from stepgrpo.policy.sd3 import SD3Policy  # noqa: E402
 from stepgrpo.shapes.model import build_pipeline, tiny_spec  # noqa: E402
@@ -193,7 +193,7 @@ def test_lora_round_trip_through_load_lora_weights(base_dir, tmp_path):
 
 
 def test_errors_name_the_fix(base_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(sd3, "DEFAULT_MODEL", tmp_path / "models" / "shapes")
+    monkeypatch.setattr(base, "DEFAULT_MODEL", tmp_path / "models" / "shapes")
     with pytest.raises(FileNotFoundError, match="stepgrpo pretrain"):
         SD3Policy.from_pretrained()
     with pytest.raises(FileNotFoundError, match="no SD3 pipeline directory"):
@@ -207,7 +207,7 @@ def test_errors_name_the_fix(base_dir, tmp_path, monkeypatch):
         SD3Policy.from_pretrained(base_dir, lora=LoraSpec(targets=("no_such_module",)))
 
 
-@pytest.mark.skipif(not sd3.DEFAULT_MODEL.is_dir(), reason="the shipped model is built by `stepgrpo pretrain`")
+@pytest.mark.skipif(not base.DEFAULT_MODEL.is_dir(), reason="the shipped model is built by `stepgrpo pretrain`")
 def test_shipped_model_loads_and_samples():
     policy = SD3Policy.from_pretrained(guidance_scale=2.5)
     x0 = noise(policy, 2)

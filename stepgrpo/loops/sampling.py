@@ -15,7 +15,7 @@ import hashlib
 import json
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -24,6 +24,9 @@ from stepgrpo.config import Config
 from stepgrpo.errors import StageError
 from stepgrpo.reporting.report import track
 from stepgrpo_core.conditioning import take
+
+if TYPE_CHECKING:
+    from stepgrpo.policy import Policy
 
 
 def seed_for(*parts: Any) -> int:
@@ -35,7 +38,7 @@ def generator(*parts: Any, device: str | torch.device = "cpu") -> torch.Generato
     return torch.Generator(device=device).manual_seed(seed_for(*parts))
 
 
-def encode(pol: Any, texts: Sequence[str], prompt_ids: np.ndarray) -> Any:
+def encode(pol: Policy, texts: Sequence[str], prompt_ids: np.ndarray) -> Any:
     """Conditioning for every trajectory `[len(prompt_ids)]`, encoding each distinct prompt once."""
     unique, inverse = np.unique(prompt_ids, return_inverse=True)
     cond = pol.encode([texts[int(p)] for p in unique])
@@ -87,7 +90,7 @@ class GroupChunk:
 
 
 def sample_groups(
-    pol: Any,
+    pol: Policy,
     texts: Sequence[str],
     prompt_ids: np.ndarray,
     group_noise: Sequence[tuple[Any, ...]],
@@ -156,7 +159,7 @@ def sample_groups(
 
 
 def sample_iteration(
-    pol: Any,
+    pol: Policy,
     cfg: Config,
     texts: Sequence[str],
     plan: Plan,
@@ -191,7 +194,7 @@ def sample_iteration(
 
 
 def complete_chunks(
-    pol: Any,
+    pol: Policy,
     method: str,
     states: np.ndarray,
     sigmas: torch.Tensor,

@@ -17,7 +17,7 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,6 +29,10 @@ from stepgrpo_core.rollout import step_log_prob
 
 # torch's AdamW keeps per-parameter tensors under these names (plus "step").
 ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
+
+
+if TYPE_CHECKING:
+    from stepgrpo.policy import Policy
 
 
 def make_optimizer(params: list[torch.nn.Parameter], cfg: Config, iteration: int = 0) -> torch.optim.AdamW:
@@ -124,7 +128,7 @@ class Batch:
 
 
 def update(
-    pol: Any,
+    pol: Policy,
     opt: torch.optim.Optimizer,
     cfg: Config,
     batch: Batch,
@@ -240,7 +244,7 @@ def accumulate_signal(signal: dict[str, torch.Tensor], a: torch.Tensor, b: torch
 
 
 def _step_loss(
-    pol: Any,
+    pol: Policy,
     velocity: Any,
     cfg: Config,
     states: torch.Tensor,
@@ -274,7 +278,7 @@ def _step_loss(
     )
 
 
-def update_velocity(pol: Any, detach_uncond: bool):
+def update_velocity(pol: Policy, detach_uncond: bool):
     """The policy's velocity, with CFG's unconditional branch detached when asked (Flow-GRPO)."""
     if not detach_uncond or not hasattr(pol, "detached_uncond"):
         return pol.velocity

@@ -23,7 +23,8 @@ from stepgrpo.config import Config, ModelConfig, RewardConfig, digest_of
 from stepgrpo.paths import REPO_ROOT
 
 if TYPE_CHECKING:
-    from stepgrpo.policy.sd3 import ImageDecoder, SD3Policy
+    from stepgrpo.policy import Policy
+    from stepgrpo.policy.base import ImageDecoder
     from storage.run import Run
 
 HASH_LIMIT = 256 * 2**20  # files up to this size are content-hashed for the model identity
@@ -93,8 +94,9 @@ def policy_key(model: ModelConfig, seed: int) -> str:
 _policies: dict[str, tuple[Any, dict[str, torch.Tensor]]] = {}
 
 
-def policy(cfg: Config) -> SD3Policy:
-    """The `SD3Policy` of `cfg.model` with a LoRA adapter (built once per process).
+def policy(cfg: Config) -> Policy:
+    """The policy of `cfg.model` (`SD3Policy` or `FluxPolicy`, by its pipeline) with a LoRA adapter
+    (built once per process).
 
     The adapter's initial weights depend only on `run.seed` (peft draws them from the global RNG,
     seeded here and restored after).
@@ -148,12 +150,12 @@ def initial_lora(cfg: Config) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in _policies[policy_key(cfg.model, cfg.run.seed)][1].items()}
 
 
-def lora_state(pol: Any) -> dict[str, torch.Tensor]:
+def lora_state(pol: Policy) -> dict[str, torch.Tensor]:
     """Trainable weights (the LoRA's, or all with full fine-tuning) by parameter name, detached copies."""
     return {n: p.detach().clone() for n, p in pol.transformer.named_parameters() if p.requires_grad}
 
 
-def set_lora(pol: Any, weights: dict[str, torch.Tensor]) -> None:
+def set_lora(pol: Policy, weights: dict[str, torch.Tensor]) -> None:
     """Copy `weights` (from `lora_state`) into the policy's adapter."""
     params = {n: p for n, p in pol.transformer.named_parameters() if p.requires_grad}
     if set(params) != set(weights):
@@ -178,7 +180,7 @@ def decoder(model: ModelConfig) -> ImageDecoder:
                 return pol.decoder
         key = _decoder_key(model)
         if key not in _decoders:
-            from stepgrpo.policy.sd3 import ImageDecoder
+            from stepgrpo.policy.base import ImageDecoder
 
             _decoders[key] = ImageDecoder.from_pretrained(
                 resolve_model_path(model.path), dtype=model.dtype, device=model.device, max_batch=model.max_batch
@@ -239,14 +241,14 @@ def lora_before(run: Run, cfg: Config, iteration: int) -> dict[str, torch.Tensor
     return run.load_checkpoint(iteration - 1).tensors[trained_group(cfg)]
 
 
-def policy_at(run: Run, cfg: Config, iteration: int) -> SD3Policy:
+def policy_at(run: Run, cfg: Config, iteration: int) -> Policy:
     """The policy with the weights it has when `iteration` of `run` starts."""
     pol = policy(cfg)
     set_lora(pol, lora_before(run, cfg, iteration))
     return pol
 
 
-def policy_after(run: Run, cfg: Config, iteration: int | None) -> SD3Policy:
+def policy_after(run: Run, cfg: Config, iteration: int | None) -> Policy:
     """The policy a user gets after `iteration` (its EMA when enabled; None: the base model)."""
     pol = policy(cfg)
     if iteration is None:

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from stepgrpo.policy.sd3 import Cond, SD3Policy, _one_truncation_warning
+from stepgrpo.policy.base import Cond, TransformerPolicy, _one_truncation_warning
 
 FLUX_MAX_SEQUENCE_LENGTH = 128  # T5 tokens (FluxPipeline's default is 512; Flow-GRPO trains with 128)
 # Flow-GRPO's and diffusers' Flux LoRA targets: the attention projections of both streams and the
@@ -59,10 +59,12 @@ def unpack(x: torch.Tensor, h: int, w: int) -> torch.Tensor:
     return x.view(b, h // 2, w // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, d // 4, h, w)
 
 
-class FluxPolicy(SD3Policy):
-    """`SD3Policy`'s interface over a `FluxPipeline` (module doc)."""
+class FluxPolicy(TransformerPolicy):
+    """The policy interface over a `FluxPipeline` (module doc), beside `SD3Policy`."""
 
     PIPELINE = "FluxPipeline"
+    KIND = "Flux"
+    HUB_EXAMPLE = "black-forest-labs/FLUX.1-dev"
 
     @staticmethod
     def _default_sequence_length(pipe: Any) -> int:
