@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: install lint test demo clean
+.PHONY: install lint test test-fast demo clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ test: install lint
 	PREFECT_SERVER_ANALYTICS_ENABLED=false MLFLOW_DISABLE_TELEMETRY=true \
 	PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120 \
 	$(PY) -m pytest -q tests -n 2 --dist loadfile --durations=15
+
+# The edit-test loop: every test not marked slow (no Prefect server, no subprocess run), two at a time.
+test-fast: install
+	PREFECT_SERVER_ANALYTICS_ENABLED=false MLFLOW_DISABLE_TELEMETRY=true \
+	$(PY) -m pytest -q tests -m "not slow" -n 2 --durations=10
 
 # The demo: the shipped shapes model, a temporary local Prefect server, a run under runs/.
 # (One torch thread: the config's `scale.threads`, applied by the flow itself.)

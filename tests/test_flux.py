@@ -111,6 +111,7 @@ def harness():
         yield
 
 
+@pytest.mark.slow  # a Prefect test server
 @pytest.mark.parametrize(
     ("scheme", "completion"),
     [("outcome", "null"), ("stepwise", "remaining"), ("dense", "remaining"), ("turning_point", "substeps:2")],

@@ -262,6 +262,7 @@ def _listening(pid: int) -> list[str]:
 LOOPBACK_HEX = ("0100007F", "00000000000000000000000001000000")  # 127.0.0.1, ::1
 
 
+@pytest.mark.slow  # rank processes
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_update_ranks_listen_on_loopback_only_and_die_with_their_launcher(tmp_path):
     """Two ranks formed as the update forms them (`stepgrpo.runtime.parallel`): every socket they listen on
