@@ -33,10 +33,10 @@ def test_gpu_script_runs_end_to_end_on_the_cpu(tmp_path):
     assert "raw" in (tmp_path / "report.txt").read_text()
 
 
-def test_the_end_to_end_iteration_script_runs_on_the_cpu(tmp_path):
+def test_the_end_to_end_iteration_script_runs_on_the_cpu(tmp_path, server):
     """`bench/gpu_train.py --small --device cpu`: one `stepgrpo train` iteration of a paper recipe on
     random weights of its architecture, read back per stage (no MFU without a device peak)."""
-    env = {**os.environ, "STEPGRPO_THREADS": "1", "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
+    env = {**server, "STEPGRPO_THREADS": "1"}  # the tests' Prefect server, not a temporary one
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "gpu_train.py"), "--small", "--device", "cpu", "--out", str(tmp_path)]
         + ["--prompts", "2", "--group", "2", "--recipe", str(ROOT / "configs" / "stepwise_pickscore.yaml")],

@@ -23,20 +23,13 @@ KILL_AT = "iter_1/rollout.zarr/_published.json"  # iteration 1 has sampled; its 
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, server):
     from stepgrpo.shapes.model import build_pipeline, tiny_spec
 
     root = tmp_path_factory.mktemp("resume")
     build_pipeline(tiny_spec(), seed=0).save_pretrained(str(root / "model"))
-    env = dict(
-        os.environ,
-        PREFECT_HOME=str(root / "prefect-home"),
-        PREFECT_SERVER_ANALYTICS_ENABLED="false",
-        MLFLOW_DISABLE_TELEMETRY="true",
-        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="120",
-        STEPGRPO_THREADS="1",
-    )
-    env.pop("PREFECT_API_URL", None)
+    # one Prefect server for the three commands (the kill -9 takes the command's group, not the server)
+    env = dict(server, MLFLOW_DISABLE_TELEMETRY="true", STEPGRPO_THREADS="1")
     env.pop("MLFLOW_TRACKING_URI", None)  # the default: one store for every run under runs/
     overrides = [
         f"model.path={root / 'model'}",

@@ -1,7 +1,6 @@
-"""Scale-out (docs/SCALING.md): shards on a local Ray cluster of 2 workers store the in-process
-bytes, a killed or failed shard is redone alone, the data-parallel update matches the one-process
-update, a reward behind HTTP scores what the local reward scores, and the in-process path never
-imports Ray."""
+"""Scale-out (docs/SCALING.md), in this process: a failed shard is redone alone, the data-parallel
+update matches the one-process update, a reward behind HTTP scores what the local reward scores,
+and the in-process path never imports Ray. The Ray workers' tests are tests/test_scale_ray.py."""
 
 from __future__ import annotations
 
@@ -9,141 +8,17 @@ import json
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
+from scale_fixtures import RAY, SHARDED, _train, harness, lora, reference, stored, tiny  # noqa: F401  (fixtures)
 
 from stepgrpo.errors import StageError
 from stepgrpo.paths import REPO_ROOT
 from storage.run import Run
 
 pytestmark = pytest.mark.slow
-
-# 8 groups of 3, 6 rows a model call: 4 shards of 2 groups, one evaluation call per seed.
-SHARDED = ["scale.groups_per_shard=2"]
-# Two threads a computation, recorded by each run (the in-process reference too), so the bytes
-# compared are those of one thread count whatever the test process started with; a shard asks as
-# many CPUs (one shard at a time on the 2-CPU cluster: no oversubscription).
-RAY = ["scale.workers=ray", "scale.num_workers=2", "scale.cpus_per_shard=2", *SHARDED]
-
-
-@pytest.fixture(scope="module")
-def harness():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> list[str]:
-    from stepgrpo.shapes.model import build_pipeline, tiny_spec
-
-    path = tmp_path_factory.mktemp("model") / "tiny-sd3"
-    build_pipeline(tiny_spec(), seed=0).save_pretrained(str(path))
-    return [
-        f"model.path={path}",
-        "model.lora_rank=4",
-        "model.lora_alpha=8",
-        "model.guidance_scale=1.0",
-        "model.max_batch=6",
-        "sampler.steps=4",
-        "sampler.eval_steps=4",
-        "reward.name=jpeg_compressibility",
-        "completion.method=remaining",
-        "credit.scheme=stepwise",
-        "run.iterations=2",
-        "run.prompts_per_iteration=8",
-        "run.group_size=3",
-        "run.eval_prompts=6",
-        "run.eval_seeds=2",
-        "optim.micro_batch=4",
-        "optim.optimizer_steps=2",
-        "optim.lr=1e-3",
-        "scale.threads=2",
-    ]
-
-
-def _train(tiny: list[str], run_dir: Path, *extra: str) -> dict:
-    from flows.train import train
-
-    return train(overrides=[*tiny, *extra], run_dir=str(run_dir))
-
-
-@pytest.fixture(scope="module")
-def reference(harness, tiny, tmp_path_factory) -> Path:
-    """The in-process run (one shard a stage, one update process)."""
-    run_dir = tmp_path_factory.mktemp("runs") / "in-process"
-    _train(tiny, run_dir)
-    return run_dir
-
-
-def stored(run_dir: Path) -> dict[str, object]:
-    """Everything a run stores that must not depend on where it was computed."""
-    run = Run.open(run_dir)
-    out: dict[str, object] = {}
-    for i in (0, 1):
-        for stage in ("rollout", "completions/remaining", "images/remaining"):
-            out[f"{i} {stage}"] = run.stage_manifest(i, stage)["digest"]
-        data = run.read_rollout(i)
-        out[f"{i} states"] = data.states.tobytes()
-        out[f"{i} log_probs"] = data.log_probs.tobytes()
-        out[f"{i} rewards"] = run.reward_grid(i, "jpeg_compressibility", "1").numpy().tobytes()
-        schemes = run.read_advantages(i).column("options_digest").to_pylist()
-        out[f"{i} advantages"] = run.advantage_grid(i, "stepwise", schemes[0]).numpy().tobytes()
-    for name in ("base", "iter_1"):
-        out[f"eval {name}"] = json.loads((run_dir / "eval" / f"{name}.json").read_text())["scores"]
-    return out
-
-
-def lora(run_dir: Path, i: int) -> torch.Tensor:
-    weights = load_file(str(run_dir / "checkpoints" / f"iter_{i}" / "lora.safetensors"))
-    return torch.cat([weights[k].reshape(-1).double() for k in sorted(weights)])
-
-
-def test_ray_shards_store_the_in_process_bytes_and_a_killed_worker_is_retried(
-    harness, tiny, reference, tmp_path, monkeypatch
-):
-    # The rollout shard at row 6 ends its worker process half-way (as kill -9 would), once.
-    monkeypatch.setenv("STEPGRPO_FAULT", f"kill:rollout:6:{tmp_path / 'killed'}")
-    run_dir = tmp_path / "ray"
-    _train(tiny, run_dir, *RAY)
-    assert (tmp_path / "killed").exists()  # the fault fired
-    assert stored(run_dir) == stored(reference)
-    for i in (0, 1):
-        assert torch.equal(lora(run_dir, i), lora(reference, i))
-    run = Run.open(run_dir)
-    assert run.stage_manifest(0, "rollout")["inputs"]["shards"]["total"] == 4
-    # the reward is loaded once per worker process, not once per shard
-    shards = [
-        s
-        for i in (0, 1)
-        for s in run.rows_info("rewards", run.rewards_digest(i, "jpeg_compressibility", "1"))["shards"]
-    ]
-    assert len(shards) == 8 and all(s["reward_loads"] == 1 for s in shards)
-    assert len({s["pid"] for s in shards}) < len(shards)
-
-
-def test_a_killed_shard_is_the_only_one_computed_again(harness, tiny, reference, tmp_path, monkeypatch):
-    # No retry: the stage fails when the completion shard at row 12 dies half-way; run it again.
-    monkeypatch.setenv("STEPGRPO_FAULT", f"kill:complete:12:{tmp_path / 'killed'}")
-    run_dir = tmp_path / "ray"
-    with pytest.raises(StageError, match=r"1 of 4 shard\(s\) failed \(rows 12-17\)"):
-        _train(tiny, run_dir, *RAY, "scale.shard_retries=0")
-    partial = run_dir / "iter_0" / "completions" / ".remaining.zarr.partial"
-    assert sorted(p.name for p in (partial / "_shards").glob("shard-*")) == [
-        "shard-0000000-0000006.json",
-        "shard-0000006-0000012.json",
-        "shard-0000018-0000024.json",
-    ]
-    _train(tiny, run_dir, *RAY, "scale.shard_retries=0")  # the same command again
-    run = Run.open(run_dir)
-    assert run.stage_manifest(0, "completions/remaining")["inputs"]["shards"]["computed"] == [[12, 18]]
-    assert not partial.exists()
-    assert stored(run_dir) == stored(reference)
 
 
 def test_in_process_shards_resume_the_same_way(harness, tiny, reference, tmp_path, monkeypatch):

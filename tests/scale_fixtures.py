@@ -1,0 +1,95 @@
+"""What the scale-out tests share (tests/test_scale.py, tests/test_scale_ray.py): a tiny model and
+config that shards every stage, the in-process reference run, and what a run stores that must
+not depend on where it was computed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from storage.run import Run
+
+# 8 groups of 3, 6 rows a model call: 4 shards of 2 groups, one evaluation call per seed.
+SHARDED = ["scale.groups_per_shard=2"]
+# Two threads a computation, recorded by each run (the in-process reference too), so the bytes
+# compared are those of one thread count whatever the test process started with; a shard asks as
+# many CPUs (one shard at a time on the 2-CPU cluster: no oversubscription).
+RAY = ["scale.workers=ray", "scale.num_workers=2", "scale.cpus_per_shard=2", *SHARDED]
+
+
+@pytest.fixture(scope="module")
+def harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> list[str]:
+    from stepgrpo.shapes.model import build_pipeline, tiny_spec
+
+    path = tmp_path_factory.mktemp("model") / "tiny-sd3"
+    build_pipeline(tiny_spec(), seed=0).save_pretrained(str(path))
+    return [
+        f"model.path={path}",
+        "model.lora_rank=4",
+        "model.lora_alpha=8",
+        "model.guidance_scale=1.0",
+        "model.max_batch=6",
+        "sampler.steps=4",
+        "sampler.eval_steps=4",
+        "reward.name=jpeg_compressibility",
+        "completion.method=remaining",
+        "credit.scheme=stepwise",
+        "run.iterations=2",
+        "run.prompts_per_iteration=8",
+        "run.group_size=3",
+        "run.eval_prompts=6",
+        "run.eval_seeds=2",
+        "optim.micro_batch=4",
+        "optim.optimizer_steps=2",
+        "optim.lr=1e-3",
+        "scale.threads=2",
+    ]
+
+
+def _train(tiny: list[str], run_dir: Path, *extra: str) -> dict:
+    from flows.train import train
+
+    return train(overrides=[*tiny, *extra], run_dir=str(run_dir))
+
+
+@pytest.fixture(scope="module")
+def reference(harness, tiny, tmp_path_factory) -> Path:
+    """The in-process run (one shard a stage, one update process)."""
+    run_dir = tmp_path_factory.mktemp("runs") / "in-process"
+    _train(tiny, run_dir)
+    return run_dir
+
+
+def stored(run_dir: Path) -> dict[str, object]:
+    """Everything a run stores that must not depend on where it was computed."""
+    run = Run.open(run_dir)
+    out: dict[str, object] = {}
+    for i in (0, 1):
+        for stage in ("rollout", "completions/remaining", "images/remaining"):
+            out[f"{i} {stage}"] = run.stage_manifest(i, stage)["digest"]
+        data = run.read_rollout(i)
+        out[f"{i} states"] = data.states.tobytes()
+        out[f"{i} log_probs"] = data.log_probs.tobytes()
+        out[f"{i} rewards"] = run.reward_grid(i, "jpeg_compressibility", "1").numpy().tobytes()
+        schemes = run.read_advantages(i).column("options_digest").to_pylist()
+        out[f"{i} advantages"] = run.advantage_grid(i, "stepwise", schemes[0]).numpy().tobytes()
+    for name in ("base", "iter_1"):
+        out[f"eval {name}"] = json.loads((run_dir / "eval" / f"{name}.json").read_text())["scores"]
+    return out
+
+
+def lora(run_dir: Path, i: int) -> torch.Tensor:
+    weights = load_file(str(run_dir / "checkpoints" / f"iter_{i}" / "lora.safetensors"))
+    return torch.cat([weights[k].reshape(-1).double() for k in sorted(weights)])
