@@ -184,7 +184,8 @@ def check(s: W9, arm: str, out: Path) -> None:
     run_dir = out / "check_seed_0"
     env = run_env(out, "check")
     stepgrpo = str(Path(sys.executable).parent / "stepgrpo")
-    sets = [*s.overrides_of(arm), "run.iterations=1", "run.seed=0"]
+    # one iteration, its held-out evaluations cut to one prompt: the check reads the iteration only
+    sets = [*s.overrides_of(arm), "run.iterations=1", "run.seed=0", "run.eval_prompts=1", "run.eval_seeds=1"]
     steps = [
         ["train", "--config", ARMS[arm][0], "--run-dir", str(run_dir), *[x for o in sets for x in ("--set", o)]],
         ["credit-quality", str(run_dir), "--iteration", "0", "--continuations", str(s.continuations)]

@@ -1,0 +1,127 @@
+"""`bench/credit_schemes.py --regime w9` (`bench/_w9.py`) read from records made by hand: the
+pairing by seed, the equal-compute reading of an outcome arm at its first evaluation with at least
+the arm's cost (flagged when it ran short), the claims and the report. Training itself is the same
+`stepgrpo train` as the early-window comparison's (tests/test_bench_credit_schemes.py)."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def w9():
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from bench import _w9
+    finally:  # bench/_common.py takes its folder off the path itself
+        sys.path[:] = [p for p in sys.path if not p.endswith("/bench")]
+    return _w9
+
+
+def settings(w9, tmp_path: Path):
+    a = argparse.Namespace(
+        quick=True, seeds=None, iterations=2, eval_every=1, overrides=[], jobs=1, out=tmp_path, records=None
+    )
+    return w9.settings(a)
+
+
+PROMPTS, SEEDS = 3, 2  # 6 held-out samples an evaluation, seed-major
+
+
+def evaluation(label: str, scores: list[float]) -> dict:
+    return {
+        "label": label,
+        "prompts": PROMPTS,
+        "seeds": SEEDS,
+        "reward_mean": sum(scores) / len(scores),
+        "scores": scores,
+    }
+
+
+def record(s, arm: str, seed: int, nfe: int, evals: dict[int, list[float]]) -> None:
+    n = max(evals)
+    path = s.record_path(arm, seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = {
+        "argv": s.argv(arm),
+        "nfe": [nfe] * n,
+        "seconds": [nfe / 100] * n,
+        "setup_seconds": 0.0,
+        "train_reward": [0.0] * n,
+        "evals": {str(i): evaluation("base" if i == 0 else f"iter_{i - 1}", v) for i, v in evals.items()},
+    }
+    path.write_text(json.dumps(body))
+
+
+def test_the_papers_regime_report_pairs_by_seed_and_reads_outcome_at_equal_compute(w9, tmp_path):
+    s = settings(w9, tmp_path)
+    base = [0.0, 0.2, 0.4, 0.1, 0.3, 0.5]
+    plus = lambda d: [x + d for x in base]  # noqa: E731
+    for seed in (0, 1):
+        # outcome_w9 costs 100 NFEs an iteration and rises by 0.01 an evaluated iteration
+        record(s, "outcome_w9", seed, 100, {i: plus(0.01 * i) for i in range(5)})
+        # dense_w9 costs 300 an iteration: after 2 it has spent 600, outcome reaches that never (4 x 100)
+        record(s, "dense_w9", seed, 300, {0: base, 1: plus(0.05), 2: plus(0.10 + 0.01 * seed)})
+    record(s, "stepwise_w9", 0, 150, {0: base, 1: plus(0.0), 2: plus(0.03)})
+    record(s, "turning_point_w9", 0, 300, {0: base, 1: plus(0.0), 2: plus(0.0)})
+    record(s, "outcome_w3", 0, 50, {i: plus(0.02 * i) for i in range(5)})
+
+    runs = {job: r for job in w9.queue(s) if (r := w9.load(s, *job)) is not None}
+    assert len(runs) == 7
+    a = w9.analyse(runs, s)
+    assert a["pairs"] == PROMPTS * SEEDS
+    # every arm's gain over its own base after 2 iterations, per seed and pooled over seeds
+    assert [round(x["gain"][0], 6) for x in a["arms"]["dense_w9"]["per_seed"]] == [0.10, 0.11]
+    assert a["arms"]["dense_w9"]["gain"]["n"] == 2
+
+    dense = a["vs"]["dense_w9 - outcome_w9"]
+    # equal trajectories: both after 2 iterations, paired by seed (a constant shift: a zero-width interval)
+    assert [round(x["diff"][0], 6) for x in dense["trajectories"]["per_seed"]] == [0.08, 0.09]
+    assert dense["trajectories"]["per_seed"][0]["diff"][1] == pytest.approx(0.08)
+    # equal NFEs: outcome never reaches 600 in its 4 iterations: read at its last, and flagged short
+    nfe = dense["nfe"]["per_seed"][0]
+    assert nfe["outcome_iterations"] == 4 and nfe["cost_ratio"] == pytest.approx(400 / 600) and nfe["short"]
+    assert nfe["diff"][0] == pytest.approx(0.10 - 0.04)
+    # stepwise spent 300 after 2: outcome's first evaluation with at least that is iteration 3, not short
+    step = a["vs"]["stepwise_w9 - outcome_w9"]["nfe"]["per_seed"][0]
+    assert step["outcome_iterations"] == 3 and step["cost_ratio"] == 1.0 and not step["short"]
+    assert step["diff"][0] == pytest.approx(0.03 - 0.03)
+    # the early-window reference is compared on the seeds it has
+    assert [x["seed"] for x in a["vs"]["dense_w9 - outcome_w3"]["trajectories"]["per_seed"]] == [0]
+
+    claims = w9.claims(a)
+    dense_rows = [r for r in claims if r["paper"] == "DenseGRPO"]
+    assert len(dense_rows) == 3  # same iterations, equal NFEs, equal seconds
+    assert dense_rows[0]["verdict"] == "consistent"  # +0.08 and +0.09 over 2 seeds: the interval is above 0
+    assert "outcome ran short of equal compute" in dense_rows[1]["verdict"]
+    assert any("fewer iterations" in r["claim"] for r in claims if r["paper"] == "Stepwise-Flow-GRPO")
+
+    info = {"settings": {}, "machine": {}}
+    text = w9.summary_md(a, s, info)
+    assert "| dense_w9 - outcome_w9 |" in text and "short" in text
+    rows = w9.csv_rows(a)
+    path = tmp_path / "comparison.csv"
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, list(dict.fromkeys(k for r in rows for k in r)))
+        writer.writeheader()
+        writer.writerows(rows)
+    pooled = [r for r in csv.DictReader(path.open()) if r["seed"] == "pooled" and r["arm"] == "dense_w9"]
+    assert {r["budget"] for r in pooled} == {"trajectories", "nfe", "seconds"}
+
+
+def test_a_record_of_other_settings_is_not_read(w9, tmp_path):
+    s = settings(w9, tmp_path)
+    record(s, "dense_w9", 0, 300, {0: [0.0] * 6, 1: [0.0] * 6, 2: [0.0] * 6})
+    path = s.record_path("dense_w9", 0)
+    body = json.loads(path.read_text())
+    body["argv"] = [*body["argv"], "optim.lr=1.0"]
+    path.write_text(json.dumps(body))
+    assert w9.load(s, "dense_w9", 0) is None  # the run is trained again rather than reported
