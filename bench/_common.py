@@ -194,7 +194,7 @@ def open_run_once(run_dir: Path) -> Any:
     from storage import Run
 
     run = Run.open(run_dir)
-    rows = run.read_rewards()
+    rows = run.tables.read_rewards()
 
     def read_rewards(iteration=None, reward_name=None, reward_version=None, as_pandas=False):  # noqa: ANN001, ANN202
         table = rows
@@ -252,12 +252,12 @@ def read_run(run_dir: Path) -> RunRecord:
     B = cfg.run.prompts_per_iteration * cfg.run.group_size
     update_nfe = B * len(cfg.trained_steps()) * (2 if cfg.optim.kl_beta > 0 else 1)
     for i in range(n):
-        rows = run.read_rewards(i)
+        rows = run.tables.read_rewards(i)
         names = sorted(set(rows.column("reward_name").to_pylist()))
         name = cfg.reward.name if cfg.reward.name in names else names[0]
-        grid = run.reward_grid(i, name).numpy()
+        grid = run.tables.reward_grid(i, name).numpy()
         grids.append(grid)
-        strict = run.reward_grid(i, name, field="strict").numpy()
+        strict = run.tables.reward_grid(i, name, field="strict").numpy()
         rewards.append(float(grid[:, -1].mean()))
         stricts.append(float(np.nanmean(strict[:, -1])) if np.isfinite(strict[:, -1]).any() else float("nan"))
         gains.append(np.diff(grid, axis=1).mean(0).tolist() if np.isfinite(grid).all() else [])

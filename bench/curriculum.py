@@ -55,8 +55,8 @@ def training_spread(run_dir: Path) -> dict[str, float]:
     run = Run.open(run_dir)
     spreads = []
     for j in run.iterations("rollout"):
-        rewards = run.reward_grid(j, "shapes")
-        group_ids = torch.from_numpy(run.read_array(j, "rollout", "group_ids")).long()
+        rewards = run.tables.reward_grid(j, "shapes")
+        group_ids = torch.from_numpy(run.stages.read_array(j, "rollout", "group_ids")).long()
         spreads.append(group_spread(rewards, group_ids)[1])
     v = torch.cat(spreads)
     return {"group_variance": float(v.mean()), "zero_spread_share": float((v == 0).float().mean())}

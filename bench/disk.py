@@ -90,7 +90,7 @@ def main() -> None:
 
         lora = sum(t.numel() for t in load_file(str(ckpt / "lora.safetensors")).values())
         source = completion_stage(cfg.completion.method)
-        images = run.stage_path(0, run.images_stage(source))
+        images = run.stage_path(0, run.stages.images_stage(source))
         side = json.loads((images / "images" / "zarr.json").read_text())["shape"][-1] if images.exists() else 0
         formula = per_iteration(cfg, latent, side, lora)
         stored = {"rollout": du(run.stage_path(0, "rollout")), "checkpoint": du(ckpt)}

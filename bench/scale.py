@@ -62,8 +62,8 @@ def stage_seconds(run_dir: Path) -> list[dict[str, float]]:
     run = Run.open(run_dir)
     out = []
     for i in run.iterations("checkpoint"):
-        version = run.read_rewards(i).column("reward_version")[0].as_py()
-        rewards = run.rows_info("rewards", run.rewards_digest(i, "shapes", version))
+        version = run.tables.read_rewards(i).column("reward_version")[0].as_py()
+        rewards = run.tables.rows_info("rewards", run.tables.rewards_digest(i, "shapes", version))
         rollout = run.stage_manifest(i, "rollout")["inputs"]
         complete = run.stage_manifest(i, "completions/remaining")["inputs"]
         images = run.stage_manifest(i, "images/remaining")["inputs"]

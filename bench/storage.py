@@ -47,7 +47,7 @@ def main() -> None:
         for i in range(REPEATS):
             run = Run.create(root, f"bench{i}", {})
             t0 = time.perf_counter()
-            writer = run.begin_rollout(
+            writer = run.stages.begin_rollout(
                 0,
                 sigmas=np.linspace(1, 0, T + 1),
                 seeds=np.arange(B),
@@ -65,7 +65,7 @@ def main() -> None:
             t1 = time.perf_counter()
             writer.publish()
             t2 = time.perf_counter()
-            got = run.read_rollout(0).states
+            got = run.stages.read_rollout(0).states
             t3 = time.perf_counter()
             assert got.tobytes() == states.tobytes()
             raw = root / f"raw{i}.npy"

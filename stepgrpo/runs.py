@@ -202,7 +202,7 @@ def check_rescorable(run: Run, method: str | None, iterations: Sequence[int]) ->
     """A re-score reads each iteration's clean latents (or the images decoded from them): a clear
     error, before anything runs, when retention pruned both."""
     source = completion_stage(method)
-    images = run.images_stage(source)
+    images = run.stages.images_stage(source)
     gone = [
         i
         for i in iterations
@@ -277,7 +277,7 @@ def stored_iterations(run: Run) -> list[int]:
 
 
 def latest_checkpoint(run: Run) -> int:
-    latest = run.latest_checkpoint()
+    latest = run.checkpoints.latest_checkpoint()
     if latest is None:
         raise StageError(f"run {run.run_id} has no checkpoint yet; evaluate the base model with --iteration -1")
     return latest

@@ -598,8 +598,8 @@ def _inspect(run: str) -> None:
     from storage.run import Run, find_run
 
     r = Run.open(find_run(run))
-    rewards = r.read_rewards().to_pandas() if (r.path / "rewards").is_dir() else None
-    advantages = r.read_advantages().to_pandas() if (r.path / "advantages").is_dir() else None
+    rewards = r.tables.read_rewards().to_pandas() if (r.path / "rewards").is_dir() else None
+    advantages = r.tables.read_advantages().to_pandas() if (r.path / "advantages").is_dir() else None
     table = Table(
         "iteration",
         "rollout",
@@ -716,10 +716,14 @@ def _diagnostics(r: Any, iters: list[int]) -> None:
             err_console.print(f"[bold red]damaged:[/] {escape(str(state))}: {escape(str(err))}", soft_wrap=True)
             continue
         score: dict[str, Any] = {}
-        names = set(r.read_rewards(i).column("reward_name").to_pylist()) if r.stage_manifest(i, "rollout") else set()
+        names = (
+            set(r.tables.read_rewards(i).column("reward_name").to_pylist()) if r.stage_manifest(i, "rollout") else set()
+        )
         if reward in names:
-            groups = torch.from_numpy(r.read_array(i, "rollout", "group_ids")).long()
-            score = reward_summary(r.reward_grid(i, reward), r.reward_grid(i, reward, field="strict"), groups)
+            groups = torch.from_numpy(r.stages.read_array(i, "rollout", "group_ids")).long()
+            score = reward_summary(
+                r.tables.reward_grid(i, reward), r.tables.reward_grid(i, reward, field="strict"), groups
+            )
         share = " ".join(f"{k}:{v:.2f}" for k, v in zip(u.trained_step_ids, u.grad_energy_share) if v is not None)
         table.add_row(
             str(i),

@@ -19,6 +19,8 @@ from storage.writer import StageWriter, digest_files
 if TYPE_CHECKING:
     import torch
 
+    from storage.run import Run
+
 STATE_FILE = "state.json"
 
 
@@ -33,12 +35,14 @@ class Checkpoint:
 
 
 class Checkpoints:
-    """Checkpoint stages (mixed into `Run`, which provides `stage_path`, `stage_manifest`,
-    `iterations`, `_begin` and `run_id`)."""
+    """A run's checkpoints: safetensors weights with a JSON state, digest-checked on load (`Run.checkpoints`)."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
 
     def begin_checkpoint(self, iteration: int) -> StageWriter:
         """Begin a checkpoint directory (write safetensors/JSON files under `writer.path`, then publish)."""
-        return self._begin(iteration, "checkpoint", None)
+        return self.run._begin(iteration, "checkpoint", None)
 
     def save_checkpoint(
         self,
@@ -64,7 +68,7 @@ class Checkpoints:
 
     def latest_checkpoint(self) -> int | None:
         """The highest iteration with a published checkpoint, or None."""
-        found = self.iterations("checkpoint")
+        found = self.run.iterations("checkpoint")
         return found[-1] if found else None
 
     def load_checkpoint(self, iteration: int | None = None) -> Checkpoint:
@@ -72,14 +76,14 @@ class Checkpoints:
         from safetensors.torch import load_file
 
         iteration = self.latest_checkpoint() if iteration is None else iteration
-        manifest = None if iteration is None else self.stage_manifest(iteration, "checkpoint")
+        manifest = None if iteration is None else self.run.stage_manifest(iteration, "checkpoint")
         if manifest is None:
-            raise NotPublishedError(f"run {self.run_id}: no published checkpoint for iteration {iteration}")
-        path = self.stage_path(iteration, "checkpoint")
-        check_not_pruned(path, None, f"run {self.run_id} checkpoint iteration {iteration}")
+            raise NotPublishedError(f"run {self.run.run_id}: no published checkpoint for iteration {iteration}")
+        path = self.run.stage_path(iteration, "checkpoint")
+        check_not_pruned(path, None, f"run {self.run.run_id} checkpoint iteration {iteration}")
         if digest_files(path)[0] != manifest["digest"]:
             raise CorruptChunkError(
-                f"run {self.run_id} checkpoint iteration {iteration}: files do not match the published "
+                f"run {self.run.run_id} checkpoint iteration {iteration}: files do not match the published "
                 "digest (damaged or edited); restore it or resume from an earlier checkpoint"
             )
         tensors = {p.stem: load_file(str(p)) for p in sorted(path.glob("*.safetensors"))}

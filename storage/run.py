@@ -105,13 +105,21 @@ def _check_schema(found: Any, what: str) -> None:
         )
 
 
-class Run(StageStores, RunTables, Checkpoints):
-    """A run directory. Make one with `Run.create`, open one with `Run.open`."""
+class Run:
+    """A run directory. Make one with `Run.create`, open one with `Run.open`.
+
+    Its own surface: the manifest, config and facts, stage paths and manifests, verification and
+    setting aside damaged files. Its data through three parts: `stages` (the Zarr stages:
+    rollouts, completions, decoded images), `tables` (the Parquet tables: prompts, rewards,
+    advantages) and `checkpoints` (safetensors weights with a JSON state)."""
 
     def __init__(self, path: Path, manifest: dict[str, Any]) -> None:
         self.path = path
         self.manifest = manifest
         self.run_id: str = manifest["run_id"]
+        self.stages = StageStores(self)
+        self.tables = RunTables(self)
+        self.checkpoints = Checkpoints(self)
 
     @property
     def config(self) -> dict[str, Any]:
@@ -372,7 +380,7 @@ class Run(StageStores, RunTables, Checkpoints):
         """Everything the run stores that has a digest: `("prompts", None)`, `(f"iteration {k} {stage}",
         (k, stage))` for each published stage, `("rewards/part-...", path)` for each table part."""
         items: list[tuple[str, Any]] = []
-        if self.prompts_manifest() is not None:
+        if self.tables.prompts_manifest() is not None:
             items.append(("prompts", None))
         stages = {"rollout", *FILE_STAGES}
         for d in self.path.glob("iter_*/*/*.zarr"):
@@ -431,7 +439,7 @@ class Run(StageStores, RunTables, Checkpoints):
 
     def verify_prompts(self) -> None:
         """Check the prompt table against the digest in its footer (`CorruptChunkError` if not)."""
-        self.read_prompts()  # it checks the digest
+        self.tables.read_prompts()  # it checks the digest
 
     def set_aside_file(self, path: Path) -> Path:
         """Move a damaged file of the run out of the way (never deleted); returns its new path."""

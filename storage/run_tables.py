@@ -21,13 +21,17 @@ from storage.schema import ADVANTAGES_KEY, ADVANTAGES_SCHEMA, REWARDS_KEY, REWAR
 if TYPE_CHECKING:
     import torch
 
+    from storage.run import Run
+
 
 TABLES = {"rewards": (REWARDS_SCHEMA, REWARDS_KEY), "advantages": (ADVANTAGES_SCHEMA, ADVANTAGES_KEY)}
 
 
 class RunTables:
-    """Prompts, rewards and advantages (mixed into `Run`, which provides `path`, `run_id` and
-    `stage_manifest`)."""
+    """A run's Parquet tables: prompts, rewards, advantages (`Run.tables`)."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
 
     # --- prompts --------------------------------------------------------------------------------
 
@@ -40,22 +44,24 @@ class RunTables:
     ) -> dict[str, Any]:
         """Write the run's prompts once; returns `{"digest", "rows", "schema_version"}`."""
         table = tables.prompts_table(prompt_ids, texts, splits, metadata)
-        return tables.write_once(self.inside(self.path / "prompts.parquet"), table, f"run {self.run_id} prompts")
+        return tables.write_once(
+            self.run.inside(self.run.path / "prompts.parquet"), table, f"run {self.run.run_id} prompts"
+        )
 
     def prompts_manifest(self) -> dict[str, Any] | None:
         """The prompts' `{"digest", "rows", "schema_version"}`, or None if not written."""
-        return tables.read_footer(self.path / "prompts.parquet")
+        return tables.read_footer(self.run.path / "prompts.parquet")
 
     def read_prompts(self) -> pa.Table:
         """The prompts table (`storage.schema.PROMPTS_SCHEMA`; `metadata` is a JSON string),
         checked against the digest in its footer (`CorruptChunkError` if it does not match)."""
         import pyarrow.parquet as pq
 
-        path = self.path / "prompts.parquet"
+        path = self.run.path / "prompts.parquet"
         try:
             manifest = self.prompts_manifest()
             if manifest is None:
-                raise NotPublishedError(f"run {self.run_id} has no prompts yet; write them with write_prompts")
+                raise NotPublishedError(f"run {self.run.run_id} has no prompts yet; write them with write_prompts")
             table = pq.read_table(path).replace_schema_metadata(None)
         except (OSError, pa.ArrowException, ValueError) as err:
             raise CorruptChunkError(f"{path} cannot be read ({err}): the prompt table is damaged") from None
@@ -67,7 +73,7 @@ class RunTables:
         """The parts of `table` ("rewards", "advantages") whose rows do not match their name's digest."""
         schema, key = TABLES[table]
         bad = []
-        for part in sorted((self.path / table).glob("part-*.parquet")):
+        for part in sorted((self.run.path / table).glob("part-*.parquet")):
             try:
                 tables.verify_part(part, schema, key)
             except CorruptChunkError:
@@ -96,12 +102,17 @@ class RunTables:
         """
         table = tables.rewards_table(iteration, reward_name, reward_version, traj, k, value, strict, sub)
         return tables.append_rows(
-            self.inside(self.path / "rewards"), REWARDS_SCHEMA, REWARDS_KEY, table, f"run {self.run_id} rewards", info
+            self.run.inside(self.run.path / "rewards"),
+            REWARDS_SCHEMA,
+            REWARDS_KEY,
+            table,
+            f"run {self.run.run_id} rewards",
+            info,
         )
 
     def rows_info(self, table: str, digest: str) -> dict[str, Any]:
         """The `info` the rows of `digest` in `table` ("rewards", "advantages") were appended with."""
-        return tables.part_info(self.path / table, digest)
+        return tables.part_info(self.run.path / table, digest)
 
     def read_rewards(
         self,
@@ -112,7 +123,7 @@ class RunTables:
     ) -> Any:
         """Reward rows matching the non-None selectors, sorted by key (pyarrow.Table or pandas)."""
         table = tables.read_rows(
-            self.path / "rewards",
+            self.run.path / "rewards",
             REWARDS_SCHEMA,
             REWARDS_KEY,
             {"iteration": iteration, "reward_name": reward_name, "reward_version": reward_version},
@@ -137,7 +148,7 @@ class RunTables:
         """
         import torch
 
-        what = f"run {self.run_id} iteration {iteration} reward {reward_name!r}"
+        what = f"run {self.run.run_id} iteration {iteration} reward {reward_name!r}"
         table = self._one_version(self.read_rewards(iteration, reward_name, reward_version), "reward_version", what)
         if field in ("value", "strict"):
             values = table.column(field).to_numpy(zero_copy_only=False).astype(np.float64)
@@ -162,7 +173,7 @@ class RunTables:
         for i in iterations:
             rows = table.filter(pa.array(of_row == i))
             if rows.num_rows == 0:
-                raise NotPublishedError(f"run {self.run_id} iteration {i} reward {reward_name!r}: no rows stored")
+                raise NotPublishedError(f"run {self.run.run_id} iteration {i} reward {reward_name!r}: no rows stored")
             B, T = self._dims(i)
             values = rows.column("value").to_numpy(zero_copy_only=False).astype(np.float64)
             grids[i] = torch.from_numpy(tables.to_grid(rows, B, T + 1, values))
@@ -191,20 +202,20 @@ class RunTables:
         """
         check_json(dict(options), f"scheme {scheme} options")
         digest = options_digest(options)
-        folder = self.inside(self.path / "advantages")
+        folder = self.run.inside(self.run.path / "advantages")
         folder.mkdir(parents=True, exist_ok=True)
         sidecar = folder / f"options-{digest}.json"
         if not sidecar.exists():
             write_file_atomic(sidecar, canonical_json({"scheme": scheme, "options": dict(options)}).encode())
         table = tables.advantages_table(iteration, scheme, digest, traj, k, value)
         record = tables.append_rows(
-            folder, ADVANTAGES_SCHEMA, ADVANTAGES_KEY, table, f"run {self.run_id} advantages", info
+            folder, ADVANTAGES_SCHEMA, ADVANTAGES_KEY, table, f"run {self.run.run_id} advantages", info
         )
         return {**record, "options_digest": digest}
 
     def scheme_options(self, options_digest: str) -> dict[str, Any]:
         """`{"scheme", "options"}` stored for an options digest."""
-        return json.loads((self.path / "advantages" / f"options-{options_digest}.json").read_text())
+        return json.loads((self.run.path / "advantages" / f"options-{options_digest}.json").read_text())
 
     def read_advantages(
         self,
@@ -215,7 +226,7 @@ class RunTables:
     ) -> Any:
         """Advantage rows matching the non-None selectors, sorted by key (pyarrow.Table or pandas)."""
         table = tables.read_rows(
-            self.path / "advantages",
+            self.run.path / "advantages",
             ADVANTAGES_SCHEMA,
             ADVANTAGES_KEY,
             {"iteration": iteration, "scheme": scheme, "options_digest": options_digest},
@@ -226,7 +237,7 @@ class RunTables:
         """Advantages of `iteration` under one scheme as a `[B, T]` float32 tensor, NaN where absent."""
         import torch
 
-        what = f"run {self.run_id} iteration {iteration} scheme {scheme!r}"
+        what = f"run {self.run.run_id} iteration {iteration} scheme {scheme!r}"
         table = self._one_version(self.read_advantages(iteration, scheme, options_digest), "options_digest", what)
         B, T = self._dims(iteration)
         return torch.from_numpy(tables.to_grid(table, B, T, table.column("value").to_numpy()))
@@ -236,7 +247,9 @@ class RunTables:
         return tables.table_digest(self.read_advantages(iteration, scheme, options_digest))
 
     def _dims(self, iteration: int) -> tuple[int, int]:
-        rollout = self.stage_manifest(iteration, "rollout")
+        rollout = self.run.stage_manifest(iteration, "rollout")
         if rollout is None:
-            raise NotPublishedError(f"run {self.run_id} iteration {iteration}: no published rollout to size the grid")
+            raise NotPublishedError(
+                f"run {self.run.run_id} iteration {iteration}: no published rollout to size the grid"
+            )
         return int(rollout["attrs"]["B"]), int(rollout["attrs"]["T"])

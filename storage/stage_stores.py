@@ -9,7 +9,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,6 +20,9 @@ from storage.pruned import pruned
 from storage.publish import fresh_partial
 from storage.schema import COMPLETION, IMAGES, ROLLOUT, StoreSpec, latent_storage_dtype
 from storage.writer import StageWriter, abort_on_error
+
+if TYPE_CHECKING:
+    from storage.run import Run
 
 
 @dataclass(frozen=True)
@@ -61,8 +64,10 @@ class ImagesData:
 
 
 class StageStores:
-    """Rollout, completion and image stages (mixed into `Run`, which provides `stage_manifest`,
-    `stage_path`, `_begin` and `run_id`)."""
+    """A run's Zarr stages: rollouts, completions, decoded images (`Run.stages`)."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
 
     def begin_rollout(
         self,
@@ -100,7 +105,7 @@ class StageStores:
             "latent_dtype": latent_storage_dtype(latent_dtype),
             "source_dtype": latent_dtype,
         }
-        writer = self._begin(iteration, "rollout", ROLLOUT, resume)
+        writer = self.run._begin(iteration, "rollout", ROLLOUT, resume)
         with abort_on_error(writer):
             _create(
                 writer,
@@ -123,10 +128,10 @@ class StageStores:
         rollout, `latent_dtype` defaults to the rollout's. Write `latents=[n,T+1,C,H,W]` per
         trajectory, then `publish(attrs={"nfe": ...})`.
         """
-        rollout = self.stage_manifest(iteration, "rollout")
+        rollout = self.run.stage_manifest(iteration, "rollout")
         if rollout is None:
             raise NotPublishedError(
-                f"run {self.run_id} iteration {iteration}: publish the rollout before completing it"
+                f"run {self.run.run_id} iteration {iteration}: publish the rollout before completing it"
             )
         r = rollout["attrs"]
         source = latent_dtype or r["source_dtype"]
@@ -138,7 +143,7 @@ class StageStores:
             "source_dtype": source,
             "rollout_digest": rollout["digest"],
         }
-        writer = self._begin(iteration, f"completions/{method}", COMPLETION, resume)
+        writer = self.run._begin(iteration, f"completions/{method}", COMPLETION, resume)
         with abort_on_error(writer):
             _create(writer, COMPLETION, stage_attrs, {})
         return writer
@@ -160,10 +165,10 @@ class StageStores:
         recorded. `k [K]` are the state indices decoded per trajectory, `image_shape` `(3, Y, X)`.
         Write `images=[n, K, 3, Y, X]` uint8 per trajectory, then `publish()`.
         """
-        manifest = self.stage_manifest(iteration, source)
+        manifest = self.run.stage_manifest(iteration, source)
         if manifest is None:
             raise NotPublishedError(
-                f"run {self.run_id} iteration {iteration}: publish {source} before storing its images"
+                f"run {self.run.run_id} iteration {iteration}: publish {source} before storing its images"
             )
         k = np.asarray(k, dtype=np.int64)
         rgb, y, x = (int(v) for v in image_shape)
@@ -177,7 +182,7 @@ class StageStores:
             "Y": y,
             "X": x,
         }
-        writer = self._begin(iteration, self.images_stage(source), IMAGES, resume)
+        writer = self.run._begin(iteration, self.images_stage(source), IMAGES, resume)
         with abort_on_error(writer):
             _create(writer, IMAGES, stage_attrs, {"k": k})
         return writer
@@ -192,13 +197,13 @@ class StageStores:
         raise ValueError(f"images are decoded from 'rollout' or 'completions/<method>', not {source!r}")
 
     def _store(self, iteration: int, stage: str, spec: StoreSpec) -> tuple[StageStore, dict[str, Any]]:
-        manifest = self.stage_manifest(iteration, stage)
+        manifest = self.run.stage_manifest(iteration, stage)
         if manifest is None:
             raise NotPublishedError(
-                f"run {self.run_id} iteration {iteration} stage {stage} is not published; run that stage first"
+                f"run {self.run.run_id} iteration {iteration} stage {stage} is not published; run that stage first"
             )
-        path = self.stage_path(iteration, stage)
-        limits = self.dim_limits()  # type: ignore[attr-defined]
+        path = self.run.stage_path(iteration, stage)
+        limits = self.run.dim_limits()  # type: ignore[attr-defined]
         return StageStore(path, spec, manifest.get("attrs") or {}, removed=_removed(path), limits=limits), manifest
 
     def read_array(
@@ -243,10 +248,13 @@ class StageStores:
         """The images stored for `source`'s latents, or None if there are none or they were decoded
         from other content than `source` now holds (then they are not used)."""
         stage = self.images_stage(source)
-        if self.stage_manifest(iteration, stage) is None or pruned(self.stage_path(iteration, stage)) is not None:
+        if (
+            self.run.stage_manifest(iteration, stage) is None
+            or pruned(self.run.stage_path(iteration, stage)) is not None
+        ):
             return None
         store, manifest = self._store(iteration, stage, IMAGES)
-        source_manifest = self.stage_manifest(iteration, source)
+        source_manifest = self.run.stage_manifest(iteration, source)
         if source_manifest is None or store.attrs["source_digest"] != source_manifest["digest"]:
             return None
         return ImagesData(

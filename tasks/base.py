@@ -233,6 +233,6 @@ def verified(run: Run, iteration: int, stage: str, what: str, fix: str) -> None:
 def repair_table(run: Run, table: str) -> None:
     """Set aside the parts of a table (`rewards`, `advantages`) that do not match their digests,
     so the stage that appended them appends them again."""
-    for part in run.damaged_parts(table):
+    for part in run.tables.damaged_parts(table):
         moved = run.set_aside_file(part)
         warn(f"{part} does not match the digest in its name; kept aside as {moved.name}, its rows are computed again")

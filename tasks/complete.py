@@ -73,7 +73,7 @@ def compute(run: Run, cfg: Config, iteration: int, key: str) -> None:
     rollout = run.stage_manifest(iteration, "rollout")
     T = int(rollout["attrs"]["T"])
     through = completed_through(method, window_end(rollout["attrs"]["kernel_params"], T), T)
-    writer = run.begin_completion(
+    writer = run.stages.begin_completion(
         iteration,
         method_dir(method),
         latent_dtype=cfg.model.dtype,
@@ -101,7 +101,7 @@ def complete_shard(run: Run, cfg: Config, iteration: int, through: int, token: s
     """Complete the states of the trajectories `shard` into the begun completion, then record it."""
     t0 = time.perf_counter()
     pol = workspace.policy_at(run, cfg, iteration)
-    data = run.read_rollout(iteration, slice(shard.start, shard.stop))
+    data = run.stages.read_rollout(iteration, slice(shard.start, shard.stop))
     writer = run.attach(iteration, clean_stage(cfg.completion.method), token)
     nfe = 0
     for c0, out in complete_chunks(
@@ -152,6 +152,8 @@ def clean_latents(run: Run, method: str | None, iteration: int, k: np.ndarray, r
     completions, or `ode_final` and `x_T`."""
     some = slice(rows.start, rows.stop) if rows is not None else None
     if method is None:
-        final = run.read_array(iteration, "rollout", "states", some)[:, -1]  # a trajectory's states are one chunk
-        return np.stack([run.read_array(iteration, "rollout", "ode_final", some), final], axis=1)
-    return run.read_completion(iteration, method_dir(method), some).latents[:, k]
+        final = run.stages.read_array(iteration, "rollout", "states", some)[
+            :, -1
+        ]  # a trajectory's states are one chunk
+        return np.stack([run.stages.read_array(iteration, "rollout", "ode_final", some), final], axis=1)
+    return run.stages.read_completion(iteration, method_dir(method), some).latents[:, k]

@@ -52,16 +52,16 @@ def execute(run: Run, cfg: Config, iteration: int, reward_name: str, reward_vers
     t0 = time.perf_counter()
     result = _assign(run, cfg, iteration, reward_name, reward_version)  # cheap: the summary needs it in any case
     digest = options_digest(stored_options(cfg, reward_name, reward_version))
-    if run.read_advantages(iteration, cfg.credit.scheme, digest).num_rows == 0:
+    if run.tables.read_advantages(iteration, cfg.credit.scheme, digest).num_rows == 0:
         compute(run, cfg, iteration, reward_name, reward_version, result, t0)
     adv = result.advantages  # equal to the stored rows (float32 values stored as float64)
-    rows = run.advantages_digest(iteration, cfg.credit.scheme, digest)
+    rows = run.tables.advantages_digest(iteration, cfg.credit.scheme, digest)
     return CreditResult(
         digest=rows,
         iteration=iteration,
         scheme=cfg.credit.scheme,
         options_digest=digest,
-        seconds=run.rows_info("advantages", rows).get("seconds", 0.0),
+        seconds=run.tables.rows_info("advantages", rows).get("seconds", 0.0),
         adv_mean=float(adv.mean()),
         adv_std=float(adv.std(unbiased=False)),
         adv_abs_max=float(adv.abs().max()),
@@ -76,7 +76,7 @@ def compute(
 ) -> None:
     """Append the advantages `result` (`_assign`, begun at `t0`) of one reward version's rows."""
     B, T = result.advantages.shape
-    run.append_advantages(
+    run.tables.append_advantages(
         iteration,
         cfg.credit.scheme,
         stored_options(cfg, reward_name, reward_version),
@@ -91,7 +91,7 @@ def _assign(run: Run, cfg: Config, iteration: int, reward_name: str, reward_vers
     """`stepgrpo_core.credit.assign` on the stored rewards (a scheme that reads only R_T also works
     on rewards of the final samples only)."""
     scheme = cfg.credit.scheme
-    rewards = run.reward_grid(iteration, reward_name, reward_version).float()
+    rewards = run.tables.reward_grid(iteration, reward_name, reward_version).float()
     if not bool(torch.isfinite(rewards[:, -1]).all()):
         raise StageError(
             f"iteration {iteration}: reward {reward_name!r} has no final-sample score for some trajectories"
@@ -103,5 +103,5 @@ def _assign(run: Run, cfg: Config, iteration: int, reward_name: str, reward_vers
                 "samples only"
             )
         rewards = rewards[:, -1:].expand_as(rewards).clone()  # the scheme reads R_T only
-    group_ids = torch.from_numpy(run.read_array(iteration, "rollout", "group_ids")).long()
+    group_ids = torch.from_numpy(run.stages.read_array(iteration, "rollout", "group_ids")).long()
     return assign(scheme, rewards, group_ids, trained_mask(cfg), **cfg.credit.options)

@@ -43,7 +43,7 @@ def window(cfg: Config, iteration: int) -> range:
 
 def execute(run: Run, cfg: Config, iteration: int, prompts: PromptsResult) -> DrawResult:
     reward = workspace.reward_identity(cfg.reward)
-    grids, history = run.reward_grids(window(cfg, iteration), reward["name"], reward["version"])
+    grids, history = run.tables.reward_grids(window(cfg, iteration), reward["name"], reward["version"])
     key = stage_key("draw", run, cfg, iteration, {"prompts": prompts, "history": history})
     if not reuse(run, iteration, "draw", key, f"iteration {iteration} draw"):
         run.save_draw(iteration, compute(run, cfg, iteration, grids), inputs={"key": key.value})
@@ -51,15 +51,15 @@ def execute(run: Run, cfg: Config, iteration: int, prompts: PromptsResult) -> Dr
 
 
 def compute(run: Run, cfg: Config, iteration: int, grids: Mapping[int, torch.Tensor]) -> dict[str, Any]:
-    """The draw record from the window's reward grids (`Run.reward_grids`): the drawn prompt ids
+    """The draw record from the window's reward grids (`Run.tables.reward_grids`): the drawn prompt ids
     and the weights and spreads they were drawn by."""
     splits = stored_prompts(run).splits
     train_ids = np.array([p for p, s in enumerate(splits) if s == "train"], np.int64)
     position = {int(p): n for n, p in enumerate(train_ids)}
     group_prompt, spreads = [], []
     for j, rewards in grids.items():
-        group_ids = torch.from_numpy(run.read_array(j, "rollout", "group_ids")).long()
-        prompt_ids = run.read_array(j, "rollout", "prompt_ids")
+        group_ids = torch.from_numpy(run.stages.read_array(j, "rollout", "group_ids")).long()
+        prompt_ids = run.stages.read_array(j, "rollout", "prompt_ids")
         first, spread = curriculum.group_spread(rewards, group_ids)
         group_prompt += [position[int(p)] for p in prompt_ids[first.numpy()]]
         spreads += spread.tolist()

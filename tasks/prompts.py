@@ -19,7 +19,7 @@ def prompts(run: Run, cfg: Config) -> PromptsResult:
 
 def execute(run: Run, cfg: Config) -> PromptsResult:
     try:
-        manifest = run.prompts_manifest()
+        manifest = run.tables.prompts_manifest()
     except CorruptChunkError:
         manifest = {}  # unreadable: verify_prompts below says so, and it is written again
     if manifest is not None:
@@ -35,5 +35,5 @@ def compute(run: Run, cfg: Config) -> PromptsResult:
     source = prompt_source(cfg)
     if "train" not in source.splits:
         raise StageError(f"run.prompts {cfg.run.prompts!r} holds no training prompts")
-    manifest = run.write_prompts(list(range(len(source.texts))), source.texts, source.splits, source.metadata)
+    manifest = run.tables.write_prompts(list(range(len(source.texts))), source.texts, source.splits, source.metadata)
     return PromptsResult(digest=manifest["digest"], rows=manifest["rows"])

@@ -87,7 +87,7 @@ def key_of(run: Run, cfg: Config, iteration: int, continuations: int, schemes: l
         "iteration": iteration,
         "rollout": rollout.get("digest"),
         "rollout_key": rollout.get("inputs", {}).get("key"),  # the policy it was sampled with
-        "rewards": run.rewards_digest(iteration, identity["name"], identity["version"]),
+        "rewards": run.tables.rewards_digest(iteration, identity["name"], identity["version"]),
         "reward": identity,
         "continuations": continuations,
         "seed": seed,
@@ -164,12 +164,12 @@ def compute(
 ) -> QualityResult:
     t0 = time.perf_counter()
     identity = workspace.reward_identity(cfg.reward)
-    rewards = run.reward_grid(iteration, identity["name"], identity["version"]).double()  # [B, T+1]
+    rewards = run.tables.reward_grid(iteration, identity["name"], identity["version"]).double()  # [B, T+1]
     if not bool(torch.isfinite(rewards[:, -1]).all()):
         raise StageError(
             f"iteration {iteration} has no {identity['name']} reward for some final samples: score it first"
         )
-    data = run.read_rollout(iteration)
+    data = run.stages.read_rollout(iteration)
     group_ids = torch.from_numpy(data.group_ids).long()
     trained = cfg.trained_steps()
     mask = trained_mask(cfg)

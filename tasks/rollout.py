@@ -72,7 +72,7 @@ def compute(run: Run, cfg: Config, iteration: int, noise: float | torch.Tensor, 
     pol = workspace.policy(cfg)  # the grid and latent shape; the shards set the weights they sample with
     plan = iteration_plan(cfg, stored_prompts(run).splits, iteration, drawn_prompts(run, cfg, iteration))
     start, end = cfg.sampler.window()
-    writer = run.begin_rollout(
+    writer = run.stages.begin_rollout(
         iteration,
         sigmas=pol.sigmas(cfg.sampler.steps).cpu().numpy(),
         seeds=np.repeat(plan.seeds, cfg.run.group_size),

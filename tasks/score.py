@@ -49,10 +49,10 @@ def execute(run: Run, cfg: Config, iteration: int) -> ScoreResult:
     identity = workspace.reward_identity(cfg.reward)
     name, version = identity["name"], identity["version"]
     repair_table(run, "rewards")
-    images = run.images_stage(clean_stage(cfg.completion.method))
+    images = run.stages.images_stage(clean_stage(cfg.completion.method))
     if run.stage_manifest(iteration, images) is not None:  # the decoded images other rewards will read
         intact(run, iteration, images)
-    if run.read_rewards(iteration, name, version).num_rows == 0:
+    if run.tables.read_rewards(iteration, name, version).num_rows == 0:
         compute(run, cfg, iteration, name, version)
     return stored(run, iteration, name, version)
 
@@ -72,7 +72,7 @@ def compute(run: Run, cfg: Config, iteration: int, name: str, version: str) -> N
     if not from_store and cfg.storage.images:
         shape = workspace.decoder(cfg.model).image_shape((attrs["C"], attrs["H"], attrs["W"]))
         try:
-            images = run.begin_images(iteration, source, k=k, image_shape=shape, resume=key)
+            images = run.stages.begin_images(iteration, source, k=k, image_shape=shape, resume=key)
         except (AlreadyPublishedError, StageLockedError):
             pass  # another scorer stored (or is storing) the same bytes: decode without storing
     ledger = ledger_of(run, iteration, key)
@@ -103,7 +103,7 @@ def compute(run: Run, cfg: Config, iteration: int, name: str, version: str) -> N
     take = torch.from_numpy(np.concatenate([np.arange(B * K), np.repeat(np.arange(B) * K + K - 1, len(copies))]))
     traj = np.concatenate([np.repeat(np.arange(B), K), np.repeat(np.arange(B), len(copies))])
     ks = np.concatenate([np.tile(k, B), np.tile(copies, B)])
-    run.append_rewards(
+    run.tables.append_rewards(
         iteration,
         name,
         version,
@@ -124,9 +124,9 @@ def compute(run: Run, cfg: Config, iteration: int, name: str, version: str) -> N
 
 def _stored_images(run: Run, iteration: int, source: str) -> bool:
     """Whether decoded images of `source`'s current latents are stored (damaged ones are set aside)."""
-    stage = run.images_stage(source)
+    stage = run.stages.images_stage(source)
     try:
-        return run.read_images(iteration, source, []) is not None
+        return run.stages.read_images(iteration, source, []) is not None
     except CorruptChunkError as err:
         warn(f"{err}; kept aside as {run.set_aside(iteration, stage).name}, decoding again")
         return False
@@ -150,13 +150,13 @@ def score_shard(
     source = clean_stage(method)
     reward = workspace.reward(cfg.reward)  # loaded once per process: once per worker
     prompts = stored_prompts(run)
-    pids = run.read_array(iteration, "rollout", "prompt_ids")
-    writer = run.attach(iteration, run.images_stage(source), images_token) if images_token else None
+    pids = run.stages.read_array(iteration, "rollout", "prompt_ids")
+    writer = run.attach(iteration, run.stages.images_stage(source), images_token) if images_token else None
     k_of = np.asarray(k, np.int64)
     outputs = []
     for block in blocks(shard, block_rows(cfg)):
         if from_store:
-            images = run.read_images(iteration, source, slice(block.start, block.stop)).images
+            images = run.stages.read_images(iteration, source, slice(block.start, block.stop)).images
         else:
             latents = clean_latents(run, method, iteration, k_of, block)
             n, K = latents.shape[:2]
@@ -206,22 +206,22 @@ def stored(run: Run, iteration: int, name: str, version: str | None = None) -> S
     """The result of the stored rows of reward `name` (`version`: the latest stored when None),
     with the seconds and the images' source recorded when they were computed."""
     if version is None:
-        versions = sorted(set(run.read_rewards(iteration, name).column("reward_version").to_pylist()))
+        versions = sorted(set(run.tables.read_rewards(iteration, name).column("reward_version").to_pylist()))
         if not versions:
-            names = sorted(set(run.read_rewards(iteration).column("reward_name").to_pylist()))
+            names = sorted(set(run.tables.read_rewards(iteration).column("reward_name").to_pylist()))
             raise StageError(
                 f"run {run.run_id} iteration {iteration} has no rewards named {name!r}; "
                 f"stored: {', '.join(names) or 'none'}"
             )
         version = versions[-1]
-    grid = run.reward_grid(iteration, name, version)  # [B, T+1]
+    grid = run.tables.reward_grid(iteration, name, version)  # [B, T+1]
     summary = reward_summary(
         grid,
-        run.reward_grid(iteration, name, version, field="strict"),
-        torch.from_numpy(run.read_array(iteration, "rollout", "group_ids")).long(),
+        run.tables.reward_grid(iteration, name, version, field="strict"),
+        torch.from_numpy(run.stages.read_array(iteration, "rollout", "group_ids")).long(),
     )
-    digest = run.rewards_digest(iteration, name, version)
-    info = run.rows_info("rewards", digest)
+    digest = run.tables.rewards_digest(iteration, name, version)
+    info = run.tables.rows_info("rewards", digest)
     return ScoreResult(
         digest=digest,
         iteration=iteration,

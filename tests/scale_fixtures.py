@@ -5,10 +5,13 @@ not depend on where it was computed."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 from safetensors.torch import load_file
 
 from storage.run import Run
@@ -16,9 +19,9 @@ from storage.run import Run
 # 8 groups of 3, 6 rows a model call: 4 shards of 2 groups, one evaluation call per seed.
 SHARDED = ["scale.groups_per_shard=2"]
 # Two threads a computation, recorded by each run (the in-process reference too), so the bytes
-# compared are those of one thread count whatever the test process started with; a shard asks as
-# many CPUs (one shard at a time on the 2-CPU cluster: no oversubscription).
-RAY = ["scale.workers=ray", "scale.num_workers=2", "scale.cpus_per_shard=2", *SHARDED]
+# compared are those of one thread count whatever the test process started with and however many
+# shards run at once; a shard asks one CPU, so the 2-CPU cluster runs two shards (two workers) at a time.
+RAY = ["scale.workers=ray", "scale.num_workers=2", "scale.cpus_per_shard=1", *SHARDED]
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +32,21 @@ def harness():
         yield
 
 
+def shared(tmp_path_factory, name: str) -> Path:
+    """A path every worker of this test session sees (`pytest -n`: the workers' common base), so the
+    two scale test files build the model and the reference run once between them."""
+    root = tmp_path_factory.getbasetemp()
+    return (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / name
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> list[str]:
     from stepgrpo.shapes.model import build_pipeline, tiny_spec
 
-    path = tmp_path_factory.mktemp("model") / "tiny-sd3"
-    build_pipeline(tiny_spec(), seed=0).save_pretrained(str(path))
+    path = shared(tmp_path_factory, "scale-tiny-sd3")
+    with FileLock(f"{path}.lock"):
+        if not (path / "model_index.json").is_file():
+            build_pipeline(tiny_spec(), seed=0).save_pretrained(str(path))
     return [
         f"model.path={path}",
         "model.lora_rank=4",
@@ -66,9 +78,13 @@ def _train(tiny: list[str], run_dir: Path, *extra: str) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(harness, tiny, tmp_path_factory) -> Path:
-    """The in-process run (one shard a stage, one update process)."""
-    run_dir = tmp_path_factory.mktemp("runs") / "in-process"
-    _train(tiny, run_dir)
+    """The in-process run (one shard a stage, one update process), trained once for the session;
+    its exported LoRA marks it finished. Tests read it, or copy it before they change anything."""
+    run_dir = shared(tmp_path_factory, "scale-runs") / "in-process"
+    with FileLock(f"{run_dir.parent}.lock"):
+        if not (run_dir / "lora").is_dir():
+            shutil.rmtree(run_dir, ignore_errors=True)
+            _train(tiny, run_dir)
     return run_dir
 
 
@@ -79,12 +95,12 @@ def stored(run_dir: Path) -> dict[str, object]:
     for i in (0, 1):
         for stage in ("rollout", "completions/remaining", "images/remaining"):
             out[f"{i} {stage}"] = run.stage_manifest(i, stage)["digest"]
-        data = run.read_rollout(i)
+        data = run.stages.read_rollout(i)
         out[f"{i} states"] = data.states.tobytes()
         out[f"{i} log_probs"] = data.log_probs.tobytes()
-        out[f"{i} rewards"] = run.reward_grid(i, "jpeg_compressibility", "1").numpy().tobytes()
-        schemes = run.read_advantages(i).column("options_digest").to_pylist()
-        out[f"{i} advantages"] = run.advantage_grid(i, "stepwise", schemes[0]).numpy().tobytes()
+        out[f"{i} rewards"] = run.tables.reward_grid(i, "jpeg_compressibility", "1").numpy().tobytes()
+        schemes = run.tables.read_advantages(i).column("options_digest").to_pylist()
+        out[f"{i} advantages"] = run.tables.advantage_grid(i, "stepwise", schemes[0]).numpy().tobytes()
     for name in ("base", "iter_1"):
         out[f"eval {name}"] = json.loads((run_dir / "eval" / f"{name}.json").read_text())["scores"]
     return out

@@ -85,7 +85,7 @@ TRAIN_CASES = {
             "--set",
             "credit.options={x: 1}",
         ],
-        ["options ['x']", "dense"],
+        ["option(s) ['x']", "dense"],
     ),
     "an unknown kernel": (lambda t: ["--set", "sampler.kernel=brownian"], ["unknown kernel 'brownian'"]),
     "an unknown completion method": (lambda t: ["--set", "completion.method=guess"], ["completion"]),

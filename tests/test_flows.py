@@ -108,9 +108,9 @@ def test_the_bare_loop_computes_what_the_pipeline_stores(trained):
     bare = _common.bare_loop(cfg, cfg.run.iterations)
     assert len(bare) == 2
     for i, rec in enumerate(bare):
-        grid = run.reward_grid(i, cfg.reward.name)
+        grid = run.tables.reward_grid(i, cfg.reward.name)
         assert torch.allclose(rec["rewards"].float(), grid, atol=1e-6), i
-        stored = run.advantage_grid(i, cfg.credit.scheme)
+        stored = run.tables.advantage_grid(i, cfg.credit.scheme)
         trained_steps = torch.isfinite(stored)
         assert trained_steps.any()
         assert torch.allclose(rec["advantages"][trained_steps].float(), stored[trained_steps], atol=1e-5), i
@@ -270,7 +270,7 @@ def test_the_curriculum_draws_stored_prompts_by_gain_variance_and_resumes(harnes
     for i in range(3):
         record = run.read_draw(i)
         assert record["window"] == [max(0, i - 2), i]
-        stored_ids = run.read_array(i, "rollout", "prompt_ids")
+        stored_ids = run.stages.read_array(i, "rollout", "prompt_ids")
         assert stored_ids.tolist() == np.repeat(record["prompt_ids"], G).tolist()  # the rollout sampled the draw
     # no history at iteration 0: the uniform draw
     assert run.read_draw(0)["prompt_ids"] == iteration_plan(cfg, splits, 0).prompt_ids[::G].tolist()
@@ -280,10 +280,11 @@ def test_the_curriculum_draws_stored_prompts_by_gain_variance_and_resumes(harnes
     spread = {}
     for j in (0, 1):
         first, v = group_spread(
-            run.reward_grid(j, "jpeg_compressibility"), torch.from_numpy(run.read_array(j, "rollout", "group_ids"))
+            run.tables.reward_grid(j, "jpeg_compressibility"),
+            torch.from_numpy(run.stages.read_array(j, "rollout", "group_ids")),
         )
         for row, value in zip(first.tolist(), v.tolist()):
-            spread.setdefault(position[int(run.read_array(j, "rollout", "prompt_ids")[row])], []).append(value)
+            spread.setdefault(position[int(run.stages.read_array(j, "rollout", "prompt_ids")[row])], []).append(value)
     mean = {p: sum(v) / len(v) for p, v in spread.items()}
     average = sum(mean.values()) / len(mean)
     for p, m in mean.items():
@@ -312,7 +313,7 @@ def test_a_uniform_run_draws_no_stage_and_keys_its_rollout_as_before(trained, ti
     # the published rollout's key is the one a key without a draw gives (runs made before resume)
     from stepgrpo.results import PromptsResult
 
-    prompts = PromptsResult(digest=run.prompts_manifest()["digest"], rows=run.prompts_manifest()["rows"])
+    prompts = PromptsResult(digest=run.tables.prompts_manifest()["digest"], rows=run.tables.prompts_manifest()["rows"])
     key = stage_key("rollout", run, cfg, 0, {"prompts": prompts, "checkpoint": None, "psi": None})
     assert key.accepts(run.stage_manifest(0, "rollout")["inputs"]["key"])
 
@@ -362,7 +363,7 @@ def test_rescore_adds_rows_without_a_transformer_call(trained, calls, decodes):
     assert all(s["images"] == "stored" for s in out["scores"])  # the images the training reward saw
     assert decodes["rows"] == 0
     assert calls["score"] == 2 and calls["rollout"] == calls["complete"] == calls["update"] == 0
-    names = set(Run.open(trained["run_dir"]).read_rewards(0).column("reward_name").to_pylist())
+    names = set(Run.open(trained["run_dir"]).tables.read_rewards(0).column("reward_name").to_pylist())
     assert names == {"jpeg_compressibility", "jpeg_incompressibility"}
     again = rescore(trained["run_dir"], "jpeg_incompressibility")  # cached: nothing recomputed
     assert calls["score"] == 2 and again["scores"] == out["scores"]
@@ -390,10 +391,12 @@ def test_rescore_without_stored_images_loads_only_the_vae(trained, tmp_path, mon
     ours, theirs = Run.open(copy), Run.open(trained["run_dir"])
     for i in (0, 1):
         assert (
-            ours.read_images(i, "completions/remaining").images.tobytes()
-            == theirs.read_images(i, "completions/remaining").images.tobytes()
+            ours.stages.read_images(i, "completions/remaining").images.tobytes()
+            == theirs.stages.read_images(i, "completions/remaining").images.tobytes()
         )
-        assert torch.equal(ours.reward_grid(i, "jpeg_compressibility"), theirs.reward_grid(i, "jpeg_compressibility"))
+        assert torch.equal(
+            ours.tables.reward_grid(i, "jpeg_compressibility"), theirs.tables.reward_grid(i, "jpeg_compressibility")
+        )
     again = rescore(str(copy), "shapes", iterations=[0])  # cached task
     assert again["scores"][0] == out["scores"][0] and decodes["rows"] == 52
 
@@ -405,9 +408,9 @@ def test_credit_recomputes_advantages_from_stored_rewards(trained, calls):
     out = credit(trained["run_dir"], "turning_point")
     assert calls["credit"] == 2 and calls["rollout"] == calls["complete"] == calls["score"] == 0
     run = Run.open(trained["run_dir"])
-    schemes = set(run.read_advantages(1).column("scheme").to_pylist())
+    schemes = set(run.tables.read_advantages(1).column("scheme").to_pylist())
     assert schemes == {"stepwise", "turning_point"}
-    grid = run.advantage_grid(1, "turning_point", out["advantages"][1]["options_digest"])
+    grid = run.tables.advantage_grid(1, "turning_point", out["advantages"][1]["options_digest"])
     assert grid.shape == (6, 4) and bool(torch.isfinite(grid).all())
 
 
@@ -429,7 +432,7 @@ def test_nan_rewards_fail_the_stage_naming_the_rows(trained, monkeypatch):
     monkeypatch.setitem(REWARDS._facts, "nan_test", {"identity": lambda: ("nan_test", "1")})
     with pytest.raises(StageError, match=r"NaN/inf .*\(traj 0, k 1\)"):
         rescore(trained["run_dir"], "nan_test", iterations=[0])
-    assert Run.open(trained["run_dir"]).read_rewards(0, "nan_test").num_rows == 0
+    assert Run.open(trained["run_dir"]).tables.read_rewards(0, "nan_test").num_rows == 0
 
 
 def test_evaluate_flow_reuses_the_stored_evaluation(trained, calls):
@@ -485,10 +488,10 @@ def test_outcome_without_completion_scores_final_samples_only(harness, tiny, tmp
         run_dir=str(tmp_path / "outcome"),
     )
     run = Run.open(out["run_dir"])
-    assert set(run.read_rewards(0).column("k").to_pylist()) == {0, 4}  # R_0: the ODE sample of x_0
+    assert set(run.tables.read_rewards(0).column("k").to_pylist()) == {0, 4}  # R_0: the ODE sample of x_0
     assert not (Path(out["run_dir"]) / "iter_0" / "completions").exists()
-    assert list(run.read_images(0, "rollout").k) == [0, 4]  # the ODE and the SDE final images only
-    ckpt = run.load_checkpoint(0)
+    assert list(run.stages.read_images(0, "rollout").k) == [0, 4]  # the ODE and the SDE final images only
+    ckpt = run.checkpoints.load_checkpoint(0)
     assert set(ckpt.tensors) == {"lora", "optimizer", "ema", "rng", "signal"}  # signal: the summed half-gradients
     assert ckpt.state["update"]["trained_steps"] == 2.0
 
@@ -506,14 +509,14 @@ def test_states_after_the_sde_window_are_not_recomputed(harness, tiny, tmp_path)
     run = Run.open(out["run_dir"])
     m = run.stage_manifest(0, "completions/remaining")
     assert m["attrs"]["nfe"] == 6 * (4 + 3)  # B = 6; x_0 and x_1 need T - k steps, x_2.. x_4 are x_T
-    grid = run.reward_grid(0, "jpeg_compressibility")
+    grid = run.tables.reward_grid(0, "jpeg_compressibility")
     assert grid.shape == (6, 5) and bool(torch.isfinite(grid).all())  # every k has its row
     for k in (2, 3):
         assert torch.equal(grid[:, k], grid[:, 4])
     # the same as recomputing every state's completion
     cfg = load_config(None, [*tiny, "completion.method=remaining", "run.iterations=1", "sampler.sde_window_size=2"])
     pol = workspace.policy_at(run, cfg, 0)
-    data = run.read_rollout(0)
+    data = run.stages.read_rollout(0)
     texts, _, meta = stored_prompts(run)
     with torch.no_grad():
         full = complete(
@@ -524,7 +527,7 @@ def test_states_after_the_sde_window_are_not_recomputed(harness, tiny, tmp_path)
             encode(pol, texts, data.prompt_ids),
             64,
         )
-    stored = run.read_completion(0, "remaining").latents
+    stored = run.stages.read_completion(0, "remaining").latents
     torch.testing.assert_close(full.latents, torch.from_numpy(stored), rtol=0, atol=1e-5)
     reward = workspace.reward(cfg.reward)
     images = dequantize(pol.decoder.decode_uint8(full.latents.reshape(30, *full.latents.shape[2:])))
@@ -544,8 +547,8 @@ def test_outcome_runs_store_the_ode_sample_of_each_group(harness, tiny, tmp_path
     out = train(overrides=overrides, run_dir=str(tmp_path / "ode"))
     run = Run.open(out["run_dir"])
     assert run.stage_manifest(0, "rollout")["inputs"]["nfe_ode"] == 2 * 4  # one ODE sample per group, T = 4
-    data = run.read_rollout(0)
-    ode_final = torch.from_numpy(run.read_array(0, "rollout", "ode_final"))
+    data = run.stages.read_rollout(0)
+    ode_final = torch.from_numpy(run.stages.read_array(0, "rollout", "ode_final"))
     cfg = load_config(None, overrides)
     pol = workspace.policy_at(run, cfg, 0)
     texts, _, _ = stored_prompts(run)
@@ -557,7 +560,7 @@ def test_outcome_runs_store_the_ode_sample_of_each_group(harness, tiny, tmp_path
         kernel="ode",
     ).states[:, -1]
     torch.testing.assert_close(ode_final, ode, rtol=0, atol=1e-5)
-    grid = run.reward_grid(0, "jpeg_compressibility")
+    grid = run.tables.reward_grid(0, "jpeg_compressibility")
     assert bool(torch.isfinite(grid[:, 0]).all()) and bool(torch.isfinite(grid[:, -1]).all())
     assert torch.equal(grid[0:3, 0], grid[0:1, 0].expand(3))  # shared within a group
 
@@ -570,9 +573,9 @@ def test_shared_x0_false_gives_each_member_its_own_noise_and_R0(harness, tiny, t
     out = train(overrides=[*overrides, "sampler.shared_x0=false"], run_dir=str(tmp_path / "own"))
     run = Run.open(out["run_dir"])
     assert run.stage_manifest(0, "rollout")["inputs"]["nfe_ode"] == 6 * 4  # one ODE sample per member
-    x0 = torch.from_numpy(run.read_array(0, "rollout", "states")[:, 0]).reshape(6, -1)
+    x0 = torch.from_numpy(run.stages.read_array(0, "rollout", "states")[:, 0]).reshape(6, -1)
     assert len({tuple(row.tolist()) for row in x0}) == 6  # no two members share x_0
-    grid = run.reward_grid(0, "jpeg_compressibility")
+    grid = run.tables.reward_grid(0, "jpeg_compressibility")
     assert len(set(grid[0:3, 0].tolist())) > 1  # R_0 per member
     # the shared default keys its rollout as runs made before the option (no field in its key)
     shared = train(overrides=overrides, run_dir=str(tmp_path / "shared"))
@@ -593,7 +596,7 @@ def test_substeps_complete_the_window_s_last_state_by_the_same_method(harness, t
     m = run.stage_manifest(0, "completions/substeps-2")
     assert m["attrs"]["deterministic_from"] == 3  # x_0, x_1 and the window's last state x_2
     assert m["attrs"]["nfe"] == 6 * 2 * 3
-    grid = run.reward_grid(0, "jpeg_compressibility")
+    grid = run.tables.reward_grid(0, "jpeg_compressibility")
     assert torch.equal(grid[:, 3], grid[:, 4])  # after the window's last state: the sample's own reward
     assert not torch.equal(grid[:, 2], grid[:, 4])  # x_2 by 2 substeps, not by the rollout's own ODE
 
@@ -612,7 +615,7 @@ def test_credit_quality_is_stored_reused_and_computed_again_when_damaged(trained
         rows = {r["scheme"]: r for r in out["gradient"][label]["rows"]}
         assert set(rows) == set(out["schemes"]) and "diff" not in rows["outcome"] and "diff" in rows["dense"]
     values = torch.tensor(out["values"], dtype=torch.float64)
-    grid = Run.open(trained["run_dir"]).reward_grid(1, "jpeg_compressibility").double()
+    grid = Run.open(trained["run_dir"]).tables.reward_grid(1, "jpeg_compressibility").double()
     torch.testing.assert_close(values[:, -1], grid[:, -1])  # V(x_T) = R_T
     record = Path(out["record"])
     assert record.parent.name == "credit_quality" and record.is_file()
@@ -708,7 +711,7 @@ def test_end_to_end_on_the_shipped_shapes_model(harness, tmp_path):
     assert [e["label"] for e in out["evaluations"]] == ["base", "iter_1"]
     for e in out["evaluations"]:
         assert 0.0 <= e["reward_mean"] <= 1.0 and 0.0 <= e["reward_strict"] <= 1.0
-    grid = Run.open(out["run_dir"]).reward_grid(1, "shapes")
+    grid = Run.open(out["run_dir"]).tables.reward_grid(1, "shapes")
     # the demo is outcome credit: R_0 (the ODE sample of each group's noise) and R_T are scored
     assert grid.shape == (8, 5) and bool(torch.isfinite(grid[:, [0, 4]]).all()) and bool(grid[:, 1:4].isnan().all())
 
@@ -831,7 +834,7 @@ def test_planted_result_records_run_nothing(trained, tiny, tmp_path, calls):
     assert sum(calls.values()) == 0  # resumed from the stored stages, nothing computed
     assert [e["reward_mean"] for e in again["evaluations"]] == [e["reward_mean"] for e in trained["evaluations"]]
     assert [s["reward_mean"] for s in rescored["scores"]] == [
-        float(Run.open(copy).reward_grid(i, "jpeg_compressibility")[:, -1].mean()) for i in (0, 1)
+        float(Run.open(copy).tables.reward_grid(i, "jpeg_compressibility")[:, -1].mean()) for i in (0, 1)
     ]
 
 
@@ -861,7 +864,7 @@ def test_resume_recomputes_a_damaged_stage_and_keeps_the_damaged_copy(trained, t
     chunk = sorted((copy / "iter_1" / "rollout.zarr" / "states").glob("c.*"))[-1]
     _flip(chunk)
     (copy / "iter_0" / "completions" / "remaining.zarr" / "_published.json").unlink()  # a half-deleted stage
-    part = copy / "rewards" / f"part-{run.rewards_digest(0, 'jpeg_compressibility', '1')[:32]}.parquet"
+    part = copy / "rewards" / f"part-{run.tables.rewards_digest(0, 'jpeg_compressibility', '1')[:32]}.parquet"
     _edit_a_value(part)
     train(overrides=tiny, run_dir=str(copy))
     assert calls["rollout"] == 1 and calls["complete"] == 1 and calls["score"] == 1, calls
@@ -945,8 +948,8 @@ def test_retention_prunes_finished_iterations_and_the_run_still_resumes(harness,
         assert run.pruned(i, "rollout")["removed"] == ["states", "ode_final"]
         assert run.pruned(i, "completions/remaining")["removed"] == ["latents"]
         assert run.pruned(i, "images/remaining") is not None
-        assert run.read_array(i, "rollout", "group_ids").shape == (6,)  # the plan and log-probs stay
-    assert run.pruned(2, "rollout") is None and run.read_rollout(2).states.shape[0] == 6
+        assert run.stages.read_array(i, "rollout", "group_ids").shape == (6,)  # the plan and log-probs stay
+    assert run.pruned(2, "rollout") is None and run.stages.read_rollout(2).states.shape[0] == 6
     # checkpoints: iter_1 (every 2nd) and iter_2 (the latest, evaluated) keep their weights
     assert "lora" in run.pruned(0, "checkpoint")["removed"]
     assert run.pruned(1, "checkpoint") is None and run.pruned(2, "checkpoint") is None
@@ -1004,18 +1007,19 @@ def test_an_installed_plugin_rescores_and_recredits_a_stored_run_offline(
     version = "1+" + options_digest({"sharpness": 2.0})[:8]  # the options are part of the rows' identity
     assert {(s["reward_name"], s["reward_version"]) for s in out["scores"]} == {("redness", version)}
     run = Run.open(run_dir)
-    grid = run.reward_grid(0, "redness")
+    grid = run.tables.reward_grid(0, "redness")
     assert torch.isfinite(grid).all() and grid.shape[0] == run.stage_manifest(0, "rollout")["counts"]["trajectories"]
     credited = credit(str(run_dir), "group_rank", reward="redness")
     assert [a["scheme"] for a in credited["advantages"]] == ["group_rank"] * 2
-    assert run.advantage_grid(0, "group_rank").abs().sum() > 0
+    assert run.tables.advantage_grid(0, "group_rank").abs().sum() > 0
     # the same objects by reference, without the entry points: the identity (and so the rows) is the same
     again = rescore(str(run_dir), "stepgrpo_redness:Redness", {"sharpness": 2.0})
     assert again["scores"] == out["scores"] and calls["score"] == 2  # cached: nothing scored again
     other = rescore(str(run_dir), "redness", {"sharpness": 3.0})  # other options: new rows, never the old ones
     assert calls["score"] == 4 and {s["reward_version"] for s in other["scores"]} != {version}
     assert not torch.equal(
-        run.reward_grid(0, "redness", version), run.reward_grid(0, "redness", other["scores"][0]["reward_version"])
+        run.tables.reward_grid(0, "redness", version),
+        run.tables.reward_grid(0, "redness", other["scores"][0]["reward_version"]),
     )
 
 

@@ -129,7 +129,7 @@ def test_one_training_iteration_of_every_scheme_on_flux(harness, flux_dir, tmp_p
     ]  # fmt: skip
     out = train(overrides=over, run_dir=str(tmp_path / scheme))
     run = Run.open(out["run_dir"])
-    assert run.read_array(0, "rollout", "states").shape == (4, 4, 4, 16, 16)  # unpacked latents, T + 1 states
+    assert run.stages.read_array(0, "rollout", "states").shape == (4, 4, 4, 16, 16)  # unpacked latents, T + 1 states
     assert run.stage_manifest(0, "checkpoint") is not None
     assert (Path(out["run_dir"]) / "lora" / "pytorch_lora_weights.safetensors").is_file()
     assert [e["label"] for e in out["evaluations"]] == ["base", "iter_0"]

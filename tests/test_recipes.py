@@ -87,7 +87,7 @@ def test_the_recipe_reaches_its_first_rollout(recipe, sd35_like, flux_like, tmp_
     key = stage_key("rollout", run, cfg, 0, {"prompts": prompts, "checkpoint": None, "psi": None})
     result = rollout_stage.execute(run, cfg, 0, noise, key)
     assert result.trajectories == 2
-    data = run.read_rollout(0)
+    data = run.stages.read_rollout(0)
     assert data.states.shape[:2] == (2, cfg.sampler.steps + 1) and bool(
         torch.isfinite(torch.from_numpy(data.states)).all()
     )

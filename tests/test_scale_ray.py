@@ -31,7 +31,7 @@ def test_ray_shards_store_the_in_process_bytes_and_a_killed_worker_is_retried(
     shards = [
         s
         for i in (0, 1)
-        for s in run.rows_info("rewards", run.rewards_digest(i, "jpeg_compressibility", "1"))["shards"]
+        for s in run.tables.rows_info("rewards", run.tables.rewards_digest(i, "jpeg_compressibility", "1"))["shards"]
     ]
     assert len(shards) == 8 and all(s["reward_loads"] == 1 for s in shards)
     assert len({s["pid"] for s in shards}) < len(shards)

@@ -190,7 +190,7 @@ def test_no_write_follows_a_link_out_of_the_run(tmp_path, link):
         import numpy as np
 
         with pytest.raises(StorageError, match="symbolic link"):
-            run.append_rewards(0, "shapes", "1", np.arange(2), np.zeros(2, int), np.zeros(2))
+            run.tables.append_rewards(0, "shapes", "1", np.arange(2), np.zeros(2, int), np.zeros(2))
     assert [p.name for p in outside.iterdir()] == ["precious"] and (outside / "precious").read_text() == "keep me"
 
 

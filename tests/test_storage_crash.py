@@ -31,7 +31,7 @@ def traj(b):
     }
 
 def begin(run):
-    return run.begin_rollout(
+    return run.stages.begin_rollout(
         0, sigmas=np.linspace(1, 0, T + 1), seeds=np.arange(B), prompt_ids=np.arange(B) // 2,
         group_ids=np.arange(B) // 2, latent_shape=LATENT, latent_dtype="float16", kernel="sde",
         kernel_params={"eta": 1.0},
@@ -59,7 +59,7 @@ def expected(b: int) -> dict:
 
 
 def check_rollout(run: Run) -> None:
-    data = run.read_rollout(0)
+    data = run.stages.read_rollout(0)
     for b in range(B):
         for name, value in expected(b).items():
             assert getattr(data, name)[b].tobytes() == value.tobytes(), (name, b)
@@ -197,15 +197,15 @@ def test_flipped_byte_in_a_chunk_is_detected_naming_array_and_chunk(published):
     with pytest.raises(
         CorruptChunkError, match=r"rollout\.zarr/states chunk \(2, 0, 0, 0, 0\) \(trajectory 2\) failed its crc32c"
     ):
-        published.read_rollout(0)
+        published.stages.read_rollout(0)
     # the other trajectories are still readable
-    assert published.read_rollout(0, [0, 1, 3]).states[2].tobytes() == expected(3)["states"].tobytes()
+    assert published.stages.read_rollout(0, [0, 1, 3]).states[2].tobytes() == expected(3)["states"].tobytes()
     flip_byte(store / "log_probs" / "c.5.0", 0)
     with pytest.raises(CorruptChunkError, match=r"log_probs chunk \(5, 0\) \(trajectory 5\)"):
-        published.read_array(0, "rollout", "log_probs", [5])
+        published.stages.read_array(0, "rollout", "log_probs", [5])
     flip_byte(store / "sigmas" / "c.0", 2)
     with pytest.raises(CorruptChunkError, match=r"sigmas chunk \(0,\) failed"):
-        published.read_array(0, "rollout", "sigmas")
+        published.stages.read_array(0, "rollout", "sigmas")
 
 
 def test_truncated_or_missing_chunk_is_detected(published):
@@ -213,17 +213,17 @@ def test_truncated_or_missing_chunk_is_detected(published):
     chunk = store / "states" / "c.6.0.0.0.0"
     chunk.write_bytes(chunk.read_bytes()[:100])
     with pytest.raises(CorruptChunkError, match=r"states chunk \(6, 0, 0, 0, 0\) \(trajectory 6\) has the wrong size"):
-        published.read_array(0, "rollout", "states", [6])
+        published.stages.read_array(0, "rollout", "states", [6])
     chunk.unlink()
     with pytest.raises(CorruptChunkError, match=r"\(trajectory 6\) is missing"):
-        published.read_array(0, "rollout", "states", [6])
+        published.stages.read_array(0, "rollout", "states", [6])
 
 
 def _begin_resumable(run, key, kernel="sde"):
     import numpy as np
 
     T, latent = 4, (4, 16, 16)
-    return run.begin_rollout(
+    return run.stages.begin_rollout(
         0,
         sigmas=np.linspace(1, 0, T + 1),
         seeds=np.arange(B),

@@ -42,7 +42,7 @@ def rollout_inputs(seed: int = 0, dtype: torch.dtype = torch.float16) -> dict:
 
 
 def write_rollout(run: Run, iteration: int, x: dict, dtype: str = "float16", order=(0, 2)) -> dict:
-    with run.begin_rollout(
+    with run.stages.begin_rollout(
         iteration,
         sigmas=x["sigmas"],
         seeds=x["seeds"],
@@ -74,7 +74,7 @@ def test_rollout_round_trip_is_bit_exact(tmp_path, dtype, stored):
     run = Run.create(tmp_path, "r", {"seed": 0})
     x = rollout_inputs(dtype=getattr(torch, dtype))
     manifest = write_rollout(run, 0, x, dtype)
-    data = run.read_rollout(0)
+    data = run.stages.read_rollout(0)
     # bf16 is stored as its 16 bits and read as float32: exact, every bf16 value is a float32 value
     assert same_bits(data.states, x["states"].float().numpy().astype(stored))
     chunk = run.stage_path(0, "rollout") / "states" / "c.0.0.0.0.0"
@@ -89,7 +89,7 @@ def test_rollout_round_trip_is_bit_exact(tmp_path, dtype, stored):
     assert manifest["counts"] == {"trajectories": B, "steps": T, "states": T + 1, "bytes": manifest["counts"]["bytes"]}
     assert manifest["attrs"]["source_dtype"] == dtype
     # selecting trajectories selects the per-trajectory rows and the plan rows alike
-    part = run.read_rollout(0, [3, 1])
+    part = run.stages.read_rollout(0, [3, 1])
     assert same_bits(part.states, data.states[[3, 1]]) and list(part.seeds) == [1003, 1001]
     # the store is plain Zarr v3 with the schema's layout and checksum codec
     group = zarr.open_group(str(run.stage_path(0, "rollout")), mode="r")
@@ -99,7 +99,7 @@ def test_rollout_round_trip_is_bit_exact(tmp_path, dtype, stored):
         if dtype == "bfloat16" and spec.dtype == "latent":  # a plain Zarr reader sees the bits
             assert plain.dtype == np.uint16 and group.attrs["latent_dtype"] == "bfloat16"
             plain = bf16_values(plain)
-        assert same_bits(plain, run.read_array(0, "rollout", spec.name))
+        assert same_bits(plain, run.stages.read_array(0, "rollout", spec.name))
         assert arr.metadata.dimension_names == spec.axes
         assert "crc32c" in json.dumps(arr.metadata.to_dict()["codecs"])
         assert arr.chunks[0] == (1 if spec.per_trajectory else arr.shape[0])
@@ -112,7 +112,7 @@ def test_a_bf16_store_refuses_values_that_are_not_bf16(tmp_path):
         write_rollout(run, 0, x, "bfloat16")
     exact = {**x, "states": x["states"].to(torch.bfloat16).float(), "ode_final": x["ode_final"].to(torch.bfloat16)}
     write_rollout(run, 1, exact, "bfloat16")  # float32 holding bf16 values is stored exactly
-    assert same_bits(run.read_rollout(1).states, exact["states"].numpy())
+    assert same_bits(run.stages.read_rollout(1).states, exact["states"].numpy())
 
 
 def test_completion_round_trip(tmp_path):
@@ -120,10 +120,10 @@ def test_completion_round_trip(tmp_path):
     x = rollout_inputs()
     write_rollout(run, 0, x)
     latents = torch.randn(B, T + 1, C, H, W).half()
-    with run.begin_completion(0, "heun") as w:
+    with run.stages.begin_completion(0, "heun") as w:
         w.write(0, latents=latents)
         manifest = w.publish(attrs={"nfe": 24})
-    data = run.read_completion(0, "heun")
+    data = run.stages.read_completion(0, "heun")
     assert same_bits(data.latents, latents.numpy())
     assert (data.method, data.nfe) == ("heun", 24)
     assert manifest["attrs"]["rollout_digest"] == run.stage_manifest(0, "rollout")["digest"]
@@ -135,21 +135,21 @@ def test_images_round_trip_and_follow_their_source(tmp_path):
     run = Run.create(tmp_path, "r", {"seed": 0})
     write_rollout(run, 0, rollout_inputs())
     with pytest.raises(NotPublishedError, match="publish completions/heun"):
-        run.begin_images(0, "completions/heun", k=np.arange(T + 1), image_shape=(3, 8, 8))
-    assert run.read_images(0, "rollout") is None
+        run.stages.begin_images(0, "completions/heun", k=np.arange(T + 1), image_shape=(3, 8, 8))
+    assert run.stages.read_images(0, "rollout") is None
     final = np.random.default_rng(0).integers(0, 256, (B, 1, 3, 8, 8), dtype=np.uint8)
-    with run.begin_images(0, "rollout", k=[T], image_shape=(3, 8, 8)) as w:
+    with run.stages.begin_images(0, "rollout", k=[T], image_shape=(3, 8, 8)) as w:
         w.write(0, images=final)
         manifest = w.publish()
-    got = run.read_images(0, "rollout")
+    got = run.stages.read_images(0, "rollout")
     assert same_bits(got.images, final) and list(got.k) == [T] and got.source == "rollout"
     assert manifest["counts"]["trajectories"] == B and manifest["counts"]["states"] == 1
     assert run.stage_path(0, "images/final").name == "final.zarr"
-    assert same_bits(run.read_images(0, "rollout", [2]).images, final[[2]])
+    assert same_bits(run.stages.read_images(0, "rollout", [2]).images, final[[2]])
     group = zarr.open_group(str(run.stage_path(0, "images/final")), mode="r")  # plain Zarr v3
     assert same_bits(group["images"][...], final)
     with pytest.raises(AlreadyPublishedError):
-        run.begin_images(0, "rollout", k=[T], image_shape=(3, 8, 8))
+        run.stages.begin_images(0, "rollout", k=[T], image_shape=(3, 8, 8))
     # images of a completion; when the completion is replaced by other content they are ignored
     lat = torch.randn(B, T + 1, C, H, W).half()
     for attempt in range(2):
@@ -158,17 +158,17 @@ def test_images_round_trip_and_follow_their_source(tmp_path):
 
             shutil.rmtree(run.stage_path(0, "completions/heun"))
             lat = lat + 1
-        with run.begin_completion(0, "heun") as w:
+        with run.stages.begin_completion(0, "heun") as w:
             w.write(0, latents=lat)
             w.publish(attrs={"nfe": 1})
         if not attempt:
-            with run.begin_images(0, "completions/heun", k=np.arange(T + 1), image_shape=(3, 8, 8)) as w:
+            with run.stages.begin_images(0, "completions/heun", k=np.arange(T + 1), image_shape=(3, 8, 8)) as w:
                 w.write(0, images=np.zeros((B, T + 1, 3, 8, 8), np.uint8))
                 w.publish()
-            assert run.read_images(0, "completions/heun").images.shape == (B, T + 1, 3, 8, 8)
-    assert run.read_images(0, "completions/heun") is None
+            assert run.stages.read_images(0, "completions/heun").images.shape == (B, T + 1, 3, 8, 8)
+    assert run.stages.read_images(0, "completions/heun") is None
     with pytest.raises(ValueError, match="images are decoded from"):
-        run.images_stage("checkpoint")
+        run.stages.images_stage("checkpoint")
 
 
 def test_digest_is_deterministic_and_content_sensitive(tmp_path):
@@ -185,8 +185,8 @@ def test_publish_rules(tmp_path):
     run = Run.create(tmp_path, "r", {})
     x = rollout_inputs()
     with pytest.raises(NotPublishedError, match="publish the rollout"):
-        run.begin_completion(0, "heun")
-    with run.begin_rollout(
+        run.stages.begin_completion(0, "heun")
+    with run.stages.begin_rollout(
         0,
         sigmas=x["sigmas"],
         seeds=x["seeds"],
@@ -212,7 +212,7 @@ def test_publish_rules(tmp_path):
     with pytest.raises(AlreadyPublishedError):
         write_rollout(run, 0, x)
     with pytest.raises(NotPublishedError):
-        run.read_rollout(1)
+        run.stages.read_rollout(1)
     assert run.stage_manifest(1, "rollout") is None
     assert run.iterations() == [0]
 
@@ -221,8 +221,8 @@ def test_runs_with_different_ids_are_isolated(tmp_path):
     a, b = Run.create(tmp_path, "a", {"x": 1}), Run.create(tmp_path, "b", {"x": 2})
     x = rollout_inputs()
     # the same stage of two runs can be open at once: different locks, different directories
-    wa = a.begin_checkpoint(0)
-    wb = b.begin_checkpoint(0)
+    wa = a.checkpoints.begin_checkpoint(0)
+    wb = b.checkpoints.begin_checkpoint(0)
     (wa.path / "state.json").write_text("{}")
     (wb.path / "state.json").write_text("{}")
     wa.publish(), wb.publish()
@@ -264,7 +264,7 @@ def test_stage_written_with_another_schema_version_is_refused(tmp_path):
     manifest = json.loads(published.read_text())
     published.write_text(json.dumps(seal({**manifest, "schema_version": 99})))  # sealed by the code that wrote it
     with pytest.raises(SchemaVersionError, match="version 99"):
-        run.read_rollout(0)
+        run.stages.read_rollout(0)
 
 
 def test_checkpoint_round_trip(tmp_path):
@@ -275,10 +275,10 @@ def test_checkpoint_round_trip(tmp_path):
         "optimizer": {"step": torch.tensor(3), "exp_avg.0": torch.randn(4, 2)},
     }
     state = {"iteration": 1, "torch_rng": torch.get_rng_state().tolist(), "numpy_rng": [1, 2, 3]}
-    run.save_checkpoint(1, tensors, state)
-    run.save_checkpoint(0, {"lora": {"a.weight": torch.zeros(1)}}, {"iteration": 0})
-    assert run.latest_checkpoint() == 1
-    ckpt = run.load_checkpoint()
+    run.checkpoints.save_checkpoint(1, tensors, state)
+    run.checkpoints.save_checkpoint(0, {"lora": {"a.weight": torch.zeros(1)}}, {"iteration": 0})
+    assert run.checkpoints.latest_checkpoint() == 1
+    ckpt = run.checkpoints.load_checkpoint()
     assert ckpt.iteration == 1 and ckpt.state == state
     for group, named in tensors.items():
         for name, t in named.items():
@@ -287,12 +287,12 @@ def test_checkpoint_round_trip(tmp_path):
     # tampering is detected against the published digest
     (run.stage_path(1, "checkpoint") / "state.json").write_text('{"iteration": 2}')
     with pytest.raises(Exception, match="do not match the published digest"):
-        run.load_checkpoint(1)
+        run.checkpoints.load_checkpoint(1)
 
 
 def test_run_directory_holds_data_only(tmp_path):
     run = Run.create(tmp_path, "r", {})
-    with run.begin_checkpoint(0) as w:
+    with run.checkpoints.begin_checkpoint(0) as w:
         (w.path / "optimizer.pt").write_bytes(b"\x80\x04pickle")
         with pytest.raises(ValueError, match="no pickle"):
             w.publish()
@@ -303,17 +303,17 @@ def test_prompts_round_trip_and_write_once(tmp_path):
     run = Run.create(tmp_path, "r", {})
     ids, texts, splits = [2, 0, 1], ["two red circles", "a blue square", "ünïcode ✓"], ["train", "test", "train"]
     meta = [{"objects": [{"shape": "circle", "count": 2}]}, {}, {"x": 1.5}]
-    record = run.write_prompts(ids, texts, splits, meta)
-    assert run.prompts_manifest() == record and record["rows"] == 3
-    rows = run.read_prompts().to_pylist()
+    record = run.tables.write_prompts(ids, texts, splits, meta)
+    assert run.tables.prompts_manifest() == record and record["rows"] == 3
+    rows = run.tables.read_prompts().to_pylist()
     assert [r["prompt_id"] for r in rows] == [0, 1, 2]
     by_id = {r["prompt_id"]: r for r in rows}
     for i, t, s, m in zip(ids, texts, splits, meta):
         assert (by_id[i]["text"], by_id[i]["split"], json.loads(by_id[i]["metadata"])) == (t, s, m)
-    assert run.write_prompts(ids, texts, splits, meta) == record  # identical rewrite: no-op
+    assert run.tables.write_prompts(ids, texts, splits, meta) == record  # identical rewrite: no-op
     with pytest.raises(ValueError, match="immutable"):
-        run.write_prompts([0], ["other"], ["train"])
-    assert run.read_prompts().to_pandas().shape == (3, 4)
+        run.tables.write_prompts([0], ["other"], ["train"])
+    assert run.tables.read_prompts().to_pandas().shape == (3, 4)
 
 
 def test_options_digest_is_canonical():

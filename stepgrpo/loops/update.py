@@ -55,7 +55,7 @@ def train(
     opt = training.make_optimizer(pol.trainable_parameters(), cfg, iteration)
     ema, signal = None, {}
     if iteration > 0:
-        prev = run.load_checkpoint(iteration - 1)
+        prev = run.checkpoints.load_checkpoint(iteration - 1)
         training.load_optimizer_tensors(opt, prev.tensors.get("optimizer", {}))
         ema = prev.tensors.get("ema")
         signal = dict(prev.tensors.get("signal", {}))
@@ -63,11 +63,11 @@ def train(
         ema = workspace.lora_state(pol)
     if cfg.optim.kl_reference == "ema":
         pol.set_reference(ema)  # the EMA after the previous iteration (the base weights at iteration 0)
-    data = run.read_rollout(iteration)
+    data = run.stages.read_rollout(iteration)
     batch = training.Batch(
         states=torch.from_numpy(data.states).to(pol.device, pol.dtype),
         old_log_probs=torch.from_numpy(data.log_probs).to(pol.device),
-        advantages=run.advantage_grid(iteration, scheme, options_digest).to(pol.device),
+        advantages=run.tables.advantage_grid(iteration, scheme, options_digest).to(pol.device),
         group_ids=torch.from_numpy(data.group_ids),
         cond=encode(pol, stored_prompts(run).texts, data.prompt_ids),
         sigmas=torch.from_numpy(data.sigmas).to(pol.device),
@@ -101,7 +101,7 @@ def train(
     if parallel is not None:
         inputs["processes"] = parallel.world
     # timings and counters go in the manifest, not the digested files: equal inputs, equal checkpoint bytes
-    run.save_checkpoint(iteration, tensors, training.checkpoint_state(iteration, summary), inputs=inputs)
+    run.checkpoints.save_checkpoint(iteration, tensors, training.checkpoint_state(iteration, summary), inputs=inputs)
 
 
 def launch(run: Run, cfg: Config, iteration: int, scheme: str, options_digest: str, key: str) -> None:

@@ -238,7 +238,7 @@ def lora_before(run: Run, cfg: Config, iteration: int) -> dict[str, torch.Tensor
     """The LoRA weights the policy has when iteration `iteration` starts."""
     if iteration == 0:
         return initial_lora(cfg)
-    return run.load_checkpoint(iteration - 1).tensors[trained_group(cfg)]
+    return run.checkpoints.load_checkpoint(iteration - 1).tensors[trained_group(cfg)]
 
 
 def policy_at(run: Run, cfg: Config, iteration: int) -> Policy:
@@ -254,7 +254,7 @@ def policy_after(run: Run, cfg: Config, iteration: int | None) -> Policy:
     if iteration is None:
         set_lora(pol, initial_lora(cfg))
     else:
-        ckpt = run.load_checkpoint(iteration)
+        ckpt = run.checkpoints.load_checkpoint(iteration)
         set_lora(pol, ckpt.tensors.get("ema", ckpt.tensors[trained_group(cfg)]))
     return pol
 

@@ -163,6 +163,6 @@ def read_prompt_file(path: Path) -> tuple[list[str], list[dict[str, Any]]]:
 
 def stored_prompts(run: Run) -> Prompts:
     """The prompt table a run stored (its prompts stage), by prompt id."""
-    table = run.read_prompts().sort_by("prompt_id")
+    table = run.tables.read_prompts().sort_by("prompt_id")
     meta = [json.loads(m) for m in table.column("metadata").to_pylist()]
     return Prompts(table.column("text").to_pylist(), table.column("split").to_pylist(), meta)
