@@ -19,7 +19,8 @@ from storage.writer import StageWriter, digest_files
 if TYPE_CHECKING:
     import torch
 
-    from storage.run import Run
+    from storage.owner import RunDir
+
 
 STATE_FILE = "state.json"
 
@@ -37,7 +38,7 @@ class Checkpoint:
 class Checkpoints:
     """A run's checkpoints: safetensors weights with a JSON state, digest-checked on load (`Run.checkpoints`)."""
 
-    def __init__(self, run: Run) -> None:
+    def __init__(self, run: RunDir) -> None:
         self.run = run
 
     def begin_checkpoint(self, iteration: int) -> StageWriter:

@@ -21,7 +21,7 @@ from storage.schema import ADVANTAGES_KEY, ADVANTAGES_SCHEMA, REWARDS_KEY, REWAR
 if TYPE_CHECKING:
     import torch
 
-    from storage.run import Run
+    from storage.owner import RunDir
 
 
 TABLES = {"rewards": (REWARDS_SCHEMA, REWARDS_KEY), "advantages": (ADVANTAGES_SCHEMA, ADVANTAGES_KEY)}
@@ -30,7 +30,7 @@ TABLES = {"rewards": (REWARDS_SCHEMA, REWARDS_KEY), "advantages": (ADVANTAGES_SC
 class RunTables:
     """A run's Parquet tables: prompts, rewards, advantages (`Run.tables`)."""
 
-    def __init__(self, run: Run) -> None:
+    def __init__(self, run: RunDir) -> None:
         self.run = run
 
     # --- prompts --------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from storage.schema import COMPLETION, IMAGES, ROLLOUT, StoreSpec, latent_storag
 from storage.writer import StageWriter, abort_on_error
 
 if TYPE_CHECKING:
-    from storage.run import Run
+    from storage.owner import RunDir
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class ImagesData:
 class StageStores:
     """A run's Zarr stages: rollouts, completions, decoded images (`Run.stages`)."""
 
-    def __init__(self, run: Run) -> None:
+    def __init__(self, run: RunDir) -> None:
         self.run = run
 
     def begin_rollout(
