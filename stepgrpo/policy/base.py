@@ -53,7 +53,7 @@ def _absent_components(source: str) -> dict[str, None]:
 
 
 class ImageDecoder:
-    """The VAE half of an SD3 pipeline: clean latents -> images.
+    """The VAE half of a pipeline: clean latents -> images.
 
     Scoring needs only this, so re-scoring a stored run loads the VAE alone
     (`ImageDecoder.from_pretrained`), not the transformer and text encoders.
@@ -238,7 +238,7 @@ class TransformerPolicy:
         device: str | torch.device | None = "cpu",
         **options: Any,
     ) -> Self:
-        """Load a `StableDiffusion3Pipeline` directory or hub id (default: the shipped `models/shapes`).
+        """Load a pipeline directory or hub id of the subclass's `PIPELINE` (default: the shipped `models/shapes`).
 
         dtype: `None` -> fp32 on CPU, bf16 on GPU; or "float32" / "float16" / "bfloat16".
         device: "cpu", "cuda", ... (`None` -> CUDA if available).
