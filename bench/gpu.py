@@ -1143,7 +1143,7 @@ def main() -> None:
     report = Report(args.out, {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine(device)})
     report.line(f"stepgrpo GPU checks: {json.dumps(report.data['meta']['machine'])}")
     start = time.perf_counter()
-    trajectories, micro = (4, 2) if args.small else (8, 4)
+    trajectories, micro = (2, 1) if args.small else (8, 4)  # --small: every path, the fewest rows
     if not args.skip_checks:
         section_correctness(report, device, trajectories, micro)
         report.line(f"  section 1: {time.perf_counter() - start:.1f} s")

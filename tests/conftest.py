@@ -1,14 +1,18 @@
-"""Fixtures shared by test modules: a Prefect server of the tests' own."""
+"""Fixtures shared by test modules: one Prefect server for the test session, the tests' cache."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -21,36 +25,110 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """A `prefect server start` for the module: the environment whose PREFECT_API_URL points at it."""
-    home = tmp_path_factory.mktemp("prefect-home")
+# A cache of derived files (the empty MLflow store template) of the tests' own, kept between sessions.
+os.environ.setdefault("STEPGRPO_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"stepgrpo-tests-cache-{os.getuid()}"))
+
+# The Prefect server that a whole test session shares (`pytest -n`: every worker too), started by the
+# first test that needs it and stopped when the session ends (the controller stops it; a watcher stops
+# it if the session is killed). Each start costs ~15 s of CPU, a temporary server per process as much.
+SERVER_INFO = "prefect-server.json"
+WATCH = """
+import os, signal, sys, time
+session, group = int(sys.argv[1]), int(sys.argv[2])
+while True:
+    time.sleep(1)
+    try:
+        os.kill(session, 0)
+    except ProcessLookupError:
+        try:
+            os.killpg(group, signal.SIGTERM)
+        finally:
+            sys.exit(0)
+"""
+
+
+def shared(tmp_path_factory, name: str) -> Path:
+    """A path every worker of this test session sees (`pytest -n`: the workers' common base)."""
+    root = tmp_path_factory.getbasetemp()
+    return (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / name
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _start_server(root: Path) -> dict[str, str]:
+    home = root / "prefect-home"
+    home.mkdir(parents=True, exist_ok=True)
     port = free_port()
     env = dict(os.environ, PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", COLUMNS="250")
     env.pop("PREFECT_API_URL", None)
+    log = (root / "prefect-server.log").open("w")
     proc = subprocess.Popen(
         [*PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
         env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
         start_new_session=True,
     )
+    session = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
+    watcher = subprocess.Popen([sys.executable, "-c", WATCH, str(session), str(proc.pid)], start_new_session=True)
     url = f"http://127.0.0.1:{port}/api"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "prefect server did not start"
-            time.sleep(0.5)
-        yield dict(env, PREFECT_API_URL=url)
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
+    deadline = time.monotonic() + 180
+    while not _healthy(url):
+        assert proc.poll() is None and time.monotonic() < deadline, (root / "prefect-server.log").read_text()[-3000:]
+        time.sleep(0.5)
+    return {"url": url, "home": str(home), "pid": proc.pid, "watcher": watcher.pid}
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory) -> dict[str, str]:
+    """The session's Prefect server: its API URL and the PREFECT_HOME of its processes."""
+    from filelock import FileLock
+
+    root = shared(tmp_path_factory, "prefect")
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / ".lock")):
+        info = root / SERVER_INFO
+        if info.is_file() and _healthy(json.loads(info.read_text())["url"]):
+            return json.loads(info.read_text())
+        data = _start_server(root)
+        info.write_text(json.dumps(data))
+        return data
+
+
+def pytest_sessionfinish(session):
+    """The controller (or the one process) stops the session's Prefect server."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    info = factory.getbasetemp() / "prefect" / SERVER_INFO if factory else None
+    if info is not None and info.is_file():
+        data = json.loads(info.read_text())
+        for group in (data["pid"], data["watcher"]):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGTERM)
+
+
+@pytest.fixture(scope="module")
+def server(prefect_server):
+    """The environment of a process that talks to the session's Prefect server."""
+    env = dict(os.environ, PREFECT_HOME=prefect_server["home"], PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    env.update(COLUMNS="250", PREFECT_API_URL=prefect_server["url"])
+    return env
+
+
+@pytest.fixture(scope="module")
+def harness(prefect_server):
+    """This process's flows run against the session's Prefect server."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: prefect_server["url"]}):
+        yield
 
 
 @pytest.fixture(autouse=True)

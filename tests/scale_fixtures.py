@@ -5,12 +5,12 @@ not depend on where it was computed."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import shared
 from filelock import FileLock
 from safetensors.torch import load_file
 
@@ -22,21 +22,6 @@ SHARDED = ["scale.groups_per_shard=2"]
 # compared are those of one thread count whatever the test process started with and however many
 # shards run at once; a shard asks one CPU, so the 2-CPU cluster runs two shards (two workers) at a time.
 RAY = ["scale.workers=ray", "scale.num_workers=2", "scale.cpus_per_shard=1", *SHARDED]
-
-
-@pytest.fixture(scope="module")
-def harness():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
-
-
-def shared(tmp_path_factory, name: str) -> Path:
-    """A path every worker of this test session sees (`pytest -n`: the workers' common base), so the
-    two scale test files build the model and the reference run once between them."""
-    root = tmp_path_factory.getbasetemp()
-    return (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / name
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """The Prefect flows on a tiny random-weight SD3 pipeline: training, caching, rescore, credit, failures.
 
-One Prefect test harness for the module; stage executions are counted by wrapping the stage
+The session's Prefect server (`harness`, tests/conftest.py); stage executions are counted by wrapping the stage
 bodies (a cached task never calls its body).
 """
 
@@ -25,14 +25,6 @@ from storage.publish import options_digest
 pytestmark = pytest.mark.slow
 
 STAGES = ("prompts", "calibrate", "draw", "rollout", "complete", "score", "credit", "update", "evaluate")
-
-
-@pytest.fixture(scope="module")
-def harness():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -103,14 +103,6 @@ def test_lora_on_off_and_its_export_loads_into_a_stock_flux_pipeline(flux_dir, t
         torch.testing.assert_close(again.velocity(x, sigma, cond), v)
 
 
-@pytest.fixture(scope="module")
-def harness():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
-
-
 @pytest.mark.slow  # a Prefect test server
 @pytest.mark.parametrize(
     ("scheme", "completion"),

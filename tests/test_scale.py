@@ -12,7 +12,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from scale_fixtures import RAY, SHARDED, _train, harness, lora, reference, stored, tiny  # noqa: F401  (fixtures)
+from scale_fixtures import RAY, SHARDED, _train, lora, reference, stored, tiny  # noqa: F401  (fixtures)
 
 from stepgrpo.errors import StageError
 from stepgrpo.paths import REPO_ROOT
@@ -149,7 +149,7 @@ def test_the_http_reward_names_an_unreachable_server():
         remote(torch.zeros(1, 3, 8, 8), ["a red circle"], [{}])
 
 
-def test_the_in_process_path_never_imports_ray(tiny, tmp_path):
+def test_the_in_process_path_never_imports_ray(tiny, tmp_path, server):
     script = f"""
 import sys
 from flows.train import train
@@ -157,10 +157,12 @@ train(overrides={[*tiny, "run.iterations=1", "run.prompts_per_iteration=2"]!r}, 
 print("RAY" if any(m == "ray" or m.startswith(("ray.", "prefect_ray")) for m in sys.modules) else "NO RAY")
 """
     env_keys = ("PATH", "HOME", "PREFECT_SERVER_ANALYTICS_ENABLED", "MLFLOW_DISABLE_TELEMETRY", "PREFECT_HOME")
-    import os
-
-    env = {k: os.environ[k] for k in env_keys if k in os.environ}
-    env.update(STEPGRPO_PROGRESS="0", PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="120")
+    env = {k: server[k] for k in env_keys if k in server}
+    env.update(
+        STEPGRPO_PROGRESS="0",
+        PREFECT_API_URL=server["PREFECT_API_URL"],
+        STEPGRPO_CACHE_DIR=server["STEPGRPO_CACHE_DIR"],
+    )
     done = subprocess.run(
         [sys.executable, "-c", script], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scale_fixtures import RAY, _train, harness, lora, reference, stored, tiny  # noqa: F401  (fixtures)
+from scale_fixtures import RAY, _train, lora, reference, stored, tiny  # noqa: F401  (fixtures)
 
 from stepgrpo.errors import StageError
 from storage.run import Run

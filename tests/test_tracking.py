@@ -88,3 +88,35 @@ def test_a_failed_store_creation_leaves_nothing_half_made(tmp_path, monkeypatch)
     with pytest.raises(OSError, match="No space left"):
         ensure_local_store(root)
     assert sorted(p.name for p in root.iterdir()) == [f".{STORE_FILE}.lock"]
+
+
+def test_a_new_store_is_a_copy_of_the_schema_template_with_its_own_default_experiment(tmp_path, monkeypatch):
+    from stepgrpo.reporting import tracking
+
+    monkeypatch.setenv("STEPGRPO_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    ensure_local_store(tmp_path / "a")  # makes the template on the way
+    (template,) = (tmp_path / "cache").glob("mlflow-store-*.db")
+    with sqlite3.connect(template) as db:
+        assert db.execute("SELECT count(*) FROM experiments").fetchone()[0] == 0
+
+    def migrated(*args, **kwargs):  # a second store must not migrate again
+        raise AssertionError("migrated")
+
+    monkeypatch.setattr("mlflow.store.db.utils._initialize_tables", migrated)
+    ensure_local_store(tmp_path / "b")
+    for root in ("a", "b"):
+        with sqlite3.connect(tmp_path / root / STORE_FILE) as db:
+            rows = db.execute("SELECT experiment_id, name, artifact_location FROM experiments").fetchall()
+        assert rows == [(0, "Default", (tmp_path / root / "mlflow-artifacts" / "0").as_uri())]
+    monkeypatch.undo()
+
+    # a damaged template is made again, never copied; an unwritable cache falls back to migrating
+    monkeypatch.setenv("STEPGRPO_CACHE_DIR", str(tmp_path / "cache"))
+    template.write_bytes(b"not a database")
+    ensure_local_store(tmp_path / "c")
+    assert tracking._readable(template, experiments=0) and tracking._readable(tmp_path / "c" / STORE_FILE)
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("STEPGRPO_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    ensure_local_store(tmp_path / "d")
+    assert tracking._readable(tmp_path / "d" / STORE_FILE, experiments=1)

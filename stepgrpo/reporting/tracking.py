@@ -18,8 +18,11 @@ reports its numbers.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import shutil
+import sqlite3
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -85,26 +88,70 @@ def _ensure_store(root: Path) -> None:
 
 
 def _migrate(path: Path) -> None:
+    """A new store at `path`: a copy of this MLflow schema's empty template when there is one (MLflow
+    migrates a new SQLite file through every revision, ~4 s of CPU), opened by MLflow, which checks
+    its schema and adds the default experiment with this store's artifact root."""
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
+    template = _template()
+    if template is not None:
+        shutil.copyfile(template, path)
     s = SqlAlchemyStore(f"sqlite:///{path}", (path.parent / "mlflow-artifacts").as_uri())
     s.engine.dispose()
 
 
-def _readable(path: Path) -> bool:
-    """Whether `path` is a whole MLflow store of this MLflow's schema: read with `sqlite3` itself,
-    so that no MLflow engine is left attached to a file that may be renamed away."""
-    import sqlite3
+def cache_dir() -> Path:
+    """stepgrpo's cache of derived files: `STEPGRPO_CACHE_DIR`, else `$XDG_CACHE_HOME/stepgrpo`
+    (`~/.cache/stepgrpo`). Nothing in it is trusted without a check: it can be deleted at any time."""
+    if os.environ.get("STEPGRPO_CACHE_DIR"):
+        return Path(os.environ["STEPGRPO_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "stepgrpo"
 
+
+def _template() -> Path | None:
+    """An empty, fully migrated store of this MLflow's latest schema revision (no experiment in it),
+    made once per user and revision; None where the cache cannot be written (the caller migrates)."""
+    from filelock import FileLock
     from mlflow.store.db.utils import _get_latest_schema_revision
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
     try:
-        with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
+        root = cache_dir()
+        root.mkdir(parents=True, exist_ok=True)
+        path = root / f"mlflow-store-{_get_latest_schema_revision()}.db"
+        with FileLock(str(root / f".{path.name}.lock")):
+            if _readable(path, experiments=0):
+                return path
+            tmp = root / f".{path.name}.{os.getpid()}.creating"
+            try:
+                s = SqlAlchemyStore(f"sqlite:///{tmp}", (root / "unused-artifacts").as_uri())
+                s.engine.dispose()
+                with contextlib.closing(sqlite3.connect(tmp)) as db, db:
+                    db.execute("DELETE FROM experiments")  # MLflow adds its default one to each copy
+                os.replace(tmp, path)
+            finally:
+                for partial in root.glob(f"{tmp.name}*"):
+                    partial.unlink(missing_ok=True)
+        return path if _readable(path, experiments=0) else None
+    except (OSError, sqlite3.Error):
+        return None
+
+
+def _readable(path: Path, experiments: int | None = None) -> bool:
+    """Whether `path` is a whole MLflow store of this MLflow's schema (holding exactly `experiments`
+    experiments, when given): read with `sqlite3` itself, so that no MLflow engine is left attached
+    to a file that may be renamed away."""
+    from mlflow.store.db.utils import _get_latest_schema_revision
+
+    if not path.is_file():
+        return False
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
             (version,) = db.execute("SELECT version_num FROM alembic_version").fetchone()
-            db.execute("SELECT count(*) FROM experiments").fetchone()
+            (count,) = db.execute("SELECT count(*) FROM experiments").fetchone()
     except (sqlite3.Error, TypeError):
         return False
-    return version == _get_latest_schema_revision()
+    return version == _get_latest_schema_revision() and experiments in (None, count)
 
 
 class Tracker:
