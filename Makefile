@@ -29,7 +29,7 @@ lint: install
 test: install lint
 	PREFECT_SERVER_ANALYTICS_ENABLED=false MLFLOW_DISABLE_TELEMETRY=true \
 	PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120 \
-	$(PY) -m pytest -q tests -n 2 --dist loadfile --durations=15
+	$(PY) -m pytest -q tests -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 # The edit-test loop: every test not marked slow (no Prefect server, no subprocess run), two at a time.
 test-fast: install
