@@ -129,6 +129,28 @@ def harness(prefect_server):
 
     with temporary_settings(updates={PREFECT_API_URL: prefect_server["url"]}):
         yield
+        drain()
+
+
+def drain() -> None:
+    """Send this process's buffered Prefect logs and events now, while the server is up (at exit,
+    after the session stopped it, they would retry against a closed port for a minute)."""
+    import inspect
+
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+    from prefect.utilities.asyncutils import run_coro_as_sync
+
+    async def both() -> None:
+        with contextlib.suppress(RuntimeError):  # a worker that never started
+            done = APILogWorker.instance().drain()
+            if inspect.isawaitable(done):
+                await done
+        done = EventsWorker.drain_all()
+        if inspect.isawaitable(done):
+            await done
+
+    run_coro_as_sync(both())
 
 
 @pytest.fixture(autouse=True)

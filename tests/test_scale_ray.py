@@ -14,6 +14,13 @@ from storage.run import Run
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture(autouse=True)
+def _fair_workers(monkeypatch):
+    """Ray starts its workers at niceness 15: beside the other tests of `pytest -n` they would get
+    the CPU last (and the file take 2-4x as long). The clusters of this file give them an equal share."""
+    monkeypatch.setenv("RAY_worker_niceness", "0")
+
+
 def test_ray_shards_store_the_in_process_bytes_and_a_killed_worker_is_retried(
     harness, tiny, reference, tmp_path, monkeypatch
 ):
