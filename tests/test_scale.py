@@ -157,12 +157,9 @@ train(overrides={[*tiny, "run.iterations=1", "run.prompts_per_iteration=2"]!r}, 
 print("RAY" if any(m == "ray" or m.startswith(("ray.", "prefect_ray")) for m in sys.modules) else "NO RAY")
 """
     env_keys = ("PATH", "HOME", "PREFECT_SERVER_ANALYTICS_ENABLED", "MLFLOW_DISABLE_TELEMETRY", "PREFECT_HOME")
+    env_keys += ("PREFECT_API_URL", "STEPGRPO_CACHE_DIR")  # the session's server and the tests' cache
     env = {k: server[k] for k in env_keys if k in server}
-    env.update(
-        STEPGRPO_PROGRESS="0",
-        PREFECT_API_URL=server["PREFECT_API_URL"],
-        STEPGRPO_CACHE_DIR=server["STEPGRPO_CACHE_DIR"],
-    )
+    env.update(STEPGRPO_PROGRESS="0")
     done = subprocess.run(
         [sys.executable, "-c", script], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600
     )
