@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,7 +35,8 @@ from typing import Any
 
 from _common import ROOT, machine, mean_ci, relative, write_json
 
-from bench.learning import run_env, run_seed
+from bench._warm import Stepgrpo
+from bench.learning import run_seed
 
 # arm -> (config, scheme, completion its scheme's paper uses)
 ARMS: dict[str, tuple[str, str]] = {
@@ -159,7 +158,7 @@ def record_of(run_dir: Path, argv: list[str]) -> dict[str, Any]:
     }
 
 
-def train_one(s: W9, arm: str, seed: int) -> None:
+def train_one(s: W9, arm: str, seed: int, stepgrpo: Stepgrpo) -> None:
     """Train one (arm, seed) unless its record exists; then its record (and, for seed 0, the check)."""
     path = s.record_path(arm, seed)
     if path.is_file() and json.loads(path.read_text())["argv"] == s.argv(arm):
@@ -167,14 +166,14 @@ def train_one(s: W9, arm: str, seed: int) -> None:
     out = (s.out / arm).resolve()
     out.mkdir(parents=True, exist_ok=True)
     if seed == 0:  # the prediction first, from the first iteration alone
-        check(s, arm, out)
+        check(s, arm, out, stepgrpo)
     t0 = time.perf_counter()
-    done = run_seed(ARMS[arm][0], seed, s.overrides_of(arm), out)
+    done = run_seed(ARMS[arm][0], seed, s.overrides_of(arm), out, stepgrpo)
     write_json(path, record_of(done["run_dir"], s.argv(arm)))
     print(f"{arm} seed {seed}: recorded after {time.perf_counter() - t0:.0f} s", flush=True)
 
 
-def check(s: W9, arm: str, out: Path) -> None:
+def check(s: W9, arm: str, out: Path, stepgrpo: Stepgrpo) -> None:
     """`stepgrpo credit-quality` on iteration 0 of the arm's seed-0 run (one iteration trained in
     a run directory of its own: the same prompts, noise and base policy as the arm's iteration 0)."""
     path = s.check_path(arm)
@@ -182,8 +181,6 @@ def check(s: W9, arm: str, out: Path) -> None:
         return
     scheme = ARMS[arm][1]
     run_dir = out / "check_seed_0"
-    env = run_env(out, "check")
-    stepgrpo = str(Path(sys.executable).parent / "stepgrpo")
     # one iteration, its held-out evaluations cut to one prompt: the check reads the iteration only
     sets = [*s.overrides_of(arm), "run.iterations=1", "run.seed=0", "run.eval_prompts=1", "run.eval_seeds=1"]
     steps = [
@@ -193,8 +190,7 @@ def check(s: W9, arm: str, out: Path) -> None:
     ]
     for i, args in enumerate(steps):
         log = out / f"check-{i}.log"
-        with log.open("w") as f:
-            rc = subprocess.run([stepgrpo, *args], cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+        rc = stepgrpo.run(args, log)
         if rc != 0:
             raise SystemExit(f"`stepgrpo {args[0]}` for the {arm} check exited {rc}; see {relative(log)}")
     (found,) = sorted((run_dir / "credit_quality").glob("iter_0-*.json"))
@@ -521,8 +517,8 @@ def main(a: Any) -> None:
     s.out.mkdir(parents=True, exist_ok=True)
     started = machine()
     if not a.report_only:
-        with ThreadPoolExecutor(max(1, s.jobs)) as pool:
-            list(pool.map(lambda job: train_one(s, *job), queue(s)))
+        with Stepgrpo(s.jobs, s.out) as stepgrpo, ThreadPoolExecutor(max(1, s.jobs)) as pool:
+            list(pool.map(lambda job: train_one(s, *job, stepgrpo), queue(s)))
     runs = {job: r for job in queue(s) if (r := load(s, *job)) is not None}
     missing = [f"{arm} seed {seed}" for arm, seed in queue(s) if (arm, seed) not in runs]
     if missing:

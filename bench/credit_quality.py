@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,20 +31,18 @@ from typing import Any
 import _common  # noqa: F401  (first: sets sys.path to the repository root)
 from _common import ROOT, machine, relative, write_json
 
-from bench.learning import run_env
+from bench._warm import Stepgrpo
 
 WINDOWS = (3, 6, 9)
 NOISES = (0.5, 0.7)
 SCHEMES = ("outcome", "stepwise", "dense", "turning_point")
 
 
-def stepgrpo(args: list[str], log: Path, out: Path, tag: str) -> None:
-    """Run one `stepgrpo` command as a user runs it; its output goes to `log`."""
-    cmd = [str(Path(sys.executable).parent / "stepgrpo"), *args]
-    with log.open("w") as f:
-        done = subprocess.run(cmd, cwd=ROOT, env=run_env(out, tag), stdout=f, stderr=subprocess.STDOUT, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed ({done.returncode}); see {relative(log)}")
+def command(stepgrpo: Stepgrpo, args: list[str], log: Path) -> None:
+    """Run one `stepgrpo` command as a user runs it (in a warm worker); its output goes to `log`."""
+    rc = stepgrpo.run(args, log)
+    if rc != 0:
+        raise SystemExit(f"stepgrpo {' '.join(args)} failed ({rc}); see {relative(log)}")
 
 
 def stored_check(run_dir: Path) -> dict[str, Any] | None:
@@ -53,7 +50,7 @@ def stored_check(run_dir: Path) -> dict[str, Any] | None:
     return json.loads(found[-1].read_text()) if found else None
 
 
-def screen_one(window: int, noise: float, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+def screen_one(window: int, noise: float, args: argparse.Namespace, out: Path, stepgrpo: Stepgrpo) -> dict[str, Any]:
     """One configuration: train one iteration (the stored rollout and rewards), then the check."""
     name = f"w{window}_a{noise}"
     run_dir = out / "runs" / name
@@ -72,21 +69,19 @@ def screen_one(window: int, noise: float, args: argparse.Namespace, out: Path) -
     t0 = time.perf_counter()
     if not (run_dir / "checkpoints").is_dir() or not any((run_dir / "checkpoints").iterdir()):
         print(f"{name}: storing one iteration of {args.groups} x {args.group_size} trajectories", flush=True)
-        stepgrpo(
+        command(
+            stepgrpo,
             ["train", "--config", "configs/shapes_dense.yaml", "--run-dir", str(run_dir)]
             + [a for o in overrides for a in ("--set", o)],
             out / f"{name}.train.log",
-            out,
-            name,
         )
     if stored_check(run_dir) is None or stored_check(run_dir)["continuations"] != args.continuations:
         print(f"{name}: credit-quality check, M = {args.continuations}", flush=True)
-        stepgrpo(
+        command(
+            stepgrpo,
             ["credit-quality", str(run_dir), "--iteration", "0", "--continuations", str(args.continuations)]
             + [a for s in SCHEMES for a in ("--scheme", s)],
             out / f"{name}.check.log",
-            out,
-            name,
         )
     check = stored_check(run_dir)
     assert check is not None
@@ -238,7 +233,8 @@ def main() -> None:
             args.out = ROOT / "bench" / "out" / "credit_quality_quick"
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
-    results = [screen_one(w, a, args, out) for w in args.windows for a in args.noises]
+    with Stepgrpo(1, out) as stepgrpo:
+        results = [screen_one(w, a, args, out, stepgrpo) for w in args.windows for a in args.noises]
     screen, steps = rows_of(results)
     write_csv(out / "screen.csv", screen)
     write_csv(out / "steps.csv", steps)

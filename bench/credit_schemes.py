@@ -1,8 +1,9 @@
 """The credit schemes compared at the shipped recipes that learn, at equal trajectories and at
 equal compute, with the papers' ablations and a table of their claims.
 
-Every run is one `stepgrpo train --config configs/shapes_<scheme>.yaml --set run.seed=S` (a
-process of its own, one torch thread, exactly what a user runs; `bench/learning.py` runs it). The
+Every run is one `stepgrpo train --config configs/shapes_<scheme>.yaml --set run.seed=S` (one
+torch thread, exactly what a user runs; `bench/learning.py` runs it in a warm worker process,
+`bench/_warm.py`). The
 four schemes share everything but their credit: the shipped model and `shapes` reward, 8 prompts x
 8 samples an iteration, the `flow` SDE on steps 0-2, one AdamW step an iteration. Seed `S` of
 every scheme sees the same prompts and initial noise in every iteration, and its held-out
@@ -37,12 +38,11 @@ stated rule), `heldout.csv`, `curves.csv`, `gains.csv`, `ablations.csv`, `sde_ga
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import math
 import statistics
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -50,10 +50,11 @@ from pathlib import Path
 from typing import Any
 
 import _common  # noqa: F401  (first: sets sys.path to the repository root)
-from _common import OUT_DIR, ROOT, machine, mean_ci, read_run, relative, write_json
+from _common import OUT_DIR, machine, mean_ci, read_run, relative, write_json
 
 from bench._schemes import ci, claims_md, crossing, fmt, paired, read_evals, verdict
-from bench.learning import run_env, run_seed
+from bench._warm import Stepgrpo
+from bench.learning import run_seed
 
 # name -> (shipped config, overrides on it)
 CONFIGS: dict[str, tuple[str, list[str]]] = {
@@ -158,7 +159,7 @@ def run_overrides(name: str, s: Settings) -> list[str]:
     return own + [f"run.iterations={s.iterations}", f"run.eval_every={s.eval_every}"]
 
 
-def train_all(s: Settings, jobs: list[tuple[str, int]]) -> None:
+def train_all(s: Settings, jobs: list[tuple[str, int]], stepgrpo: Stepgrpo) -> None:
     """Every (configuration, seed) that has no finished run yet, `s.jobs` at a time."""
 
     def one(job: tuple[str, int]) -> None:
@@ -168,7 +169,7 @@ def train_all(s: Settings, jobs: list[tuple[str, int]]) -> None:
         if finished(out, seed, CONFIGS[name][0], run_overrides(name, s)):
             return
         t0 = time.perf_counter()
-        run_seed(CONFIGS[name][0], seed, run_overrides(name, s), out)
+        run_seed(CONFIGS[name][0], seed, run_overrides(name, s), out, stepgrpo)
         print(f"{name} seed {seed}: {time.perf_counter() - t0:.0f} s", flush=True)
 
     # outcome at its config's own settings is exactly bench/learning.py's run: reuse those runs
@@ -187,16 +188,13 @@ def finished(out: Path, seed: int, config: str, overrides: list[str]) -> bool:
     return timing.is_file() and json.loads(timing.read_text()).get("argv") == [config, *overrides]
 
 
-def evaluate_at(run_dir: Path, iterations: int, out: Path) -> None:
+def evaluate_at(run_dir: Path, iterations: int, out: Path, stepgrpo: Stepgrpo) -> None:
     """Held-out evaluation of a run's checkpoint after `iterations` iterations (`stepgrpo evaluate`,
     same prompts and noise as the run's other evaluations); a no-op when it exists."""
     if (run_dir / "eval" / f"iter_{iterations - 1}.json").is_file():
         return
-    cmd = [str(Path(sys.executable).parent / "stepgrpo"), "evaluate", str(run_dir), "--iteration", str(iterations - 1)]
     log = out / f"evaluate-{run_dir.name}-{iterations}.log"
-    with log.open("w") as f:
-        env = run_env(out, f"eval-{run_dir.name}-{iterations}")  # its own Prefect home: evaluations run at once
-        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+    rc = stepgrpo.run(["evaluate", str(run_dir), "--iteration", str(iterations - 1)], log)
     if rc != 0:
         raise SystemExit(f"`stepgrpo evaluate {relative(run_dir)}` exited {rc}; see {relative(log)}")
 
@@ -926,24 +924,26 @@ def main() -> None:
     jobs = [(n, seed) for seed in s.seeds for n in MAIN]
     chosen = {n for key in s.ablations for n in ABLATIONS[key][:2]} - set(MAIN)
     jobs += [(n, seed) for seed in s.ablation_seeds for n in CONFIGS if n in chosen]
-    if not a.report_only:
-        train_all(s, jobs)
-    runs = {}
-    for name, seed in jobs:
-        if not finished(s.out / name, seed, CONFIGS[name][0], run_overrides(name, s)):
-            raise SystemExit(f"{name} seed {seed} has not finished: run without --report-only")
-        runs[name, seed] = read(name, seed, s)
-    # outcome's evaluations at the equal-compute iterations
-    pre = analyse_costs(runs, s)
-    if not a.report_only:
+    with contextlib.ExitStack() as stack:  # the warm workers, only when something is computed
+        stepgrpo = None if a.report_only else stack.enter_context(Stepgrpo(s.jobs, s.out))
+        if stepgrpo:
+            train_all(s, jobs, stepgrpo)
+        runs = {}
+        for name, seed in jobs:
+            if not finished(s.out / name, seed, CONFIGS[name][0], run_overrides(name, s)):
+                raise SystemExit(f"{name} seed {seed} has not finished: run without --report-only")
+            runs[name, seed] = read(name, seed, s)
+        # outcome's evaluations at the equal-compute iterations
+        pre = analyse_costs(runs, s)
+        if stepgrpo:
 
-        def evaluate(job: tuple[int, int]) -> None:
-            seed, n = job
-            evaluate_at(runs["outcome", seed].run_dir, n, s.out)
-            print(f"outcome seed {seed}: evaluated after {n} iterations", flush=True)
+            def evaluate(job: tuple[int, int]) -> None:
+                seed, n = job
+                evaluate_at(runs["outcome", seed].run_dir, n, s.out, stepgrpo)
+                print(f"outcome seed {seed}: evaluated after {n} iterations", flush=True)
 
-        with ThreadPoolExecutor(max(1, s.jobs)) as pool:
-            list(pool.map(evaluate, [(seed, n) for seed, its in pre.items() for n in sorted(its)]))
+            with ThreadPoolExecutor(max(1, s.jobs)) as pool:
+                list(pool.map(evaluate, [(seed, n) for seed, its in pre.items() for n in sorted(its)]))
     for seed in s.seeds:
         runs["outcome", seed].evals = read_evals(runs["outcome", seed].run_dir)
     analysis = analyse(runs, s)

@@ -2,7 +2,7 @@
 
 Two arms of `configs/shapes_outcome.yaml` (the recipe that learns, docs/BENCHMARKS.md "Learning"),
 identical but for `curriculum.draw`: `uniform` and `gain_variance` (window and floor at their
-defaults). Each seed is one `stepgrpo train` process per arm (`bench/learning.py`'s `run_seed`);
+defaults). Each seed is one `stepgrpo train` run per arm (`bench/learning.py`'s `run_seed`);
 both arms of a seed start from the same base model, LoRA initialisation, rollout noise and
 held-out noise, so they differ only in which prompts they train on. With `--jobs 2` the two arms
 of a seed run at the same time, under the same load.
@@ -29,6 +29,7 @@ from typing import Any
 import _common  # noqa: F401  (sets sys.path to the repository root)
 from _common import OUT_DIR, machine, mean_ci, relative, write_json
 
+from bench._warm import Stepgrpo
 from bench.learning import read_seed, run_seed  # _common is imported: its sys.path holds the root
 
 ARMS = {"uniform": [], "gain_variance": ["curriculum.draw=gain_variance"]}
@@ -82,9 +83,9 @@ def main() -> None:
 
     def one(job: tuple[str, int]) -> dict[str, Any]:
         arm, seed = job
-        return {"arm": arm, **read_seed(run_seed(a.config, seed, common + ARMS[arm], out / arm))}
+        return {"arm": arm, **read_seed(run_seed(a.config, seed, common + ARMS[arm], out / arm, stepgrpo))}
 
-    with ThreadPoolExecutor(max(1, a.jobs)) as pool:
+    with Stepgrpo(a.jobs, out) as stepgrpo, ThreadPoolExecutor(max(1, a.jobs)) as pool:
         runs = list(pool.map(one, jobs))
     by = {(r["arm"], r["seed"]): r for r in runs}
 

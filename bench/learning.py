@@ -1,14 +1,15 @@
 """Does the shipped recipe learn? Held-out gain of `configs/shapes_outcome.yaml` over 3 seeds.
 
-Each seed is one `stepgrpo train --config CONFIG --set run.seed=S` run (a process of its own, one
-torch thread), exactly what a user runs. Every `run.eval_every` iterations the run evaluates the
-held-out split (126 prompts x 2 noise seeds, 10-step ODE) with the same prompts and noise as its
-base evaluation, so each evaluation pairs with the base sample by sample.
+Each seed is one `stepgrpo train --config CONFIG --set run.seed=S` run (one torch thread), exactly
+what a user runs, in a worker process that imported the CLI once (`bench/_warm.py`). Every
+`run.eval_every` iterations the run evaluates the held-out split (126 prompts x 2 noise seeds,
+10-step ODE) with the same prompts and noise as its base evaluation, so each evaluation pairs with
+the base sample by sample.
 
 Printed per seed: base and final held-out reward, the paired gain with its 95 % interval over the
-252 pairs, the wall time of the whole run and per iteration. Across seeds: the mean gain with a
-95 % t-interval over the seeds (what the target is about: the spread of training itself), and the
-same at every evaluation. Writes `OUT/learning.csv`, `OUT/learning.json` and
+252 pairs, the wall time of the whole run (imports aside) and per iteration. Across seeds: the
+mean gain with a 95 % t-interval over the seeds (what the target is about: the spread of training
+itself), and the same at every evaluation. Writes `OUT/learning.csv`, `OUT/learning.json` and
 `OUT/reward_vs_iteration.png` (held-out reward and paired gain per evaluation: each seed, and the
 seeds' mean with its interval).
 
@@ -26,38 +27,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import _common  # noqa: F401  (sets sys.path to the repository root)
-from _common import OUT_DIR, ROOT, machine, mean_ci, relative, write_json
+from _common import OUT_DIR, machine, mean_ci, relative, write_json
+
+from bench._warm import Stepgrpo
 
 TARGET_GAIN = 0.05  # held-out gain the shipped outcome recipe must reach (3 seeds, interval above 0)
 TARGET_MINUTES = 25.0  # per seed, one thread of a 2-core machine
 
 
-def run_env(out: Path, tag: str) -> dict[str, str]:
-    """The environment of one `stepgrpo` process: one torch thread, no progress bars, a Prefect
-    home of its own under `out` (its temporary server's database shared with no other run), a
-    generous server start-up timeout (the machine may be busy), no telemetry."""
-    return dict(
-        os.environ,
-        STEPGRPO_THREADS="1",
-        STEPGRPO_PROGRESS="0",
-        PREFECT_HOME=str(out / f"prefect-home-{tag}"),
-        PREFECT_SERVER_ANALYTICS_ENABLED="false",
-        MLFLOW_DISABLE_TELEMETRY="true",
-        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180",
-    )
-
-
-def run_seed(config: str, seed: int, overrides: list[str], out: Path) -> dict[str, Any]:
-    """One training run as a user runs it; returns its run directory and wall seconds."""
+def run_seed(config: str, seed: int, overrides: list[str], out: Path, stepgrpo: Stepgrpo) -> dict[str, Any]:
+    """One training run as a user runs it (`stepgrpo train` in a warm worker of `stepgrpo`); returns
+    its run directory and wall seconds (the run's, not the worker's imports)."""
     run_dir = out / f"seed_{seed}"
     log = out / f"seed_{seed}.log"
     timing = out / f"seed_{seed}.seconds.json"  # the wall time of the run that trained it
@@ -68,21 +54,10 @@ def run_seed(config: str, seed: int, overrides: list[str], out: Path) -> dict[st
                 f"seed {seed}: trained earlier in {recorded['seconds'] / 60:.1f} min ({relative(timing)})", flush=True
             )
             log = out / f"seed_{seed}.reread.log"
-    env = run_env(out, str(seed))
-    cmd = [
-        str(Path(sys.executable).parent / "stepgrpo"),
-        "train",
-        "--config",
-        config,
-        "--run-dir",
-        str(run_dir),
-        "--set",
-        f"run.seed={seed}",
-        *[a for o in overrides for a in ("--set", o)],
-    ]
+    args = ["train", "--config", config, "--run-dir", str(run_dir), "--set", f"run.seed={seed}"]
+    args += [a for o in overrides for a in ("--set", o)]
     t0 = time.perf_counter()
-    with log.open("w") as f:
-        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+    rc = stepgrpo.run(args, log)
     seconds = time.perf_counter() - t0
     if rc != 0:
         raise SystemExit(f"seed {seed}: `stepgrpo train` exited {rc}; see {relative(log)}")
@@ -193,8 +168,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     started = machine()
 
-    with ThreadPoolExecutor(max(1, a.jobs)) as pool:
-        done = list(pool.map(lambda s: run_seed(a.config, s, a.overrides, out), a.seeds))
+    with Stepgrpo(a.jobs, out) as stepgrpo, ThreadPoolExecutor(max(1, a.jobs)) as pool:
+        done = list(pool.map(lambda s: run_seed(a.config, s, a.overrides, out, stepgrpo), a.seeds))
     seeds = [read_seed(d) for d in done]
 
     # Across seeds, at each evaluation every seed has.
