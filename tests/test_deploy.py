@@ -69,7 +69,12 @@ def test_stepgrpo_deploy_fills_the_run_form_and_the_deployed_train_runs_like_the
     prefect(server, "deployment", "run", "train/tiny", "--param", "run_id=deployed")
     worker = prefect(server, "worker", "start", "--pool", "stepgrpo", "--run-once", timeout=900)
     assert (tmp_path / "deployed" / "checkpoints" / "iter_0" / "_published.json").is_file(), worker[-3000:]
-    assert "deployed" in prefect(server, "flow-run", "ls")  # the flow run is named after the run id
+    # the flow run is named after the run id (among the newest: the session's server holds other tests' runs)
+    listed = subprocess.run(
+        [*PREFECT, "flow-run", "ls", "--flow-name", "train", "--limit", "200", "-o", "json"],
+        env=server, cwd=REPO, capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    assert "deployed" in {r["name"] for r in json.loads(listed.stdout)}
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
