@@ -32,6 +32,19 @@ os.environ.setdefault("STEPGRPO_CACHE_DIR", os.path.join(tempfile.gettempdir(), 
 # first test that needs it and stopped when the session ends (the controller stops it; a watcher stops
 # it if the session is killed). Each start costs ~15 s of CPU, a temporary server per process as much.
 SERVER_INFO = "prefect-server.json"
+# Services no test needs (schedules, automations, stored events, run supervision); off, they halve
+# the server's CPU per task run. The task-run recorder stays: it records task runs for the API.
+IDLE_SERVICES = (
+    "SCHEDULER",
+    "TRIGGERS",
+    "EVENT_PERSISTER",
+    "FOREMAN",
+    "LATE_RUNS",
+    "PAUSE_EXPIRATIONS",
+    "REPOSSESSOR",
+    "CANCELLATION_CLEANUP",
+    "CLEANUP_RECONCILER",
+)
 WATCH = """
 import os, signal, sys, time
 session, group = int(sys.argv[1]), int(sys.argv[2])
@@ -67,6 +80,7 @@ def _start_server(root: Path) -> dict[str, str]:
     port = free_port()
     env = dict(os.environ, PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", COLUMNS="250")
     env.pop("PREFECT_API_URL", None)
+    env.update({f"PREFECT_SERVER_SERVICES_{name}_ENABLED": "false" for name in IDLE_SERVICES})
     log = (root / "prefect-server.log").open("w")
     proc = subprocess.Popen(
         [*PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],

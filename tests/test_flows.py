@@ -186,12 +186,21 @@ def test_train_runs_every_stage_and_tracks_it(trained):
 
 def test_flow_and_task_runs_are_named_after_the_run_and_iteration(trained):
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterKey,
+        FlowRunFilter,
+        FlowRunFilterId,
+        FlowRunFilterName,
+    )
 
+    # filtered on the server: the session's server holds every test's runs
     with get_client(sync_client=True) as client:
         (flow_run,) = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["tiny-a"])))
-        names = {t.name for t in client.read_task_runs() if t.flow_run_id == flow_run.id}
-        artifacts = client.read_artifacts()
+        this_run = FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id]))
+        names = {t.name for t in client.read_task_runs(flow_run_filter=this_run)}
+        keys = ArtifactFilter(key=ArtifactFilterKey(any_=["tiny-a-rewards", "tiny-a-summary"]))
+        artifacts = client.read_artifacts(artifact_filter=keys)
     assert {"prompts", "evaluate base", "rollout iter_0", "update iter_1", "evaluate iter_1"} <= names, names
     # the reward table is published after every iteration, under one key
     tables = [a for a in artifacts if a.key == "tiny-a-rewards"]
