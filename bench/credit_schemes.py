@@ -111,7 +111,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "set": [
             "run.prompts_per_iteration=2",
             "run.group_size=4",
-            "run.eval_prompts=8",
+            "sampler.steps=5",  # the SDE window (steps 0-2) of 5 steps
+            "sampler.eval_steps=5",
+            "run.eval_prompts=4",
             "run.eval_seeds=1",
             "calibration.rounds=1",
             "calibration.prompts=2",
