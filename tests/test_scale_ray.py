@@ -1,5 +1,6 @@
 """Scale-out on a local Ray cluster of 2 workers (docs/SCALING.md): shards store the in-process
-bytes, a killed worker's shard is retried, and a killed shard is the only one computed again.
+bytes, a killed worker's shard is retried, a killed shard is the only one computed again, and
+workers that served earlier flows (their models loaded) store the same bytes.
 Its own file, so that it runs beside the in-process tests (tests/test_scale.py) on another worker."""
 
 from __future__ import annotations
@@ -14,18 +15,41 @@ from storage.run import Run
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(autouse=True)
-def _fair_workers(monkeypatch):
-    """Ray starts its workers at niceness 15: beside the other tests of `pytest -n` they would get
-    the CPU last (and the file take 2-4x as long). The clusters of this file give them an equal share."""
-    monkeypatch.setenv("RAY_worker_niceness", "0")
+@pytest.fixture(scope="module")
+def cluster(prefect_server, tmp_path_factory):
+    """One local Ray cluster of 2 CPUs for the file, started in this process as a long-lived driver
+    (a notebook, a service) starts it: every flow here runs on it (prefect-ray reuses an initialized
+    Ray), so its workers live from flow to flow with what they loaded, and only the killed ones
+    start again. Its workers run at niceness 0: at Ray's default 15 they would get the CPU last
+    beside the other tests of `pytest -n`. Yields the file its workers read their fault from
+    (`STEPGRPO_FAULT=@file`: their environment is fixed when they start)."""
+    import ray
+
+    fault = tmp_path_factory.mktemp("ray-fault") / "fault"
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_worker_niceness", "0")
+        env.setenv("STEPGRPO_FAULT", f"@{fault}")
+        ray.init(
+            num_cpus=2,
+            include_dashboard=False,
+            runtime_env={"env_vars": {"PREFECT_API_URL": prefect_server["url"]}},
+        )
+    yield fault
+    ray.shutdown()
+
+
+@pytest.fixture
+def fault(cluster):
+    """`fault(spec)`: the fault of this test's runs on the cluster (none after the test)."""
+    yield cluster.write_text
+    cluster.unlink(missing_ok=True)
 
 
 def test_ray_shards_store_the_in_process_bytes_and_a_killed_worker_is_retried(
-    harness, tiny, reference, tmp_path, monkeypatch
+    harness, tiny, reference, tmp_path, fault
 ):
     # The rollout shard at row 6 ends its worker process half-way (as kill -9 would), once.
-    monkeypatch.setenv("STEPGRPO_FAULT", f"kill:rollout:6:{tmp_path / 'killed'}")
+    fault(f"kill:rollout:6:{tmp_path / 'killed'}")
     run_dir = tmp_path / "ray"
     _train(tiny, run_dir, *RAY)
     assert (tmp_path / "killed").exists()  # the fault fired
@@ -44,9 +68,9 @@ def test_ray_shards_store_the_in_process_bytes_and_a_killed_worker_is_retried(
     assert len({s["pid"] for s in shards}) < len(shards)
 
 
-def test_a_killed_shard_is_the_only_one_computed_again(harness, tiny, reference, tmp_path, monkeypatch):
+def test_a_killed_shard_is_the_only_one_computed_again(harness, tiny, reference, tmp_path, fault):
     # No retry: the stage fails when the completion shard at row 12 dies half-way; run it again.
-    monkeypatch.setenv("STEPGRPO_FAULT", f"kill:complete:12:{tmp_path / 'killed'}")
+    fault(f"kill:complete:12:{tmp_path / 'killed'}")
     run_dir = tmp_path / "ray"
     with pytest.raises(StageError, match=r"1 of 4 shard\(s\) failed \(rows 12-17\)"):
         _train(tiny, run_dir, *RAY, "scale.shard_retries=0")

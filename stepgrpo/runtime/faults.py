@@ -3,7 +3,9 @@
 `STEPGRPO_FAULT=<raise|kill>:<stage>:<first row>:<marker file>` makes the shard of `<stage>` that
 starts at `<first row>` raise (or end its process with `os._exit`, as `kill -9` would) after it
 wrote its first rows, once: the fault fires only while `<marker file>` does not exist, and
-creates it. Unset, this does nothing.
+creates it. `STEPGRPO_FAULT=@<file>` reads that spec from `<file>` at every check (no file, or an
+empty one: no fault), so the workers of a long-lived Ray cluster, whose environment is fixed when
+they start, can be given another fault for each run. Unset, this does nothing.
 """
 
 from __future__ import annotations
@@ -17,7 +19,12 @@ class InjectedFault(RuntimeError):
 
 
 def maybe_fail(stage: str, first_row: int) -> None:
-    spec = os.environ.get("STEPGRPO_FAULT")
+    spec = os.environ.get("STEPGRPO_FAULT", "")
+    if spec.startswith("@"):
+        try:
+            spec = Path(spec[1:]).read_text().strip()
+        except FileNotFoundError:
+            return
     if not spec:
         return
     mode, at_stage, at_row, marker = spec.split(":", 3)
