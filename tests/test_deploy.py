@@ -57,7 +57,8 @@ def test_stepgrpo_deploy_fills_the_run_form_and_the_deployed_train_runs_like_the
     """`stepgrpo deploy`: the form's defaults are the YAML's values; a run of it through a worker
     is named after its run id, applies the config's thread count, and logs to the runs root's store."""
     sets = ["run.iterations=1", "run.eval_prompts=4", "run.eval_seeds=1", f"run.runs_root={tmp_path}"]
-    sets += ["scale.threads=3"]
+    sets += ["scale.threads=3", "run.prompts_per_iteration=2", "run.group_size=2"]
+    sets += ["sampler.steps=4", "sampler.eval_steps=4"]  # the tiniest run of the recipe
     args = [a for s in sets for a in ("--set", s)]
     out = subprocess.run(
         [sys.executable, "-m", "stepgrpo_cli", "deploy", "--config", "configs/demo.yaml", "--name", "tiny", *args],
