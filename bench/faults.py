@@ -45,6 +45,8 @@ from typing import Any
 import _common  # noqa: F401  (sets sys.path to the repository root)
 from _common import BENCH_DIR, OUT_DIR, ROOT, write_json
 
+from bench._warm import command_env  # the environment of a benchmark's `stepgrpo` command
+
 sys.path.insert(1, str(BENCH_DIR))  # _common takes bench/ off the path (bench/storage.py shadows the package)
 from digests import items  # noqa: E402
 
@@ -64,18 +66,6 @@ RECIPE = [
 CONFIG = "configs/demo.yaml"
 
 
-def env(out: Path) -> dict[str, str]:
-    return dict(
-        os.environ,
-        STEPGRPO_THREADS="1",
-        STEPGRPO_PROGRESS="0",
-        PREFECT_HOME=str(out / "prefect-home"),
-        PREFECT_SERVER_ANALYTICS_ENABLED="false",
-        MLFLOW_DISABLE_TELEMETRY="true",
-        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180",
-    )
-
-
 def stepgrpo(*args: str) -> list[str]:
     return [str(Path(sys.executable).parent / "stepgrpo"), *args]
 
@@ -86,7 +76,7 @@ def train_cmd(run_dir: Path) -> list[str]:
 
 def run(cmd: list[str], out: Path, log: Path) -> tuple[int, str]:
     with log.open("w") as f:
-        rc = subprocess.run(cmd, cwd=ROOT, env=env(out), stdout=f, stderr=subprocess.STDOUT).returncode
+        rc = subprocess.run(cmd, cwd=ROOT, env=command_env(out), stdout=f, stderr=subprocess.STDOUT).returncode
     return rc, log.read_text()
 
 
@@ -115,7 +105,12 @@ def kill_trial(out: Path, k: int, at: float | str, reference: Path) -> dict[str,
     log = run_dir.parent / f"trial_{k}.killed.log"
     with log.open("w") as f:
         proc = subprocess.Popen(
-            train_cmd(run_dir), cwd=ROOT, env=env(out), stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+            train_cmd(run_dir),
+            cwd=ROOT,
+            env=command_env(out),
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         t0 = time.perf_counter()
         while proc.poll() is None:
@@ -301,7 +296,7 @@ def trust_trials(out: Path, reference: Path) -> list[dict[str, Any]]:
             rc = subprocess.run(
                 command(run_dir),
                 cwd=ROOT,
-                env={**env(out), "PYTHONPATH": str(site)},
+                env={**command_env(out), "PYTHONPATH": str(site)},
                 stdout=f,
                 stderr=subprocess.STDOUT,
             ).returncode
@@ -312,7 +307,7 @@ def trust_trials(out: Path, reference: Path) -> list[dict[str, Any]]:
         _edit_config(run_dir, "reward", {"name": f"{module}:x"})
         t0 = time.perf_counter()
         done = subprocess.run(
-            stepgrpo("inspect", "."), cwd=run_dir, env=env(out), capture_output=True, text=True, timeout=120
+            stepgrpo("inspect", "."), cwd=run_dir, env=command_env(out), capture_output=True, text=True, timeout=120
         )
         held = done.returncode == 0 and not (run_dir / "x").exists() and time.perf_counter() - t0 < 60
         trials.append(_trial(f"manifest names {module}, inspect", held, done.stdout + done.stderr))
@@ -376,7 +371,7 @@ def orphan_trials(out: Path) -> list[dict[str, Any]]:
         cmd = [*train_cmd(run_dir), "--set", "scale.update_processes=2"]
         with log.open("w") as f:
             proc = subprocess.Popen(
-                cmd, cwd=ROOT, env=env(out), stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+                cmd, cwd=ROOT, env=command_env(out), stdout=f, stderr=subprocess.STDOUT, start_new_session=True
             )
         seen: dict[int, str] = {}
         deadline = time.monotonic() + 600
@@ -430,7 +425,9 @@ def concurrency(out: Path, reference: Path) -> list[dict[str, Any]]:
     run_dir.parent.mkdir(parents=True)
     logs = [run_dir.parent / f"train_{i}.log" for i in (0, 1)]
     procs = [
-        subprocess.Popen(train_cmd(run_dir), cwd=ROOT, env=env(out), stdout=log.open("w"), stderr=subprocess.STDOUT)
+        subprocess.Popen(
+            train_cmd(run_dir), cwd=ROOT, env=command_env(out), stdout=log.open("w"), stderr=subprocess.STDOUT
+        )
         for log in logs
     ]
     rcs = [p.wait() for p in procs]
@@ -454,7 +451,7 @@ def concurrency(out: Path, reference: Path) -> list[dict[str, Any]]:
     trainer = subprocess.Popen(
         train_cmd(copy),
         cwd=ROOT,
-        env=env(out),
+        env=command_env(out),
         stdout=(copy.parent / "busy.train.log").open("w"),
         stderr=subprocess.STDOUT,
     )
