@@ -25,6 +25,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# One torch thread in every process of the session unless a test asks for more: `pytest -n 2` runs two
+# workers on the machine's cores, beside Ray workers, update ranks and CLI subprocesses, and torch's
+# default (a thread per core in each) oversubscribes them; on the tiny models the threads mostly wait
+# for each other (the in-process scale run: 37 s of CPU at 2 threads beside a busy process, 22 s at 1).
+# Set before torch is imported here, so the subprocesses inherit it; tests that compare bytes still
+# pin their threads in the config they run (`scale.threads`).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
 # A cache of derived files (the empty MLflow store template) of the tests' own, kept between sessions.
 os.environ.setdefault("STEPGRPO_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"stepgrpo-tests-cache-{os.getuid()}"))
 

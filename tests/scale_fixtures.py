@@ -18,9 +18,10 @@ from storage.run import Run
 
 # 8 groups of 3, 6 rows a model call: 4 shards of 2 groups, one evaluation call per seed.
 SHARDED = ["scale.groups_per_shard=2"]
-# Two threads a computation, recorded by each run (the in-process reference too), so the bytes
+# One thread a computation, recorded by each run (the in-process reference too), so the bytes
 # compared are those of one thread count whatever the test process started with and however many
-# shards run at once; a shard asks one CPU, so the 2-CPU cluster runs two shards (two workers) at a time.
+# shards run at once; a shard asks one CPU, so the 2-CPU cluster runs two shards (two workers) at a
+# time, a thread each.
 RAY = ["scale.workers=ray", "scale.num_workers=2", "scale.cpus_per_shard=1", *SHARDED]
 
 
@@ -51,7 +52,7 @@ def tiny(tmp_path_factory) -> list[str]:
         "optim.micro_batch=4",
         "optim.optimizer_steps=2",
         "optim.lr=1e-3",
-        "scale.threads=2",
+        "scale.threads=1",
     ]
 
 

@@ -46,18 +46,18 @@ def test_deploy_all_and_run_one_deployment_through_a_process_worker(server, tmp_
         "--param", 'overrides=["scale.threads=null"]',
     )  # fmt: skip
     # the flow applies the worker's environment itself, as the CLI does (STEPGRPO_THREADS)
-    worker = prefect(dict(server, STEPGRPO_THREADS="3"), "worker", "start", "--pool", "stepgrpo", "--run-once")
+    worker = prefect(dict(server, STEPGRPO_THREADS="2"), "worker", "start", "--pool", "stepgrpo", "--run-once")
     assert report.is_file(), worker[-3000:] + prefect(server, "flow-run", "ls")
     result = json.loads(report.read_text())
     assert result["config"] == "demo" and "turning_point" in result["schemes"] and "shapes" in result["rewards"]
-    assert result["torch_threads"] == 3
+    assert result["torch_threads"] == 2
 
 
 def test_stepgrpo_deploy_fills_the_run_form_and_the_deployed_train_runs_like_the_cli(server, tmp_path):
     """`stepgrpo deploy`: the form's defaults are the YAML's values; a run of it through a worker
     is named after its run id, applies the config's thread count, and logs to the runs root's store."""
     sets = ["run.iterations=1", "run.eval_prompts=4", "run.eval_seeds=1", f"run.runs_root={tmp_path}"]
-    sets += ["scale.threads=3", "run.prompts_per_iteration=2", "run.group_size=2"]
+    sets += ["scale.threads=2", "run.prompts_per_iteration=2", "run.group_size=2"]
     sets += ["sampler.steps=4", "sampler.eval_steps=4"]  # the tiniest run of the recipe
     args = [a for s in sets for a in ("--set", s)]
     out = subprocess.run(
@@ -80,4 +80,4 @@ def test_stepgrpo_deploy_fills_the_run_form_and_the_deployed_train_runs_like_the
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     (mlrun,) = client.search_runs([client.get_experiment_by_name("demo").experiment_id])
-    assert mlrun.data.tags["stepgrpo.run_id"] == "deployed" and mlrun.data.tags["stepgrpo.torch_threads"] == "3"
+    assert mlrun.data.tags["stepgrpo.run_id"] == "deployed" and mlrun.data.tags["stepgrpo.torch_threads"] == "2"
