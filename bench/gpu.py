@@ -37,7 +37,7 @@ latents 16 x 64 x 64 (512 px), 333 context tokens x 4096 (SD3: 77 CLIP + 256 T5)
 Results go to `--out` as they come: `results.json` (rewritten after every record) and
 `report.txt` (appended line by line), so a run cut short keeps what it measured. A failing check
 is recorded with its error and the script goes on. `--small --device cpu` runs every code path at
-toy sizes on a CPU (section 2 on a small transformer) to prove the script before it travels.
+toy sizes on a CPU (T = 5, section 2 on a small transformer) to prove the script before it travels.
 
     PYTHONPATH=. python3 bench/gpu.py [--out bench/out/gpu] [--device cuda] [--small] [--skip-scale]
 """
@@ -90,6 +90,8 @@ from stepgrpo_core.rollout import Rollout, rollout, step_log_prob  # noqa: E402
 PROMPTS = ("a red circle", "two blue squares", "a green triangle left of a yellow square", "three purple circles")
 KERNEL, NOISE = "flow", 0.7  # Flow-GRPO's SDE and its a
 STEPS = 10  # T, Flow-GRPO's training grid
+# `--small`: T = 5 (no check depends on T; the completions' NFEs grow as T^2, the CPU's bf16 is slow)
+SMALL_STEPS = 5
 COMPLETIONS = ("remaining", "substeps:2", "tweedie")
 RATIO_TOL = 1e-4  # on-policy |ratio - 1| bound: Flow-GRPO's clip range (configs/flow_grpo_pickscore.yaml)
 # On a CPU, bf16 matmuls of another batch size round differently (oneDNN picks its blocking by
@@ -1103,6 +1105,7 @@ def estimates(
 
 
 def main() -> None:
+    global STEPS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--out", type=Path, default=ROOT / "bench" / "out" / "gpu", help="results.json and report.txt go here"
@@ -1124,6 +1127,8 @@ def main() -> None:
         help="torch CPU threads (default: $STEPGRPO_THREADS, else torch's)",
     )
     args = parser.parse_args()
+    if args.small:
+        STEPS = SMALL_STEPS
     deadline = Deadline(args.budget)
     if args.threads:
         torch.set_num_threads(args.threads)
