@@ -83,7 +83,8 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _start_server(root: Path) -> dict[str, str]:
+def _launch_server(root: Path) -> dict[str, str]:
+    """Start the session's server in the background: its API URL, PREFECT_HOME and processes."""
     home = root / "prefect-home"
     home.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -100,12 +101,22 @@ def _start_server(root: Path) -> dict[str, str]:
     )
     session = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
     watcher = subprocess.Popen([sys.executable, "-c", WATCH, str(session), str(proc.pid)], start_new_session=True)
-    url = f"http://127.0.0.1:{port}/api"
+    data = {"url": f"http://127.0.0.1:{port}/api", "home": str(home), "pid": proc.pid, "watcher": watcher.pid}
+    (root / SERVER_INFO).write_text(json.dumps(data))
+    return data
+
+
+def _wait_for_server(root: Path, data: dict[str, str]) -> dict[str, str]:
     deadline = time.monotonic() + 180
-    while not _healthy(url):
-        assert proc.poll() is None and time.monotonic() < deadline, (root / "prefect-server.log").read_text()[-3000:]
+    while not _healthy(data["url"]):
+        alive = True
+        try:
+            os.kill(int(data["pid"]), 0)
+        except ProcessLookupError:
+            alive = False
+        assert alive and time.monotonic() < deadline, (root / "prefect-server.log").read_text()[-3000:]
         time.sleep(0.5)
-    return {"url": url, "home": str(home), "pid": proc.pid, "watcher": watcher.pid}
+    return data
 
 
 @pytest.fixture(scope="session")
@@ -117,11 +128,22 @@ def prefect_server(tmp_path_factory) -> dict[str, str]:
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(str(root / ".lock")):
         info = root / SERVER_INFO
-        if info.is_file() and _healthy(json.loads(info.read_text())["url"]):
-            return json.loads(info.read_text())
-        data = _start_server(root)
-        info.write_text(json.dumps(data))
-        return data
+        data = json.loads(info.read_text()) if info.is_file() else _launch_server(root)
+        return _wait_for_server(root, data)
+
+
+def pytest_sessionstart(session):
+    """A parallel run (`pytest -n`, as `make test`) that includes the slow tests (those that use the
+    server) starts the server now, in the background, so that its ~15 s of start-up overlap the
+    workers' start and collection. Any other run starts it when a test first needs it."""
+    config = session.config
+    if os.environ.get("PYTEST_XDIST_WORKER") or not config.getoption("numprocesses", None):
+        return
+    if "not slow" in (config.getoption("markexpr") or ""):
+        return
+    root = config._tmp_path_factory.getbasetemp() / "prefect"
+    root.mkdir(parents=True, exist_ok=True)
+    _launch_server(root)
 
 
 def pytest_sessionfinish(session):

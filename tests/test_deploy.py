@@ -17,9 +17,30 @@ PREFECT = [sys.executable, "-m", "prefect"]
 
 
 def prefect(env, *args: str, timeout: float = 300) -> str:
+    """The `prefect` command a user types (deploy, worker start)."""
     out = subprocess.run([*PREFECT, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, (args, out.stdout[-3000:], out.stderr[-3000:])
     return out.stdout + out.stderr
+
+
+def api_client():
+    """The session server's API from this process: for what the test itself reads and starts (a
+    `prefect` command per call would import Prefect again each time)."""
+    from prefect.client.orchestration import get_client
+
+    return get_client(sync_client=True)
+
+
+def start(deployment: str, **parameters) -> None:
+    """A run of `deployment` for the worker to pick up, as `prefect deployment run` creates it."""
+    with api_client() as api:
+        api.create_flow_run_from_deployment(api.read_deployment_by_name(deployment).id, parameters=parameters)
+
+
+def flow_runs(env) -> str:
+    """The server's flow runs, for a failure's message."""
+    with api_client() as api:
+        return "\n".join(f"{r.name}: {r.state_name}" for r in api.read_flow_runs(limit=200))
 
 
 def test_prefect_yaml_declares_the_deployments():
@@ -30,30 +51,27 @@ def test_prefect_yaml_declares_the_deployments():
     assert [s["active"] for s in by_name["train"]["schedules"]] == [False]
 
 
-def test_deploy_all_and_run_one_deployment_through_a_process_worker(server, tmp_path):
+def test_deploy_all_and_run_one_deployment_through_a_process_worker(server, harness, tmp_path):
     prefect(server, "work-pool", "create", "stepgrpo", "--type", "process")
     before = (REPO / "prefect.yaml").read_text()
     prefect(server, "--no-prompt", "deploy", "--all")
     assert (REPO / "prefect.yaml").read_text() == before
-    listing = prefect(server, "deployment", "ls")
-    for name in ("train/train", "evaluate/evaluate", "rescore/rescore", "check/check"):
-        assert name in listing, listing
-    assert "'active': False" in prefect(server, "deployment", "inspect", "train/train")
+    with api_client() as api:
+        for name in ("train/train", "evaluate/evaluate", "rescore/rescore", "check/check"):
+            api.read_deployment_by_name(name)  # raises if it is not deployed
+        assert [s.active for s in api.read_deployment_by_name("train/train").schedules] == [False]
 
     report = tmp_path / "report.json"
-    prefect(
-        server, "deployment", "run", "check/check", "--param", f"report={report}",
-        "--param", 'overrides=["scale.threads=null"]',
-    )  # fmt: skip
+    start("check/check", report=str(report), overrides=["scale.threads=null"])
     # the flow applies the worker's environment itself, as the CLI does (STEPGRPO_THREADS)
     worker = prefect(dict(server, STEPGRPO_THREADS="2"), "worker", "start", "--pool", "stepgrpo", "--run-once")
-    assert report.is_file(), worker[-3000:] + prefect(server, "flow-run", "ls")
+    assert report.is_file(), worker[-3000:] + flow_runs(server)
     result = json.loads(report.read_text())
     assert result["config"] == "demo" and "turning_point" in result["schemes"] and "shapes" in result["rewards"]
     assert result["torch_threads"] == 2
 
 
-def test_stepgrpo_deploy_fills_the_run_form_and_the_deployed_train_runs_like_the_cli(server, tmp_path):
+def test_stepgrpo_deploy_fills_the_run_form_and_the_deployed_train_runs_like_the_cli(server, harness, tmp_path):
     """`stepgrpo deploy`: the form's defaults are the YAML's values; a run of it through a worker
     is named after its run id, applies the config's thread count, and logs to the runs root's store."""
     sets = ["run.iterations=1", "run.eval_prompts=4", "run.eval_seeds=1", f"run.runs_root={tmp_path}"]
@@ -65,17 +83,18 @@ def test_stepgrpo_deploy_fills_the_run_form_and_the_deployed_train_runs_like_the
         env=server, cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    inspected = prefect(server, "deployment", "inspect", "train/tiny")
-    assert "'scheme': 'outcome'" in inspected and "'iterations': 1" in inspected, inspected[:3000]
-    prefect(server, "deployment", "run", "train/tiny", "--param", "run_id=deployed")
+    with api_client() as api:
+        form = json.dumps(api.read_deployment_by_name("train/tiny").parameters)  # the run form's values
+    assert '"scheme": "outcome"' in form and '"iterations": 1' in form, form[:3000]
+    start("train/tiny", run_id="deployed")
     worker = prefect(server, "worker", "start", "--pool", "stepgrpo", "--run-once", timeout=900)
     assert (tmp_path / "deployed" / "checkpoints" / "iter_0" / "_published.json").is_file(), worker[-3000:]
-    # the flow run is named after the run id (among the newest: the session's server holds other tests' runs)
-    listed = subprocess.run(
-        [*PREFECT, "flow-run", "ls", "--flow-name", "train", "--limit", "200", "-o", "json"],
-        env=server, cwd=REPO, capture_output=True, text=True, timeout=300, check=True,
-    )  # fmt: skip
-    assert "deployed" in {r["name"] for r in json.loads(listed.stdout)}
+    # the flow run is named after the run id
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    with api_client() as api:
+        runs = api.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["train"])), limit=200)
+    assert "deployed" in {r.name for r in runs}
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
