@@ -103,7 +103,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # the other three share the ablation table's code (their configs are tested in tests/test_flows.py)
     "quick": {
         "iterations": 2,
-        "eval_every": 1,
+        "eval_every": 2,  # the base and the end of a 2-iteration run
         "outcome_iterations": 6,
         "seeds": [0, 1],
         "ablation_seeds": [0],
@@ -939,13 +939,15 @@ def main() -> None:
         pre = analyse_costs(runs, s)
         if stepgrpo:
 
-            def evaluate(job: tuple[int, int]) -> None:
-                seed, n = job
-                evaluate_at(runs["outcome", seed].run_dir, n, s.out, stepgrpo)
-                print(f"outcome seed {seed}: evaluated after {n} iterations", flush=True)
+            def evaluate(job: tuple[int, set[int]]) -> None:
+                # one run's evaluations in turn: a run takes one command at a time (its lock)
+                seed, its = job
+                for n in sorted(its):
+                    evaluate_at(runs["outcome", seed].run_dir, n, s.out, stepgrpo)
+                    print(f"outcome seed {seed}: evaluated after {n} iterations", flush=True)
 
             with ThreadPoolExecutor(max(1, s.jobs)) as pool:
-                list(pool.map(evaluate, [(seed, n) for seed, its in pre.items() for n in sorted(its)]))
+                list(pool.map(evaluate, pre.items()))
     for seed in s.seeds:
         runs["outcome", seed].evals = read_evals(runs["outcome", seed].run_dir)
     analysis = analyse(runs, s)
