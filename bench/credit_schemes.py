@@ -30,7 +30,7 @@ stated rule), `heldout.csv`, `curves.csv`, `gains.csv`, `ablations.csv`, `sde_ga
 `--report-only` only reads and reports.
 
     .venv/bin/python bench/credit_schemes.py --jobs 2      # the comparison of docs/BENCHMARKS.md
-    .venv/bin/python bench/credit_schemes.py --quick       # every path at tiny settings (~2.5 min)
+    .venv/bin/python bench/credit_schemes.py --quick       # every path at tiny settings (~2 min)
     python bench/credit_schemes.py --gpu                   # on a CUDA machine: 8x the trajectories
     .venv/bin/python bench/credit_schemes.py --regime w9   # the papers' regime (bench/_w9.py), resumable
 """
