@@ -215,14 +215,14 @@ def _registries_as_they_were():
 # hands files to its two workers in this order (`--no-loadscope-reorder`; xdist's default puts the
 # files with most tests first, which left the longest files to run alone at the end).
 LONGEST_FIRST = (
-    "test_scale_ray.py",  # ~280 s
-    "test_bench_credit_schemes.py",  # ~250 s
-    "test_flows.py",  # ~190 s
-    "test_scale.py",  # ~140 s
-    "test_deploy.py",  # ~100 s
-    "test_bench_gpu.py",  # ~90 s
-    "test_orphans.py",  # ~80 s
+    "test_scale_ray.py",  # ~165 s
+    "test_flows.py",  # ~135 s
+    "test_bench_credit_schemes.py",  # ~125 s
+    "test_deploy.py",  # ~95 s
+    "test_scale.py",  # ~80 s
+    "test_bench_gpu.py",  # ~75 s
     "test_flows_resume.py",  # ~70 s
+    "test_orphans.py",  # ~60 s
 )
 
 
