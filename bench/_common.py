@@ -61,7 +61,7 @@ def setup_env(out: Path, threads: int | None = None) -> None:
     a generous server start-up timeout (the machine may be busy), no telemetry, quiet logs.
     """
     out.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("PREFECT_HOME", str(OUT_DIR / "prefect-home"))
+    os.environ.setdefault("PREFECT_HOME", str(out / "prefect-home"))  # under `--out`, which it has made
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
