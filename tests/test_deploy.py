@@ -37,7 +37,7 @@ def start(deployment: str, **parameters) -> None:
         api.create_flow_run_from_deployment(api.read_deployment_by_name(deployment).id, parameters=parameters)
 
 
-def flow_runs(env) -> str:
+def flow_runs() -> str:
     """The server's flow runs, for a failure's message."""
     with api_client() as api:
         return "\n".join(f"{r.name}: {r.state_name}" for r in api.read_flow_runs(limit=200))
@@ -65,7 +65,7 @@ def test_deploy_all_and_run_one_deployment_through_a_process_worker(server, harn
     start("check/check", report=str(report), overrides=["scale.threads=null"])
     # the flow applies the worker's environment itself, as the CLI does (STEPGRPO_THREADS)
     worker = prefect(dict(server, STEPGRPO_THREADS="2"), "worker", "start", "--pool", "stepgrpo", "--run-once")
-    assert report.is_file(), worker[-3000:] + flow_runs(server)
+    assert report.is_file(), worker[-3000:] + flow_runs()
     result = json.loads(report.read_text())
     assert result["config"] == "demo" and "turning_point" in result["schemes"] and "shapes" in result["rewards"]
     assert result["torch_threads"] == 2
