@@ -37,6 +37,24 @@ app = typer.Typer(
 console = Console()
 err_console = Console(stderr=True)
 
+
+def _print_version(value: bool) -> None:
+    if value:
+        from stepgrpo import __version__
+
+        console.print(f"stepgrpo {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool, typer.Option("--version", help="Print the version and exit.", is_eager=True, callback=_print_version)
+    ] = False,
+) -> None:
+    """GRPO fine-tuning of flow-matching text-to-image models with step-level credit, as a cached Prefect pipeline."""
+
+
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="YAML config (default: built-in defaults).")]
 SetOpt = Annotated[
     list[str] | None, typer.Option("--set", "-s", help="Override a field: key=value (YAML value), repeatable.")

@@ -28,6 +28,13 @@ def test_help_lists_every_command():
         assert command in result.output
 
 
+def test_version_prints_the_package_version():
+    from importlib.metadata import version
+
+    result = invoke("--version")
+    assert result.exit_code == 0 and result.output.strip() == f"stepgrpo {version('stepgrpo')}"
+
+
 @pytest.mark.parametrize("command", [c for c in COMMANDS if c != "pretrain"])
 def test_each_command_has_help(command):
     result = invoke(command, "--help")
@@ -95,3 +102,18 @@ def test_offline_commands_name_unknown_runs_rewards_and_schemes(tmp_path):
 def test_runs_on_an_empty_root(tmp_path):
     result = invoke("runs", "--root", str(tmp_path))
     assert result.exit_code == 0
+
+
+def test_transformers_notice_of_its_pil_fallback_is_dropped_and_nothing_else():
+    import logging
+
+    import stepgrpo  # noqa: F401  (installs the filter)
+
+    logger = logging.getLogger("transformers.utils.import_utils")
+
+    def record(message: str) -> logging.LogRecord:
+        return logger.makeRecord(logger.name, logging.WARNING, __file__, 1, message, None, None)
+
+    notice = "`CLIPImageProcessor` requires torchvision (not installed); falling back to `CLIPImageProcessorPil`"
+    assert not logger.filter(record(notice))
+    assert logger.filter(record("`Foo` requires bar (not installed)"))
