@@ -52,7 +52,7 @@ def _options(
         bool, typer.Option("--version", help="Print the version and exit.", is_eager=True, callback=_print_version)
     ] = False,
 ) -> None:
-    """GRPO fine-tuning of flow-matching text-to-image models with step-level credit, as a cached Prefect pipeline."""
+    """Options of `stepgrpo` itself (the app's help text is `app`'s)."""
 
 
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="YAML config (default: built-in defaults).")]
