@@ -13,6 +13,7 @@ from typing import Any
 
 from stepgrpo.config import Config
 from stepgrpo.reporting import report
+from stepgrpo.reporting.live import TrainingView
 from stepgrpo.reporting.tracking import Tracker
 from stepgrpo.results import (
     CompleteResult,
@@ -178,10 +179,20 @@ class TrainingLog:
         # what this process runs with (a deployed run's worker may differ from the CLI's shell)
         self.tracker.set_tags({"stepgrpo.torch_threads": str(torch.get_num_threads())})
         self.progress = create_progress_artifact(0.0, description=f"stepgrpo run {self.run.run_id}: iterations done")
+        self.view = TrainingView(self.run.run_id, self.cfg.run.iterations).__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self.view.__exit__(*exc)
         self.tracker.__exit__(*exc)
+
+    def resuming(self, done: int, stored: int) -> None:
+        """The run resumes with `done` iterations finished and `stored` stages already in it."""
+        self.view.started(done)
+        self.view.say(
+            f"resuming run {self.run.run_id} at iteration {done} of {self.cfg.run.iterations} "
+            f"({stored} stored stages reused where they verify)"
+        )
 
     def evaluation(self, step: int, ev: EvaluateResult) -> None:
         """A held-out evaluation, logged at `step` (updates done: 0 for the base model); its
@@ -189,6 +200,7 @@ class TrainingLog:
         from PIL import Image
 
         self.evaluations.append(evaluation_record(self.run, ev))
+        self.view.evaluated(ev.reward_mean)
         self.tracker.log_metrics(eval_metrics(ev), step=step)
         with Image.open(self.evaluations[-1]["grid"]) as grid:
             self.tracker.log_image(grid.convert("RGB"), key="eval", step=step)
@@ -213,9 +225,10 @@ class TrainingLog:
         metrics |= {"cost/nfe_total": self.cost[0], "cost/seconds_total": self.cost[1]}
         self.tracker.log_metrics(metrics, step=i)
         self.rows.append(iteration_row(i, rewards, update))
-        print(report.iteration_line(self.rows[-1]))
+        print(report.iteration_line(self.rows[-1]))  # the log's line (the live view shows the reward)
+        self.view.iteration(i, rewards.reward_mean)
         if (warning := self.watch.see(i, update.stats)) is not None:
-            print(warning)
+            self.view.say(warning)
         update_progress_artifact(self.progress, 100.0 * (i + 1) / self.cfg.run.iterations)
         report.publish_reward_table(self.run.run_id, self.rows)
 

@@ -15,7 +15,7 @@ from flows.progress import TrainingLog, name_flow_run, run_name_from_parameters
 from stepgrpo.checks import check_config
 from stepgrpo.config import Config, config_from
 from stepgrpo.loops.update import export_lora
-from stepgrpo.runs import apply_retention, open_run, owned, resolve_run_dir
+from stepgrpo.runs import apply_retention, open_run, owned, resolve_run_dir, resume_point
 from stepgrpo.runtime import environment
 from stepgrpo.runtime.workers import workers
 from stepgrpo_core.kernels import KERNELS
@@ -61,6 +61,8 @@ def iterate(run: Run, cfg: Config) -> dict[str, Any]:
     psi = stage.calibrate(run, cfg, prompts) if KERNELS.facts(cfg.sampler.kernel)["calibrated"] else None
     checkpoint = None  # the base model
     with TrainingLog(run, cfg) as log:
+        if (resumed := resume_point(run, cfg.run.iterations)) is not None:
+            log.resuming(*resumed)
         log.evaluation(0, stage.evaluate(run, cfg, -1, prompts, checkpoint))
         for i in range(cfg.run.iterations):
             drawn = stage.draw(run, cfg, i, prompts) if cfg.curriculum.draw != "uniform" else None

@@ -21,3 +21,20 @@ class _NoTorchvisionFallbackNotice(logging.Filter):
 logging.getLogger("transformers.utils.import_utils").addFilter(_NoTorchvisionFallbackNotice())
 
 __version__ = "0.1.0"
+
+# The Python entry (`stepgrpo.train(...)`, docs in `stepgrpo_cli.api`). Those functions run flows,
+# so they live above them, beside the CLI; the names resolve on first use, so importing `stepgrpo`
+# (as every flow and task does) imports no flow.
+ENTRY = ("train", "rescore", "credit", "evaluate", "credit_quality", "calibrate", "open_run", "TrainResult")
+
+
+def __getattr__(name: str) -> object:
+    if name in ENTRY:
+        from importlib import import_module
+
+        return getattr(import_module("stepgrpo_cli.api"), name)
+    raise AttributeError(f"module 'stepgrpo' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *ENTRY])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from stepgrpo.config import Config
 from stepgrpo.errors import StageError
@@ -112,3 +113,94 @@ def check_calibrated(cfg: Config) -> None:
         )
     if cfg.completion.method is None:
         raise StageError("calibration needs step rewards: set completion.method (DenseGRPO uses 'remaining')")
+
+
+def check_train(cfg: Config, run_dir: str | None, run_id: str | None, calibrated: bool = False) -> Path:
+    """A training (or calibration) command's input, before its flow and Prefect server start:
+    the config, and the run directory it resumes or makes (returned)."""
+    from stepgrpo.runs import check_resumable, resolve_run_dir
+
+    check_config(cfg, calibrated=calibrated)
+    path = resolve_run_dir(cfg, run_dir, run_id)
+    check_resumable(cfg, path)
+    return path
+
+
+def check_run(
+    run: str,
+    reward: str | None = None,
+    reward_options: dict[str, Any] | None = None,
+    scheme: str | None = None,
+    scheme_options: dict[str, Any] | None = None,
+    overrides: list[str] | None = None,
+    rescore_iterations: list[int] | str | None = None,
+) -> Path:
+    """Check this command's names and options, then open the run (manifest and schema version
+    checked) and its stored config as data (`stepgrpo.runs.open_stored`); with `rescore_iterations`
+    (a list, or "all"), that a re-score finds their latents; for a re-score or a re-credit, that
+    the run has rollouts. All before any server starts."""
+    from stepgrpo.runs import open_stored
+    from stepgrpo_core.registry import allow, references_in
+    from storage.run import Run, find_run
+
+    allow(*references_in([reward, reward_options, scheme]))  # this command's own names may be imported
+    replace: dict[str, Any] = {}
+    if reward is not None:
+        from stepgrpo.rewards import REWARDS, reward_identity
+
+        REWARDS.validate(reward)
+        try:
+            reward_identity({"name": reward, "options": reward_options or {}})
+        except TypeError as err:
+            raise StageError(f"--options: {err}") from None
+        replace["reward"] = {"name": reward, "options": reward_options or {}}
+    if scheme is not None:
+        from stepgrpo_core.credit import SCHEMES, check_options
+
+        SCHEMES.validate(scheme)
+        try:
+            check_options(scheme, scheme_options or {})
+        except ValueError as err:
+            raise StageError(f"--options: {err}") from None
+        replace["credit"] = {"scheme": scheme, "options": scheme_options or {}}
+    path = find_run(run)
+    if scheme is not None and SCHEMES.facts(scheme)["step_rewards"]:
+        method = (Run.open(path).config.get("completion") or {}).get("method", "remaining")
+        if method is None:
+            final_only = [s for s in SCHEMES.names() if not SCHEMES.facts(s)["step_rewards"]]
+            raise StageError(
+                f"scheme {scheme!r} needs step rewards (the reward of every intermediate state's completion), but "
+                f"run {path.name} scored only its final samples (completion.method: null); on this run use "
+                f"{', '.join(final_only)}, or train a run with completion.method remaining / substeps:N"
+            )
+    stored, cfg = open_stored(path, overrides or [], replace)
+    if overrides:
+        from stepgrpo.policy.devices import check_device
+
+        try:
+            check_device(cfg.model.device)
+        except ValueError as err:
+            raise StageError(str(err)) from None
+        check_model(cfg.model.path)
+    if reward is not None or scheme is not None:
+        from stepgrpo.runs import stored_iterations
+
+        stored_iterations(stored)  # a run without a published rollout has nothing to re-score or re-credit
+    if rescore_iterations is not None:
+        from stepgrpo.runs import check_rescorable
+
+        todo = stored.iterations("rollout") if rescore_iterations == "all" else rescore_iterations
+        check_rescorable(stored, cfg.completion.method, todo)
+    return path
+
+
+def check_checkpoint(path: Path, iteration: int | None) -> None:
+    """An evaluation's checkpoint is there (None: the latest; -1: the base model, always)."""
+    from stepgrpo.runs import latest_checkpoint
+    from storage.run import Run
+
+    run = Run.open(path)
+    if iteration is None:
+        latest_checkpoint(run)
+    elif iteration >= 0 and run.stage_manifest(iteration, "checkpoint") is None:
+        raise StageError(f"run {run.run_id} has no checkpoint of iteration {iteration}; see `stepgrpo inspect`")

@@ -23,7 +23,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from stepgrpo.paths import SHIPPED_MODEL
+from stepgrpo.paths import SHIPPED_CONFIGS, SHIPPED_MODEL
 
 # Bumped whenever code changes what a stage computes from the same inputs: it is part of every
 # cache key, so results written by older code are never reused by newer code.
@@ -623,7 +623,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     field by field. Override values are parsed as YAML (`optim.lr=1e-4`, `optim.train_steps=[0,1]`,
     `completion.method=null`). Raises `ConfigError` naming every bad field.
     """
-    data = _read_config_file(Path(path)) if path is not None else {}
+    data = _read_config_file(config_file(path)) if path is not None else {}
     allow_plugins(data)  # the user's own file: the plug-ins it names may be imported
     return validate_config(apply_overrides(data, overrides))
 
@@ -673,6 +673,19 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
 
 
 BASE_KEY = "base"  # a config file may start from another one: `base: shapes_outcome.yaml`
+
+
+def config_file(path: str | Path) -> Path:
+    """A config file given as a path, or as the name of a shipped config (`shapes_outcome`:
+    `configs/shapes_outcome.yaml` of the repository), when no such file is in the working directory."""
+    given = Path(path)
+    if given.is_file() or given.parent != Path(".") or given.suffix in (".yaml", ".yml"):
+        return given
+    shipped = SHIPPED_CONFIGS / f"{given.name}.yaml"
+    if shipped.is_file():
+        return shipped
+    names = ", ".join(sorted(p.stem for p in SHIPPED_CONFIGS.glob("*.yaml")))
+    raise ConfigError(f"config {str(path)!r} is neither a file nor a shipped config; the shipped ones: {names}")
 
 
 def _read_config_file(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:

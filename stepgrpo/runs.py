@@ -149,6 +149,20 @@ def check_resumable(cfg: Config, run_dir: Path) -> None:
     check_length(cfg, Run.open(run_dir))
 
 
+def resume_point(run: Run, iterations: int) -> tuple[int, int] | None:
+    """Where a training run resumes: the iterations finished in a row from 0 (checkpoint
+    published) and the stages stored so far (every published stage store and checkpoint); None
+    for a run with nothing stored yet."""
+    stages = ["rollout", "draw", "checkpoint"]
+    stages += sorted({f"completions/{d.stem}" for d in run.path.glob("iter_*/completions/*.zarr")})
+    stored = sum(len(run.iterations(stage)) for stage in stages)
+    if stored == 0:
+        return None
+    done = set(run.iterations("checkpoint"))
+    finished = next((i for i in range(iterations) if i not in done), iterations)
+    return finished, stored
+
+
 def check_length(cfg: Config, run: Run) -> None:
     """A run is extended by a larger `run.iterations`, never shortened: its export is the weights of
     its last iteration, which a shorter resume would overwrite with an earlier one's."""
@@ -187,7 +201,7 @@ def retention_plan(run: Run, storage: Any) -> list[tuple[int, str]]:
     (`storage.retention.plan`); a checkpoint that was evaluated keeps its weights."""
     from storage import retention
 
-    evaluated = {int(p.stem.removeprefix("iter_")) for p in (run.path / "eval").glob("iter_*.json")}
+    evaluated = {int(p.stem.removeprefix("iter_")) for p in (run.path / run.EVAL_DIR).glob("iter_*.json")}
     return retention.plan(run, storage.keep, storage.keep_last, storage.checkpoint_every, evaluated)
 
 

@@ -9,6 +9,7 @@
     stepgrpo reward-server --reward NAME      # serve a reward over HTTP (reward `http`)
     stepgrpo runs                             # the runs under runs/
     stepgrpo inspect RUN                      # iterations, stages published, rewards
+    stepgrpo server start|stop|status         # a Prefect server kept for the commands above
 
 Every command exits non-zero with a one-paragraph message when its input is wrong (unknown
 field, reward, scheme or kernel; missing model; a run of another schema version).
@@ -46,13 +47,28 @@ def _print_version(value: bool) -> None:
         raise typer.Exit()
 
 
+# Commands that run a flow, so talk to a Prefect server: a kept one if there is (`stepgrpo server`).
+FLOW_COMMANDS = {"train", "rescore", "credit", "credit-quality", "calibrate", "evaluate", "deploy"}
+
+
 @app.callback()
 def _options(
+    ctx: typer.Context,
     version: Annotated[
         bool, typer.Option("--version", help="Print the version and exit.", is_eager=True, callback=_print_version)
     ] = False,
 ) -> None:
     """Options of `stepgrpo` itself (the app's help text is `app`'s)."""
+    if ctx.invoked_subcommand in FLOW_COMMANDS:
+        from stepgrpo.runtime import server
+
+        if (url := server.use_kept()) is not None:  # before anything imports Prefect
+            err_console.print(f"[dim]Prefect server: {url} (kept; `stepgrpo server stop` ends it)[/]", highlight=False)
+        elif not os.environ.get("PREFECT_API_URL") and err_console.is_terminal:
+            err_console.print(
+                "[dim]Prefect server: a temporary one for this command (`stepgrpo server start` keeps one running)[/]",
+                highlight=False,
+            )
 
 
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="YAML config (default: built-in defaults).")]
@@ -95,122 +111,31 @@ def _run(fn: Any, *args: Any, **kwargs: Any) -> Any:
         raise typer.Exit(1) from None
 
 
-def _check_config(
-    config: Path | None,
-    overrides: list[str] | None,
-    run_dir: Path | None,
-    run_id: str | None,
-    calibrated: bool = False,
-) -> tuple[Path, Any]:
-    """Everything checkable before a flow (and its Prefect server) starts; returns the run
-    directory and the resolved config."""
-    from stepgrpo.checks import check_config
-    from stepgrpo.config import load_config
-    from stepgrpo.runs import check_resumable, resolve_run_dir
-
-    cfg = load_config(config, overrides or [])
-    check_config(cfg, calibrated=calibrated)
-    path = resolve_run_dir(cfg, str(run_dir) if run_dir else None, run_id)
-    check_resumable(cfg, path)
-    return path, cfg
-
-
-def _check_run(
-    run: str,
-    reward: str | None = None,
-    reward_options: dict[str, Any] | None = None,
-    scheme: str | None = None,
-    scheme_options: dict[str, Any] | None = None,
-    overrides: list[str] | None = None,
-    rescore_iterations: list[int] | str | None = None,
-) -> Path:
-    """Check this command's names and options, then open the run (manifest and schema version
-    checked) and its stored config as data (`stepgrpo.runs.open_stored`); with `rescore_iterations`
-    (a list, or "all"), that a re-score finds their latents; for a re-score or a re-credit, that
-    the run has rollouts. All before any server starts."""
-    from stepgrpo.checks import check_model
-    from stepgrpo.errors import StageError
-    from stepgrpo.runs import open_stored
-    from stepgrpo_core.registry import allow, references_in
-    from storage.run import Run, find_run
-
-    allow(*references_in([reward, reward_options, scheme]))  # this command's own names may be imported
-    replace: dict[str, Any] = {}
-    if reward is not None:
-        from stepgrpo.rewards import REWARDS, reward_identity
-
-        REWARDS.validate(reward)
-        try:
-            reward_identity({"name": reward, "options": reward_options or {}})
-        except TypeError as err:
-            raise StageError(f"--options: {err}") from None
-        replace["reward"] = {"name": reward, "options": reward_options or {}}
-    if scheme is not None:
-        from stepgrpo_core.credit import SCHEMES, check_options
-
-        SCHEMES.validate(scheme)
-        try:
-            check_options(scheme, scheme_options or {})
-        except ValueError as err:
-            raise StageError(f"--options: {err}") from None
-        replace["credit"] = {"scheme": scheme, "options": scheme_options or {}}
-    path = find_run(run)
-    if scheme is not None and SCHEMES.facts(scheme)["step_rewards"]:
-        method = (Run.open(path).config.get("completion") or {}).get("method", "remaining")
-        if method is None:
-            final_only = [s for s in SCHEMES.names() if not SCHEMES.facts(s)["step_rewards"]]
-            raise StageError(
-                f"scheme {scheme!r} needs step rewards (the reward of every intermediate state's completion), but "
-                f"run {path.name} scored only its final samples (completion.method: null); on this run use "
-                f"{', '.join(final_only)}, or train a run with completion.method remaining / substeps:N"
-            )
-    stored, cfg = open_stored(path, overrides or [], replace)
-    if overrides:
-        from stepgrpo.policy.devices import check_device
-
-        try:
-            check_device(cfg.model.device)
-        except ValueError as err:
-            raise StageError(str(err)) from None
-        check_model(cfg.model.path)
-    if reward is not None or scheme is not None:
-        from stepgrpo.runs import stored_iterations
-
-        stored_iterations(stored)  # a run without a published rollout has nothing to re-score or re-credit
-    if rescore_iterations is not None:
-        from stepgrpo.runs import check_rescorable
-
-        todo = stored.iterations("rollout") if rescore_iterations == "all" else rescore_iterations
-        check_rescorable(stored, cfg.completion.method, todo)
-    return path
-
-
-def _check_checkpoint(path: Path, iteration: int | None) -> None:
-    """An evaluation's checkpoint is there (None: the latest; -1: the base model, always)."""
-    from stepgrpo.errors import StageError
-    from stepgrpo.runs import latest_checkpoint
-    from storage.run import Run
-
-    run = Run.open(path)
-    if iteration is None:
-        latest_checkpoint(run)
-    elif iteration >= 0 and run.stage_manifest(iteration, "checkpoint") is None:
-        raise StageError(f"run {run.run_id} has no checkpoint of iteration {iteration}; see `stepgrpo inspect`")
-
-
-def _owned(path: Path, flow: Any, **kwargs: Any) -> Any:
-    """Run `flow` holding the run's lock (taken here, before its Prefect server starts). Whatever
-    ends this process, what it starts ends with it (`stepgrpo.runtime.reaper`; SIGTERM is an orderly exit
+def _command(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run a command that runs a flow (`stepgrpo_cli.api`), as `_run` does. Whatever ends this
+    process, what it starts ends with it (`stepgrpo.runtime.reaper`; SIGTERM is an orderly exit
     that stops Prefect's temporary server)."""
     import signal
 
-    from stepgrpo.runs import owned
     from stepgrpo.runtime import reaper
+    from stepgrpo_cli import api
 
     reaper.start()
     signal.signal(signal.SIGTERM, _terminated)
-    with owned(path):
-        return flow(**kwargs)
+    api.OWN_TEMPORARY_SERVER = True
+    return _run(fn, *args, **kwargs)
+
+
+def _resume_command(path: Path) -> str:
+    """This `stepgrpo train` command line, naming the run it made or resumed (by `--run-id`
+    unless the line names it already)."""
+    import shlex
+
+    args, named = sys.argv[1:], False
+    for flag in ("--run-id", "--run-dir"):
+        named = named or any(a == flag or a.startswith(f"{flag}=") for a in args)
+    program = sys.argv[0] if Path(sys.argv[0]).name == "stepgrpo" else "stepgrpo"
+    return shlex.join([program, *args, *([] if named else ["--run-id", path.name])])
 
 
 def _terminated(signum: int, frame: Any) -> None:
@@ -218,15 +143,35 @@ def _terminated(signum: int, frame: Any) -> None:
 
 
 @app.command()
-def train(config: ConfigOpt = None, set_: SetOpt = None, run_dir: RunDirOpt = None, run_id: RunIdOpt = None) -> None:
+def train(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    run_dir: RunDirOpt = None,
+    run_id: RunIdOpt = None,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="Prefect's flow and task run lines on the console too.")
+    ] = False,
+) -> None:
     """Train: iterations of rollout -> complete -> score -> credit -> update, evaluated before and after."""
-    path, cfg = _run(_check_config, config, set_, run_dir, run_id)
-    from flows.train import train as train_flow
-
-    out = _run(_owned, path, train_flow, config=cfg, run_dir=str(path))
+    from stepgrpo.reporting.live import VERBOSE_ENV, interactive
     from stepgrpo.reporting.report import print_summary
+    from stepgrpo_cli import api
 
-    print_summary(Path(out["run_dir"]), out["tracking_uri"], out["evaluations"])
+    if verbose:
+        os.environ[VERBOSE_ENV] = "1"
+    elif interactive():  # the live bar: Prefect's run lines stay in its UI (set before Prefect is imported)
+        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
+    try:
+        out = _command(api.train, config, overrides=set_ or [], run_dir=run_dir, run_id=run_id)
+    except api.Interrupted as stopped:
+        err_console.print(
+            "interrupted; the run keeps every stage it finished. Resume it with:\n  "
+            + _resume_command(stopped.run_dir),
+            highlight=False,
+            soft_wrap=True,
+        )
+        raise typer.Exit(130) from None
+    print_summary(out.run_dir, out.tracking_uri, [e.record() for e in out.evaluations])
 
 
 config_app = typer.Typer(help="The config: every field, its value and description.", no_args_is_help=True)
@@ -256,8 +201,8 @@ def deploy(
     cfg = _run(load_config, config, set_ or [])
     if not os.environ.get("PREFECT_API_URL"):
         err_console.print(
-            "[bold red]error:[/] a deployment lives on a Prefect server: start one (`prefect server start`) and "
-            "set PREFECT_API_URL (docs/PIPELINE.md)"
+            "[bold red]error:[/] a deployment lives on a Prefect server: start one (`stepgrpo server start`, or "
+            "`prefect server start` and set PREFECT_API_URL; docs/PIPELINE.md)"
         )
         raise typer.Exit(1)
     from stepgrpo_cli.deployments import deploy_flow
@@ -278,22 +223,19 @@ def rescore(
     ] = None,
 ) -> None:
     """Score the stored trajectories of RUN with another reward (no transformer call)."""
-    parsed = _json(options)
-    path = _run(_check_run, run, reward=reward, reward_options=parsed, rescore_iterations=iteration or "all")
-    from flows.rescore import rescore as rescore_flow
+    from stepgrpo_cli import api
 
-    out = _run(
-        _owned, path, rescore_flow, run=str(path), reward=reward, reward_options=parsed, iterations=iteration or None
-    )
-    table = Table("iteration", "reward", "version", "mean", "strict", "images", title=f"rescored {out['run_dir']}")
-    for s in out["scores"]:
+    parsed = _json(options)
+    scores = _command(api.rescore, run, reward, options=parsed, iterations=iteration or None)
+    table = Table("iteration", "reward", "version", "mean", "strict", "images", title=f"rescored {_where(run)}")
+    for s in scores:
         table.add_row(
-            str(s["iteration"]),
-            s["reward_name"],
-            s["reward_version"],
-            f"{s['reward_mean']:.4f}",
-            _fmt(s.get("reward_strict")),
-            s["images"],
+            str(s.iteration),
+            s.reward_name,
+            s.reward_version,
+            f"{s.reward_mean:.4f}",
+            _fmt(s.reward_strict),
+            s.images,
         )
     console.print(table)
 
@@ -311,11 +253,10 @@ def credit(
     reward: Annotated[str | None, typer.Option(help="Which stored reward to use (default: the run's).")] = None,
 ) -> None:
     """Recompute the advantages of RUN with another scheme, from its stored rewards only."""
-    parsed = _json(options)
-    path = _run(_check_run, run, scheme=scheme, scheme_options=parsed)
-    from flows.credit import credit as credit_flow
+    from stepgrpo_cli import api
 
-    out = _run(_owned, path, credit_flow, run=str(path), scheme=scheme, options=parsed, reward=reward)
+    parsed = _json(options)
+    advantages = _command(api.credit, run, scheme, options=parsed, reward=reward)
     table = Table(
         "iteration",
         "scheme",
@@ -323,16 +264,16 @@ def credit(
         "|adv| max",
         "zero-std groups",
         "turning points",
-        title=f"credit {out['run_dir']}",
+        title=f"credit {_where(run)}",
     )
-    for a in out["advantages"]:
+    for a in advantages:
         table.add_row(
-            str(a["iteration"]),
-            a["scheme"],
-            f"{a['adv_std']:.4f}",
-            f"{a['adv_abs_max']:.3f}",
-            f"{a['zero_std_ratio']:.2f}",
-            str(a["turning_points"]),
+            str(a.iteration),
+            a.scheme,
+            f"{a.adv_std:.4f}",
+            f"{a.adv_abs_max:.3f}",
+            f"{a.zero_std_ratio:.2f}",
+            str(a.turning_points),
         )
     console.print(table)
 
@@ -354,43 +295,18 @@ def credit_quality(
     set_: SetOpt = None,
 ) -> None:
     """Judge every credit scheme on a stored iteration of RUN against Monte-Carlo true advantages."""
-    path = _run(_check_quality, run, iteration, continuations, scheme or [], set_ or [])
-    from flows.quality import credit_quality as quality_flow
+    from stepgrpo_cli import api
 
-    out = _run(
-        _owned,
-        path,
-        quality_flow,
-        run=str(path),
+    out = _command(
+        api.credit_quality,
+        run,
         iteration=iteration,
         continuations=continuations,
         schemes=scheme or None,
         seed=seed,
-        overrides=set_ or None,
+        overrides=set_ or [],
     )
-    console.print(quality_tables(out))
-
-
-def _check_quality(
-    run: str, iteration: int | None, continuations: int, schemes: list[str], overrides: list[str]
-) -> Path:
-    """The check's inputs, before any server starts: its schemes, the run, the iteration's rollout."""
-    from stepgrpo.errors import StageError
-    from stepgrpo_core.registry import allow
-    from storage.run import Run
-    from tasks.quality import check_continuations, schemes_to_judge
-
-    check_continuations(continuations)
-
-    allow(*schemes)
-    schemes_to_judge(schemes)
-    path = _check_run(run, overrides=overrides)
-    done = Run.open(path).iterations("rollout")
-    if not done:
-        raise StageError(f"run {path.name} has no published rollout yet: nothing to judge")
-    if iteration is not None and iteration not in done:
-        raise StageError(f"run {path.name} has no published rollout at iteration {iteration}; stored: {done}")
-    return path
+    console.print(quality_tables(out.result.record() | {"record": str(out.record)}))
 
 
 def quality_tables(out: dict[str, Any]) -> Any:
@@ -447,11 +363,10 @@ def calibrate(
     config: ConfigOpt = None, set_: SetOpt = None, run_dir: RunDirOpt = None, run_id: RunIdOpt = None
 ) -> None:
     """DenseGRPO psi calibration into a run (then `train` with the same config and run id)."""
-    path, cfg = _run(_check_config, config, set_, run_dir, run_id, calibrated=True)
-    from flows.calibrate import calibrate as calibrate_flow
+    from stepgrpo_cli import api
 
-    out = _run(_owned, path, calibrate_flow, config=cfg, run_dir=str(path))
-    console.print(f"psi: {[round(p, 4) for p in out['psi']]}\nrun directory: {out['run_dir']}")
+    psi, path = _command(api.calibrate, config, overrides=set_ or [], run_dir=run_dir, run_id=run_id)
+    console.print(f"psi: {[round(p, 4) for p in psi]}\nrun directory: {path}")
 
 
 @app.command()
@@ -461,15 +376,13 @@ def evaluate(
     set_: SetOpt = None,
 ) -> None:
     """Held-out reward of RUN's policy and an image grid."""
-    path = _run(_check_run, run, overrides=list(set_ or []))
-    _run(_check_checkpoint, path, iteration)
-    from flows.evaluate import evaluate as evaluate_flow
+    from stepgrpo_cli import api
 
-    out = _run(_owned, path, evaluate_flow, run=str(path), iteration=iteration, overrides=list(set_ or []))
+    out = _command(api.evaluate, run, iteration=iteration, overrides=list(set_ or []))
     console.print(
-        f"held-out {out['reward_name']} ({out['label']}): {out['reward_mean']:.4f}"
-        + (f", strict {out['reward_strict']:.4f}" if "reward_strict" in out else "")
-        + f"\nimages: {out['grid']}"
+        f"held-out {out.reward_name} ({out.label}): {out.reward_mean:.4f}"
+        + (f", strict {out.reward_strict:.4f}" if out.reward_strict is not None else "")
+        + f"\nimages: {out.grid}"
     )
 
 
@@ -509,6 +422,56 @@ def reward_server(
         server.serve_forever()
     except KeyboardInterrupt:
         server.server_close()
+
+
+server_app = typer.Typer(
+    help="A Prefect server kept running for the commands that run flows (else each starts a temporary one).",
+    no_args_is_help=True,
+)
+app.add_typer(server_app, name="server")
+
+
+@server_app.command("start")
+def server_start(
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on (the UI is on it too).")] = 4200,
+) -> None:
+    """Start a Prefect server in the background; later commands (train, rescore, credit, ...) use it."""
+    from stepgrpo.runtime import server
+
+    try:
+        record, started = server.start(host, port)
+    except server.ServerError as err:
+        err_console.print(f"[bold red]error:[/] {escape(str(err))}", soft_wrap=True)
+        raise typer.Exit(1) from None
+    console.print(
+        f"{'started' if started else 'already running'}: Prefect server {record['url']} (pid {record['pid']}), "
+        f"UI {record['ui']}; commands of this Prefect home ({server.prefect_home()}) use it until "
+        "`stepgrpo server stop`",
+        soft_wrap=True,
+        highlight=False,
+    )
+
+
+@server_app.command("stop")
+def server_stop() -> None:
+    """Stop the kept Prefect server (runs and their records stay in Prefect's database)."""
+    from stepgrpo.runtime import server
+
+    record = server.stop()
+    console.print(f"stopped the Prefect server at {record['url']}" if record else "no kept Prefect server is running")
+
+
+@server_app.command("status")
+def server_status() -> None:
+    """Say whether a kept Prefect server runs, and where."""
+    from stepgrpo.runtime import server
+
+    record = server.running()
+    if record is None:
+        console.print("no kept Prefect server: each command that runs a flow starts a temporary one")
+        raise typer.Exit(1)
+    console.print(f"Prefect server {record['url']} (pid {record['pid']}), UI {record['ui']}", highlight=False)
 
 
 @app.command()
@@ -665,9 +628,8 @@ def _quality_checks(r: Any) -> None:
     paired difference to outcome with the 95 % interval (`stepgrpo credit-quality`)."""
     from storage.errors import StorageError
     from storage.publish import read_json
-    from tasks.quality import QUALITY_DIR
 
-    for path in sorted((r.path / QUALITY_DIR).glob("iter_*.json")):
+    for path in sorted((r.path / r.QUALITY_DIR).glob("iter_*.json")):
         try:
             c = read_json(path, "credit-quality record")
             rows = c["gradient"]["uniform"]["rows"]
@@ -779,9 +741,10 @@ def _evals(path: Path) -> list[tuple[str, float]]:
     record is named on stderr and left out."""
     from storage.errors import StorageError
     from storage.publish import read_json
+    from storage.run import Run
 
     out = []
-    for f in (path / "eval").glob("*.json"):
+    for f in (path / Run.EVAL_DIR).glob("*.json"):
         try:
             e = read_json(f, "evaluation record")
             label, value = e["label"], float(e["reward_mean"])
@@ -793,6 +756,13 @@ def _evals(path: Path) -> list[tuple[str, float]]:
             continue  # an evaluation with other settings than the run's (`evaluate --set ...`)
         out.append((label, value, order))
     return [(label, value) for label, value, _ in sorted(out, key=lambda x: x[2])]
+
+
+def _where(run: str) -> str:
+    """The run directory a command's RUN argument names (for a table's title)."""
+    from storage.run import find_run
+
+    return str(find_run(run))
 
 
 def _json(text: str | None) -> dict[str, Any] | None:

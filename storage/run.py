@@ -395,7 +395,9 @@ class Run:
         return items
 
     EXPORTS = ("lora", "transformer")  # the run's exported weights (`stepgrpo.loops.update.export_lora`)
-    RECORDS = ("eval", "credit_quality")  # folders of sealed JSON records (`storage.publish.seal`)
+    EVAL_DIR = "eval"  # held-out evaluations (`tasks.evaluate`)
+    QUALITY_DIR = "credit_quality"  # credit-quality checks (`tasks.quality`)
+    RECORDS = (EVAL_DIR, QUALITY_DIR)  # folders of sealed JSON records (`storage.publish.seal`)
 
     def seal_export(self, name: str) -> dict[str, Any]:
         """Record the digest of the export folder `name` (in it, as `_export.json`), so that a

@@ -33,7 +33,7 @@ from storage.run import Run
 from tasks.base import fan_out, shard_task, stage_task, warn
 from tasks.keys import Key, stage_key
 
-EVAL_DIR = "eval"
+EVAL_DIR = Run.EVAL_DIR
 GRID_IMAGES = 64
 
 

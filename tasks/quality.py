@@ -54,7 +54,7 @@ from storage.run import Run
 from tasks.base import stage_task, warn
 from tasks.credit import trained_mask
 
-QUALITY_DIR = "credit_quality"
+QUALITY_DIR = Run.QUALITY_DIR
 TRUTH = ("true", "true_a", "true_b")  # A* and its two halves' tables
 BOOTSTRAP_DRAWS = 2000
 VERSION = "1"  # bumped when the check computes other numbers from the same inputs (part of its key)

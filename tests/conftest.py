@@ -34,6 +34,10 @@ def free_port() -> int:
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
+# A Prefect server a developer keeps running (`stepgrpo server start`) is never the tests' (tests/test_server.py
+# turns the lookup on where it is the subject).
+os.environ["STEPGRPO_KEPT_SERVER"] = "0"
+
 # A cache of derived files (the empty MLflow store template) of the tests' own, kept between sessions.
 os.environ.setdefault("STEPGRPO_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"stepgrpo-tests-cache-{os.getuid()}"))
 

@@ -220,6 +220,43 @@ def test_inspect_shows_the_learning_diagnostics(trained):
     assert "0:" in result.output and "2:" in result.output  # the energy share of trained steps 0..2
 
 
+def test_the_python_entry_returns_typed_results_and_reuses_what_the_run_stored(trained, tiny, calls, tmp_path):
+    """`stepgrpo.train` on the stored run computes nothing and returns the flow's numbers, typed;
+    `rescore`, `credit` and `evaluate` on a copy return typed results per iteration; `open_run` the
+    stored run as data. Bad input fails before any flow, with the CLI's error."""
+    import shutil
+
+    import stepgrpo
+    from stepgrpo.config import ConfigError
+    from stepgrpo.results import CreditResult, EvaluateResult, ScoreResult
+
+    again = stepgrpo.train(None, overrides=tiny, run_dir=trained["run_dir"])
+    assert sum(calls.values()) == 0, calls
+    assert isinstance(again, stepgrpo.TrainResult) and again.run_id == "tiny-a"
+    assert [e.record() for e in again.evaluations] == [
+        EvaluateResult.model_validate(e).record() for e in trained["evaluations"]
+    ]
+    mean, low, high = again.gain()
+    assert low <= mean <= high
+
+    copy = tmp_path / "copy"
+    shutil.copytree(trained["run_dir"], copy)
+    scores = stepgrpo.rescore(copy, "jpeg_incompressibility", iterations=[1])
+    assert [type(s) for s in scores] == [ScoreResult] and scores[0].iteration == 1
+    credits = stepgrpo.credit(copy, "turning_point")
+    assert [type(c) for c in credits] == [CreditResult, CreditResult] and credits[0].scheme == "turning_point"
+    base = stepgrpo.evaluate(copy, iteration=-1)
+    assert isinstance(base, EvaluateResult) and base.label == "base"
+    assert base.reward_mean == again.evaluations[0].reward_mean  # the stored evaluation, reused
+    run = stepgrpo.open_run(copy)
+    assert run.iterations("rollout") == [0, 1] and {"jpeg_incompressibility"} <= set(
+        run.tables.read_rewards().column("reward_name").to_pylist()
+    )
+    with pytest.raises(ConfigError, match="unknown"):
+        stepgrpo.train(None, overrides=[*tiny, "optim.nope=1"], run_dir=str(tmp_path / "never"))
+    assert not (tmp_path / "never").exists()
+
+
 def test_rerunning_the_same_run_computes_nothing(trained, tiny, calls):
     from flows.train import train
 

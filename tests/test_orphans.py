@@ -18,16 +18,21 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("
 COMMAND = textwrap.dedent(
     """
     import os, subprocess, sys, time
-    from prefect import flow
-    from stepgrpo_cli.app import _owned
+    from stepgrpo_cli import api
+    from stepgrpo_cli.app import _command
 
-    @flow
     def hold() -> None:
         helper = subprocess.Popen(["sleep", "600"], start_new_session=True)  # out of the command's group
         print("ready", helper.pid, flush=True)
         time.sleep(600)
 
-    _owned(sys.argv[1], hold)
+    def command(path):  # as a CLI command runs its flow: its own temporary server, the run's lock
+        with api._prefect():
+            from prefect import flow
+
+            api._owned(path, flow(hold))
+
+    _command(command, sys.argv[1])
     """
 )
 

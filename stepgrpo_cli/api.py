@@ -1,0 +1,287 @@
+"""The Python entry: what the `stepgrpo` commands do, as functions that return typed results.
+
+    import stepgrpo
+
+    result = stepgrpo.train("shapes_outcome", overrides=["run.iterations=20"], run_id="nb-1")
+    result.evaluations[-1].reward_mean               # held-out reward of the last checkpoint
+    stepgrpo.rescore("nb-1", "jpeg_compressibility")  # [ScoreResult per iteration]
+    stepgrpo.credit("nb-1", "turning_point")          # [CreditResult per iteration]
+    stepgrpo.evaluate("nb-1", iteration=-1)           # EvaluateResult of the base model
+    run = stepgrpo.open_run("nb-1")                   # the stored run, as data
+    run.tables.read_rewards().to_pandas()
+
+`stepgrpo` hands these names on from here (they sit above the flows they run, like the CLI). Each
+checks its input before any flow or server starts (the same checks and errors as the CLI), holds
+the run's lock while its flow runs, and talks to Prefect the way the CLI does: the server of
+`PREFECT_API_URL` if set, else a kept one (`stepgrpo server start`), else a temporary one that
+lives as long as the Python process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stepgrpo.config import Config
+from stepgrpo.results import CreditResult, EvaluateResult, QualityResult, ScoreResult
+from storage.run import Run
+
+__all__ = [
+    "Interrupted",
+    "QualityCheck",
+    "TrainResult",
+    "calibrate",
+    "credit",
+    "credit_quality",
+    "evaluate",
+    "open_run",
+    "rescore",
+    "train",
+]
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM) stopped a training run; `train` with the same config and `run_dir`
+    resumes it at its first unfinished stage."""
+
+    def __init__(self, run_dir: Path) -> None:
+        super().__init__(f"run {run_dir.name} interrupted")
+        self.run_dir = run_dir
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """A finished `train`: where the run is, and what it measured."""
+
+    run_id: str
+    run_dir: Path
+    tracking_uri: str  # the MLflow store of the run
+    evaluations: list[EvaluateResult]  # held-out evaluations, base first
+    iterations: list[dict[str, Any]]  # one row per iteration (training reward, PPO diagnostics)
+
+    def gain(self) -> tuple[float, float, float] | None:
+        """The paired held-out gain of the last evaluation over the base (mean, 95 % interval,
+        clustered by prompt), None with fewer than two evaluations."""
+        from stepgrpo.reporting.report import paired_gain
+
+        if len(self.evaluations) < 2:
+            return None
+        return paired_gain(self.evaluations[0].record(), self.evaluations[-1].record())
+
+
+def train(
+    config: Config | Mapping[str, Any] | str | Path | None = None,
+    *,
+    overrides: Sequence[str] = (),
+    run_id: str | None = None,
+    run_dir: str | Path | None = None,
+) -> TrainResult:
+    """Train (or resume, or extend) a run.
+
+    Args:
+        config: A `Config`, a mapping of its sections, a YAML file, a shipped config's name
+            (`"shapes_dense"`), or None for the defaults.
+        overrides: `key=value` changes on top (`"optim.lr=1e-4"`), as `--set`.
+        run_id: The run under `run.runs_root` (resumed if it exists); None: a new id.
+        run_dir: Or the run directory itself.
+    """
+    from stepgrpo.checks import check_train
+
+    cfg = _config(config, overrides)
+    path = check_train(cfg, str(run_dir) if run_dir is not None else None, run_id)
+    try:
+        with _prefect():
+            from flows.train import train as train_flow
+
+            out = _owned(path, train_flow, config=cfg, run_dir=str(path))
+    except KeyboardInterrupt as err:
+        raise Interrupted(path) from err
+    return TrainResult(
+        run_id=out["run_id"],
+        run_dir=Path(out["run_dir"]),
+        tracking_uri=out["tracking_uri"],
+        evaluations=[EvaluateResult.model_validate(e) for e in out["evaluations"]],
+        iterations=out["iterations"],
+    )
+
+
+def rescore(
+    run: str | Path,
+    reward: str,
+    *,
+    options: Mapping[str, Any] | None = None,
+    iterations: Sequence[int] | None = None,
+) -> list[ScoreResult]:
+    """Score the stored trajectories of `run` (a directory or a run id) with another reward; no transformer call."""
+    from stepgrpo.checks import check_run
+
+    todo = list(iterations) if iterations is not None else "all"
+    path = check_run(str(run), reward=reward, reward_options=dict(options or {}), rescore_iterations=todo)
+    with _prefect():
+        from flows.rescore import rescore as rescore_flow
+
+        out = _owned(
+            path,
+            rescore_flow,
+            run=str(path),
+            reward=reward,
+            reward_options=dict(options or {}),
+            iterations=list(iterations) if iterations is not None else None,
+        )
+    return [ScoreResult.model_validate(s) for s in out["scores"]]
+
+
+def credit(
+    run: str | Path,
+    scheme: str,
+    *,
+    options: Mapping[str, Any] | None = None,
+    reward: str | None = None,
+) -> list[CreditResult]:
+    """Recompute the advantages of `run` with another credit scheme, from its stored rewards only."""
+    from stepgrpo.checks import check_run
+
+    path = check_run(str(run), scheme=scheme, scheme_options=dict(options or {}))
+    with _prefect():
+        from flows.credit import credit as credit_flow
+
+        out = _owned(path, credit_flow, run=str(path), scheme=scheme, options=dict(options or {}), reward=reward)
+    return [CreditResult.model_validate(a) for a in out["advantages"]]
+
+
+def evaluate(run: str | Path, *, iteration: int | None = None, overrides: Sequence[str] = ()) -> EvaluateResult:
+    """Held-out reward of `run`'s policy after `iteration` (default: the latest checkpoint; -1:
+    the base model); `overrides` may change evaluation settings (`run.eval_prompts=32`)."""
+    from stepgrpo.checks import check_checkpoint, check_run
+
+    path = check_run(str(run), overrides=list(overrides))
+    check_checkpoint(path, iteration)
+    with _prefect():
+        from flows.evaluate import evaluate as evaluate_flow
+
+        out = _owned(path, evaluate_flow, run=str(path), iteration=iteration, overrides=list(overrides))
+    return EvaluateResult.model_validate(out)
+
+
+@dataclass(frozen=True)
+class QualityCheck:
+    """A credit-quality check: its result and the record it stored in the run."""
+
+    result: QualityResult
+    record: Path
+
+
+def credit_quality(
+    run: str | Path,
+    *,
+    iteration: int | None = None,
+    continuations: int = 8,
+    schemes: Sequence[str] | None = None,
+    seed: int = 0,
+    overrides: Sequence[str] = (),
+) -> QualityCheck:
+    """Judge credit schemes on a stored iteration of `run` (default: the latest scored one) against
+    Monte-Carlo true advantages from `continuations` SDE continuations per state (METHODS.md,
+    "Judging credit"); `schemes`: default every registered one."""
+    from stepgrpo.checks import check_run
+    from stepgrpo.errors import StageError
+    from stepgrpo_core.registry import allow
+    from tasks.quality import check_continuations, schemes_to_judge
+
+    check_continuations(continuations)
+    allow(*(schemes or []))  # the caller's own names may be imported
+    schemes_to_judge(list(schemes or []))
+    path = check_run(str(run), overrides=list(overrides))
+    done = Run.open(path).iterations("rollout")
+    if not done:
+        raise StageError(f"run {path.name} has no published rollout yet: nothing to judge")
+    if iteration is not None and iteration not in done:
+        raise StageError(f"run {path.name} has no published rollout at iteration {iteration}; stored: {done}")
+    with _prefect():
+        from flows.quality import credit_quality as quality_flow
+
+        out = _owned(
+            path,
+            quality_flow,
+            run=str(path),
+            iteration=iteration,
+            continuations=continuations,
+            schemes=list(schemes) if schemes else None,
+            seed=seed,
+            overrides=list(overrides) or None,
+        )
+    record = Path(out.pop("record"))
+    out.pop("run_dir")
+    return QualityCheck(QualityResult.model_validate(out), record)
+
+
+def calibrate(
+    config: Config | Mapping[str, Any] | str | Path | None = None,
+    *,
+    overrides: Sequence[str] = (),
+    run_id: str | None = None,
+    run_dir: str | Path | None = None,
+) -> tuple[list[float], Path]:
+    """DenseGRPO's psi calibration into a run (then `train` with the same config and run id);
+    returns psi and the run directory."""
+    from stepgrpo.checks import check_train
+
+    cfg = _config(config, overrides)
+    path = check_train(cfg, str(run_dir) if run_dir is not None else None, run_id, calibrated=True)
+    with _prefect():
+        from flows.calibrate import calibrate as calibrate_flow
+
+        out = _owned(path, calibrate_flow, config=cfg, run_dir=str(path))
+    return list(out["psi"]), Path(out["run_dir"])
+
+
+def open_run(run: str | Path) -> Run:
+    """The stored run (a directory or a run id under runs/), opened as data: its manifest, stages,
+    reward and advantage tables (`run.tables.read_rewards()`), checkpoints and records."""
+    from storage.run import find_run
+
+    return Run.open(find_run(str(run)))
+
+
+def _config(config: Config | Mapping[str, Any] | str | Path | None, overrides: Sequence[str]) -> Config:
+    from stepgrpo.config import config_from
+
+    if isinstance(config, str | Path):
+        return config_from(None, config, overrides)
+    return config_from(config, None, overrides)
+
+
+# Whether a call with no server to talk to starts a temporary server of its own (`server.temporary`:
+# the console script, one command a process, so that a Ctrl-C reaches the command first) or lets
+# Prefect start its temporary server (in this process's group; it lives as long as the process).
+OWN_TEMPORARY_SERVER = False
+
+
+@contextlib.contextmanager
+def _prefect() -> Iterator[None]:
+    """Prefect's server for the flow: `PREFECT_API_URL`'s, else a kept one, else a temporary one
+    (set in Prefect's settings too, since Prefect may already be imported in this process)."""
+    from stepgrpo.runtime import environment, server
+
+    environment.apply()  # the flows apply it again with their config's `scale.threads`
+    with contextlib.ExitStack() as stack:
+        url = server.kept_url()
+        if url is None and OWN_TEMPORARY_SERVER and not os.environ.get("PREFECT_API_URL"):
+            url = stack.enter_context(server.temporary())
+        if url is not None:
+            from prefect.settings import PREFECT_API_URL, temporary_settings
+
+            stack.enter_context(temporary_settings(updates={PREFECT_API_URL: url}))
+        yield
+
+
+def _owned(path: Path, flow: Any, **kwargs: Any) -> Any:
+    """Run `flow` holding the run's lock (taken before its Prefect server starts)."""
+    from stepgrpo.runs import owned
+
+    with owned(path):
+        return flow(**kwargs)

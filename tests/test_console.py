@@ -1,0 +1,105 @@
+"""What a person at the terminal sees of a training run: the live bar, the resume line, and on
+Ctrl-C the command that resumes (`stepgrpo.reporting.live`, `stepgrpo_cli.app.train`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from stepgrpo.reporting.live import TrainingView
+
+
+def test_the_view_is_a_no_op_off_a_terminal_and_logs_its_lines(capsys, monkeypatch):
+    monkeypatch.setenv("STEPGRPO_PROGRESS", "1")
+    with TrainingView("r", 3) as view:  # pytest's stderr is no terminal
+        assert not view.live
+        view.started(1)
+        view.iteration(1, 0.5)
+        view.evaluated(0.6)
+        view.say("resuming run r at iteration 1 of 3")
+    assert capsys.readouterr().out == "resuming run r at iteration 1 of 3\n"
+
+
+def test_the_view_on_a_terminal_shows_the_bar_and_folds_prefects_console_lines(monkeypatch):
+    import logging
+
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    monkeypatch.setenv("STEPGRPO_PROGRESS", "1")
+    monkeypatch.delenv("STEPGRPO_VERBOSE", raising=False)
+    handler = PrefectConsoleHandler()
+    logging.getLogger("stepgrpo-test-console").addHandler(handler)
+    try:
+        with TrainingView("r", 4) as view:
+            assert view.live and handler.level == logging.WARNING
+            view.started(2)
+            view.iteration(2, 0.51234)
+            view.evaluated(0.7)
+            task = view.progress.tasks[0]
+            assert task.completed == 3 and task.fields["reward"] == "0.5123" and task.fields["heldout"] == "0.7000"
+        assert handler.level == logging.NOTSET  # given back
+        monkeypatch.setenv("STEPGRPO_VERBOSE", "1")
+        with TrainingView("r", 4) as view:
+            assert view.live and not view.fold and handler.level == logging.NOTSET
+    finally:
+        logging.getLogger("stepgrpo-test-console").removeHandler(handler)
+
+
+def test_the_resume_command_names_the_run(monkeypatch):
+    from stepgrpo_cli.app import _resume_command
+
+    monkeypatch.setattr(sys, "argv", ["/x/.venv/bin/stepgrpo", "train", "--config", "my config.yaml"])
+    expected = "/x/.venv/bin/stepgrpo train --config 'my config.yaml' --run-id demo-1"
+    assert _resume_command(Path("runs/demo-1")) == expected
+    monkeypatch.setattr(sys, "argv", ["stepgrpo", "train", "--run-dir=/data/r1"])
+    assert _resume_command(Path("/data/r1")) == "stepgrpo train --run-dir=/data/r1"
+
+
+@pytest.mark.slow
+def test_ctrl_c_prints_the_command_that_resumes_and_it_resumes(tmp_path):
+    """SIGINT (a terminal's Ctrl-C) after the first checkpoint: exit 130 with the resume command;
+    that command resumes the run at its first unfinished iteration, and finishes it."""
+    from stepgrpo.shapes.model import build_pipeline, tiny_spec
+
+    model = tmp_path / "tiny-sd3"
+    build_pipeline(tiny_spec(), seed=0).save_pretrained(str(model))
+    sets = [f"model.path={model}", "model.lora_rank=4", "model.guidance_scale=1.0", "sampler.steps=4"]
+    sets += ["sampler.eval_steps=4", "reward.name=jpeg_compressibility", "run.iterations=3"]
+    sets += ["run.prompts_per_iteration=2", "run.group_size=3", "run.eval_prompts=2", "optim.micro_batch=3"]
+    sets += [f"run.runs_root={tmp_path / 'runs'}", "scale.threads=1"]
+    args = ["train", *[a for s in sets for a in ("--set", s)], "--run-id", "interrupted"]
+    env = dict(os.environ, PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    env.pop("PREFECT_API_URL", None)  # the command's own temporary server, which a Ctrl-C must not reach
+    command = subprocess.Popen(
+        [sys.executable, "-m", "stepgrpo_cli", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    first = tmp_path / "runs" / "interrupted" / "checkpoints" / "iter_0" / "_published.json"
+    deadline = time.monotonic() + 240
+    while not first.is_file():
+        assert command.poll() is None, command.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    os.killpg(command.pid, signal.SIGINT)  # the whole group, as a terminal does
+    out, err = command.communicate(timeout=120)
+    assert command.returncode == 130, err[-3000:]
+    said = err.split("Resume it with:\n", 1)[1].strip().splitlines()[0].strip()
+    assert said.startswith("stepgrpo train --set") and said.endswith("--run-id interrupted")
+
+    again = subprocess.run(
+        [sys.executable, "-m", "stepgrpo_cli", *said.split()[1:]], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming run interrupted at iteration " in again.stdout + again.stderr
+    assert (tmp_path / "runs" / "interrupted" / "checkpoints" / "iter_2" / "_published.json").is_file()
