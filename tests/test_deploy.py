@@ -46,7 +46,7 @@ def flow_runs() -> str:
 def test_prefect_yaml_declares_the_deployments():
     spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
     by_name = {d["name"]: d for d in spec["deployments"]}
-    assert {"train", "evaluate", "rescore"} <= set(by_name)
+    assert {"train", "evaluate", "rescore", "credit", "credit-quality"} <= set(by_name)
     assert all(d["work_pool"]["name"] == "stepgrpo" for d in by_name.values())
     assert [s["active"] for s in by_name["train"]["schedules"]] == [False]
 

@@ -204,7 +204,9 @@ def test_flow_and_task_runs_are_named_after_the_run_and_iteration(trained):
     assert {"prompts", "evaluate base", "rollout iter_0", "update iter_1", "evaluate iter_1"} <= names, names
     # the reward table is published after every iteration, under one key
     tables = [a for a in artifacts if a.key == "tiny-a-rewards"]
-    assert len(tables) == 2 and any(a.key == "tiny-a-summary" for a in artifacts)
+    assert len(tables) == 2
+    (summary,) = [a for a in artifacts if a.key == "tiny-a-summary"]
+    assert "paired gain over the base (4 held-out prompts" in summary.data and "95 % interval" in summary.data
 
 
 def test_inspect_shows_the_learning_diagnostics(trained):

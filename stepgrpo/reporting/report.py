@@ -148,8 +148,25 @@ def publish_summary(run_id: str, cfg: Config, evals: Sequence[Mapping[str, Any]]
     ]
     for e in evals:
         lines.append(f"| {e['label']} | {e['reward_mean']:.4f} | {e.get('reward_strict', float('nan')):.4f} |")
+    if len(evals) > 1 and (line := gain_line(evals[0], evals[-1])) is not None:
+        lines += ["", line]
     lines += ["", *(f"- {k}: `{v}`" for k, v in where.items())]
     create_markdown_artifact("\n".join(lines), key=f"{key}-summary", description=f"stepgrpo run {run_id}")
+
+
+def gain_line(base: Mapping[str, Any], last: Mapping[str, Any]) -> str | None:
+    """The paired gain of `last` over `base` with its 95 % interval and verdict, in one sentence
+    (None where the two evaluations do not pair)."""
+    gain = paired_gain(base, last)
+    if gain is None:
+        return None
+    prompts, seeds = base["prompts"], base["seeds"]
+    verdict = "rose" if gain[1] > 0 else "fell" if gain[2] < 0 else "did not move beyond noise"
+    pairs = f"{prompts} held-out prompts" + (f" x {seeds} seeds, averaged per prompt" if seeds > 1 else "")
+    return (
+        f"paired gain over the base ({pairs}): {gain[0]:+.4f}, "
+        f"95 % interval [{gain[1]:+.4f}, {gain[2]:+.4f}]: the held-out reward {verdict}"
+    )
 
 
 def print_summary(run_dir: Path, tracking_uri: str, evals: Sequence[Mapping[str, Any]]) -> None:
@@ -164,17 +181,8 @@ def print_summary(run_dir: Path, tracking_uri: str, evals: Sequence[Mapping[str,
             f"held-out reward{reward}, {name}: {e['reward_mean']:.4f}{strict}" + (f" ({subs})" if subs else ""),
             file=out,
         )
-    if len(evals) > 1:
-        gain = paired_gain(evals[0], evals[-1])
-        if gain is not None:
-            prompts, seeds = evals[0]["prompts"], evals[0]["seeds"]
-            verdict = "rose" if gain[1] > 0 else "fell" if gain[2] < 0 else "did not move beyond noise"
-            pairs = f"{prompts} held-out prompts" + (f" x {seeds} seeds, averaged per prompt" if seeds > 1 else "")
-            print(
-                f"paired gain over the base ({pairs}): {gain[0]:+.4f}, "
-                f"95 % interval [{gain[1]:+.4f}, {gain[2]:+.4f}]: the held-out reward {verdict}",
-                file=out,
-            )
+    if len(evals) > 1 and (line := gain_line(evals[0], evals[-1])) is not None:
+        print(line, file=out)
     print(f"run directory: {run_dir}", file=out)
     print(f"MLflow store:  {tracking_uri}", file=out)
     print(f"images:        {run_dir / 'eval'}", file=out)
