@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from prefect import flow
 
-from flows.progress import name_flow_run, run_name_from_parameters
+from flows.progress import log_offline, name_flow_run, run_name_from_parameters
 from stepgrpo.runs import owned_stored, stored_iterations
 from stepgrpo.runtime import environment
 from stepgrpo_core.registry import allow
@@ -36,7 +37,10 @@ def credit(
                 f"iteration {i}: {scheme} advantages std {done[-1].adv_std:.4f}, "
                 f"zero-std groups {done[-1].zero_std_ratio:.2f}"
             )
-        return {"run_dir": str(stored.path), "advantages": [a.record() for a in done]}
+        records = [a.record() for a in done]
+        params = {"scheme": scheme, "options": json.dumps(options or {}, sort_keys=True), "reward": name}
+        log_offline(stored, cfg, "credit", scheme, params, records, ["adv_std", "zero_std_ratio", "turning_points"])
+        return {"run_dir": str(stored.path), "advantages": records}
 
 
 def _training_reward(cfg: Any) -> str:

@@ -6,7 +6,7 @@ from typing import Any
 
 from prefect import flow
 
-from flows.progress import evaluation_record, name_flow_run, run_name_from_parameters
+from flows.progress import evaluation_record, log_offline, name_flow_run, run_name_from_parameters
 from stepgrpo.runs import latest_checkpoint, owned_stored
 from stepgrpo.runtime import environment
 from stepgrpo.runtime.workers import workers
@@ -33,4 +33,8 @@ def evaluate(run: str, iteration: int | None = None, overrides: list[str] | None
             f"held-out {result['reward_name']} after {result['label']}: {result['reward_mean']:.4f}; grid "
             f"{result['grid']}"
         )
+        row = {k: v for k, v in result.items() if k not in ("scores", "strict_scores")} | {"iteration": iteration + 1}
+        params = {"overrides": " ".join(overrides or []) or "(none)"}
+        label = " ".join([result["label"], *(overrides or [])])  # one MLflow run per checkpoint and settings
+        log_offline(stored, cfg, "evaluate", label, params, [row], ["reward_mean", "reward_strict"])
         return result

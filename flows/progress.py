@@ -54,6 +54,32 @@ def name_flow_run(name: str) -> None:
         client.update_flow_run(run_id, name=name)
 
 
+def log_offline(
+    run: Run, cfg: Config, kind: str, label: str, params: dict[str, Any], rows: list[dict[str, Any]], metrics: list[str]
+) -> None:
+    """What an offline flow (`rescore`, `credit`, `evaluate`) computed on a stored run, as an MLflow
+    run of its own beside the training run's: tagged with its parent (the training run, and
+    MLflow's parent link where it has one), `metrics` of each row logged at its iteration, and all
+    rows as a table artifact (`<kind>.json`, MLflow's table view). Logging again under the same
+    `label` continues the same MLflow run."""
+    import pandas as pd
+
+    from stepgrpo.reporting.tracking import Tracker, find_mlflow_run
+
+    _, parent = find_mlflow_run(run.path, run.run_id)
+    tags = {"stepgrpo.parent_run_id": run.run_id, "stepgrpo.kind": kind}
+    if parent is not None:
+        tags["mlflow.parentRunId"] = parent.info.run_id
+    with Tracker.start(run.path, cfg.run.name, f"{run.run_id} {kind} {label}", tags=tags) as tracker:
+        if not tracker.resumed:
+            tracker.log_params(params)
+        for row in rows:
+            values = {f"{kind}/{m}": row[m] for m in metrics if isinstance(row.get(m), int | float)}
+            tracker.log_metrics({k: float(v) for k, v in values.items() if math.isfinite(v)}, step=row["iteration"])
+        flat = [{k: v for k, v in row.items() if not isinstance(v, list | dict)} for row in rows]
+        tracker.client.log_table(tracker.run_id, data=pd.DataFrame(flat), artifact_file=f"{kind}.json")
+
+
 def evaluation_record(run: Run, ev: EvaluateResult) -> dict[str, Any]:
     """An evaluation as a flow returns it: JSON, with the image grid's full path."""
     return ev.record() | {"grid": str(Path(run.path) / ev.grid)}

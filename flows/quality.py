@@ -53,7 +53,7 @@ def _log(stored: Any, cfg: Any, result: Any, path: Any) -> None:
     """The check as an MLflow run of its own, tagged with its parent (the training run)."""
     from stepgrpo.reporting.tracking import Tracker, find_mlflow_run
 
-    _, parent = find_mlflow_run(stored.path)
+    _, parent = find_mlflow_run(stored.path, stored.run_id)
     tags = {"stepgrpo.parent_run_id": stored.run_id, "stepgrpo.kind": "credit-quality"}
     if parent is not None:
         tags["mlflow.parentRunId"] = parent.info.run_id

@@ -8,11 +8,12 @@ the stored latents, and the images are stored for the next re-score (`storage.im
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from prefect import flow
 
-from flows.progress import name_flow_run, run_name_from_parameters
+from flows.progress import log_offline, name_flow_run, run_name_from_parameters
 from stepgrpo.runs import check_rescorable, owned_stored, stored_iterations
 from stepgrpo.runtime import environment
 from stepgrpo.runtime.workers import workers
@@ -42,4 +43,7 @@ def rescore(
                 print(
                     f"iteration {i}: {done[-1].reward_name} mean {done[-1].reward_mean:.4f} (images {done[-1].images})"
                 )
-        return {"run_dir": str(stored.path), "scores": [s.record() for s in done]}
+        records = [s.record() for s in done]
+        params = {"reward": reward, "reward_options": json.dumps(reward_options or {}, sort_keys=True)}
+        log_offline(stored, cfg, "rescore", reward, params, records, ["reward_mean", "reward_strict", "reward_std"])
+        return {"run_dir": str(stored.path), "scores": records}

@@ -254,6 +254,20 @@ def test_the_python_entry_returns_typed_results_and_reuses_what_the_run_stored(t
     assert run.iterations("rollout") == [0, 1] and {"jpeg_incompressibility"} <= set(
         run.tables.read_rewards().column("reward_name").to_pylist()
     )
+    # each offline command is an MLflow run of its own, linked to the training run, with its table
+    from mlflow.tracking import MlflowClient
+
+    from stepgrpo.reporting.tracking import tracking_uri
+
+    client = MlflowClient(tracking_uri=tracking_uri(copy))
+    runs = client.search_runs(
+        [e.experiment_id for e in client.search_experiments()], filter_string="tags.`stepgrpo.parent_run_id` = 'tiny-a'"
+    )
+    by_kind = {r.data.tags["stepgrpo.kind"]: r for r in runs}
+    assert {"rescore", "credit", "evaluate"} <= set(by_kind), by_kind.keys()
+    assert by_kind["credit"].data.params["scheme"] == "turning_point"
+    assert "credit/adv_std" in by_kind["credit"].data.metrics
+    assert [a.path for a in client.list_artifacts(by_kind["rescore"].info.run_id)] == ["rescore.json"]
     with pytest.raises(ConfigError, match="unknown"):
         stepgrpo.train(None, overrides=[*tiny, "optim.nope=1"], run_dir=str(tmp_path / "never"))
     assert not (tmp_path / "never").exists()

@@ -273,12 +273,13 @@ class Tracker:
             self.client.set_tag(self.run_id, k, str(v))
 
 
-def find_mlflow_run(run_dir: str | Path) -> tuple[Any, Any]:
-    """`(client, MLflow run)` of the stepgrpo run at `run_dir` in its tracking store; run None if it has none."""
+def find_mlflow_run(run_dir: str | Path, run_id: str | None = None) -> tuple[Any, Any]:
+    """`(client, MLflow run)` of the stepgrpo run at `run_dir` (its run id: `run_id`, else the
+    directory's name) in its tracking store; run None if it has none."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=tracking_uri(run_dir))
-    name = Path(run_dir).name
+    name = run_id or Path(run_dir).name
     for exp in client.search_experiments():
         found = client.search_runs([exp.experiment_id], filter_string=f"tags.`{RUN_TAG}` = '{name}'", max_results=1)
         if found:
