@@ -41,7 +41,7 @@ test-fast: install
 demo: install
 	PREFECT_SERVER_ANALYTICS_ENABLED=false MLFLOW_DISABLE_TELEMETRY=true \
 	PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120 \
-	$(VENV)/bin/stepgrpo train --config configs/demo.yaml
+	$(VENV)/bin/stepgrpo demo
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

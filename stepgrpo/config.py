@@ -676,8 +676,8 @@ BASE_KEY = "base"  # a config file may start from another one: `base: shapes_out
 
 
 def config_file(path: str | Path) -> Path:
-    """A config file given as a path, or as the name of a shipped config (`shapes_outcome`:
-    `configs/shapes_outcome.yaml` of the repository), when no such file is in the working directory."""
+    """A config file given as a path, or as the name of a shipped config (`shapes_outcome`: the
+    shipped `configs/shapes_outcome.yaml`, `stepgrpo.paths`), when no such file is in the working directory."""
     given = Path(path)
     if given.is_file() or given.parent != Path(".") or given.suffix in (".yaml", ".yml"):
         return given

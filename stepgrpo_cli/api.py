@@ -169,10 +169,11 @@ def evaluate(run: str | Path, *, iteration: int | None = None, overrides: Sequen
 
 @dataclass(frozen=True)
 class QualityCheck:
-    """A credit-quality check: its result and the record it stored in the run."""
+    """A credit-quality check: its result, the record it stored in the run, and the run's directory."""
 
     result: QualityResult
     record: Path
+    run_dir: Path
 
 
 def credit_quality(
@@ -215,8 +216,8 @@ def credit_quality(
             overrides=list(overrides) or None,
         )
     record = Path(out.pop("record"))
-    out.pop("run_dir")
-    return QualityCheck(QualityResult.model_validate(out), record)
+    run_dir = Path(out.pop("run_dir"))
+    return QualityCheck(QualityResult.model_validate(out), record, run_dir)
 
 
 def calibrate(

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from stepgrpo.config import Config, ModelConfig, RewardConfig, digest_of
-from stepgrpo.paths import REPO_ROOT
+from stepgrpo.paths import SHIPPED_ROOT
 
 if TYPE_CHECKING:
     from stepgrpo.policy import Policy
@@ -38,14 +38,15 @@ class ModelNotFoundError(FileNotFoundError):
 
 
 def resolve_model_path(path: str) -> str:
-    """A local directory (relative to the working directory, else to the repository), or a hub id."""
+    """A local directory (relative to the working directory, else to the shipped files of
+    `stepgrpo.paths`), or a hub id."""
     p = Path(path).expanduser()
     if p.is_dir():
         return str(p.resolve())
-    if not p.is_absolute() and (REPO_ROOT / p).is_dir():
-        return str((REPO_ROOT / p).resolve())
+    if not p.is_absolute() and (SHIPPED_ROOT / p).is_dir():
+        return str((SHIPPED_ROOT / p).resolve())
     org = path.split("/", 1)[0]
-    local_parent = Path(org).is_dir() or (REPO_ROOT / org).is_dir()  # e.g. "models/...": a local path
+    local_parent = Path(org).is_dir() or (SHIPPED_ROOT / org).is_dir()  # e.g. "models/...": a local path
     if path.count("/") == 1 and not path.startswith((".", "/", "~")) and not local_parent:
         return path  # a hub id: identity is the id itself
     raise ModelNotFoundError(

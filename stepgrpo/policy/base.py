@@ -22,12 +22,12 @@ from typing import Any, Self
 import torch
 
 from stepgrpo.images import quantize
-from stepgrpo.paths import REPO_ROOT, SHIPPED_MODEL
+from stepgrpo.paths import SHIPPED_MODEL, SHIPPED_ROOT
 from stepgrpo.policy import lora as lora_lib
 from stepgrpo.policy.devices import resolve_device, resolve_dtype
 from stepgrpo.policy.lora import LoraSpec
 
-DEFAULT_MODEL = REPO_ROOT / SHIPPED_MODEL
+DEFAULT_MODEL = SHIPPED_ROOT / SHIPPED_MODEL
 DEFAULT_MAX_BATCH = 64
 T5_MAX_SEQUENCE_LENGTH = 256  # the pipeline's default T5 context when a T5 encoder is present
 

@@ -107,7 +107,10 @@ def sample_grid(pipe, path: str, seed: int = 0, guidance_scale: float = 4.0, n: 
     Prompts: the first `n` held-out prompts after a fixed shuffle, count prompts first so every
     count and shape appears.
     """
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError("the sample grid is drawn with matplotlib: pip install 'stepgrpo[plots]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

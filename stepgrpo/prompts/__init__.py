@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from stepgrpo.config import Config
 from stepgrpo.errors import StageError
-from stepgrpo.paths import REPO_ROOT
+from stepgrpo.paths import SHIPPED_ROOT
 from stepgrpo.prompts.sets import PROMPT_SETS
 
 if TYPE_CHECKING:
@@ -117,8 +117,8 @@ def read_hub_prompts(spec: str) -> tuple[list[str], list[dict[str, Any]]]:
 def find_prompt_file(path: str) -> Path:
     """A prompt file relative to the working directory, else to the repository."""
     p = Path(path)
-    if not p.exists() and (REPO_ROOT / path).exists():
-        p = REPO_ROOT / path
+    if not p.exists() and (SHIPPED_ROOT / path).exists():
+        p = SHIPPED_ROOT / path
     if not p.is_file():
         hint = RECIPE_DATA.get(Path(path).parent.as_posix(), "")
         raise StageError(

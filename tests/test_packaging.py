@@ -1,0 +1,88 @@
+"""An installable stepgrpo: the wheel holds every package of the code, the shipped model and the
+recipes, and an installed copy finds them from any directory."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_wheel_lists_every_package_of_the_code():
+    from setuptools import find_packages
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    code = set(find_packages(str(REPO), include=["stepgrpo*", "stepgrpo_core*", "storage*", "flows*", "tasks*"]))
+    assert listed - {"stepgrpo.shipped.configs", "stepgrpo.shipped.models"} == code
+
+
+@pytest.mark.slow
+def test_an_installed_wheel_trains_a_shipped_config_from_another_directory(tmp_path, server):
+    """`pip wheel` of a copy of the checkout (no build/ left in the repository), installed into a
+    fresh venv (the dependencies, already here, reached through a .pth; the checkout's editable
+    install is not), then `stepgrpo train --config shapes_outcome` from a directory with no
+    configs/ or models/ in it."""
+    source = tmp_path / "source"
+    shutil.copytree(
+        REPO,
+        source,
+        ignore=shutil.ignore_patterns(".*", "build", "dist", "runs", "*.egg-info", "__pycache__", "bench", "docs"),
+    )
+    wheels = tmp_path / "wheels"
+    pip = [sys.executable, "-m", "pip"]
+    subprocess.run(
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-q", str(source), "-w", str(wheels)],
+        check=True,
+        capture_output=True,
+        cwd=tmp_path,
+    )
+    (wheel,) = wheels.glob("stepgrpo-*.whl")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    (site,) = (venv / "lib").glob("python3*/site-packages")
+    (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run(
+        [*pip, "--python", str(venv / "bin" / "python"), "install", "--no-deps", "--no-index", "-q", str(wheel)],
+        check=True,
+        capture_output=True,
+    )
+    shipped = site / "stepgrpo" / "shipped"
+    assert (shipped / "models" / "shapes" / "transformer" / "diffusion_pytorch_model.safetensors").is_file()
+    assert (shipped / "configs" / "shapes_outcome.yaml").is_file()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+
+    def run(*args):
+        done = subprocess.run(args, cwd=elsewhere, env=server, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        return done.stdout
+
+    where = run(
+        str(venv / "bin" / "python"),
+        "-c",
+        "import stepgrpo.paths as p, stepgrpo.policy.base as b, stepgrpo.loops.workspace as w; "
+        "print(p.SHIPPED_ROOT, b.DEFAULT_MODEL, w.resolve_model_path('models/shapes'))",
+    )
+    assert where.split() == [str(shipped), *[str(shipped / "models" / "shapes")] * 2]
+    stepgrpo = str(venv / "bin" / "stepgrpo")
+    assert run(stepgrpo, "--version").startswith("stepgrpo ")
+    assert "--set" in run(stepgrpo, "demo", "--help")
+    small = ["run.iterations=1", "run.prompts_per_iteration=2", "run.group_size=2", "run.eval_prompts=2"]
+    small += ["run.eval_seeds=1", "sampler.steps=4", "sampler.eval_steps=4", "sampler.sde_window_size=2"]
+    run(stepgrpo, "train", "--config", "shapes_outcome", "--run-id", "wheel", *[a for o in small for a in ("--set", o)])
+    stored = elsewhere / "runs" / "wheel"
+    from storage.run import Run
+
+    trained = Run.open(stored)
+    assert trained.iterations("checkpoint") == [0]
+    assert trained.config["run"]["name"] == "shapes_outcome" and trained.config["model"]["path"] == "models/shapes"
+    from stepgrpo.config import load_config
+
+    assert load_config(shipped / "configs" / "demo.yaml").run.name == "demo"  # its base file is shipped beside it
