@@ -14,7 +14,7 @@ from typing import Any
 from stepgrpo.config import Config
 from stepgrpo.reporting import report
 from stepgrpo.reporting.live import TrainingView
-from stepgrpo.reporting.tracking import Tracker
+from stepgrpo.reporting.tracking import Tracker, comparison_tags, experiment_name
 from stepgrpo.results import (
     CompleteResult,
     CreditResult,
@@ -64,13 +64,13 @@ def log_offline(
     `label` continues the same MLflow run."""
     import pandas as pd
 
-    from stepgrpo.reporting.tracking import Tracker, find_mlflow_run
+    from stepgrpo.reporting.tracking import find_mlflow_run
 
     _, parent = find_mlflow_run(run.path, run.run_id)
-    tags = {"stepgrpo.parent_run_id": run.run_id, "stepgrpo.kind": kind}
+    tags = {**comparison_tags(cfg), "stepgrpo.parent_run_id": run.run_id, "stepgrpo.kind": kind}
     if parent is not None:
         tags["mlflow.parentRunId"] = parent.info.run_id
-    with Tracker.start(run.path, cfg.run.name, f"{run.run_id} {kind} {label}", tags=tags) as tracker:
+    with Tracker.start(run.path, experiment_name(), f"{run.run_id} {kind} {label}", tags=tags) as tracker:
         if not tracker.resumed:
             tracker.log_params(params)
         for row in rows:
@@ -195,7 +195,10 @@ class TrainingLog:
 
         where = str(self.run.path)
         self.tracker = Tracker.start(
-            self.run.path, self.cfg.run.name, self.run.run_id, {"run_dir": where, "run_id": self.run.run_id}
+            self.run.path,
+            experiment_name(),
+            self.run.run_id,
+            {"run_dir": where, "run_id": self.run.run_id, **comparison_tags(self.cfg)},
         )
         self.tracker.__enter__()
         if not self.tracker.resumed:  # a resumed run has the same config, so the same params
@@ -222,14 +225,17 @@ class TrainingLog:
 
     def evaluation(self, step: int, ev: EvaluateResult) -> None:
         """A held-out evaluation, logged at `step` (updates done: 0 for the base model); its
-        captioned image grid goes to MLflow's image history `eval` at the same step."""
+        grid's first 16 captioned tiles, 4 x 4 (`images.preview`), go to MLflow's image history
+        `eval` at the same step; the whole grid stays in the run's `eval/`."""
         from PIL import Image
+
+        from stepgrpo.images import preview
 
         self.evaluations.append(evaluation_record(self.run, ev))
         self.view.evaluated(ev.reward_mean)
         self.tracker.log_metrics(eval_metrics(ev), step=step)
         with Image.open(self.evaluations[-1]["grid"]) as grid:
-            self.tracker.log_image(grid.convert("RGB"), key="eval", step=step)
+            self.tracker.log_image(preview(grid).convert("RGB"), key="eval", step=step)
 
     def iteration(
         self,

@@ -51,14 +51,14 @@ def _fmt(x: float | None) -> str:
 
 def _log(stored: Any, cfg: Any, result: Any, path: Any) -> None:
     """The check as an MLflow run of its own, tagged with its parent (the training run)."""
-    from stepgrpo.reporting.tracking import Tracker, find_mlflow_run
+    from stepgrpo.reporting.tracking import Tracker, comparison_tags, experiment_name, find_mlflow_run
 
     _, parent = find_mlflow_run(stored.path, stored.run_id)
-    tags = {"stepgrpo.parent_run_id": stored.run_id, "stepgrpo.kind": "credit-quality"}
+    tags = {**comparison_tags(cfg), "stepgrpo.parent_run_id": stored.run_id, "stepgrpo.kind": "credit-quality"}
     if parent is not None:
         tags["mlflow.parentRunId"] = parent.info.run_id
     name = f"{stored.run_id} credit-quality iter_{result.iteration}-{result.key[:8]}"
-    with Tracker.start(stored.path, cfg.run.name, name, tags=tags) as tracker:
+    with Tracker.start(stored.path, experiment_name(), name, tags=tags) as tracker:
         tracker.log_params(
             {
                 "iteration": result.iteration,

@@ -6,6 +6,8 @@ returns). Rewards and writers convert with these helpers, never by hand.
 
 from __future__ import annotations
 
+import json
+import math
 from typing import Any
 
 import numpy as np
@@ -76,6 +78,8 @@ def captioned_grid(
     ncols = max(1, min(ncols, len(pil)))
     nrows = (len(pil) + ncols - 1) // ncols
     canvas = Image.new("RGB", (ncols * (tw + pad) + pad, nrows * (cell_h + pad) + pad), "white")
+    # the layout, kept in the PNG's text (`write_grid`), so that `preview` can cut the tiles out again
+    canvas.info[LAYOUT_KEY] = json.dumps({"n": len(pil), "ncols": ncols, "w": tw, "h": cell_h, "pad": pad})
     draw = ImageDraw.Draw(canvas)
     for i, (img, text) in enumerate(zip(pil, captions)):
         r, c = divmod(i, ncols)
@@ -84,6 +88,29 @@ def captioned_grid(
         for j, line in enumerate(_wrap(draw, text, font, tw)[:lines]):
             draw.text((x, y + th + 1 + j * line_h), line, fill="black", font=font)
     return canvas
+
+
+LAYOUT_KEY = "stepgrpo.grid"
+
+
+def preview(image: Image.Image, n: int = 16) -> Image.Image:
+    """The first `n` captioned tiles of a `captioned_grid` (read back from a PNG), re-tiled square
+    (`ceil(sqrt(n))` per row): what MLflow's image view shows readably at its default size, where
+    the stored grid of 64 tiles is a thumbnail. A grid without its layout is returned as it is."""
+    layout = image.info.get(LAYOUT_KEY)
+    if layout is None:
+        return image
+    g = json.loads(layout)
+    k = min(n, g["n"])
+    cols = math.ceil(math.sqrt(k))
+    rows = math.ceil(k / cols)
+    w, h, pad = g["w"], g["h"], g["pad"]
+    out = Image.new("RGB", (cols * (w + pad) + pad, rows * (h + pad) + pad), "white")
+    for i in range(k):
+        (r, c), (r2, c2) = divmod(i, g["ncols"]), divmod(i, cols)
+        x, y = pad + c * (w + pad), pad + r * (h + pad)
+        out.paste(image.crop((x, y, x + w, y + h)), (pad + c2 * (w + pad), pad + r2 * (h + pad)))
+    return out
 
 
 def _wrap(draw: Any, text: str, font: Any, width: int) -> list[str]:

@@ -98,5 +98,6 @@ def test_stepgrpo_deploy_fills_the_run_form_and_the_deployed_train_runs_like_the
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    (mlrun,) = client.search_runs([client.get_experiment_by_name("demo").experiment_id])
+    (mlrun,) = client.search_runs([client.get_experiment_by_name("stepgrpo").experiment_id])
     assert mlrun.data.tags["stepgrpo.run_id"] == "deployed" and mlrun.data.tags["stepgrpo.torch_threads"] == "2"
+    assert mlrun.data.tags["stepgrpo.config"] == "demo"  # the config tells runs of the runs root's experiment apart

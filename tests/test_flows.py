@@ -126,6 +126,7 @@ def test_train_runs_every_stage_and_tracks_it(trained):
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
     (mlrun,) = client.search_runs([exp.experiment_id], filter_string="tags.`stepgrpo.run_id` = 'tiny-a'")
     assert mlrun.data.params["credit.scheme"] == "stepwise"
+    assert mlrun.data.tags["stepgrpo.scheme"] == "stepwise" and mlrun.data.tags["stepgrpo.completion"] == "remaining"
     assert mlrun.data.tags["mlflow.source.name"].startswith(Path(sys.argv[0]).name)  # the command that ran it
     assert len(mlrun.data.tags.get("mlflow.source.git.commit", "x" * 40)) == 40
     for metric in (

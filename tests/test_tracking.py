@@ -5,7 +5,15 @@ from __future__ import annotations
 import sqlite3
 import threading
 
-from stepgrpo.reporting.tracking import STORE_FILE, Tracker, ensure_local_store, store_dir, tracking_uri
+from stepgrpo.reporting.tracking import (
+    STORE_FILE,
+    Tracker,
+    ensure_local_store,
+    experiment_name,
+    store_dir,
+    tracking_uri,
+    ui_hint,
+)
 
 
 def test_runs_starting_at_once_share_one_store(tmp_path, monkeypatch):
@@ -120,3 +128,49 @@ def test_a_new_store_is_a_copy_of_the_schema_template_with_its_own_default_exper
     monkeypatch.setenv("STEPGRPO_CACHE_DIR", str(tmp_path / "file" / "cache"))
     ensure_local_store(tmp_path / "d")
     assert tracking._readable(tmp_path / "d" / STORE_FILE, experiments=1)
+
+
+def test_one_experiment_per_store_and_runs_of_the_old_per_config_experiments_resume_there(tmp_path, monkeypatch):
+    """Every run of a runs root logs to one experiment (`stepgrpo`, or MLflow's own
+    MLFLOW_EXPERIMENT_NAME), so schemes overlay in one chart; a run made when the experiment was
+    its config's name finds its MLflow run there on resume, not a second one."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    assert experiment_name() == "stepgrpo"
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "project-x")
+    assert experiment_name() == "project-x"
+    runs = tmp_path / "runs"
+    (runs / "old").mkdir(parents=True)
+    with Tracker.start(runs / "old", "shapes_dense", "old") as before:
+        pass
+    with Tracker.start(runs / "old", experiment_name(), "old") as resumed:
+        assert resumed.resumed and resumed.run_id == before.run_id
+    with Tracker.start(runs / "new", experiment_name(), "new") as new:
+        exp = new.client.get_experiment(new.client.get_run(new.run_id).info.experiment_id)
+        assert exp.name == "project-x" and exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    uri = tracking_uri(runs / "new")
+    assert (
+        ui_hint(uri, "3")
+        == f"mlflow ui --backend-store-uri {uri}, then http://127.0.0.1:5000/#/experiments/3?workflowType=machine_learning"
+    )
+    assert ui_hint("http://mlflow:5000/", "3") == "http://mlflow:5000/#/experiments/3?workflowType=machine_learning"
+
+
+def test_the_logged_evaluation_image_is_the_grids_first_tiles_square(tmp_path):
+    """The stored grid keeps its layout in the PNG; `preview` cuts its first 16 captioned tiles
+    out again, in order, 4 x 4 (MLflow shows that readably at its default size)."""
+    import torch
+    from PIL import Image
+
+    from stepgrpo.images import captioned_grid, preview
+    from stepgrpo.reporting.report import write_grid
+
+    images = torch.stack([torch.full((3, 16, 16), i / 63) for i in range(64)])
+    captions = [f"prompt {i}" for i in range(64)]
+    write_grid(tmp_path / "g.png", images, captions=captions)
+    with Image.open(tmp_path / "g.png") as stored:
+        small = preview(stored)
+        made = captioned_grid(images[:16], captions[:16], ncols=4)
+        assert small.size == made.size and small.tobytes() == made.tobytes()
+    plain = Image.new("RGB", (10, 10))
+    assert preview(plain) is plain  # a grid without its layout: as it is

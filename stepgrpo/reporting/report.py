@@ -185,7 +185,16 @@ def print_summary(run_dir: Path, tracking_uri: str, evals: Sequence[Mapping[str,
         print(line, file=out)
     print(f"run directory: {run_dir}", file=out)
     print(f"MLflow store:  {tracking_uri}", file=out)
+    print(f"MLflow UI:     {_ui_hint(run_dir, tracking_uri)}", file=out)
     print(f"images:        {run_dir / 'eval'}", file=out)
+
+
+def _ui_hint(run_dir: Path, uri: str) -> str:
+    """Where to look at the run's MLflow experiment, in the UI's training view."""
+    from stepgrpo.reporting.tracking import find_mlflow_run, ui_hint
+
+    _, found = find_mlflow_run(run_dir)
+    return ui_hint(uri, found.info.experiment_id if found is not None else None)
 
 
 def write_grid(path: Path, images: Any, ncols: int = 8, captions: list[str] | None = None) -> None:
@@ -193,11 +202,16 @@ def write_grid(path: Path, images: Any, ncols: int = 8, captions: list[str] | No
     `captions`, each tile is scaled up and captioned (`stepgrpo.images.captioned_grid`)."""
     import io
 
+    from PIL.PngImagePlugin import PngInfo
+
     from stepgrpo.images import captioned_grid, grid
     from storage.publish import write_file_atomic
 
     buf = io.BytesIO()
     image = grid(images, ncols=ncols) if captions is None else captioned_grid(images, captions, ncols=ncols)
-    image.save(buf, format="PNG")
+    text = PngInfo()
+    for k, v in image.info.items():
+        text.add_text(k, v)
+    image.save(buf, format="PNG", pnginfo=text)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_file_atomic(path, buf.getvalue())

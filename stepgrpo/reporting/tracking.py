@@ -1,4 +1,6 @@
-"""MLflow tracking: an experiment per config name, one MLflow run per stepgrpo run.
+"""MLflow tracking: one experiment per store (`stepgrpo`, or `MLFLOW_EXPERIMENT_NAME`), one MLflow
+run per stepgrpo run, tagged with what tells runs apart (`comparison_tags`: config, scheme, reward,
+completion), so that every run of a runs root overlays in one chart.
 
 The default store is one SQLite file per runs root (`sqlite:///<runs_root>/mlflow.db`, artifacts
 in `<runs_root>/mlflow-artifacts/`), so `mlflow ui --backend-store-uri sqlite:///runs/mlflow.db`
@@ -11,6 +13,10 @@ already logged is not logged twice, so a resumed run's curves have one point per
 Steps: `step = k` is the policy after k updates. An iteration's metrics are logged at its index
 (`iter_k`: the rollout of the policy after k updates, and the update it fed); an evaluation of the
 checkpoint `iter_k` at `k + 1` (the base model at 0).
+
+MLflow 3.17's UI opens an experiment in its GenAI view unless the address asks for the training
+view (`?workflowType=machine_learning`, which the UI then remembers); `ui_hint` prints that address.
+Runs made when the experiment was the config's name stay where they are and resume there.
 
 Only the flows log (from the small summaries their tasks return), so a cached stage still
 reports its numbers.
@@ -36,7 +42,35 @@ PARAM_MAX_CHARS = 6000  # MLflow's limit on a param value
 
 STORE_FILE = "mlflow.db"
 RUN_TAG = "stepgrpo.run_id"  # the stepgrpo run an MLflow run belongs to (how a resumed run finds it)
-EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")  # MLflow 3's "ML training" view
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")  # the experiment's kind: ML training
+DEFAULT_EXPERIMENT = "stepgrpo"
+CLASSIC_VIEW = "workflowType=machine_learning"  # MLflow 3.17's UI: the training view, not the GenAI one
+
+
+def experiment_name() -> str:
+    """The experiment every run logs to: `MLFLOW_EXPERIMENT_NAME` (MLflow's own variable: a named
+    project on a shared server), else `stepgrpo`, one per store, so one per runs root by default."""
+    return os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
+
+
+def comparison_tags(cfg: Any) -> dict[str, str]:
+    """The tags that tell runs of one experiment apart in MLflow's charts and run table (group or
+    colour by them); the same values are also among the run's params (`Config.flat`)."""
+    return {
+        "stepgrpo.config": cfg.run.name,
+        "stepgrpo.scheme": cfg.credit.scheme,
+        "stepgrpo.reward": cfg.reward.name,
+        "stepgrpo.completion": cfg.completion.method or "none",
+    }
+
+
+def ui_hint(uri: str, experiment_id: str | None = None) -> str:
+    """How to look at a store: the `mlflow ui` command for a local one, and the address of the
+    experiment in the training view."""
+    page = f"#/experiments/{experiment_id}?{CLASSIC_VIEW}" if experiment_id else f"#/experiments?{CLASSIC_VIEW}"
+    if uri.startswith("sqlite:///"):
+        return f"mlflow ui --backend-store-uri {uri}, then http://127.0.0.1:5000/{page}"
+    return f"{uri.rstrip('/')}/{page}" if uri.startswith("http") else uri
 
 
 def store_dir(run_dir: str | Path) -> Path:
@@ -172,8 +206,9 @@ class Tracker:
     def start(
         cls, run_dir: str | Path, experiment: str, run_name: str, tags: Mapping[str, str] | None = None
     ) -> Tracker:
-        """The MLflow run tagged `stepgrpo.run_id = run_name` in `experiment`, set running again;
-        a new one (with the source and git tags) when there is none."""
+        """The MLflow run tagged `stepgrpo.run_id = run_name`, set running again: found in any
+        experiment of the store (a run made when the experiment was its config's name resumes
+        there); else a new one in `experiment` (with the source and git tags)."""
         from mlflow.tracking import MlflowClient
 
         uri = tracking_uri(run_dir)
@@ -181,6 +216,10 @@ class Tracker:
         if local:
             ensure_local_store(store_dir(run_dir))
         client = MlflowClient(tracking_uri=uri)
+        earlier = _find(client, run_name)  # in this experiment, or in the config's (runs made before)
+        if earlier is not None:
+            client.update_run(earlier.info.run_id, status="RUNNING")
+            return cls(client, earlier.info.run_id, uri, resumed=True)
         exp = client.get_experiment_by_name(experiment)
         if exp is None:
             # Only the default, local store gets an artifact root beside it; a server decides its own.
@@ -190,10 +229,6 @@ class Tracker:
             exp_id = exp.experiment_id
             if exp.tags.get(EXPERIMENT_KIND[0]) is None:
                 client.set_experiment_tag(exp_id, *EXPERIMENT_KIND)
-        found = client.search_runs([exp_id], filter_string=f"tags.`{RUN_TAG}` = '{run_name}'", max_results=1)
-        if found:
-            client.update_run(found[0].info.run_id, status="RUNNING")
-            return cls(client, found[0].info.run_id, uri, resumed=True)
         run = client.create_run(
             exp_id, run_name=run_name, tags={**source_tags(), **dict(tags or {}), RUN_TAG: run_name}
         )
@@ -279,12 +314,14 @@ def find_mlflow_run(run_dir: str | Path, run_id: str | None = None) -> tuple[Any
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=tracking_uri(run_dir))
-    name = run_id or Path(run_dir).name
-    for exp in client.search_experiments():
-        found = client.search_runs([exp.experiment_id], filter_string=f"tags.`{RUN_TAG}` = '{name}'", max_results=1)
-        if found:
-            return client, found[0]
-    return client, None
+    return client, _find(client, run_id or Path(run_dir).name)
+
+
+def _find(client: Any, name: str) -> Any:
+    """The MLflow run tagged `stepgrpo.run_id = name` in any experiment of the store, else None."""
+    ids = [e.experiment_id for e in client.search_experiments()]
+    found = client.search_runs(ids, filter_string=f"tags.`{RUN_TAG}` = '{name}'", max_results=1) if ids else []
+    return found[0] if found else None
 
 
 def source_tags() -> dict[str, str]:
