@@ -36,11 +36,32 @@ class ConfigError(ValueError):
     """A configuration that does not validate; the message names each bad field."""
 
 
+def _run_form(schema: dict[str, Any], cls: type[BaseModel]) -> None:
+    """The JSON schema as the Prefect run form shows it: a field that takes no null is marked
+    required (the form shows the deployment's value and refuses an empty one, which would silently
+    become the code's default rather than the recipe's), and each field's description ends with its
+    default. A null-able field (e.g. `model.resolution`: null means the model's own) stays optional."""
+    props = schema.get("properties", {})
+    for name, prop in props.items():
+        field = cls.model_fields[name]
+        default = field.default_factory() if field.default_factory is not None else field.default
+        if not isinstance(default, BaseModel):  # a section's defaults are shown on its own fields
+            note = f"Default: `{json.dumps(default)}`."
+            prop["description"] = f"{prop['description'].rstrip()}\n\n{note}" if prop.get("description") else note
+    nullable = {n for n, p in props.items() if any(o.get("type") == "null" for o in p.get("anyOf", []))}
+    schema["required"] = [n for n in props if n not in nullable]
+
+
 class _Section(BaseModel):
     # The docstring under each field is its description: `stepgrpo config show` prints it, and the
-    # JSON schema (the Prefect run form) shows it beside the field.
+    # JSON schema (the Prefect run form) shows it beside the field, with its default (`_run_form`).
     model_config = ConfigDict(
-        extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False, use_attribute_docstrings=True
+        extra="forbid",
+        frozen=True,
+        validate_default=True,
+        allow_inf_nan=False,
+        use_attribute_docstrings=True,
+        json_schema_extra=_run_form,
     )
 
 

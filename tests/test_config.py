@@ -248,3 +248,19 @@ def test_stage_keys_name_what_changed_only_where_it_changed():
     assert code_facts("rollout", load_config(None, [])) == {}  # flow: version 1
     assert code_facts("rollout", load_config(None, ["sampler.kernel=ddim"])) == {"kernel_version": "2"}
     assert code_facts("calibrate", load_config(None, [*w3, "sampler.kernel=psi"])) == {"calibrates_in_window": True}
+
+
+def test_the_run_form_marks_the_fields_that_take_no_null_required_and_shows_each_default():
+    """The Prefect run form (the train flow's parameter schema): `(Optional)` only where null means
+    something (`model.resolution`: the model's own size); every field says its default."""
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.train import train
+
+    forms = parameter_schema(train.fn).model_dump()["definitions"]
+    model = forms["ModelConfig"]
+    assert "lora_rank" in model["required"] and "resolution" not in model["required"]
+    assert model["properties"]["lora_rank"]["description"].endswith("Default: `32`.")
+    assert model["properties"]["resolution"]["description"].endswith("Default: `null`.")
+    assert forms["Config"]["required"] == list(Config.model_fields)  # every section
+    assert forms["CompletionConfig"]["required"] == []  # method: null is outcome credit's "no completion"
