@@ -416,26 +416,61 @@ def pretrain(ctx: typer.Context) -> None:
 def reward_server(
     reward: Annotated[str, typer.Option(help="A registered reward or a `name:weight,...` sum.")],
     options: Annotated[str, typer.Option(help="The reward's options as JSON.")] = "{}",
-    host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
+    host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface; needs --token).")] = (
+        "127.0.0.1"
+    ),
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8100,
+    max_batch: Annotated[
+        int, typer.Option(help="Most images of one reward call: concurrent requests are scored together up to it.")
+    ] = 64,
+    token: Annotated[
+        str | None,
+        typer.Option(
+            envvar="STEPGRPO_REWARD_TOKEN",
+            show_envvar=True,
+            help="Shared secret clients send (they read STEPGRPO_REWARD_TOKEN); required beyond the loopback.",
+        ),
+    ] = None,
+    resolution: Annotated[
+        int | None,
+        typer.Option(help="The image side the clients' model makes: other sizes are refused before decoding."),
+    ] = None,
+    max_body_mib: Annotated[int, typer.Option(help="Largest request body, MiB.")] = 1024,
 ) -> None:
-    """Serve REWARD over HTTP for the `http` reward of runs elsewhere (stepgrpo.rewards.remote)."""
+    """Serve REWARD over HTTP for the `http` reward of runs elsewhere (FastAPI on uvicorn; /docs has
+    its OpenAPI page; one log line per request and per reward call)."""
+    import logging
+
     from stepgrpo.rewards import build_reward
-    from stepgrpo.rewards.remote import serve
+    from stepgrpo.rewards.service import ServiceError, serve
     from stepgrpo_core.registry import allow, references_in
 
     try:
         parsed = json.loads(options)
         allow(*references_in([reward, parsed]))  # this command's own reward (or a weighted sum's parts)
         built = build_reward({"name": reward, "options": parsed} if parsed else reward)
-        server = serve(built, host, port)
-    except (ValueError, TypeError, KeyError, OSError) as err:
+        server = serve(
+            built,
+            host,
+            port,
+            max_batch=max_batch,
+            token=token,
+            resolution=resolution,
+            max_body=max_body_mib << 20,
+            access_log=True,
+        )
+    except (ServiceError, ValueError, TypeError, KeyError, OSError) as err:
         err_console.print(f"error: {escape(str(err))}")
         raise typer.Exit(1) from None
-    console.print(f"serving {built.name} v{built.version} on http://{host}:{server.server_port} (Ctrl-C stops)")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    shown = f"[{host}]" if ":" in host else host
+    console.print(
+        f"serving {built.name} v{built.version} on http://{shown}:{server.server_port} "
+        f"(API docs at /docs; Ctrl-C stops)"
+    )
     try:
         server.serve_forever()
-    except KeyboardInterrupt:
+    finally:
         server.server_close()
 
 

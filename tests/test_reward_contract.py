@@ -1,6 +1,8 @@
 """The reward contract is checked at every call: one number per image, named when broken; a reward's
 options are part of its stored rows' identity; the HTTP reward gives up on a server within its
-deadline and says what happened; the reward server queues many clients and bounds what it decodes."""
+deadline, retries only what is transient and says what happened; the reward server (FastAPI on
+uvicorn) serves many clients at once, scores their concurrent requests together, and checks the
+token, the body's size and the images' sizes before it decodes anything."""
 
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ from stepgrpo.config import RewardConfig
 from stepgrpo.loops.scoring import score_images
 from stepgrpo.rewards import build_reward
 from stepgrpo.rewards.base import RewardOutput, checked
-from stepgrpo.rewards.remote import HttpReward, serve
+from stepgrpo.rewards.remote import HttpReward
+from stepgrpo.rewards.service import ServiceError, serve
 
 N = 4
 
@@ -126,7 +129,7 @@ def test_a_server_that_crashes_mid_request_is_not_called_unreachable():
 
     url, sock = _server_thread(crash)
     with pytest.raises(RuntimeError, match="may have crashed") as err:
-        HttpReward(url, "x", "1", timeout=5).check()
+        HttpReward(url, "x", "1", timeout=5, backoff=0.05).check()
     assert "cannot be reached" not in str(err.value)
     sock.close()
 
@@ -136,7 +139,7 @@ def test_a_refused_connection_is_unreachable():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with pytest.raises(RuntimeError, match="cannot be reached"):
-        HttpReward(f"http://127.0.0.1:{port}", "x", "1", timeout=5).check()
+        HttpReward(f"http://127.0.0.1:{port}", "x", "1", timeout=5, backoff=0.05).check()
 
 
 @pytest.fixture(scope="module")
@@ -191,3 +194,124 @@ def test_the_http_reward_checks_the_answers_length(jpeg_server):
     version = build_reward("jpeg_compressibility").version
     with pytest.raises(ValueError, match="returned 1 scores for 2 images"):
         Short(jpeg_server, "jpeg_compressibility", version)(torch.rand(2, 3, 8, 8), ["a", "b"], [{}, {}])
+
+
+def _answering(answers: list[tuple[int, str]]):
+    """A raw server answering the n-th connection with `answers[n]` (status, JSON body), the last
+    one from then on; its URL, socket and the list of requests it saw."""
+    seen: list[bytes] = []
+
+    def handler(conn):
+        seen.append(conn.recv(65536))
+        status, body = answers[min(len(seen) - 1, len(answers) - 1)]
+        data = body.encode()
+        head = f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n"
+        conn.sendall(head.encode() + b"Connection: close\r\n\r\n" + data)
+        conn.close()
+
+    url, sock = _server_thread(handler)
+    return url, sock, seen
+
+
+def test_a_busy_server_is_tried_again_and_a_refusal_is_not():
+    """503 / 502 / 504 / 429 and dropped connections are transient: tried again with backoff; a
+    400 is the server's answer: not tried again, its error text reaches the user; neither is an
+    identity mismatch."""
+    url, sock, seen = _answering(
+        [(503, '{"error": "warming up"}'), (503, "{}"), (200, '{"name": "x", "version": "1"}')]
+    )
+    HttpReward(url, "x", "1", timeout=5, backoff=0.05).check()
+    assert len(seen) == 3
+    sock.close()
+    url, sock, seen = _answering([(400, '{"error": "image 0 is 8x8, but this server scores 16x16 images"}')])
+    with pytest.raises(RuntimeError, match="answered 400: image 0 is 8x8, but this server scores 16x16"):
+        HttpReward(url, "x", "1", timeout=5, backoff=0.05).check()
+    assert len(seen) == 1
+    sock.close()
+    url, sock, seen = _answering([(200, '{"name": "y", "version": "1"}')])
+    with pytest.raises(RuntimeError, match="serves y v1, but the config declares x v1"):
+        HttpReward(url, "x", "1", timeout=5, backoff=0.05).check()
+    assert len(seen) == 1
+    sock.close()
+    url, sock, seen = _answering([(503, '{"error": "still warming up"}')])
+    with pytest.raises(RuntimeError, match="answered 503: still warming up"):
+        HttpReward(url, "x", "1", timeout=5, retries=2, backoff=0.05).check()
+    assert len(seen) == 3  # one try and two more
+    sock.close()
+
+
+class Slow:
+    """A reward that takes a while per call and records the rows of each call."""
+
+    name, version = "slow", "1"
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def __call__(self, images, prompts, metadata):
+        self.calls.append(len(images))
+        time.sleep(0.2)
+        return RewardOutput(scores=images.float().mean(dim=(1, 2, 3)), sub={"first": images[:, 0, 0, 0].float()})
+
+
+def _serving(reward, **options):
+    server = serve(reward, "127.0.0.1", 0, **options)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    return server, f"http://127.0.0.1:{server.server_port}"
+
+
+def test_concurrent_requests_are_scored_together_and_each_gets_its_own_rows():
+    reward = Slow()
+    server, url = _serving(reward, max_batch=8)
+    try:
+        batches = [torch.rand(2, 3, 8, 8) for _ in range(12)]
+        with ThreadPoolExecutor(12) as pool:
+            outs = list(pool.map(lambda x: HttpReward(url, "slow", "1", timeout=60)(x, ["a", "b"], [{}, {}]), batches))
+        for x, out in zip(batches, outs):
+            local = x.mul(255).round().div(255).mean(dim=(1, 2, 3))  # the 8-bit images the server decodes
+            assert torch.allclose(out.scores, local, atol=1e-6) and out.sub["first"].shape == (2,)
+        assert sum(reward.calls) == 24 and max(reward.calls) <= 8
+        assert len(reward.calls) < 12  # requests that waited while the reward was busy went in together
+        big = torch.rand(20, 3, 8, 8)  # one request larger than max_batch: scored alone, in chunks
+        reward.calls.clear()
+        HttpReward(url, "slow", "1", timeout=60, batch=20)(big, ["a"] * 20, [{}] * 20)
+        assert reward.calls == [8, 8, 4]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_server_checks_token_body_and_resolution_before_decoding(monkeypatch):
+    import httpx
+
+    with pytest.raises(ServiceError, match="without a token"):
+        serve(Slow(), "0.0.0.0", 0)
+    server, url = _serving(build_reward("jpeg_compressibility"), token="s3cret", resolution=16, max_body=20_000)
+    version = build_reward("jpeg_compressibility").version
+    try:
+        monkeypatch.delenv("STEPGRPO_REWARD_TOKEN", raising=False)
+        with pytest.raises(RuntimeError, match="answered 401: a missing or wrong token"):
+            HttpReward(url, "jpeg_compressibility", version, timeout=30).check()
+        monkeypatch.setenv("STEPGRPO_REWARD_TOKEN", "s3cret")
+        client = HttpReward(url, "jpeg_compressibility", version, timeout=30)
+        assert client(torch.rand(2, 3, 16, 16), ["a", "b"], [{}, {}]).scores.shape == (2,)
+        with pytest.raises(RuntimeError, match="answered 400: .*image 0 is 8x8, but this server scores 16x16"):
+            client(torch.rand(1, 3, 8, 8), ["a"], [{}])
+        with pytest.raises(RuntimeError, match="answered 413: a request body of .* at most 20000"):
+            client(torch.rand(64, 3, 16, 16), ["a"] * 64, [{}] * 64)
+        schema = httpx.get(url + "/openapi.json").json()  # the OpenAPI page needs no token
+        assert "/score" in schema["paths"] and "/info" in schema["paths"]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_reward_server_beyond_the_loopback_without_a_token_exits_before_listening(monkeypatch):
+    from typer.testing import CliRunner
+
+    from stepgrpo_cli import app
+
+    monkeypatch.delenv("STEPGRPO_REWARD_TOKEN", raising=False)
+    result = CliRunner().invoke(app, ["reward-server", "--reward", "jpeg_compressibility", "--host", "0.0.0.0"])
+    assert result.exit_code == 1 and "without a token" in result.output and "--token" in result.output

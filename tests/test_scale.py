@@ -101,7 +101,7 @@ def test_a_remote_cluster_needs_a_prefect_server_it_can_reach(tiny, monkeypatch)
 @pytest.fixture
 def served():
     from stepgrpo.rewards import build_reward
-    from stepgrpo.rewards.remote import serve
+    from stepgrpo.rewards.service import serve
 
     server = serve(build_reward("shapes"), port=0)
     thread = threading.Thread(target=server.serve_forever, daemon=True)

@@ -1,4 +1,5 @@
-"""A reward behind HTTP: the client reward `http`, and the server that serves any registered reward.
+"""A reward behind HTTP: the client reward `http` (on httpx), and the wire format it shares with the
+server that serves any registered reward (`stepgrpo.rewards.service`, FastAPI and uvicorn).
 
 For rewards whose dependencies cannot share the training environment (Flow-GRPO's reward-server
 pattern), or one big reward model shared by many workers. The wire format is data only, never
@@ -15,20 +16,20 @@ serves that identity (a swapped service would otherwise mix two rewards' rows un
 
     stepgrpo reward-server --reward pickscore --port 8100        # in the reward's environment
     reward: {name: http, options: {url: "http://host:8100", name: pickscore, version: "1"}}
+
+A server that listens beyond the loopback needs a shared secret: `--token`, and the same value in
+`STEPGRPO_REWARD_TOKEN` where the client runs.
 """
 
 from __future__ import annotations
 
 import base64
-import http.client
 import io
 import json
-import socket
+import os
 import threading
-import urllib.error
-import urllib.request
+import time
 from collections.abc import Mapping, Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import numpy as np
@@ -36,12 +37,12 @@ import torch
 from PIL import Image
 
 from stepgrpo.images import dequantize, quantize
-from stepgrpo.rewards.base import REWARDS, Reward, RewardOutput
+from stepgrpo.rewards.base import REWARDS, RewardOutput
 
 MAX_BODY = 1 << 30  # bytes a server reads from one request
 MAX_IMAGE_PIXELS = 1 << 24  # one image's pixels a server decodes (4096 x 4096): checked from the PNG header
 MAX_REQUEST_PIXELS = 1 << 26  # all images' pixels of one request (~0.8 GB as float32 RGB)
-LISTEN_BACKLOG = 128  # connections the server's socket queues (http.server's default of 5 resets clients)
+TOKEN_ENV = "STEPGRPO_REWARD_TOKEN"  # the shared secret, for the client and the server (`--token`'s default)
 
 
 def encode_images(images: torch.Tensor) -> list[str]:
@@ -75,63 +76,108 @@ def decode_images(encoded: Sequence[str]) -> torch.Tensor:
     return dequantize(torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous())
 
 
-class HttpReward:
-    """A reward scored by a `stepgrpo reward-server` (or any server speaking its protocol)."""
+TRANSIENT_STATUS = (429, 502, 503, 504)  # answers worth another try: the server is busy or restarting
 
-    def __init__(self, url: str, name: str, version: str, timeout: float = 600.0, batch: int = 64) -> None:
+
+class HttpReward:
+    """A reward scored by a `stepgrpo reward-server` (or any server speaking its protocol), on httpx.
+
+    `timeout`: the deadline of one whole request (connect, send, the answer's last byte), not of
+    each read; `connect_timeout`: of the connection alone. A transient failure (refused or dropped
+    connection, 429 / 502 / 503 / 504) is tried again `retries` times after `backoff`, 2 `backoff`,
+    4 `backoff` ... seconds; an answer the server means (another 4xx, an identity mismatch) and an
+    exceeded deadline are not. The server's error text reaches the user. The shared secret, when
+    the server has one, is read from `STEPGRPO_REWARD_TOKEN` (never stored in a run's config)."""
+
+    def __init__(
+        self,
+        url: str,
+        name: str,
+        version: str,
+        timeout: float = 600.0,
+        batch: int = 64,
+        connect_timeout: float = 10.0,
+        retries: int = 3,
+        backoff: float = 0.5,
+    ) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"reward http: url {url!r} must start with http:// or https://")
         self.url, self.name, self.version = url.rstrip("/"), name, str(version)
         self.timeout, self.batch = timeout, batch
+        self.connect_timeout, self.retries, self.backoff = min(connect_timeout, timeout), retries, backoff
         self._checked = False
 
+    def _headers(self) -> dict[str, str]:
+        token = os.environ.get(TOKEN_ENV)
+        return {"Authorization": f"Bearer {token}"} if token else {}
+
     def _request(self, path: str, body: dict[str, Any] | None = None) -> Any:
-        """The JSON answer of the server, within `timeout` seconds for the whole request (a server
-        that answers one byte at a time is given up on, not waited for byte by byte)."""
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(
-            self.url + path,
-            data=data,
-            headers={"Content-Type": "application/json"},
-            method="GET" if data is None else "POST",
-        )
+        """The JSON answer of the server (see the class's docstring for deadlines and retries)."""
+        for attempt in range(self.retries + 1):
+            try:
+                return self._once(path, body)
+            except _Transient as err:
+                if attempt == self.retries:
+                    raise RuntimeError(str(err)) from None
+                time.sleep(self.backoff * 2**attempt)
+        raise AssertionError("unreachable")
+
+    def _once(self, path: str, body: dict[str, Any] | None) -> Any:
+        """One try: the exchange runs in a thread given `timeout` seconds in all (httpx's own
+        timeouts bound each read, so a server that drips its answer would outlast them)."""
+        where = f"reward server {self.url}{path}"
         answer: dict[str, Any] = {}
 
         def call() -> None:
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    answer["value"] = json.loads(response.read())
+                answer["value"] = self._exchange(path, body)
             except BaseException as err:  # handed to the caller's thread
                 answer["error"] = err
 
         worker = threading.Thread(target=call, daemon=True, name=f"reward-http {self.url}")
         worker.start()
         worker.join(self.timeout)
-        if worker.is_alive():
+        if worker.is_alive() or isinstance(answer.get("error"), _Late):
             raise RuntimeError(
-                f"reward server {self.url}{path} did not answer within {self.timeout:g} s; check that it is healthy, "
+                f"{where} did not answer within {self.timeout:g} s; check that it is healthy, "
                 "or raise reward.options.timeout"
             )
-        err = answer.get("error")
-        if err is None:
-            return answer["value"]
-        if isinstance(err, urllib.error.HTTPError):
-            detail = err.read().decode(errors="replace")[:500]
-            raise RuntimeError(f"reward server {self.url}{path} answered {err.code}: {detail}") from None
-        reason = getattr(err, "reason", None)
-        if isinstance(err, urllib.error.URLError) and isinstance(reason, ConnectionRefusedError | socket.gaierror):
-            raise RuntimeError(
-                f"reward server {self.url} cannot be reached ({reason}); start it with `stepgrpo reward-server` "
+        if "error" in answer:
+            raise answer["error"]
+        status, data = answer["value"]
+        text = data.decode(errors="replace")
+        if status in TRANSIENT_STATUS:
+            raise _Transient(f"{where} answered {status}: {_error_text(text)}")
+        if status >= 400:
+            raise RuntimeError(f"{where} answered {status}: {_error_text(text)}")
+        try:
+            return json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise RuntimeError(f"{where} answered something that is not JSON ({err})") from None
+
+    def _exchange(self, path: str, body: dict[str, Any] | None) -> tuple[int, bytes]:
+        """The request on httpx: the answer's status and bytes; failures as the user reads them."""
+        import httpx
+
+        limits = httpx.Timeout(self.timeout, connect=self.connect_timeout)
+        try:
+            with httpx.Client(timeout=limits, headers=self._headers()) as client:
+                response = client.request("GET" if body is None else "POST", self.url + path, json=body)
+                return response.status_code, response.content
+        except httpx.ConnectTimeout as err:
+            raise _Transient(f"reward server {self.url} did not accept a connection ({err})") from None
+        except httpx.ConnectError as err:
+            raise _Transient(
+                f"reward server {self.url} cannot be reached ({err}); start it with `stepgrpo reward-server` "
                 "where the reward's dependencies are installed, or fix reward.options.url"
             ) from None
-        if isinstance(err, json.JSONDecodeError | UnicodeDecodeError):
-            raise RuntimeError(f"reward server {self.url}{path} answered something that is not JSON ({err})") from None
-        if isinstance(err, http.client.HTTPException | ConnectionError | urllib.error.URLError | TimeoutError):
-            raise RuntimeError(
+        except httpx.TimeoutException:
+            raise _Late from None
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as err:
+            raise _Transient(
                 f"reward server {self.url}{path} failed while answering ({type(err).__name__}: {err}): it may have "
                 "crashed; see its log"
             ) from None
-        raise err
 
     def check(self) -> None:
         """The server must serve the identity this reward declares."""
@@ -184,57 +230,36 @@ class HttpReward:
         )
 
 
-@REWARDS.register("http", identity=lambda url, name, version, timeout=600.0, batch=64: (name, str(version)))
-def http_reward(url: str, name: str, version: str, timeout: float = 600.0, batch: int = 64) -> HttpReward:
-    """A reward served over HTTP (`stepgrpo reward-server`); `name`, `version`: what it serves."""
-    return HttpReward(url, name, version, timeout, batch)
+class _Transient(Exception):
+    """A failure another try may not meet (the message is the user's)."""
 
 
-def serve(reward: Reward, host: str = "127.0.0.1", port: int = 8100) -> ThreadingHTTPServer:
-    """An HTTP server scoring with `reward` (`serve_forever()` it, or run it in a thread)."""
-    lock = threading.Lock()  # a reward model is not assumed thread-safe
+class _Late(Exception):
+    """httpx's own timeout: the request's deadline has passed."""
 
-    class Handler(BaseHTTPRequestHandler):
-        def _answer(self, code: int, body: Any) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
 
-        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-            if self.path != "/info":
-                return self._answer(404, {"error": f"no {self.path}: GET /info, POST /score"})
-            self._answer(200, {"name": str(reward.name), "version": str(reward.version)})
+def _error_text(text: str) -> str:
+    """The server's own error message: `error` (this server) or `detail` (FastAPI's validation)."""
+    try:
+        answer = json.loads(text)
+    except ValueError:
+        return text[:500]
+    if isinstance(answer, dict) and ("error" in answer or "detail" in answer):
+        return str(answer.get("error", answer.get("detail")))[:2000]
+    return text[:500]
 
-        def do_POST(self) -> None:  # noqa: N802
-            if self.path != "/score":
-                return self._answer(404, {"error": f"no {self.path}: GET /info, POST /score"})
-            try:
-                length = int(self.headers.get("Content-Length", "0"))
-                if not 0 < length <= MAX_BODY:
-                    raise ValueError(f"a request body of {length} bytes")
-                body = json.loads(self.rfile.read(length))
-                images = decode_images(body["images"])
-                with lock:
-                    out = reward(images, list(body["prompts"]), list(body.get("metadata") or [{}] * len(images)))
-            except (ValueError, KeyError, TypeError, OSError) as err:
-                return self._answer(400, {"error": f"{type(err).__name__}: {err}"})
-            self._answer(
-                200,
-                {
-                    "scores": out.scores.float().tolist(),
-                    "strict": None if out.strict is None else out.strict.float().tolist(),
-                    "sub": {n: v.float().tolist() for n, v in out.sub.items()},
-                },
-            )
 
-        def log_message(self, format: str, *args: Any) -> None:  # quiet: one line per batch is noise
-            pass
-
-    class Server(ThreadingHTTPServer):
-        request_queue_size = LISTEN_BACKLOG
-        daemon_threads = True
-
-    return Server((host, port), Handler)
+@REWARDS.register("http", identity=lambda url, name, version, **_: (name, str(version)))
+def http_reward(
+    url: str,
+    name: str,
+    version: str,
+    timeout: float = 600.0,
+    batch: int = 64,
+    connect_timeout: float = 10.0,
+    retries: int = 3,
+    backoff: float = 0.5,
+) -> HttpReward:
+    """A reward served over HTTP (`stepgrpo reward-server`); `name`, `version`: what it serves;
+    `timeout`: one request's whole deadline; transient failures are tried `retries` more times."""
+    return HttpReward(url, name, version, timeout, batch, connect_timeout, retries, backoff)
