@@ -158,6 +158,7 @@ def fan_out(
         "total": len(shards),
         "computed": [[r.start, r.stop] for r in pending],
         "seconds": [res.get("seconds") for res in results],  # each shard's own time (the stage's minus them: overhead)
+        "workers": [res.get("worker") for res in results],  # who computed each shard, with its model loads
     }
     return Shards(results, summary)  # type: ignore[arg-type]
 

@@ -118,7 +118,7 @@ def complete_shard(run: Run, cfg: Config, iteration: int, through: int, token: s
         writer.write(shard.start + c0, latents=out.latents.cpu())
         nfe += out.nfe
         maybe_fail("complete", shard.start)
-    record(writer.ledger, shard, key, {"nfe": nfe, "seconds": time.perf_counter() - t0})
+    record(writer.ledger, shard, key, {"nfe": nfe, "seconds": time.perf_counter() - t0, "worker": workspace.worker()})
 
 
 def stored(run: Run, method: str, iteration: int, verify: bool = False) -> CompleteResult:

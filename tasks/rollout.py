@@ -132,7 +132,12 @@ def sample_shard(
             ode_final=chunk.ode_final.cpu(),
         )
         maybe_fail("rollout", shard.start)
-    result = {"nfe": pol.nfe - nfe0 - nfe_ode, "nfe_ode": nfe_ode, "seconds": time.perf_counter() - t0}
+    result = {
+        "nfe": pol.nfe - nfe0 - nfe_ode,
+        "nfe_ode": nfe_ode,
+        "seconds": time.perf_counter() - t0,
+        "worker": workspace.worker(),
+    }
     record(writer.ledger, shard, key, result)
 
 

@@ -8,7 +8,6 @@ States after the SDE window are `x_T`: their rows repeat R_T's.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from pathlib import Path
 
@@ -192,7 +191,7 @@ def score_shard(
         **output_json(cat_outputs(outputs)),
         "images": "stored" if from_store else "decoded+stored" if writer is not None else "decoded",
         "seconds": time.perf_counter() - t0,
-        "worker": {"pid": os.getpid(), "reward_loads": workspace.LOADS["reward"]},
+        "worker": workspace.worker(),
     }
     record(ledger_of(run, iteration, key), shard, key, result)
 

@@ -85,3 +85,25 @@ def test_a_killed_shard_is_the_only_one_computed_again(harness, tiny, reference,
     assert run.stage_manifest(0, "completions/remaining")["inputs"]["shards"]["computed"] == [[12, 18]]
     assert not partial.exists()
     assert stored(run_dir) == stored(reference)
+
+
+def test_workers_keep_their_models_over_a_run_and_apply_each_iterations_lora(harness, tiny, tmp_path, cluster):
+    """Over 3 iterations, each worker process loads each model (policy, decoder, reward) at most
+    once, whatever shards and iterations it serves: they stay loaded, and each iteration's LoRA is
+    applied to the kept policy (`workspace.policy_at`), not loaded with a new one. (The file's
+    workers serve only this tiny model, so a worker that served an earlier test holds it too.)"""
+    run_dir = tmp_path / "ray3"
+    _train(tiny, run_dir, *RAY, "run.iterations=3", "run.eval_prompts=2", "run.eval_seeds=1")
+    run = Run.open(run_dir)
+    loads: dict[int, list[dict[str, int]]] = {}  # pid -> its model loads at each shard, in order
+    for i in range(3):
+        for w in [
+            *run.stage_manifest(i, "rollout")["inputs"]["shards"]["workers"],
+            *run.stage_manifest(i, "completions/remaining")["inputs"]["shards"]["workers"],
+            *run.tables.rows_info("rewards", run.tables.rewards_digest(i, "jpeg_compressibility", "1"))["shards"],
+        ]:
+            loads.setdefault(w["pid"], []).append(w["loads"])
+    assert sum(map(len, loads.values())) == 3 * 12 and len(loads) <= 2  # two worker processes served them all
+    for pid, seen in loads.items():
+        assert all(n <= 1 for counts in seen for n in counts.values()), f"worker {pid} loaded a model again: {seen}"
+    assert any(counts.get("reward") == 1 for seen in loads.values() for counts in seen)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import socket
 import threading
 from collections import Counter
 from functools import lru_cache
@@ -31,6 +33,12 @@ HASH_LIMIT = 256 * 2**20  # files up to this size are content-hashed for the mod
 
 _lock = threading.Lock()  # tasks may run in threads; model loading is not re-entrant
 LOADS: Counter[str] = Counter()  # models this process loaded, by kind ("policy", "decoder", "reward")
+
+
+def worker() -> dict[str, Any]:
+    """Who computed a shard, recorded with it: the process, its host, and the models it has loaded
+    so far (a worker that keeps its models shows the same counts from iteration to iteration)."""
+    return {"pid": os.getpid(), "host": socket.gethostname(), "loads": dict(LOADS), "reward_loads": LOADS["reward"]}
 
 
 class ModelNotFoundError(FileNotFoundError):
