@@ -52,6 +52,40 @@ def test_the_view_on_a_terminal_shows_the_bar_and_folds_prefects_console_lines(m
         logging.getLogger("stepgrpo-test-console").removeHandler(handler)
 
 
+def test_a_resumed_runs_reused_iterations_do_not_move_the_bar_back_and_ctrl_c_crash_lines_are_folded(monkeypatch):
+    """On a resume the flow replays its reused iterations (their rewards) after `started(done)`:
+    the bar stays at `done` and their near-zero seconds do not enter the time per iteration.
+    Prefect's "aborted by an interrupt signal" errors of a Ctrl-C are folded too (the command
+    prints the resume command itself); other errors are not."""
+    import logging
+
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    monkeypatch.setenv("STEPGRPO_PROGRESS", "1")
+    monkeypatch.delenv("STEPGRPO_VERBOSE", raising=False)
+    handler = PrefectConsoleHandler()
+    logging.getLogger("stepgrpo-test-console").addHandler(handler)
+    try:
+        with TrainingView("r", 6) as view:
+            view.started(3)
+            for i in range(3):  # reused
+                view.iteration(i, 0.1 * i)
+                assert view.progress.tasks[0].completed == 3 and not view.recent
+            assert view.progress.tasks[0].fields["reward"] == "0.2000"
+            view.iteration(3, 0.9)
+            assert view.progress.tasks[0].completed == 4 and len(view.recent) == 1
+
+            def record(text: str) -> logging.LogRecord:
+                return logging.LogRecord("prefect", logging.ERROR, __file__, 1, text, None, None)
+
+            crash = "Crash detected! Execution was aborted by an interrupt signal."
+            assert not handler.filter(record(crash)) and handler.filter(record("Task run 'update iter_3' failed"))
+        assert handler.filter(record(crash))  # given back
+    finally:
+        logging.getLogger("stepgrpo-test-console").removeHandler(handler)
+
+
 def test_the_resume_command_names_the_run(monkeypatch):
     from stepgrpo_cli.app import _resume_command
 

@@ -38,6 +38,7 @@ class TrainingView:
         self.recent: deque[float] = deque(maxlen=RECENT)
         self.last = time.monotonic()
         self.fields = {"reward": "-", "heldout": "-", "seconds": "-", "left": "-"}
+        self.completed = 0  # iterations done, shown; a resumed run's reused iterations do not move it back
         self._folded: list[tuple[logging.Handler, int]] = []
 
     def __enter__(self) -> TrainingView:
@@ -62,6 +63,7 @@ class TrainingView:
             self._folded = [(h, h.level) for h in _console_handlers()]
             for handler, _ in self._folded:
                 handler.setLevel(max(handler.level, logging.WARNING))
+                handler.addFilter(_INTERRUPTED)
         self.progress.start()
         return self
 
@@ -69,8 +71,11 @@ class TrainingView:
         if not self.live:
             return
         self.progress.stop()
+        interrupted = exc and exc[0] is not None and not issubclass(exc[0], Exception)  # Ctrl-C, SystemExit
         for handler, level in self._folded:
             handler.setLevel(level)
+            if not interrupted:  # else the flow's own crash line, logged after this, is folded too
+                handler.removeFilter(_INTERRUPTED)
 
     def say(self, text: str) -> None:
         """A line for the log and the console: printed (the flow logs prints), and above the bar
@@ -82,15 +87,24 @@ class TrainingView:
     def started(self, done: int) -> None:
         """Training starts (or resumes) with `done` iterations already finished."""
         self.last = time.monotonic()
+        self.completed = done
         if self.live:
             self.progress.update(self.task, completed=done)
 
     def iteration(self, i: int, reward: float | None) -> None:
-        """Iteration `i` is done, with training reward `reward`."""
+        """Iteration `i` is done, with training reward `reward`. On a resume the reused iterations
+        come first: they show their reward, not a time, and the bar does not move back."""
         now = time.monotonic()
-        self.recent.append(now - self.last)
+        reused = i < self.completed
+        if not reused:
+            self.recent.append(now - self.last)
+            self.completed = i + 1
         self.last = now
         if not self.live:
+            return
+        if reused or not self.recent:
+            self.fields["reward"] = _num(reward)
+            self.progress.update(self.task, **self.fields)
             return
         mean = sum(self.recent) / len(self.recent)
         left = (self.total - i - 1) * mean
@@ -99,7 +113,7 @@ class TrainingView:
             "seconds": f"{self.recent[-1]:.1f}",
             "left": f"{int(left // 60)}:{int(left % 60):02d}",
         }
-        self.progress.update(self.task, completed=i + 1, **self.fields)
+        self.progress.update(self.task, completed=self.completed, **self.fields)
 
     def evaluated(self, reward: float) -> None:
         """A held-out evaluation gave `reward` (its time is not an iteration's)."""
@@ -107,6 +121,17 @@ class TrainingView:
         if self.live:
             self.fields["heldout"] = _num(reward)
             self.progress.update(self.task, **self.fields)
+
+
+class _Interrupted(logging.Filter):
+    """Prefect's "Crash detected! ... aborted by an interrupt signal" lines of a Ctrl-C: the command
+    says itself that it was interrupted, and how to resume."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "aborted by an interrupt signal" not in record.getMessage()
+
+
+_INTERRUPTED = _Interrupted()
 
 
 def _num(x: float | None) -> str:
