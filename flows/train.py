@@ -14,7 +14,7 @@ from prefect import flow
 from flows.progress import TrainingLog, name_flow_run, run_name_from_parameters
 from stepgrpo.checks import check_config
 from stepgrpo.config import Config, config_from
-from stepgrpo.loops.update import export_lora
+from stepgrpo.loops.update import export_lora, kept_ranks
 from stepgrpo.runs import apply_retention, open_run, owned, resolve_run_dir, resume_point
 from stepgrpo.runtime import environment
 from stepgrpo.runtime.workers import workers
@@ -46,7 +46,7 @@ def train(
     with owned(resolve_run_dir(cfg, run_dir, run_id)) as path:  # one process at a time
         run = open_run(cfg, path)
         name_flow_run(run.run_id)
-        with workers(cfg, path):
+        with workers(cfg, path), kept_ranks():  # scale.update_processes > 1: ranks that live for the run
             return iterate(run, cfg)
 
 

@@ -75,6 +75,48 @@ def test_the_two_process_update_matches_the_one_process_update(harness, tiny, re
     assert state["grad_norm"] == pytest.approx(ref_state["grad_norm"], rel=1e-4)
 
 
+def test_kept_ranks_load_the_policy_once_over_a_run_and_match_the_in_process_update(harness, tiny, reference, tmp_path):
+    """`scale.update_processes=2` over 3 iterations: the same two rank processes compute every
+    update, each loading the policy once (later updates apply the previous checkpoint's LoRA to
+    it); the first update, on the reference's inputs, is the in-process update within 1e-6."""
+    run_dir = tmp_path / "kept"
+    _train(tiny, run_dir, "scale.update_processes=2", "run.iterations=3", "run.eval_prompts=2", "run.eval_seeds=1")
+    run = Run.open(run_dir)
+    ranks = [run.stage_manifest(i, "checkpoint")["inputs"]["ranks"] for i in range(3)]
+    assert all(len(r) == 2 for r in ranks)
+    assert [[w["pid"] for w in r] for r in ranks] == [[w["pid"] for w in ranks[0]]] * 3  # the same processes
+    assert all(w["loads"].get("policy") == 1 for r in ranks for w in r)  # loaded once, kept
+    a, b = lora(reference, 0), lora(run_dir, 0)
+    assert float((a - b).norm() / a.norm()) < 1e-6
+
+
+def test_a_rank_killed_mid_update_fails_the_stage_and_the_rerun_computes_the_same_bytes(
+    harness, tiny, reference, tmp_path, monkeypatch
+):
+    import shutil
+    import socket
+
+    runs = {}
+    for name in ("killed", "clean"):
+        runs[name] = tmp_path / name
+        shutil.copytree(reference, runs[name])
+        shutil.rmtree(runs[name] / "checkpoints" / "iter_1")
+    monkeypatch.setenv("STEPGRPO_FAULT", f"kill:update:1:{tmp_path / 'fired'}")  # the last rank dies, once
+    with pytest.raises(
+        Exception, match=rf"update over 2 processes failed \(rank 1 on {socket.gethostname()}, exit 137"
+    ):
+        _train(tiny, runs["killed"], "scale.update_processes=2")
+    assert (tmp_path / "fired").exists() and run_stage_missing(runs["killed"], 1)  # nothing half-published
+    _train(tiny, runs["killed"], "scale.update_processes=2")  # the rerun: a new group
+    monkeypatch.delenv("STEPGRPO_FAULT")
+    _train(tiny, runs["clean"], "scale.update_processes=2")
+    assert torch.equal(lora(runs["killed"], 1), lora(runs["clean"], 1))
+
+
+def run_stage_missing(run_dir, iteration: int) -> bool:
+    return Run.open(run_dir).stage_manifest(iteration, "checkpoint") is None
+
+
 def test_shards_must_hold_whole_model_calls(tiny, tmp_path):
     from stepgrpo.checks import check_config
     from stepgrpo.config import load_config

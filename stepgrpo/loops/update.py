@@ -1,7 +1,14 @@
 """The update's body: from the previous checkpoint (weights, AdamW state, EMA, the signal check's
 sums) to the published checkpoint `iteration`, on the iteration's stored trajectories and
 advantages; the loop itself is `stepgrpo.loops.training.update`. In this process (`train`) or over
-`scale.update_processes` data-parallel ranks on this node (`launch`; each rank runs `main`).
+`scale.update_processes` data-parallel ranks on this node (`launch`; each rank runs `serve`).
+
+The ranks live for the run (`kept_ranks`, entered by the train flow): started at the first update
+that needs them, each loads the policy once and keeps it, and every later update sends them only
+the stage's inputs (the run directory, iteration, scheme and key); each rank applies the previous
+checkpoint's LoRA to the policy it holds. A rank that fails stops the others and fails the stage;
+the next attempt starts a new group, which computes the same bytes. Outside `kept_ranks` (a
+single update called on its own) the ranks last for that update.
 
 Every rank loads the policy and the iteration's stored trajectories, draws the same shuffled
 parts, and computes the gradient of its share of each part (`training.DataParallel`); one
@@ -15,15 +22,17 @@ not split evenly, and DDP reduces on every backward (or needs `no_sync` and equa
 LoRA gradient is a few MB, so one all-reduce per optimizer step costs nothing next to the forward
 passes. How the ranks are started, meet and die with their launcher: `stepgrpo.runtime.parallel`.
 
-    python -m stepgrpo.loops.update RUN_DIR ITERATION SCHEME OPTIONS_DIGEST KEY CONFIG_JSON   # per rank
+    python -m stepgrpo.loops.update CONFIG_JSON     # per rank: then one JSON command a line on stdin
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -35,6 +44,7 @@ from stepgrpo.loops.sampling import encode, generator, stored_noise
 from stepgrpo.prompts import stored_prompts
 from stepgrpo.runtime import parallel as ranks
 from stepgrpo.runtime.environment import pin_threads
+from stepgrpo.runtime.faults import maybe_fail
 from storage.run import Run
 
 
@@ -86,8 +96,13 @@ def train(
         signal=signal if cfg.optim.diagnostics else None,
         parallel=parallel,
     )
-    if parallel is not None and parallel.rank != 0:
-        return
+    if parallel is not None:
+        import torch.distributed as dist
+
+        ranks_seen: list[dict | None] = [None] * parallel.world
+        dist.all_gather_object(ranks_seen, workspace.worker())  # who computed it, and what each has loaded
+        if parallel.rank != 0:
+            return
     tensors = {
         workspace.trained_group(cfg): workspace.lora_state(pol),
         "optimizer": training.optimizer_tensors(opt),
@@ -100,33 +115,65 @@ def train(
     inputs = {"key": key, "seconds": time.perf_counter() - t0, "nfe": pol.nfe - nfe0}
     if parallel is not None:
         inputs["processes"] = parallel.world
+        inputs["ranks"] = ranks_seen
     # timings and counters go in the manifest, not the digested files: equal inputs, equal checkpoint bytes
     run.checkpoints.save_checkpoint(iteration, tensors, training.checkpoint_state(iteration, summary), inputs=inputs)
+
+
+_kept: dict[str, ranks.RankPool] | None = None  # the run's ranks, by config (`kept_ranks`)
+
+
+@contextlib.contextmanager
+def kept_ranks() -> Iterator[None]:
+    """Within it, the ranks of a data-parallel update are started once and kept for every later
+    update (the train flow enters it for the run); they are ended when it exits."""
+    global _kept
+    outer, _kept = _kept, {}
+    try:
+        yield
+    finally:
+        pools, _kept = _kept, outer
+        for pool in pools.values():
+            pool.close()
 
 
 def launch(run: Run, cfg: Config, iteration: int, scheme: str, options_digest: str, key: str) -> None:
     """Run the update of `iteration` over `cfg.scale.update_processes` processes on this node and
     wait for rank 0 to publish its checkpoint; a rank that fails stops the others."""
-
-    def args(tmp: Path) -> list[str]:
-        config = tmp / "config.json"
-        config.write_text(cfg.model_dump_json())
-        where = str(Path(run.path).resolve())
-        return [sys.executable, "-m", __name__, where, str(iteration), scheme, options_digest, key, str(config)]
-
     n = cfg.scale.update_processes
-    hint = "set scale.update_processes=1 to update in this process"
-    ranks.run_ranks(args, n, f"iteration {iteration} update", hint)
+    config = cfg.model_dump_json()
+    pool = None if _kept is None else _kept.get(config)
+    if pool is None or pool.broken:
+        pool = _start(config, n)
+        if _kept is not None:
+            _kept[config] = pool
+    command = {"run": str(Path(run.path).resolve()), "iteration": iteration, "scheme": scheme}
+    command |= {"options_digest": options_digest, "key": key}
+    try:
+        pool.run(command)
+    finally:
+        if _kept is None:
+            pool.close()
     if run.stage_manifest(iteration, "checkpoint") is None:
         raise StageError(f"iteration {iteration} update over {n} processes ended without publishing its checkpoint")
 
 
-def main(argv: list[str]) -> None:
-    """One rank (the launcher sets RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous file)."""
+def _start(config: str, n: int) -> ranks.RankPool:
+    def args(tmp: Path) -> list[str]:
+        path = tmp / "config.json"
+        path.write_text(config)
+        return [sys.executable, "-m", __name__, str(path)]
+
+    return ranks.RankPool(args, n, "the update", "set scale.update_processes=1 to update in this process")
+
+
+def serve(config: str) -> None:
+    """One kept rank (the launcher sets RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous file):
+    join the group, then run each update command read from stdin, answering on its pipe; end
+    when stdin closes. It loads the policy at its first update and keeps it (`workspace`)."""
     ranks.die_with_parent()
     import torch.distributed as dist
 
-    run_dir, iteration, scheme, options_digest, key, config = argv
     cfg = validate_config(json.loads(Path(config).read_text()))
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     gpu = cfg.model.device.startswith("cuda")
@@ -134,14 +181,33 @@ def main(argv: list[str]) -> None:
         device = f"cuda:{local}"
         torch.cuda.set_device(device)
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"device": device})})
-    run = Run.open(run_dir)
-    if pin_threads(run) is None:
-        workspace.set_threads(cfg.scale.threads)
+    answers = ranks.answer_pipe()
     ranks.init_group("nccl" if gpu else "gloo")
+    parallel = training.DataParallel(rank, world, cfg.model.device if gpu else "cpu")
+    pinned = False
     try:
-        parallel = training.DataParallel(rank, world, cfg.model.device if gpu else "cpu")
-        train(run, cfg, int(iteration), scheme, options_digest, key, parallel)
-        dist.barrier()
+        for line in sys.stdin:
+            command = json.loads(line)
+            run = Run.open(command["run"])
+            if not pinned:
+                if pin_threads(run) is None:
+                    workspace.set_threads(cfg.scale.threads)
+                pinned = True
+            iteration = int(command["iteration"])
+            if rank == world - 1:
+                maybe_fail("update", iteration)  # tests: a rank that dies mid-update
+            try:
+                train(run, cfg, iteration, command["scheme"], command["options_digest"], command["key"], parallel)
+                dist.barrier()
+            except Exception as err:
+                import traceback
+
+                traceback.print_exc()
+                answers.write(json.dumps({"error": f"{type(err).__name__}: {err}"}) + "\n")
+                answers.flush()
+                os._exit(1)  # the group cannot go on without this rank
+            answers.write(json.dumps({"ok": iteration}) + "\n")
+            answers.flush()
     finally:
         dist.destroy_process_group()
 
@@ -161,4 +227,4 @@ def export_lora(run: Run, cfg: Config, iteration: int) -> Path:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    serve(*sys.argv[1:])

@@ -11,7 +11,9 @@ killed command leaves no rank writing into a run that a resumed command now owns
 
 from __future__ import annotations
 
+import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -20,11 +22,13 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from stepgrpo.errors import StageError
 
 PARENT_ENV = "STEPGRPO_UPDATE_PARENT"  # the launcher's pid: a rank exits when it is gone
 STORE_ENV = "STEPGRPO_RENDEZVOUS"  # the FileStore the ranks meet through
+ANSWER_ENV = "STEPGRPO_ANSWER_FD"  # a kept rank's pipe for its answers (`RankPool`)
 POLL_S = 0.05
 
 
@@ -34,49 +38,130 @@ def loopback_interface() -> str:
     return names[0] if names else "lo"
 
 
-def run_ranks(args: Callable[[Path], list[str]], n: int, what: str, hint: str) -> None:
-    """Run `n` ranks of the command `args(tmp)` (`tmp`: a private directory for the files they
-    read, removed after) and wait for all; a rank that fails stops the others, and the error names
-    it with the tail of its output and `hint`."""
-    with tempfile.TemporaryDirectory(prefix="stepgrpo-ranks-") as tmp:
-        procs = start_ranks(args(Path(tmp)), n, tmp)
-        try:
-            failed = _wait(procs)
-        finally:
-            for proc in procs:  # on any way out (an error, Ctrl-C), no rank outlives the launch
-                if proc.poll() is None:
-                    proc.kill()
-                proc.wait()
-        if failed is not None:
-            log = Path(tmp) / f"rank{failed}.log"
-            tail = "\n".join(log.read_text(errors="replace").strip().splitlines()[-15:])
-            raise StageError(
-                f"{what} over {n} processes failed (rank {failed} on {socket.gethostname()}, "
-                f"exit {procs[failed].returncode}):\n{tail}\n{hint}"
-            )
-
-
 def start_ranks(cmd: list[str], n: int, tmp: str | Path) -> list[subprocess.Popen]:
     """Start `n` processes of `cmd` as ranks 0..n-1 of one group: they meet through a FileStore in
     the private directory `tmp` (no port is opened for the rendezvous), their collectives bind to
     the loopback interface unless the user chose one, each writes its output to `tmp/rank<r>.log`,
     and each dies with this process (`die_with_parent`)."""
-    base = {
-        **os.environ,
-        "WORLD_SIZE": str(n),
-        "LOCAL_WORLD_SIZE": str(n),
-        PARENT_ENV: str(os.getpid()),
-        STORE_ENV: str(Path(tmp) / "rendezvous"),
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-    }
-    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        base.setdefault(var, loopback_interface())
+    base = _rank_env(n, Path(tmp))
     procs = []
     for r in range(n):
         with open(Path(tmp) / f"rank{r}.log", "wb") as out:
             env = {**base, "RANK": str(r), "LOCAL_RANK": str(r)}
             procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT))
     return procs
+
+
+class RankPool:
+    """`n` ranks of the command `cmd(dir)` started once and kept (`dir`: the pool's private
+    directory, for the files they read; removed by `close`): each command (a JSON object) goes to every rank's
+    stdin, and `run` returns when every rank has answered on its own pipe (one JSON line). A rank
+    that dies or answers an error stops the others and fails the command, naming the rank, its
+    host and the tail of its log; the pool is then `broken` and a later command needs a new pool.
+    `close()` ends the ranks (their stdin closes; killed if they hang). The ranks meet and die with
+    this process as `start_ranks`'s do."""
+
+    def __init__(self, cmd: Callable[[Path], list[str]], n: int, what: str, hint: str) -> None:
+        self.n, self.what, self.hint, self.broken = n, what, hint, False
+        self._tmp = tempfile.TemporaryDirectory(prefix="stepgrpo-ranks-")
+        self.dir = Path(self._tmp.name)
+        args = cmd(self.dir)
+        self._answers: list[int] = []
+        self.procs: list[subprocess.Popen] = []
+        base = _rank_env(n, self.dir)
+        for r in range(n):
+            read, write = os.pipe()
+            env = {**base, "RANK": str(r), "LOCAL_RANK": str(r), ANSWER_ENV: str(write)}
+            with open(self.dir / f"rank{r}.log", "wb") as out:
+                self.procs.append(
+                    subprocess.Popen(
+                        args, env=env, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, pass_fds=(write,)
+                    )
+                )
+            os.close(write)
+            self._answers.append(read)
+
+    def run(self, command: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every rank's answer to `command`, in rank order."""
+        if self.broken:
+            raise StageError(f"{self.what}: its processes were stopped by an earlier failure")
+        line = (json.dumps(command) + "\n").encode()
+        for r, proc in enumerate(self.procs):
+            try:
+                assert proc.stdin is not None
+                proc.stdin.write(line)
+                proc.stdin.flush()
+            except (BrokenPipeError, OSError):
+                self._fail(r)
+        buffers = [b""] * self.n
+        answers: list[dict[str, Any] | None] = [None] * self.n
+        while any(a is None for a in answers):
+            waiting = [fd for r, fd in enumerate(self._answers) if answers[r] is None]
+            ready, _, _ = select.select(waiting, [], [], POLL_S)
+            for fd in ready:
+                r = self._answers.index(fd)
+                chunk = os.read(fd, 65536)
+                if not chunk:  # the rank closed its pipe: it died
+                    self._fail(r)
+                buffers[r] += chunk
+                if buffers[r].endswith(b"\n"):
+                    answers[r] = json.loads(buffers[r])
+                    if "error" in answers[r]:
+                        self._fail(r)
+            dead = [r for r, p in enumerate(self.procs) if answers[r] is None and p.poll() is not None]
+            if dead:
+                self._fail(dead[0])
+        return answers  # type: ignore[return-value]
+
+    def _fail(self, r: int) -> None:
+        self.broken = True
+        for proc in self.procs:  # the others would wait for it in the next all-reduce forever
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        tail = "\n".join((self.dir / f"rank{r}.log").read_text(errors="replace").strip().splitlines()[-15:])
+        raise StageError(
+            f"{self.what} over {self.n} processes failed (rank {r} on {socket.gethostname()}, "
+            f"exit {self.procs[r].returncode}):\n{tail}\n{self.hint}"
+        )
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.stdin is not None and not proc.stdin.closed:
+                try:
+                    proc.stdin.close()
+                except OSError:
+                    pass
+        deadline = time.monotonic() + 30
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for fd in self._answers:
+            os.close(fd)
+        self._answers = []
+        self._tmp.cleanup()
+
+
+def answer_pipe() -> Any:
+    """A kept rank's pipe for its answers (`RankPool`), as a text file."""
+    return os.fdopen(int(os.environ[ANSWER_ENV]), "w")
+
+
+def _rank_env(n: int, tmp: Path) -> dict[str, str]:
+    base = {
+        **os.environ,
+        "WORLD_SIZE": str(n),
+        "LOCAL_WORLD_SIZE": str(n),
+        PARENT_ENV: str(os.getpid()),
+        STORE_ENV: str(tmp / "rendezvous"),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    }
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        base.setdefault(var, loopback_interface())
+    return base
 
 
 def init_group(backend: str) -> None:
@@ -86,19 +171,6 @@ def init_group(backend: str) -> None:
     world = int(os.environ["WORLD_SIZE"])
     store = dist.FileStore(os.environ[STORE_ENV], world)
     dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=world)
-
-
-def _wait(procs: list[subprocess.Popen]) -> int | None:
-    """Wait for every rank; the index of the first that failed (the others are killed: they would
-    wait for it in the next all-reduce forever), or None."""
-    while True:
-        codes = [p.poll() for p in procs]
-        bad = [i for i, c in enumerate(codes) if c not in (None, 0)]
-        if bad:
-            return bad[0]
-        if all(c == 0 for c in codes):
-            return None
-        time.sleep(POLL_S)
 
 
 def die_with_parent() -> None:
