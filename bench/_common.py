@@ -149,8 +149,13 @@ def relative(path: Path) -> str:
 def write_json(path: Path, obj: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True, default=float) + "\n")
+    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True, default=_plain) + "\n")
     tmp.replace(path)
+
+
+def _plain(x: Any) -> Any:
+    """JSON for what `json` does not know: tensors and arrays as lists (or numbers), else a float."""
+    return x.tolist() if hasattr(x, "tolist") else float(x)
 
 
 # --------------------------------------------------------------------------- a pipeline run
