@@ -129,12 +129,14 @@ def kept_ranks() -> Iterator[None]:
     update (the train flow enters it for the run); they are ended when it exits."""
     global _kept
     outer, _kept = _kept, {}
+    finished = False
     try:
         yield
+        finished = True
     finally:
         pools, _kept = _kept, outer
         for pool in pools.values():
-            pool.close()
+            pool.close(wait=finished)  # on an error or Ctrl-C, no rank finishes an update first
 
 
 def launch(run: Run, cfg: Config, iteration: int, scheme: str, options_digest: str, key: str) -> None:

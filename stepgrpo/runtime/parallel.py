@@ -125,7 +125,13 @@ class RankPool:
             f"exit {self.procs[r].returncode}):\n{tail}\n{self.hint}"
         )
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """End the ranks: their stdin closes and they exit after the command they run (`wait`),
+        or they are killed now (an interrupted run: a rank mid-update would finish it first)."""
+        if not wait:
+            for proc in self.procs:
+                if proc.poll() is None:
+                    proc.kill()
         for proc in self.procs:
             if proc.stdin is not None and not proc.stdin.closed:
                 try:
