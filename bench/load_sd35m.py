@@ -25,23 +25,14 @@ import time
 from pathlib import Path
 
 import _common  # noqa: F401  (first: fixes sys.path, see its docstring)
-from _common import OUT_DIR
+from _common import BENCH_DIR, OUT_DIR
 
-SD35M = dict(
-    sample_size=128,
-    patch_size=2,
-    in_channels=16,
-    num_layers=24,
-    attention_head_dim=64,
-    num_attention_heads=24,
-    joint_attention_dim=4096,
-    caption_projection_dim=1536,
-    pooled_projection_dim=2048,
-    out_channels=16,
-    pos_embed_max_size=384,
-    dual_attention_layers=tuple(range(13)),
-    qk_norm="rms_norm",
-)
+sys.path.insert(1, str(BENCH_DIR))
+from gpu import SD3_MEDIUM  # noqa: E402
+
+# SD3.5-Medium's transformer: SD3-medium's shape (bench/gpu.py), a larger position grid, a second
+# attention in the first 13 blocks, RMS qk-norm
+SD35M = {**SD3_MEDIUM, "pos_embed_max_size": 384, "dual_attention_layers": tuple(range(13)), "qk_norm": "rms_norm"}
 
 CHILD = """
 import json, sys, time

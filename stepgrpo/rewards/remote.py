@@ -249,17 +249,5 @@ def _error_text(text: str) -> str:
     return text[:500]
 
 
-@REWARDS.register("http", identity=lambda url, name, version, **_: (name, str(version)))
-def http_reward(
-    url: str,
-    name: str,
-    version: str,
-    timeout: float = 600.0,
-    batch: int = 64,
-    connect_timeout: float = 10.0,
-    retries: int = 3,
-    backoff: float = 0.5,
-) -> HttpReward:
-    """A reward served over HTTP (`stepgrpo reward-server`); `name`, `version`: what it serves;
-    `timeout`: one request's whole deadline; transient failures are tried `retries` more times."""
-    return HttpReward(url, name, version, timeout, batch, connect_timeout, retries, backoff)
+# the reward `http`: its options are HttpReward's arguments; its identity is the one it declares
+REWARDS.register("http", identity=lambda url, name, version, **_: (name, str(version)))(HttpReward)
