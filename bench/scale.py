@@ -17,6 +17,7 @@ Every configuration must store the same bytes (checked with bench/digests.py's i
 
     python bench/scale.py [--iterations 4] [--repeats 2] [--prompts 16]   # writes bench/out/scale/scale.json
     python bench/scale.py --device cuda --configs in-process ray-2       # on a GPU: two shards share it
+    python bench/scale.py --configs in-process update-2 --set sampler.sde_window_size=9   # update-heavy
 """
 
 from __future__ import annotations
@@ -131,6 +132,13 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cuda: the shards share the GPU (--gpus-per-shard)")
     parser.add_argument("--gpus-per-shard", type=float, default=0.5)
     parser.add_argument("--out", type=Path, default=OUT_DIR / "scale")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        help="key=value on every run (e.g. an update-heavy iteration: --set sampler.sde_window_size=9)",
+    )
     a = parser.parse_args()
     import os
 
@@ -146,6 +154,7 @@ def main() -> None:
     shutil.rmtree(runs_root, ignore_errors=True)
     common = [*RECIPE, f"run.prompts_per_iteration={a.prompts}", f"run.iterations={a.iterations}"]
     common.append(f"run.runs_root={runs_root}")
+    common += a.overrides
     if a.device != "cpu":  # on a GPU: two shards share it, against the in-process run on it
         common += [f"model.device={a.device}", f"scale.gpus_per_shard={a.gpus_per_shard}"]
     result: dict[str, Any] = {"machine": machine(), "recipe": common, "configs": {}}
