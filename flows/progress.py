@@ -73,11 +73,17 @@ def log_offline(
     with Tracker.start(run.path, experiment_name(), f"{run.run_id} {kind} {label}", tags=tags) as tracker:
         if not tracker.resumed:
             tracker.log_params(params)
+        # MLflow's log_table appends to a table already logged: only the rows of iterations this
+        # MLflow run does not hold yet go in, so logging the same label again adds no duplicates
+        before = tracker.logged_steps(f"{kind}/{metrics[0]}")
         for row in rows:
             values = {f"{kind}/{m}": row[m] for m in metrics if isinstance(row.get(m), int | float)}
             tracker.log_metrics({k: float(v) for k, v in values.items() if math.isfinite(v)}, step=row["iteration"])
-        flat = [{k: v for k, v in row.items() if not isinstance(v, list | dict)} for row in rows]
-        tracker.client.log_table(tracker.run_id, data=pd.DataFrame(flat), artifact_file=f"{kind}.json")
+        flat = [
+            {k: v for k, v in r.items() if not isinstance(v, list | dict)} for r in rows if r["iteration"] not in before
+        ]
+        if flat:
+            tracker.client.log_table(tracker.run_id, data=pd.DataFrame(flat), artifact_file=f"{kind}.json")
 
 
 def evaluation_record(run: Run, ev: EvaluateResult) -> dict[str, Any]:

@@ -269,6 +269,10 @@ def test_the_python_entry_returns_typed_results_and_reuses_what_the_run_stored(t
     assert by_kind["credit"].data.params["scheme"] == "turning_point"
     assert "credit/adv_std" in by_kind["credit"].data.metrics
     assert [a.path for a in client.list_artifacts(by_kind["rescore"].info.run_id)] == ["rescore.json"]
+    stepgrpo.rescore(copy, "jpeg_incompressibility")  # again, now over both iterations: the same MLflow run
+    table = json.loads(Path(client.download_artifacts(by_kind["rescore"].info.run_id, "rescore.json")).read_text())
+    iterations = [row[table["columns"].index("iteration")] for row in table["data"]]
+    assert sorted(iterations) == [0, 1]  # iteration 1's row once, not appended again
     with pytest.raises(ConfigError, match="unknown"):
         stepgrpo.train(None, overrides=[*tiny, "optim.nope=1"], run_dir=str(tmp_path / "never"))
     assert not (tmp_path / "never").exists()

@@ -272,6 +272,10 @@ class Tracker:
             for row in rows:
                 self._logged.setdefault(row.key, set()).add(step)
 
+    def logged_steps(self, key: str) -> set[int]:
+        """The steps of metric `key` this MLflow run holds (a resumed run's, read once)."""
+        return set(self._steps_of(key))
+
     def _steps_of(self, key: str) -> set[int]:
         if key not in self._logged:
             history = self.client.get_metric_history(self.run_id, key) if self.resumed else []
