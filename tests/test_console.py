@@ -120,6 +120,10 @@ def test_ctrl_c_prints_the_command_that_resumes_and_it_resumes(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        # a terminal's foreground command takes SIGINT by default; a process that ignores it passes
+        # that on to what it starts (POSIX keeps SIG_IGN across exec), and in two CI runs the test
+        # worker had come to ignore it, so the command never saw the interrupt
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     first = tmp_path / "runs" / "interrupted" / "checkpoints" / "iter_0" / "_published.json"
     deadline = time.monotonic() + 240
