@@ -96,6 +96,11 @@ def test_the_resume_command_names_the_run(monkeypatch):
     assert _resume_command(Path("/data/r1")) == "stepgrpo train --run-dir=/data/r1"
 
 
+def _sigint_as_at_a_terminal() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 @pytest.mark.slow
 def test_ctrl_c_prints_the_command_that_resumes_and_it_resumes(tmp_path):
     """SIGINT (a terminal's Ctrl-C) after the first checkpoint: exit 130 with the resume command;
@@ -120,11 +125,13 @@ def test_ctrl_c_prints_the_command_that_resumes_and_it_resumes(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
-        # a terminal's foreground command takes SIGINT by default; a process that ignores it passes
-        # that on to what it starts (POSIX keeps SIG_IGN across exec), and in two CI runs the test
-        # worker had come to ignore it, so the command never saw the interrupt
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        # a terminal's foreground command takes SIGINT by default; a process that ignores or blocks
+        # it passes that on to what it starts (POSIX keeps SIG_IGN and the signal mask across exec),
+        # and in two CI runs the command never saw the interrupt
+        preexec_fn=_sigint_as_at_a_terminal,
     )
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    inherited = f"this test process: SIGINT {signal.getsignal(signal.SIGINT)}, blocked {blocked}"
     first = tmp_path / "runs" / "interrupted" / "checkpoints" / "iter_0" / "_published.json"
     deadline = time.monotonic() + 240
     while not first.is_file():
@@ -133,7 +140,7 @@ def test_ctrl_c_prints_the_command_that_resumes_and_it_resumes(tmp_path):
         time.sleep(0.2)
     os.killpg(command.pid, signal.SIGINT)  # the whole group, as a terminal does
     out, err = command.communicate(timeout=120)
-    assert command.returncode == 130, err[-3000:]
+    assert command.returncode == 130, inherited + "\n" + err[-3000:]
     said = err.split("Resume it with:\n", 1)[1].strip().splitlines()[0].strip()
     assert said.startswith("stepgrpo train --set") and said.endswith("--run-id interrupted")
 
