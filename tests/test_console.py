@@ -26,7 +26,10 @@ def test_the_view_is_a_no_op_off_a_terminal_and_logs_its_lines(capsys, monkeypat
     assert capsys.readouterr().out == "resuming run r at iteration 1 of 3\n"
 
 
-def test_the_view_on_a_terminal_shows_the_bar_and_folds_prefects_console_lines(monkeypatch):
+@pytest.fixture
+def console_handler(monkeypatch):
+    """A terminal (stderr a tty, the bar on, not verbose) and a Prefect console handler on a logger,
+    as a CLI process has one."""
     import logging
 
     from prefect.logging.handlers import PrefectConsoleHandler
@@ -36,54 +39,52 @@ def test_the_view_on_a_terminal_shows_the_bar_and_folds_prefects_console_lines(m
     monkeypatch.delenv("STEPGRPO_VERBOSE", raising=False)
     handler = PrefectConsoleHandler()
     logging.getLogger("stepgrpo-test-console").addHandler(handler)
-    try:
-        with TrainingView("r", 4) as view:
-            assert view.live and handler.level == logging.WARNING
-            view.started(2)
-            view.iteration(2, 0.51234)
-            view.evaluated(0.7)
-            task = view.progress.tasks[0]
-            assert task.completed == 3 and task.fields["reward"] == "0.5123" and task.fields["heldout"] == "0.7000"
-        assert handler.level == logging.NOTSET  # given back
-        monkeypatch.setenv("STEPGRPO_VERBOSE", "1")
-        with TrainingView("r", 4) as view:
-            assert view.live and not view.fold and handler.level == logging.NOTSET
-    finally:
-        logging.getLogger("stepgrpo-test-console").removeHandler(handler)
+    yield handler
+    logging.getLogger("stepgrpo-test-console").removeHandler(handler)
 
 
-def test_a_resumed_runs_reused_iterations_do_not_move_the_bar_back_and_ctrl_c_crash_lines_are_folded(monkeypatch):
+def test_the_view_on_a_terminal_shows_the_bar_and_folds_prefects_console_lines(monkeypatch, console_handler):
+    import logging
+
+    handler = console_handler
+    with TrainingView("r", 4) as view:
+        assert view.live and handler.level == logging.WARNING
+        view.started(2)
+        view.iteration(2, 0.51234)
+        view.evaluated(0.7)
+        task = view.progress.tasks[0]
+        assert task.completed == 3 and task.fields["reward"] == "0.5123" and task.fields["heldout"] == "0.7000"
+    assert handler.level == logging.NOTSET  # given back
+    monkeypatch.setenv("STEPGRPO_VERBOSE", "1")
+    with TrainingView("r", 4) as view:
+        assert view.live and not view.fold and handler.level == logging.NOTSET
+
+
+def test_a_resumed_runs_reused_iterations_do_not_move_the_bar_back_and_ctrl_c_crash_lines_are_folded(
+    monkeypatch, console_handler
+):
     """On a resume the flow replays its reused iterations (their rewards) after `started(done)`:
     the bar stays at `done` and their near-zero seconds do not enter the time per iteration.
     Prefect's "aborted by an interrupt signal" errors of a Ctrl-C are folded too (the command
     prints the resume command itself); other errors are not."""
     import logging
 
-    from prefect.logging.handlers import PrefectConsoleHandler
+    handler = console_handler
+    with TrainingView("r", 6) as view:
+        view.started(3)
+        for i in range(3):  # reused
+            view.iteration(i, 0.1 * i)
+            assert view.progress.tasks[0].completed == 3 and not view.recent
+        assert view.progress.tasks[0].fields["reward"] == "0.2000"
+        view.iteration(3, 0.9)
+        assert view.progress.tasks[0].completed == 4 and len(view.recent) == 1
 
-    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
-    monkeypatch.setenv("STEPGRPO_PROGRESS", "1")
-    monkeypatch.delenv("STEPGRPO_VERBOSE", raising=False)
-    handler = PrefectConsoleHandler()
-    logging.getLogger("stepgrpo-test-console").addHandler(handler)
-    try:
-        with TrainingView("r", 6) as view:
-            view.started(3)
-            for i in range(3):  # reused
-                view.iteration(i, 0.1 * i)
-                assert view.progress.tasks[0].completed == 3 and not view.recent
-            assert view.progress.tasks[0].fields["reward"] == "0.2000"
-            view.iteration(3, 0.9)
-            assert view.progress.tasks[0].completed == 4 and len(view.recent) == 1
+        def record(text: str) -> logging.LogRecord:
+            return logging.LogRecord("prefect", logging.ERROR, __file__, 1, text, None, None)
 
-            def record(text: str) -> logging.LogRecord:
-                return logging.LogRecord("prefect", logging.ERROR, __file__, 1, text, None, None)
-
-            crash = "Crash detected! Execution was aborted by an interrupt signal."
-            assert not handler.filter(record(crash)) and handler.filter(record("Task run 'update iter_3' failed"))
-        assert handler.filter(record(crash))  # given back
-    finally:
-        logging.getLogger("stepgrpo-test-console").removeHandler(handler)
+        crash = "Crash detected! Execution was aborted by an interrupt signal."
+        assert not handler.filter(record(crash)) and handler.filter(record("Task run 'update iter_3' failed"))
+    assert handler.filter(record(crash))  # given back
 
 
 def test_the_resume_command_names_the_run(monkeypatch):

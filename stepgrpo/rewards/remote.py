@@ -55,13 +55,19 @@ def encode_images(images: torch.Tensor) -> list[str]:
     return out
 
 
-def decode_images(encoded: Sequence[str]) -> torch.Tensor:
+def decode_images(encoded: Sequence[str], resolution: int | None = None) -> torch.Tensor:
     """base64 PNG -> `[N, 3, H, W]` float32 in [0, 1] (exactly the client's 8-bit images). Every
-    image's size is read from its header and bounded before any is decoded (`MAX_IMAGE_PIXELS`,
-    `MAX_REQUEST_PIXELS`): a small request of huge PNGs must not allocate gigabytes."""
+    image's size is read from its header and checked before any is decoded: against `resolution`
+    (a side) when given, and bounded (`MAX_IMAGE_PIXELS`, `MAX_REQUEST_PIXELS`): a small request of
+    huge PNGs must not allocate gigabytes."""
     opened, total = [], 0
     for i, e in enumerate(encoded):
         image = Image.open(io.BytesIO(base64.b64decode(e, validate=True)))
+        if resolution is not None and image.size != (resolution, resolution):
+            raise ValueError(
+                f"image {i} is {image.size[0]}x{image.size[1]}, but this server scores "
+                f"{resolution}x{resolution} images (--resolution); send images at the model's resolution"
+            )
         pixels = image.size[0] * image.size[1]
         total += pixels
         if pixels > MAX_IMAGE_PIXELS or total > MAX_REQUEST_PIXELS:

@@ -20,7 +20,6 @@ against `MAX_IMAGE_PIXELS` when none is declared), before any image is decoded.
 from __future__ import annotations
 
 import asyncio
-import base64
 import binascii
 import hmac
 import ipaddress
@@ -160,23 +159,6 @@ def _cat(parts: Sequence[RewardOutput]) -> RewardOutput:
     )
 
 
-def _check_sizes(encoded: Sequence[str], resolution: int | None) -> None:
-    """Each image's size from its PNG header (no pixel decoded) against the declared resolution."""
-    from PIL import Image
-
-    if resolution is None:
-        return  # decode_images bounds the pixels from the headers itself
-    import io
-
-    for i, e in enumerate(encoded):
-        with Image.open(io.BytesIO(base64.b64decode(e, validate=True))) as image:
-            if image.size != (resolution, resolution):
-                raise ValueError(
-                    f"image {i} is {image.size[0]}x{image.size[1]}, but this server scores "
-                    f"{resolution}x{resolution} images (--resolution); send images at the model's resolution"
-                )
-
-
 class ScoreRequest(BaseModel):
     """POST /score's body."""
 
@@ -268,8 +250,7 @@ def build_app(
             why = f"{n} images, {len(body.prompts)} prompts and {len(metadata)} metadata: give one of each per image"
             return refuse(400, why)
         try:
-            _check_sizes(body.images, resolution)
-            images = await run_in_threadpool(decode_images, body.images)
+            images = await run_in_threadpool(decode_images, body.images, resolution)
         except (ValueError, binascii.Error, OSError) as err:
             return refuse(400, f"{type(err).__name__}: {err}")
         try:
@@ -327,10 +308,6 @@ class RewardServer:
         )
         self.server = uvicorn.Server(config)
         self._stopped = threading.Event()
-
-    @property
-    def batcher(self) -> Batcher:
-        return self.app.state.batcher
 
     def serve_forever(self) -> None:
         try:
