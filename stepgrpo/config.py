@@ -451,7 +451,20 @@ class ScaleConfig(_Section):
     second process shares the cores."""
     update_processes: int = Field(1, ge=1)
     """Data-parallel processes of the policy update (torch.distributed: gloo on CPU, NCCL on GPUs),
-    each with a disjoint part of every optimizer step's trajectories; 1: the update in this process."""
+    each with a disjoint part of every optimizer step's trajectories; 1: the update in this process.
+    They live for the run. With `workers: process` they run on this node; with `ray` they are Ray
+    actors placed by a placement group over the cluster's nodes (`update_placement`), one
+    `update_gpus` each: any number, whatever one node holds."""
+    update_placement: Literal["pack", "spread", "strict_pack", "strict_spread"] = "pack"
+    """With `ray`: how the update's ranks are placed over the nodes (Ray's placement-group
+    strategies): `pack` on as few nodes as fit (the fastest all-reduce), `spread` over as many as
+    possible, `strict_*` or fail."""
+    update_cpus: float = Field(0.1, gt=0)
+    """With `ray`: Ray CPUs each update rank holds for the run. Small by default: a rank computes
+    only while no shard does, so it need not keep a shard from a CPU."""
+    update_gpus: float | None = Field(None, ge=0)
+    """With `ray`: Ray GPUs each update rank holds for the run; None: 1 with `model.device: cuda`,
+    else 0. Below 1 (and `gpus_per_shard` below 1) a rank and a shard share a GPU."""
 
 
 class Config(_Section):

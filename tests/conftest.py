@@ -221,6 +221,7 @@ def _registries_as_they_were():
 LONGEST_FIRST = (
     "test_scale_ray.py",  # ~165 s
     "test_flows.py",  # ~135 s
+    "test_scale_nodes.py",  # ~100 s
     "test_bench_credit_schemes.py",  # ~125 s
     "test_deploy.py",  # ~95 s
     "test_scale.py",  # ~80 s

@@ -1,7 +1,9 @@
 """The update's body: from the previous checkpoint (weights, AdamW state, EMA, the signal check's
 sums) to the published checkpoint `iteration`, on the iteration's stored trajectories and
 advantages; the loop itself is `stepgrpo.loops.training.update`. In this process (`train`) or over
-`scale.update_processes` data-parallel ranks on this node (`launch`; each rank runs `serve`).
+`scale.update_processes` data-parallel ranks (`launch`; each rank is a `Rank`): processes on this
+node (`serve`, `stepgrpo.runtime.parallel.RankPool`), or with `scale.workers: ray` Ray actors that
+a placement group puts on the cluster's nodes (`stepgrpo.runtime.workers.RayRanks`).
 
 The ranks live for the run (`kept_ranks`, entered by the train flow): started at the first update
 that needs them, each loads the policy once and keeps it, and every later update sends them only
@@ -28,12 +30,14 @@ passes. How the ranks are started, meet and die with their launcher: `stepgrpo.r
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -140,13 +144,14 @@ def kept_ranks() -> Iterator[None]:
 
 
 def launch(run: Run, cfg: Config, iteration: int, scheme: str, options_digest: str, key: str) -> None:
-    """Run the update of `iteration` over `cfg.scale.update_processes` processes on this node and
-    wait for rank 0 to publish its checkpoint; a rank that fails stops the others."""
+    """Run the update of `iteration` over `cfg.scale.update_processes` ranks (processes on this
+    node, or Ray actors over the cluster's nodes with `scale.workers: ray`) and wait for rank 0 to
+    publish its checkpoint; a rank that fails stops the others."""
     n = cfg.scale.update_processes
     config = cfg.model_dump_json()
     pool = None if _kept is None else _kept.get(config)
     if pool is None or pool.broken:
-        pool = _start(config, n)
+        pool = _start(config, cfg, Path(run.path))
         if _kept is not None:
             _kept[config] = pool
     command = {"run": str(Path(run.path).resolve()), "iteration": iteration, "scheme": scheme}
@@ -160,47 +165,82 @@ def launch(run: Run, cfg: Config, iteration: int, scheme: str, options_digest: s
         raise StageError(f"iteration {iteration} update over {n} processes ended without publishing its checkpoint")
 
 
-def _start(config: str, n: int) -> ranks.RankPool:
+HINT = "set scale.update_processes=1 to update in this process"
+
+
+def _start(config: str, cfg: Config, run_dir: Path) -> ranks.RankPool | Any:
+    n = cfg.scale.update_processes
+    if cfg.scale.workers == "ray":
+        from stepgrpo.runtime.workers import RayRanks
+
+        gpu = cfg.model.device.startswith("cuda")
+        s = cfg.scale
+        return RayRanks(
+            functools.partial(Rank, config),
+            n,
+            "the update",
+            HINT,
+            bundle={"CPU": s.update_cpus, "GPU": (1.0 if gpu else 0.0) if s.update_gpus is None else s.update_gpus},
+            strategy=s.update_placement,
+            shard={"CPU": s.cpus_per_shard, "GPU": s.gpus_per_shard},
+            shared_dir=run_dir,
+            backend="nccl" if gpu else "gloo",
+        )
+
     def args(tmp: Path) -> list[str]:
         path = tmp / "config.json"
         path.write_text(config)
         return [sys.executable, "-m", __name__, str(path)]
 
-    return ranks.RankPool(args, n, "the update", "set scale.update_processes=1 to update in this process")
+    return ranks.RankPool(args, n, "the update", HINT)
+
+
+class Rank:
+    """One rank of a data-parallel update that serves the run's updates: built once in its
+    process (after it joined the group), it loads the policy at its first update and keeps it
+    (`workspace`); each call runs one update command and returns when every rank has finished."""
+
+    def __init__(self, config: str, rank: int, world: int, local: int = 0) -> None:
+        cfg = validate_config(json.loads(config))
+        gpu = cfg.model.device.startswith("cuda")
+        if gpu:
+            device = f"cuda:{local}"
+            torch.cuda.set_device(device)
+            cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"device": device})})
+        self.cfg, self.rank, self.world, self.pinned = cfg, rank, world, False
+        self.parallel = training.DataParallel(rank, world, cfg.model.device if gpu else "cpu")
+
+    def __call__(self, command: dict[str, Any]) -> dict[str, Any]:
+        import torch.distributed as dist
+
+        run = Run.open(command["run"])
+        if not self.pinned:
+            if pin_threads(run) is None:
+                workspace.set_threads(self.cfg.scale.threads)
+            self.pinned = True
+        iteration = int(command["iteration"])
+        if self.rank == self.world - 1:
+            maybe_fail("update", iteration)  # tests: a rank that dies mid-update
+        train(run, self.cfg, iteration, command["scheme"], command["options_digest"], command["key"], self.parallel)
+        dist.barrier()
+        return {"ok": iteration}
 
 
 def serve(config: str) -> None:
-    """One kept rank (the launcher sets RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous file):
-    join the group, then run each update command read from stdin, answering on its pipe; end
-    when stdin closes. It loads the policy at its first update and keeps it (`workspace`)."""
+    """One kept rank process of `RankPool` (the launcher sets RANK, WORLD_SIZE, LOCAL_RANK and the
+    rendezvous file): join the group, then run each update command read from stdin, answering on
+    its pipe; end when stdin closes."""
     ranks.die_with_parent()
     import torch.distributed as dist
 
-    cfg = validate_config(json.loads(Path(config).read_text()))
-    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
-    gpu = cfg.model.device.startswith("cuda")
-    if gpu:
-        device = f"cuda:{local}"
-        torch.cuda.set_device(device)
-        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"device": device})})
+    env = os.environ
+    rank = Rank(Path(config).read_text(), int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]))
     answers = ranks.answer_pipe()
-    ranks.init_group("nccl" if gpu else "gloo")
-    parallel = training.DataParallel(rank, world, cfg.model.device if gpu else "cpu")
-    pinned = False
+    ranks.init_group("nccl" if rank.cfg.model.device.startswith("cuda") else "gloo")
     try:
         for line in sys.stdin:
-            command = json.loads(line)
-            run = Run.open(command["run"])
-            if not pinned:
-                if pin_threads(run) is None:
-                    workspace.set_threads(cfg.scale.threads)
-                pinned = True
-            iteration = int(command["iteration"])
-            if rank == world - 1:
-                maybe_fail("update", iteration)  # tests: a rank that dies mid-update
             try:
-                train(run, cfg, iteration, command["scheme"], command["options_digest"], command["key"], parallel)
-                dist.barrier()
+                answer = rank(json.loads(line))
             except Exception as err:
                 import traceback
 
@@ -208,7 +248,7 @@ def serve(config: str) -> None:
                 answers.write(json.dumps({"error": f"{type(err).__name__}: {err}"}) + "\n")
                 answers.flush()
                 os._exit(1)  # the group cannot go on without this rank
-            answers.write(json.dumps({"ok": iteration}) + "\n")
+            answers.write(json.dumps(answer) + "\n")
             answers.flush()
     finally:
         dist.destroy_process_group()

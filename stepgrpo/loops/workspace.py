@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import socket
+import sys
 import threading
 from collections import Counter
 from functools import lru_cache
@@ -38,7 +39,11 @@ LOADS: Counter[str] = Counter()  # models this process loaded, by kind ("policy"
 def worker() -> dict[str, Any]:
     """Who computed a shard, recorded with it: the process, its host, and the models it has loaded
     so far (a worker that keeps its models shows the same counts from iteration to iteration)."""
-    return {"pid": os.getpid(), "host": socket.gethostname(), "loads": dict(LOADS), "reward_loads": LOADS["reward"]}
+    who = {"pid": os.getpid(), "host": socket.gethostname(), "loads": dict(LOADS), "reward_loads": LOADS["reward"]}
+    ray = sys.modules.get("ray")  # on a Ray worker (never imported here): its node, which a host name may not tell
+    if ray is not None and ray.is_initialized():
+        who["node"] = ray.get_runtime_context().get_node_id()
+    return who
 
 
 class ModelNotFoundError(FileNotFoundError):

@@ -9,14 +9,24 @@ worker, not once per shard.
 
 Before the first shard, every node of the cluster must see the run directory (a probe file
 written here is read there): shards write their trajectories' chunks into it directly.
+
+The update's data-parallel ranks on Ray (`RayRanks`) are actors kept for the run, placed by a
+placement group over the cluster's nodes: they meet through a `FileStore` in the run directory
+(which every node sees; no port is opened for the rendezvous), and die with this process (Ray
+ends the actors of a driver that exits).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import secrets
-from collections.abc import Iterator, Sequence
+import shutil
+import socket
+import tempfile
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
@@ -120,7 +130,9 @@ def ray_runner(cfg: Config) -> Iterator[Any]:
         )
     init: dict[str, Any] = {"runtime_env": {"env_vars": {"PREFECT_API_URL": api}} if api else {}}
     if not address:
-        init.update(num_cpus=cfg.scale.num_workers, include_dashboard=False)
+        # the update's kept ranks (`RayRanks`) get CPUs of their own, so that every worker still runs a shard
+        ranks = math.ceil(cfg.scale.update_processes * cfg.scale.update_cpus) if cfg.scale.update_processes > 1 else 0
+        init.update(num_cpus=cfg.scale.num_workers + ranks, include_dashboard=False)
     with RayTaskRunner(address=address, init_kwargs=init) as runner:
         yield runner
 
@@ -181,3 +193,165 @@ def run_shards(task: Any, shards: Sequence[range], params: dict[str, Any], what:
     """Run `task(**params, shard=r)` for every shard `r` (a range of `unit`) on the flow's workers."""
     if shards:
         current().map(task, [{**params, "shard": r} for r in shards], what, unit)
+
+
+class RayRanks:
+    """`n` ranks of a data-parallel computation as Ray actors kept for the run (`RankPool`'s
+    interface: `run`, `broken`, `close`). One placement-group bundle a rank (`bundle`: its CPUs and
+    GPUs) placed by `strategy` over the cluster's nodes; rank r's actor joins the torch.distributed
+    group (`backend`) through a FileStore in `shared_dir` (a directory every node sees), then builds
+    its handler `make(rank, world)` and answers each command with `handler(command)`. A rank that
+    fails or dies stops the others (they would wait in the next all-reduce forever) and fails the
+    command, naming the rank, its host and node; the pool is then `broken`."""
+
+    def __init__(
+        self,
+        make: Callable[[int, int], Callable[[dict[str, Any]], dict[str, Any]]],
+        n: int,
+        what: str,
+        hint: str,
+        *,
+        bundle: dict[str, float],
+        strategy: str,
+        shard: dict[str, float],
+        shared_dir: Path,
+        backend: str,
+        wait_s: float = 120.0,
+    ) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.n, self.what, self.hint, self.broken = n, what, hint, False
+        self.actors: list[Any] = []
+        self.where: list[dict[str, Any]] = [{} for _ in range(n)]
+        bundle = {k: v for k, v in bundle.items() if v}
+        self.pg = placement_group([dict(bundle) for _ in range(n)], strategy=strategy.upper())
+        self.dir = Path(tempfile.mkdtemp(prefix=".update-ranks-", dir=shared_dir))
+        try:
+            ready, _ = ray.wait([self.pg.ready()], timeout=wait_s)
+            if not ready:
+                raise StageError(
+                    f"{what}: the Ray cluster cannot place {n} rank(s) of {bundle} ({strategy}) within {wait_s:.0f} s; "
+                    f"it has {_resources(ray.cluster_resources())}. Lower scale.update_cpus / scale.update_gpus, "
+                    "change scale.update_placement, or add nodes"
+                )
+            self._check_room(bundle, shard)
+            actor = ray.remote(_Rank)
+            self.actors = [
+                actor.options(
+                    num_cpus=bundle.get("CPU", 0),
+                    num_gpus=bundle.get("GPU", 0),
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
+                ).remote(r, n, str(self.dir / "rendezvous"), backend, make)
+                for r in range(n)
+            ]
+            refs = [a.where.remote() for a in self.actors]
+            self._wait(refs)
+            self.where = ray.get(refs)
+        except BaseException:
+            self.close(wait=False)
+            raise
+
+    def run(self, command: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every rank's answer to `command`, in rank order."""
+        import ray
+
+        if self.broken:
+            raise StageError(f"{self.what}: its ranks were stopped by an earlier failure")
+        refs = [a.run.remote(command) for a in self.actors]
+        self._wait(refs)
+        return ray.get(refs)
+
+    def _wait(self, refs: list[Any]) -> None:
+        import ray
+
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(done[0])
+            except Exception as err:
+                self._fail(refs.index(done[0]), err)
+
+    def _fail(self, r: int, err: Exception) -> None:
+        self.broken = True
+        self.close(wait=False)
+        w = self.where[r] or {}
+        at = f"on {w['host']}, node {w['ip']}" if w else "before it started"
+        text = str(err).strip().splitlines()
+        raise StageError(
+            f"{self.what} over {self.n} Ray actors failed (rank {r} {at}): {type(err).__name__}: "
+            + "\n".join(text[-15:])
+            + f"\n{self.hint}"
+        ) from None
+
+    def _check_room(self, bundle: dict[str, float], shard: dict[str, float]) -> None:
+        """Some node must still fit a shard beside the ranks it holds: else every later stage would
+        wait for resources forever."""
+        import ray
+        from ray.util.placement_group import placement_group_table
+
+        held = Counter(placement_group_table(self.pg)["bundles_to_node_id"].values())
+        for node in ray.nodes():
+            if not node.get("Alive"):
+                continue
+            total, k = node.get("Resources", {}), held[node["NodeID"]]
+            if all(total.get(name, 0) - k * bundle.get(name, 0) >= need for name, need in shard.items() if need):
+                return
+        raise StageError(
+            f"{self.what}: with its {self.n} rank(s) of {bundle} placed, no node of the Ray cluster has room for a "
+            f"shard ({_resources(shard)}), so the next rollout would wait forever. Lower scale.update_cpus / "
+            "scale.update_gpus (below 1 GPU a rank shares its GPU with a shard), or scale.cpus_per_shard / "
+            "scale.gpus_per_shard, or add nodes"
+        )
+
+    def close(self, wait: bool = True) -> None:
+        """End the ranks (they hold no work between commands, so `wait` changes nothing) and
+        release their placement group and rendezvous directory."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for a in self.actors:
+            ray.kill(a)
+        self.actors = []
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class _Rank:
+    """One rank of `RayRanks` (a Ray actor)."""
+
+    def __init__(self, rank: int, world: int, store: str, backend: str, make: Callable[..., Any]) -> None:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        self.rank = rank
+        dist.init_process_group(
+            backend, store=dist.FileStore(store, world), rank=rank, world_size=world, timeout=timedelta(minutes=10)
+        )
+        self.handler = make(rank, world)
+
+    def where(self) -> dict[str, Any]:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {
+            "rank": self.rank,
+            "host": socket.gethostname(),
+            "ip": ray.util.get_node_ip_address(),
+            "node": ctx.get_node_id(),
+            "pid": os.getpid(),
+        }
+
+    def run(self, command: dict[str, Any]) -> dict[str, Any]:
+        return self.handler(command)
+
+
+def _resources(r: dict[str, float]) -> str:
+    """CPUs, GPUs and custom resources (not Ray's memory and per-node entries)."""
+    shown = {k: v for k, v in r.items() if v and not k.startswith(("node:", "memory", "object_store"))}
+    return ", ".join(f"{v:g} {k}" for k, v in sorted(shown.items())) or "nothing"
