@@ -151,4 +151,3 @@ def test_ranks_meet_across_nodes_and_keep_their_state(tmp_path, nodes):
     finally:
         pool.close()
     assert not list(tmp_path.iterdir())
-
