@@ -126,17 +126,6 @@ def test_shards_must_hold_whole_model_calls(tiny, tmp_path):
         check_config(cfg)
 
 
-def test_a_remote_cluster_needs_a_prefect_server_it_can_reach(tiny, monkeypatch):
-    from stepgrpo.config import load_config
-    from stepgrpo.runtime.workers import ray_runner
-
-    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:4200/api")
-    cfg = load_config(None, [*tiny, "scale.workers=ray", "scale.address=ray://head.example:10001"])
-    with pytest.raises(StageError, match="start a Prefect server the workers can reach"):
-        with ray_runner(cfg):
-            pass
-
-
 # ------------------------------------------------------------------ a reward behind HTTP
 
 

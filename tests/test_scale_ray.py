@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def cluster(prefect_server, tmp_path_factory):
     """One local Ray cluster of 2 CPUs for the file, started in this process as a long-lived driver
-    (a notebook, a service) starts it: every flow here runs on it (prefect-ray reuses an initialized
+    (a notebook, a service) starts it: every flow here runs on it (the flow reuses an initialized
     Ray), so its workers live from flow to flow with what they loaded, and only the killed ones
     start again. Its workers run at niceness 0: at Ray's default 15 they would get the CPU last
     beside the other tests of `pytest -n`. Yields the file its workers read their fault from
@@ -32,7 +32,6 @@ def cluster(prefect_server, tmp_path_factory):
         ray.init(
             num_cpus=2,
             include_dashboard=False,
-            runtime_env={"env_vars": {"PREFECT_API_URL": prefect_server["url"]}},
         )
     yield fault
     ray.shutdown()
@@ -50,7 +49,7 @@ def test_ray_shards_store_the_in_process_bytes_and_a_killed_worker_is_retried(
 ):
     # The rollout shard at row 6 ends its worker process half-way (as kill -9 would), once.
     fault(f"kill:rollout:6:{tmp_path / 'killed'}")
-    run_dir = tmp_path / "ray"
+    run_dir = tmp_path / "ray-retried"  # its flow run's name, unique on the session's server
     _train(tiny, run_dir, *RAY)
     assert (tmp_path / "killed").exists()  # the fault fired
     assert stored(run_dir) == stored(reference)
@@ -66,6 +65,41 @@ def test_ray_shards_store_the_in_process_bytes_and_a_killed_worker_is_retried(
     ]
     assert len(shards) == 8 and all(s["reward_loads"] == 1 for s in shards)
     assert len({s["pid"] for s in shards}) < len(shards)
+    # every shard is a Prefect task run of the flow, named, finished (the killed one retried by Ray)
+    names = shard_task_runs(run.run_id)
+    assert {
+        "rollout-shard iter_0 rows 0-5",
+        "rollout-shard iter_0 rows 6-11",
+        "complete-shard iter_1 rows 18-23",
+    } <= set(names), names
+    assert names["rollout-shard iter_0 rows 6-11"] == ["COMPLETED"]
+
+
+def shard_task_runs(run_id: str, timeout: float = 30.0) -> dict[str, list[str]]:
+    """The task runs of the flow run named `run_id`, by name -> their states (the flow reports its
+    task runs as events: wait until the server holds a finished one for each)."""
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterName
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while True:
+            (flow_run,) = client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[run_id])),
+                sort=FlowRunSort.START_TIME_DESC,
+                limit=1,
+            )
+            this_run = FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id]))
+            names: dict[str, list[str]] = {}
+            for t in client.read_task_runs(flow_run_filter=this_run):
+                names.setdefault(t.name, []).append(t.state_type.value if t.state_type else "")
+            shards = [v for k, v in names.items() if "-shard " in k]
+            if (shards and all(v == ["COMPLETED"] for v in shards)) or time.monotonic() > deadline:
+                return names
+            time.sleep(0.5)
 
 
 def test_a_killed_shard_is_the_only_one_computed_again(harness, tiny, reference, tmp_path, fault):

@@ -1,11 +1,14 @@
 """Where shards run: in this process (the default, no Ray imported) or on Ray workers.
 
-`scale.workers: ray` enters prefect-ray's `RayTaskRunner` for the whole flow (a local cluster of
-`scale.num_workers` CPUs started for the run, or the cluster at `scale.address`): every shard is a
-Prefect task run submitted to it with its CPU / GPU request (`remote_options`). Ray keeps a
-worker process alive between tasks, so the models a shard loads stay loaded for the next shard on
-that worker (`stepgrpo.loops.workspace` caches them per process): a reward model is loaded once per
-worker, not once per shard.
+`scale.workers: ray` joins a Ray cluster for the whole flow (a local one of `scale.num_workers`
+CPUs started for the run, or the cluster at `scale.address`). Every shard is still a Prefect task
+run of the flow, with its name, state and retries in the Prefect UI, but the task run lives in the
+flow's process (one thread a shard) and its body sends the shard to a Ray worker as a plain Ray
+task with its CPU / GPU request, and waits for it. So a worker runs only the shard: no Prefect
+task engine there (it rebuilt Prefect's settings and an API client for every task run), and no
+worker ever talks to the Prefect API. Ray keeps a worker process alive between tasks, so the
+models a shard loads stay loaded for the next shard on that worker (`stepgrpo.loops.workspace`
+caches them per process): a reward model is loaded once per worker, not once per shard.
 
 Before the first shard, every node of the cluster must see the run directory (a probe file
 written here is read there): shards write their trajectories' chunks into it directly.
@@ -19,6 +22,7 @@ ends the actors of a driver that exits).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import secrets
@@ -30,12 +34,9 @@ from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 from stepgrpo.config import Config
 from stepgrpo.errors import StageError
-
-LOOPBACK = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
 
 
 class InProcess:
@@ -47,25 +48,26 @@ class InProcess:
 
 
 class RayWorkers:
-    """Shards run as Prefect task runs on Ray workers (`prefect_ray.RayTaskRunner`)."""
+    """Shards as Prefect task runs of this process whose bodies run as Ray tasks (`options`: the
+    Ray task's CPUs, GPUs and `max_retries`, Ray's retries when its worker dies)."""
 
-    def __init__(self, runner: Any, options: dict[str, Any]) -> None:
-        self.runner = runner
+    def __init__(self, options: dict[str, Any]) -> None:
         self.options = options
 
     def map(self, task: Any, calls: Sequence[dict[str, Any]], what: str, unit: str = "rows") -> None:
         """Submit every shard, wait for all of them (the finished ones keep their records), then
         raise naming the shards that failed."""
-        from prefect_ray.context import remote_options
+        from prefect.task_runners import ThreadPoolTaskRunner
 
-        with remote_options(**self.options):
-            futures = [self.runner.submit(task, params) for params in calls]
-        failed = []
-        for params, future in zip(calls, futures):
-            try:
-                future.result()
-            except Exception as err:  # a shard's error, or its worker died
-                failed.append((params, err))
+        on_ray = _on_ray(task, self.options)
+        with ThreadPoolTaskRunner(max_workers=max(1, len(calls))) as runner:  # a thread a shard: each waits on Ray
+            futures = [runner.submit(on_ray, params) for params in calls]
+            failed = []
+            for params, future in zip(calls, futures):
+                try:
+                    future.result()
+                except Exception as err:  # a shard's error, or its worker died
+                    failed.append((params, err))
         if failed:
             shards = ", ".join(f"{unit} {p['shard'].start}-{p['shard'].stop - 1}" for p, _ in failed)
             first = failed[0][1]
@@ -73,6 +75,38 @@ class RayWorkers:
                 f"{what}: {len(failed)} of {len(calls)} shard(s) failed ({shards}): {type(first).__name__}: {first}; "
                 "run the same command again: the finished shards are kept and only these are computed"
             ) from first
+
+
+def _on_ray(task: Any, options: dict[str, Any]) -> Any:
+    """The Prefect task `task` (name, run names, no cache) whose body runs `task.fn` as a Ray task
+    and returns its result; a shard's own error is raised as itself."""
+    import ray
+    from prefect import Task
+
+    remote = ray.remote(_call).options(**options)
+    body = ray.put(task.fn)  # sent to the object store once, not with every shard
+
+    @functools.wraps(task.fn)
+    def on_ray(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return ray.get(remote.remote(body, args, kwargs))
+        except ray.exceptions.RayTaskError as err:
+            cause = getattr(err, "cause", None)
+            if isinstance(cause, Exception):
+                raise cause from None
+            raise
+
+    return Task(
+        fn=on_ray,
+        name=task.name,
+        task_run_name=task.task_run_name,
+        cache_policy=task.cache_policy,
+        persist_result=False,
+    )
+
+
+def _call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return fn(*args, **kwargs)
 
 
 _current: ContextVar[InProcess | RayWorkers | None] = ContextVar("stepgrpo_workers", default=None)
@@ -93,12 +127,12 @@ def workers(cfg: Config, run_dir: str | os.PathLike[str]) -> Iterator[InProcess 
         finally:
             _current.reset(token)
         return
-    with ray_runner(cfg) as runner:
+    with ray_cluster(cfg):
         check_shared(Path(run_dir))
         options: dict[str, Any] = {"num_cpus": cfg.scale.cpus_per_shard, "max_retries": cfg.scale.shard_retries}
         if cfg.scale.gpus_per_shard:
             options["num_gpus"] = cfg.scale.gpus_per_shard
-        token = _current.set(RayWorkers(runner, options))
+        token = _current.set(RayWorkers(options))
         try:
             yield current()
         finally:
@@ -107,51 +141,35 @@ def workers(cfg: Config, run_dir: str | os.PathLike[str]) -> Iterator[InProcess 
 
 def check_ray_installed() -> None:
     try:
-        import prefect_ray  # noqa: F401
         import ray  # noqa: F401
     except ImportError:
         raise StageError(
-            "scale.workers=ray needs Ray and prefect-ray: pip install -e '.[ray]' (or set scale.workers=process)"
+            "scale.workers=ray needs Ray: pip install -e '.[ray]' (or set scale.workers=process)"
         ) from None
 
 
 @contextlib.contextmanager
-def ray_runner(cfg: Config) -> Iterator[Any]:
-    """prefect-ray's task runner on the configured cluster, told where this flow's Prefect API is."""
+def ray_cluster(cfg: Config) -> Iterator[None]:
+    """This process joined to the configured Ray cluster: one already joined (a notebook or a
+    service that called `ray.init`), the cluster at `scale.address`, or a local one started for
+    the flow and shut down after it."""
     check_ray_installed()
-    from prefect_ray import RayTaskRunner
+    import ray
 
-    api = prefect_api_url()
+    if ray.is_initialized():
+        yield
+        return
     address = cfg.scale.address
-    if address and api and _host(api) in LOOPBACK and _host(address) not in LOOPBACK and address != "auto":
-        raise StageError(
-            f"scale.address={address!r} is a remote Ray cluster, but this flow's Prefect API is {api} (this "
-            "machine only): start a Prefect server the workers can reach and set PREFECT_API_URL to it"
-        )
-    init: dict[str, Any] = {"runtime_env": {"env_vars": {"PREFECT_API_URL": api}} if api else {}}
-    if not address:
+    if address:
+        ray.init(address=address)
+    else:
         # the update's kept ranks (`RayRanks`) get CPUs of their own, so that every worker still runs a shard
         ranks = math.ceil(cfg.scale.update_processes * cfg.scale.update_cpus) if cfg.scale.update_processes > 1 else 0
-        init.update(num_cpus=cfg.scale.num_workers + ranks, include_dashboard=False)
-    with RayTaskRunner(address=address, init_kwargs=init) as runner:
-        yield runner
-
-
-def prefect_api_url() -> str | None:
-    """The Prefect API this process talks to: `PREFECT_API_URL`, or its temporary server's."""
-    from prefect.settings import PREFECT_API_URL
-
-    url = PREFECT_API_URL.value()
-    if url:
-        return str(url)
-    from prefect.server.api.server import SubprocessASGIServer
-
-    server = SubprocessASGIServer()
-    return server.api_url if server.running else None
-
-
-def _host(url: str) -> str:
-    return urlparse(url if "://" in url else f"x://{url}").hostname or ""
+        ray.init(num_cpus=cfg.scale.num_workers + ranks, include_dashboard=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 
 def check_shared(run_dir: Path) -> None:
