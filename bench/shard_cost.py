@@ -2,7 +2,8 @@
 
     python bench/shard_cost.py [--shards 24] [--out FILE.json]
 
-A flow maps `--shards` shards of an empty shard task, with a real shard's parameters (the run, the config), (`tasks.base.shard_task`) over a local Ray
+A flow maps `--shards` shards of an empty shard task (`tasks.base.shard_task`), with a real
+shard's parameters (the run, the config), over a local Ray
 cluster of one CPU (`stepgrpo.runtime.workers`, as a stage does), so the shards run one after
 another; its seconds per shard are the pipeline's fixed cost of a shard. Beside it: a bare Ray task
 that does nothing, one after another on the same cluster. Each measured twice (the first map
@@ -11,14 +12,13 @@ warms the worker); the second is reported. Target (issue 28): <= 0.05 s a shard.
 
 from __future__ import annotations
 
-import _common  # noqa: F401  (import path: the repository root first)
-
 import argparse
 import json
 import tempfile
 import time
 from pathlib import Path
 
+import _common  # noqa: F401  (import path: the repository root first)
 from _common import setup_env
 
 
@@ -68,7 +68,8 @@ def main() -> None:
 
     got = measure()
     print(f"{a.shards} empty shards, one at a time on one Ray worker:")
-    print(f"  a shard through the pipeline   {got['shard_s']:.4f} s  (first map, worker starting: {got['first_map_shard_s']:.3f} s)")  # fmt: skip
+    first = got["first_map_shard_s"]
+    print(f"  a shard through the pipeline   {got['shard_s']:.4f} s  (first map, worker starting: {first:.3f} s)")
     print(f"  a bare Ray task                {got['bare_ray_task_s']:.4f} s")
     print(f"  fixed cost of a shard: {got['shard_s'] - got['bare_ray_task_s']:.4f} s beyond Ray's (target <= 0.05 s)")
     if a.out:

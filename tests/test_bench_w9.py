@@ -125,3 +125,29 @@ def test_a_record_of_other_settings_is_not_read(w9, tmp_path):
     body["argv"] = [*body["argv"], "optim.lr=1.0"]
     path.write_text(json.dumps(body))
     assert w9.load(s, "dense_w9", 0) is None  # the run is trained again rather than reported
+
+
+def test_claims_v2_puts_each_claim_beside_its_early_window_row(w9, tmp_path):
+    early = tmp_path / "claims.md"
+    early.write_text(
+        "| paper | claim | measured here (95 % interval) | verdict |\n|---|---|---|---|\n"
+        "| TP-GRPO | higher reward than Flow-GRPO at the same iterations | +0.001 [-0.025, +0.028] | not resolved |\n"
+        "| TP-GRPO | reaches Flow-GRPO's reward in about a third of the steps (outcome's reward after 100) | 0.65 | "
+        "contradicted |\n"
+        "| TP-GRPO | reaches Flow-GRPO's reward in about a third of the steps (outcome's reward at its end) | - | "
+        "not resolved |\n"
+    )
+    rows = [
+        {"paper": "TP-GRPO", "claim": "higher reward than Flow-GRPO at the same iterations", "measured": "+0.019",
+         "verdict": "consistent"},
+        {"paper": "TP-GRPO",
+         "claim": "reaches Flow-GRPO's reward in about a third of the steps (outcome_w9's after 100)",
+         "measured": "0.82, 0.60", "verdict": "contradicted"},
+        {"paper": "DenseGRPO", "claim": "higher reward than Flow-GRPO at equal training seconds", "measured": "-0.04",
+         "verdict": "not resolved"},
+    ]  # fmt: skip
+    lines = w9.claims_v2_md(rows, early).splitlines()
+    assert lines[0].startswith("| paper | claim | papers' regime (W = 9)") and len(lines) == 5
+    assert lines[2].endswith("| +0.019 | consistent | +0.001 [-0.025, +0.028] | not resolved |")
+    assert lines[3].endswith("| 0.82, 0.60 | contradicted | 0.65 | contradicted |")  # the row at 100 iterations
+    assert lines[4].endswith("| -0.04 | not resolved | not measured |  |")
