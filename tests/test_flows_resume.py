@@ -60,11 +60,14 @@ def command(run_dir: Path, overrides: list[str]) -> list[str]:
 
 
 def published(run_dir: Path) -> dict[str, str]:
-    """Every published stage manifest's publish time, by path."""
+    """Every published stage manifest's publish time, by path. Not a `.partial` directory's: a kill
+    between writing a stage's manifest and the rename that publishes it leaves one there, and the
+    resumed run publishes that stage again (it was never published)."""
     return {
         str(p.parent.relative_to(run_dir)): json.loads(p.read_text())["published_at"]
         + json.loads(p.read_text())["digest"]
         for p in run_dir.rglob("_published.json")
+        if not any(part.endswith(".partial") for part in p.relative_to(run_dir).parts)
     }
 
 
