@@ -230,7 +230,8 @@ class TrainingLog:
         )
 
     def evaluation(self, step: int, ev: EvaluateResult) -> None:
-        """A held-out evaluation, logged at `step` (updates done: 0 for the base model); its
+        """A held-out evaluation, logged at `step` (updates done: 0 for the base model) with the
+        cumulative training NFEs and seconds before it (`eval/nfe_total`, `eval/seconds_total`); its
         grid's first 16 captioned tiles, 4 x 4 (`images.preview`), go to MLflow's image history
         `eval` at the same step; the whole grid stays in the run's `eval/`."""
         from PIL import Image
@@ -239,7 +240,9 @@ class TrainingLog:
 
         self.evaluations.append(evaluation_record(self.run, ev))
         self.view.evaluated(ev.reward_mean)
-        self.tracker.log_metrics(eval_metrics(ev), step=step)
+        # the training compute spent before this evaluation, at its step: plot eval/* against these
+        cost = {"eval/nfe_total": self.cost[0], "eval/seconds_total": self.cost[1]}
+        self.tracker.log_metrics(eval_metrics(ev) | cost, step=step)
         with Image.open(self.evaluations[-1]["grid"]) as grid:
             self.tracker.log_image(preview(grid).convert("RGB"), key="eval", step=step)
 

@@ -167,6 +167,9 @@ def test_train_runs_every_stage_and_tracks_it(trained):
     seconds = [m.value for m in client.get_metric_history(mlrun.info.run_id, "cost/seconds_total")]
     assert len(seconds) == 2 and 0 < min(seconds)
     assert sorted(m.step for m in client.get_metric_history(mlrun.info.run_id, "eval/mean")) == [0, 2]
+    # each evaluation with the training compute before it, at its step (eval/* against compute)
+    at_eval = sorted((m.step, m.value) for m in client.get_metric_history(mlrun.info.run_id, "eval/nfe_total"))
+    assert at_eval == [(0, 0.0), (2, hist["cost/nfe_total"][-1])]
     artifacts = {a.path for a in client.list_artifacts(mlrun.info.run_id)}
     assert {"lora", "images"} <= artifacts
     # the evaluation grids are an image history (one per evaluation, at its step), captioned
