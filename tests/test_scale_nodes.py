@@ -81,35 +81,30 @@ def test_ranks_on_two_nodes_compute_the_one_process_update_and_a_killed_rank_is_
     assert float((a - b).norm() / a.norm()) < 1e-6  # the one-process update's
 
 
-def test_a_placement_that_leaves_no_room_for_a_shard_is_refused(tmp_path, nodes):
+def ray_ranks(make, n: int, cpus: float, shared_dir, **options):
+    """`RayRanks` of `n` ranks of `cpus` CPUs, one a node (strict_spread), beside shards of 0.5 CPU."""
     from stepgrpo.runtime.workers import RayRanks
 
+    return RayRanks(
+        make,
+        n,
+        "the update",
+        "",
+        bundle={"CPU": cpus},
+        strategy="strict_spread",
+        shard={"CPU": 0.5},
+        shared_dir=shared_dir,
+        backend="gloo",
+        **options,
+    )
+
+
+def test_a_placement_that_leaves_no_room_for_a_shard_is_refused(tmp_path, nodes):
     with pytest.raises(StageError, match=r"no node of the Ray cluster has room for a shard \(0.5 CPU\)"):
-        RayRanks(
-            _never,
-            2,
-            "the update",
-            "",
-            bundle={"CPU": 0.9},
-            strategy="strict_spread",
-            shard={"CPU": 0.5},
-            shared_dir=tmp_path,
-            backend="gloo",
-        )
+        ray_ranks(_never, 2, 0.9, tmp_path)
     assert not list(tmp_path.iterdir())  # its rendezvous directory is gone
     with pytest.raises(StageError, match=r"cannot place 3 rank\(s\) of \{'CPU': 0.1\} \(strict_spread\)"):
-        RayRanks(
-            _never,
-            3,
-            "the update",
-            "",
-            bundle={"CPU": 0.1},
-            strategy="strict_spread",
-            shard={"CPU": 0.5},
-            shared_dir=tmp_path,
-            backend="gloo",
-            wait_s=3,
-        )
+        ray_ranks(_never, 3, 0.1, tmp_path, wait_s=3)
 
 
 def _never(rank: int, world: int):
@@ -118,7 +113,6 @@ def _never(rank: int, world: int):
 
 def test_ranks_meet_across_nodes_and_keep_their_state(tmp_path, nodes):
     """The group itself: two actors on two nodes all-reduce, and each keeps what it built."""
-    from stepgrpo.runtime.workers import RayRanks
 
     class Summer:  # defined here: Ray sends it by value (the nodes cannot import this file)
         def __init__(self, rank: int, world: int) -> None:
@@ -132,17 +126,7 @@ def test_ranks_meet_across_nodes_and_keep_their_state(tmp_path, nodes):
             dist.all_reduce(t)
             return {"sum": float(t), "calls": self.calls}
 
-    pool = RayRanks(
-        Summer,
-        2,
-        "a sum",
-        "",
-        bundle={"CPU": 0.1},
-        strategy="strict_spread",
-        shard={"CPU": 0.5},
-        shared_dir=tmp_path,
-        backend="gloo",
-    )
+    pool = ray_ranks(Summer, 2, 0.1, tmp_path)
     try:
         assert len({w["node"] for w in pool.where}) == 2
         assert pool.where[0]["host"] == socket.gethostname()  # simulated nodes of this machine

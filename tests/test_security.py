@@ -273,8 +273,8 @@ def test_update_ranks_listen_on_loopback_only_and_die_with_their_launcher(tmp_pa
             f"""
             import json, os, sys, time
             from stepgrpo.runtime import parallel
-            procs = parallel.start_ranks([sys.executable, {str(tmp_path / "rank.py")!r}], 2, {str(tmp_path)!r})
-            print(json.dumps([p.pid for p in procs]), flush=True)
+            pool = parallel.RankPool(lambda d: [sys.executable, {str(tmp_path / "rank.py")!r}], 2, "ranks", "")
+            print(json.dumps([p.pid for p in pool.procs]), flush=True)
             time.sleep(600)
             """
         )

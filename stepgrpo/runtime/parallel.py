@@ -38,28 +38,16 @@ def loopback_interface() -> str:
     return names[0] if names else "lo"
 
 
-def start_ranks(cmd: list[str], n: int, tmp: str | Path) -> list[subprocess.Popen]:
-    """Start `n` processes of `cmd` as ranks 0..n-1 of one group: they meet through a FileStore in
-    the private directory `tmp` (no port is opened for the rendezvous), their collectives bind to
-    the loopback interface unless the user chose one, each writes its output to `tmp/rank<r>.log`,
-    and each dies with this process (`die_with_parent`)."""
-    base = _rank_env(n, Path(tmp))
-    procs = []
-    for r in range(n):
-        with open(Path(tmp) / f"rank{r}.log", "wb") as out:
-            env = {**base, "RANK": str(r), "LOCAL_RANK": str(r)}
-            procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT))
-    return procs
-
-
 class RankPool:
     """`n` ranks of the command `cmd(dir)` started once and kept (`dir`: the pool's private
     directory, for the files they read; removed by `close`): each command (a JSON object) goes to every rank's
     stdin, and `run` returns when every rank has answered on its own pipe (one JSON line). A rank
     that dies or answers an error stops the others and fails the command, naming the rank, its
     host and the tail of its log; the pool is then `broken` and a later command needs a new pool.
-    `close()` ends the ranks (their stdin closes; killed if they hang). The ranks meet and die with
-    this process as `start_ranks`'s do."""
+    `close()` ends the ranks (their stdin closes; killed if they hang). The ranks meet through a
+    FileStore in the private directory (no port is opened for the rendezvous), their collectives
+    bind to the loopback interface unless the user chose one, each writes its output to
+    `dir/rank<r>.log`, and each dies with this process (`die_with_parent`)."""
 
     def __init__(self, cmd: Callable[[Path], list[str]], n: int, what: str, hint: str) -> None:
         self.n, self.what, self.hint, self.broken = n, what, hint, False
@@ -171,7 +159,7 @@ def _rank_env(n: int, tmp: Path) -> dict[str, str]:
 
 
 def init_group(backend: str) -> None:
-    """Join the group `start_ranks` formed (its FileStore; RANK and WORLD_SIZE from the environment)."""
+    """Join the group `RankPool` formed (its FileStore; RANK and WORLD_SIZE from the environment)."""
     import torch.distributed as dist
 
     world = int(os.environ["WORLD_SIZE"])
