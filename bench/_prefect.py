@@ -44,6 +44,13 @@ def call(env: dict[str, str], cwd: Path, *args: str, timeout: float = 3600) -> t
     return out.stdout + out.stderr, time.perf_counter() - t0
 
 
+def prefect_command() -> list[str]:
+    """Prefect's console script beside this interpreter, or `python -m prefect` where there is none
+    (Prefect installed with `pip --target`)."""
+    script = BIN / "prefect"
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "prefect"]
+
+
 @contextmanager
 def local_server(env: dict[str, str], home: Path) -> Iterator[tuple[str, int, dict[str, str]]]:
     """`prefect server start` on a free port with PREFECT_HOME `home`, for the block: yields its API
@@ -53,7 +60,7 @@ def local_server(env: dict[str, str], home: Path) -> Iterator[tuple[str, int, di
     server_env = {k: v for k, v in env.items() if k != "PREFECT_API_URL"}
     server_env |= {"PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_API_URL": url}
     server = subprocess.Popen(
-        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        [*prefect_command(), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
         env=server_env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

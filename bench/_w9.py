@@ -64,7 +64,29 @@ PRESETS: dict[str, dict[str, Any]] = {
         "outcome_iterations": {"outcome_w9": 350, "outcome_w3": 500},
         "seeds": {"outcome_w9": 6, "dense_w9": 6, "stepwise_w9": 3, "turning_point_w9": 3, "outcome_w3": 3},
         "continuations": 8,
+        "records": "credit_schemes_w9",
         "set": ["run.eval_seeds=8"],
+    },
+    # a CUDA GPU: outcome against dense at W9 with 8x the trajectories an iteration (64 prompts x 8),
+    # every run at once, on the tiny model (its batches take milliseconds there: the CPU side sets the
+    # pace). Sized to about 5 minutes of one H200: 20 iterations of 512 trajectories (1.6x the
+    # trajectories of the CPU arms' 100 iterations, in a fifth of the optimizer steps); outcome to the
+    # step-level arms' cost (x3.4)
+    "gpu": {
+        "iterations": 20,
+        "eval_every": 10,
+        "outcome_iterations": {"outcome_w9": 70, "outcome_w3": 100},
+        "seeds": {"outcome_w9": 2, "dense_w9": 2, "stepwise_w9": 0, "turning_point_w9": 0, "outcome_w3": 0},
+        "continuations": 8,
+        "jobs": 4,
+        "records": "credit_schemes_w9_gpu",
+        "set": [
+            "run.eval_seeds=8",
+            "model.device=cuda",
+            "model.max_batch=1024",
+            "run.prompts_per_iteration=64",
+            "optim.micro_batch=512",
+        ],
     },
     # every path at tiny settings: a test runs it
     "quick": {
@@ -73,6 +95,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "outcome_iterations": {"outcome_w9": 4, "outcome_w3": 4},
         "seeds": {"outcome_w9": 2, "dense_w9": 2, "stepwise_w9": 1, "turning_point_w9": 1, "outcome_w3": 1},
         "continuations": 2,
+        "records": "credit_schemes_w9_quick",
         "set": [
             "run.prompts_per_iteration=2",
             "run.group_size=4",
@@ -114,7 +137,8 @@ class W9:
 
 
 def settings(a: Any) -> W9:
-    p = PRESETS["quick" if a.quick else "full"]
+    name = "quick" if a.quick else "gpu" if a.gpu else "full"
+    p = PRESETS[name]
     seeds = dict(p["seeds"])
     if a.seeds:  # --seeds N: at most N seeds per arm
         seeds = {k: min(v, max(a.seeds) + 1) for k, v in seeds.items()}
@@ -125,11 +149,11 @@ def settings(a: Any) -> W9:
         seeds=seeds,
         continuations=p["continuations"],
         overrides=list(p.get("set", [])) + a.overrides,
-        jobs=a.jobs or 1,
-        out=(
-            a.out or ROOT / "bench" / "out" / ("credit_schemes_w9_quick" if a.quick else "credit_schemes_w9")
+        jobs=a.jobs or p.get("jobs", 1),
+        out=(a.out or ROOT / "bench" / "out" / f"credit_schemes_w9{'' if name == 'full' else '_' + name}").resolve(),
+        records=(
+            a.records or (a.out / "records" if a.quick and a.out else RECORDS.parents[1] / p["records"] / "runs")
         ).resolve(),
-        records=(a.records or (a.out / "records" if a.quick and a.out else RECORDS)).resolve(),
     )
 
 

@@ -908,8 +908,11 @@ def main() -> None:
     ap = parser()
     a = ap.parse_args()
     if a.regime == "w9":
-        if a.gpu:
-            ap.error("--regime w9 has no --gpu preset yet; run it on the CPU (or --quick)")
+        if a.gpu and not a.report_only:
+            import torch
+
+            if not torch.cuda.is_available():
+                ap.error("--gpu needs a CUDA GPU (torch sees none); on a CPU run the default or --quick")
         from bench import _w9
 
         return _w9.main(a)

@@ -141,7 +141,11 @@ def main() -> None:
         build_reward(reward, args.small)
     built_s = time.perf_counter() - t0
     prompts = args.out / "prompts.txt"
-    prompts.write_text("a photo of a red cat\na blue car on the left of a tree\na green house with a dog\n")
+    colours, things = ("red", "blue", "green"), ("cat", "dog", "car", "tree", "house")
+    lines = [f"a photo of a {c} {t}" for t in things for c in colours]  # 15 distinct prompts
+    if args.prompts > len(lines):
+        raise SystemExit(f"--prompts {args.prompts}: at most {len(lines)} distinct prompts are built here")
+    prompts.write_text("\n".join(lines) + "\n")
     dtype = "float32" if args.device == "cpu" else "bfloat16"
     sets = {
         "model.path": str(model), "model.device": args.device, "model.dtype": dtype, "model.resolution": "null",

@@ -28,9 +28,26 @@ def w9():
 
 def settings(w9, tmp_path: Path):
     a = argparse.Namespace(
-        quick=True, seeds=None, iterations=2, eval_every=1, overrides=[], jobs=1, out=tmp_path, records=None
+        quick=True, gpu=False, seeds=None, iterations=2, eval_every=1, overrides=[], jobs=1, out=tmp_path, records=None
     )
     return w9.settings(a)
+
+
+def test_each_preset_keeps_its_records_apart(w9):
+    """The GPU preset (8x the trajectories, outcome against dense) and the quick one never write into
+    the CPU comparison's records, which the report and BENCHMARKS read."""
+
+    def of(**flags):
+        a = dict(quick=False, gpu=False, seeds=None, iterations=None, eval_every=None, overrides=[], jobs=None)
+        return w9.settings(argparse.Namespace(**(a | flags), out=None, records=None))
+
+    full, gpu, quick = of(), of(gpu=True), of(quick=True)
+    assert full.records == w9.RECORDS.resolve()
+    assert gpu.records.parent.name == "credit_schemes_w9_gpu" and quick.records.parent.name == "credit_schemes_w9_quick"
+    assert {full.out, gpu.out, quick.out} == {full.out.parent / f"credit_schemes_w9{x}" for x in ("", "_gpu", "_quick")}
+    assert "model.device=cuda" in gpu.overrides and "run.prompts_per_iteration=64" in gpu.overrides
+    assert {a for a, n in gpu.seeds.items() if n} == {"outcome_w9", "dense_w9"} and gpu.jobs == 4
+    assert gpu.outcome_iterations["outcome_w9"] >= 3.4 * gpu.iterations  # outcome reaches dense's cost
 
 
 PROMPTS, SEEDS = 3, 2  # 6 held-out samples an evaluation, seed-major

@@ -218,3 +218,14 @@ def test_a_node_that_cannot_see_the_run_directory_stops_the_run(tmp_path, monkey
     with pytest.raises(StageError, match=r"not visible from Ray node 10.0.0.7.*filesystem every node mounts"):
         check_shared(tmp_path)
     assert not list(tmp_path.glob(".probe-*"))  # the probe is removed either way
+
+
+def test_ranks_share_a_gpu_through_gloo():
+    """NCCL refuses two ranks on one device: ranks that share a GPU (more ranks than the node's GPUs,
+    or a Ray bundle of less than one GPU) sum through gloo; a GPU each takes NCCL; CPUs take gloo."""
+    from stepgrpo.loops.update import group_backend
+
+    assert group_backend(gpu=True, gpus_per_rank=1.0) == "nccl"
+    assert group_backend(gpu=True, gpus_per_rank=2.0) == "nccl"
+    assert group_backend(gpu=True, gpus_per_rank=0.5) == "gloo"  # 2 ranks on 1 GPU, as bench/scale.py ran it
+    assert group_backend(gpu=False, gpus_per_rank=0.0) == "gloo"

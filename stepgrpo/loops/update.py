@@ -175,16 +175,18 @@ def _start(config: str, cfg: Config, run_dir: Path) -> ranks.RankPool | Any:
 
         gpu = cfg.model.device.startswith("cuda")
         s = cfg.scale
+        gpus = (1.0 if gpu else 0.0) if s.update_gpus is None else s.update_gpus
+        backend = group_backend(gpu, gpus)
         return RayRanks(
-            functools.partial(Rank, config),
+            functools.partial(Rank, config, backend=backend),
             n,
             "the update",
             HINT,
-            bundle={"CPU": s.update_cpus, "GPU": (1.0 if gpu else 0.0) if s.update_gpus is None else s.update_gpus},
+            bundle={"CPU": s.update_cpus, "GPU": gpus},
             strategy=s.update_placement,
             shard={"CPU": s.cpus_per_shard, "GPU": s.gpus_per_shard},
             shared_dir=run_dir,
-            backend="nccl" if gpu else "gloo",
+            backend=backend,
         )
 
     def args(tmp: Path) -> list[str]:
@@ -195,20 +197,28 @@ def _start(config: str, cfg: Config, run_dir: Path) -> ranks.RankPool | Any:
     return ranks.RankPool(args, n, "the update", HINT)
 
 
+def group_backend(gpu: bool, gpus_per_rank: float) -> str:
+    """NCCL when every rank has a GPU of its own; gloo on CPUs and where ranks share a GPU (NCCL
+    refuses two ranks on one device), the sums then going through host memory."""
+    return "nccl" if gpu and gpus_per_rank >= 1 else "gloo"
+
+
 class Rank:
     """One rank of a data-parallel update that serves the run's updates: built once in its
     process (after it joined the group), it loads the policy at its first update and keeps it
     (`workspace`); each call runs one update command and returns when every rank has finished."""
 
-    def __init__(self, config: str, rank: int, world: int, local: int = 0) -> None:
+    def __init__(self, config: str, rank: int, world: int, local: int = 0, backend: str | None = None) -> None:
         cfg = validate_config(json.loads(config))
         gpu = cfg.model.device.startswith("cuda")
-        if gpu:
-            device = f"cuda:{local}"
+        if gpu:  # ranks beyond the node's GPUs share them, round robin
+            device = f"cuda:{local % torch.cuda.device_count()}"
             torch.cuda.set_device(device)
             cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"device": device})})
-        self.cfg, self.rank, self.world, self.pinned = cfg, rank, world, False
-        self.parallel = training.DataParallel(rank, world, cfg.model.device if gpu else "cpu")
+        if backend is None:  # the ranks of one node (RankPool)
+            backend = group_backend(gpu, torch.cuda.device_count() / world if gpu else 0.0)
+        self.cfg, self.rank, self.world, self.pinned, self.backend = cfg, rank, world, False, backend
+        self.parallel = training.DataParallel(rank, world, cfg.model.device if backend == "nccl" else "cpu")
 
     def __call__(self, command: dict[str, Any]) -> dict[str, Any]:
         import torch.distributed as dist
@@ -236,7 +246,7 @@ def serve(config: str) -> None:
     env = os.environ
     rank = Rank(Path(config).read_text(), int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]))
     answers = ranks.answer_pipe()
-    ranks.init_group("nccl" if rank.cfg.model.device.startswith("cuda") else "gloo")
+    ranks.init_group(rank.backend)
     try:
         for line in sys.stdin:
             try:
