@@ -58,32 +58,21 @@ def log_offline(
     run: Run, cfg: Config, kind: str, label: str, params: dict[str, Any], rows: list[dict[str, Any]], metrics: list[str]
 ) -> None:
     """What an offline flow (`rescore`, `credit`, `evaluate`) computed on a stored run, as an MLflow
-    run of its own beside the training run's: tagged with its parent (the training run, and
-    MLflow's parent link where it has one), `metrics` of each row logged at its iteration, and all
-    rows as a table artifact (`<kind>.json`, MLflow's table view). Logging again under the same
-    `label` continues the same MLflow run."""
-    import pandas as pd
+    run of its own beside the training run's (`stepgrpo.reporting.offline.write`): tagged with its
+    parent, `metrics` of each row logged at its iteration, all rows as a table artifact
+    (`<kind>.json`). Logging again under the same `label` continues the same MLflow run."""
+    from stepgrpo.reporting import offline
 
-    from stepgrpo.reporting.tracking import find_mlflow_run
-
-    _, parent = find_mlflow_run(run.path, run.run_id)
-    tags = {**comparison_tags(cfg), "stepgrpo.parent_run_id": run.run_id, "stepgrpo.kind": kind}
-    if parent is not None:
-        tags["mlflow.parentRunId"] = parent.info.run_id
-    with Tracker.start(run.path, experiment_name(), f"{run.run_id} {kind} {label}", tags=tags) as tracker:
-        if not tracker.resumed:
-            tracker.log_params(params)
-        # MLflow's log_table appends to a table already logged: only the rows of iterations this
-        # MLflow run does not hold yet go in, so logging the same label again adds no duplicates
-        before = tracker.logged_steps(f"{kind}/{metrics[0]}")
-        for row in rows:
-            values = {f"{kind}/{m}": row[m] for m in metrics if isinstance(row.get(m), int | float)}
-            tracker.log_metrics({k: float(v) for k, v in values.items() if math.isfinite(v)}, step=row["iteration"])
-        flat = [
-            {k: v for k, v in r.items() if not isinstance(v, list | dict)} for r in rows if r["iteration"] not in before
-        ]
-        if flat:
-            tracker.client.log_table(tracker.run_id, data=pd.DataFrame(flat), artifact_file=f"{kind}.json")
+    record = {
+        "kind": kind,
+        "experiment": experiment_name(),
+        "name": f"{run.run_id} {kind} {label}",
+        "tags": {**comparison_tags(cfg), "stepgrpo.parent_run_id": run.run_id, "stepgrpo.kind": kind},
+        "params": {k: str(v) for k, v in params.items()},
+        "rows": rows,
+        "metrics": metrics,
+    }
+    offline.log(run.path, run.run_id, record)
 
 
 def evaluation_record(run: Run, ev: EvaluateResult) -> dict[str, Any]:

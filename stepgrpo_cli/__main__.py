@@ -1,7 +1,5 @@
 """`python -m stepgrpo_cli ...`: the console script."""
 
-import sys
+from stepgrpo_cli import main
 
-from stepgrpo_cli.app import app
-
-sys.exit(app())
+main()

@@ -121,7 +121,7 @@ def rescore(
 
     todo = list(iterations) if iterations is not None else "all"
     path = check_run(str(run), reward=reward, reward_options=dict(options or {}), rescore_iterations=todo)
-    with _prefect():
+    with _offline_log(path), _prefect(heartbeats=False):
         from flows.rescore import rescore as rescore_flow
 
         out = _owned(
@@ -146,7 +146,7 @@ def credit(
     from stepgrpo.checks import check_run
 
     path = check_run(str(run), scheme=scheme, scheme_options=dict(options or {}))
-    with _prefect():
+    with _offline_log(path), _prefect(heartbeats=False):
         from flows.credit import credit as credit_flow
 
         out = _owned(path, credit_flow, run=str(path), scheme=scheme, options=dict(options or {}), reward=reward)
@@ -160,7 +160,7 @@ def evaluate(run: str | Path, *, iteration: int | None = None, overrides: Sequen
 
     path = check_run(str(run), overrides=list(overrides))
     check_checkpoint(path, iteration)
-    with _prefect():
+    with _offline_log(path), _prefect(heartbeats=False):
         from flows.evaluate import evaluate as evaluate_flow
 
         out = _owned(path, evaluate_flow, run=str(path), iteration=iteration, overrides=list(overrides))
@@ -262,10 +262,19 @@ def _config(config: Config | Mapping[str, Any] | str | Path | None, overrides: S
 OWN_TEMPORARY_SERVER = False
 
 
+# Prefect's own names for the flow-run heartbeat interval; a user who sets one keeps heartbeats everywhere
+HEARTBEAT_VARIABLES = ("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "PREFECT_RUNNER_HEARTBEAT_FREQUENCY")
+
+
 @contextlib.contextmanager
-def _prefect() -> Iterator[None]:
+def _prefect(heartbeats: bool = True) -> Iterator[None]:
     """Prefect's server for the flow: `PREFECT_API_URL`'s, else a kept one, else a temporary one
-    (set in Prefect's settings too, since Prefect may already be imported in this process)."""
+    (set in Prefect's settings too, since Prefect may already be imported in this process).
+
+    `heartbeats=False` (the offline commands, seconds long): no flow-run heartbeats unless the user
+    set their interval. Prefect's heartbeat thread sleeps in steps of 1 s and the flow's end waits
+    for it, which added 0-1 s (0.5 s on average) to every such command; the heartbeats serve
+    Prefect's zombie-run automations, which a command of seconds does not need."""
     from stepgrpo.runtime import environment, server
 
     environment.apply()  # the flows apply it again with their config's `scale.threads`
@@ -273,11 +282,25 @@ def _prefect() -> Iterator[None]:
         url = server.kept_url()
         if url is None and OWN_TEMPORARY_SERVER and not os.environ.get("PREFECT_API_URL"):
             url = stack.enter_context(server.temporary())
-        if url is not None:
-            from prefect.settings import PREFECT_API_URL, temporary_settings
+        # Prefect imported only now: its process-wide settings, which its events worker reads, then
+        # hold the temporary server's address (imported before, they would hold none, and the
+        # drain at the server's stop would wait seconds on a server of Prefect's own)
+        from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
-            stack.enter_context(temporary_settings(updates={PREFECT_API_URL: url}))
+        updates: dict[Any, Any] = {} if url is None else {PREFECT_API_URL: url}
+        if not heartbeats and not any(os.environ.get(v) for v in HEARTBEAT_VARIABLES):
+            updates[PREFECT_FLOWS_HEARTBEAT_FREQUENCY] = None
+        if updates:
+            stack.enter_context(temporary_settings(updates=updates))
         yield
+
+
+def _offline_log(path: Path) -> contextlib.AbstractContextManager[None]:
+    """The MLflow run of an offline command, written by a helper process that imports MLflow while
+    the command imports Prefect and torch (`stepgrpo.reporting.offline`)."""
+    from stepgrpo.reporting import offline
+
+    return offline.helper(path)
 
 
 def _owned(path: Path, flow: Any, **kwargs: Any) -> Any:

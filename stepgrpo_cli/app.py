@@ -126,6 +126,16 @@ def _command(fn: Any, *args: Any, **kwargs: Any) -> Any:
     return _run(fn, *args, **kwargs)
 
 
+def _offline_command(fn: Any, run: str, *args: Any, **kwargs: Any) -> Any:
+    """An offline command on `run` (`rescore`, `credit`, `evaluate`), as `_command` runs it; the
+    helper that writes its MLflow run starts first, so that it imports MLflow while this process
+    imports torch and Prefect (`stepgrpo.reporting.offline`)."""
+    from stepgrpo.reporting import offline
+
+    with offline.helper(run):
+        return _command(fn, run, *args, **kwargs)
+
+
 def _resume_command(path: Path) -> str:
     """This `stepgrpo train` command line, naming the run it made or resumed (by `--run-id`
     unless the line names it already)."""
@@ -241,7 +251,7 @@ def rescore(
     from stepgrpo_cli import api
 
     parsed = _json(options)
-    scores = _command(api.rescore, run, reward, options=parsed, iterations=iteration or None)
+    scores = _offline_command(api.rescore, run, reward, options=parsed, iterations=iteration or None)
     table = Table("iteration", "reward", "version", "mean", "strict", "images", title=f"rescored {_where(run)}")
     for s in scores:
         table.add_row(
@@ -271,7 +281,7 @@ def credit(
     from stepgrpo_cli import api
 
     parsed = _json(options)
-    advantages = _command(api.credit, run, scheme, options=parsed, reward=reward)
+    advantages = _offline_command(api.credit, run, scheme, options=parsed, reward=reward)
     table = Table(
         "iteration",
         "scheme",
@@ -393,7 +403,7 @@ def evaluate(
     """Held-out reward of RUN's policy and an image grid."""
     from stepgrpo_cli import api
 
-    out = _command(api.evaluate, run, iteration=iteration, overrides=list(set_ or []))
+    out = _offline_command(api.evaluate, run, iteration=iteration, overrides=list(set_ or []))
     console.print(
         f"held-out {out.reward_name} ({out.label}): {out.reward_mean:.4f}"
         + (f", strict {out.reward_strict:.4f}" if out.reward_strict is not None else "")

@@ -117,3 +117,48 @@ def test_transformers_notice_of_its_pil_fallback_is_dropped_and_nothing_else():
     notice = "`CLIPImageProcessor` requires torchvision (not installed); falling back to `CLIPImageProcessorPil`"
     assert not logger.filter(record(notice))
     assert logger.filter(record("`Foo` requires bar (not installed)"))
+
+
+def test_the_console_script_ends_with_the_commands_status_and_all_its_output(tmp_path):
+    """`main` ends the process from the last exit handler (skipping the interpreter's teardown):
+    the command's exit status and every byte it printed still come out, through pipes too."""
+    import subprocess
+    import sys
+
+    from stepgrpo.paths import REPO_ROOT
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "stepgrpo_cli", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+        )
+
+    shown = cli("config", "show", "--config", "configs/shapes_outcome.yaml")
+    assert shown.returncode == 0, shown.stderr
+    in_process = CliRunner().invoke(app, ["config", "show", "--config", "configs/shapes_outcome.yaml"])
+    assert shown.stdout == in_process.output  # all of it, flushed before the process ended
+    missing = cli("inspect", str(tmp_path / "no-such-run"))
+    assert missing.returncode == 1 and "no run" in missing.stderr, (missing.returncode, missing.stderr)
+    usage = cli("credit")  # typer's own usage error
+    assert usage.returncode == 2, usage.returncode
+
+
+def test_offline_commands_skip_flow_heartbeats_unless_the_user_asks_for_them(monkeypatch):
+    """Prefect's heartbeat thread holds a flow's end for up to 1 s; the offline commands (seconds
+    long) run without it, unless the user set the interval; training keeps Prefect's default."""
+    from prefect.settings import get_current_settings
+
+    from stepgrpo_cli import api
+
+    for name in api.HEARTBEAT_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("STEPGRPO_KEPT_SERVER", "0")  # no server lookup: only the settings are read
+    with api._prefect(heartbeats=False):
+        assert get_current_settings().flows.heartbeat_frequency is None
+    default = get_current_settings().flows.heartbeat_frequency
+    with api._prefect():
+        assert get_current_settings().flows.heartbeat_frequency == default
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+    monkeypatch.setenv("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "60")  # as a user's process starts with it
+    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: 60}), api._prefect(heartbeats=False):
+        assert get_current_settings().flows.heartbeat_frequency == 60

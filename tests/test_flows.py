@@ -281,6 +281,29 @@ def test_the_python_entry_returns_typed_results_and_reuses_what_the_run_stored(t
     assert not (tmp_path / "never").exists()
 
 
+def test_the_mlflow_helper_of_an_offline_command_fails_loudly_and_stops_when_unused(trained, tmp_path, monkeypatch):
+    """The helper process that writes an offline command's MLflow run (`stepgrpo.reporting.offline`)
+    is stopped when the command ends without logging, and its failure fails the command, named."""
+    import shutil
+
+    from stepgrpo.errors import StageError
+    from stepgrpo.reporting import offline
+
+    copy = tmp_path / "copy"
+    shutil.copytree(trained["run_dir"], copy)
+    with offline.helper(copy):
+        [(where, proc)] = offline._ACTIVE
+        assert where == str(copy.resolve())
+    assert proc.returncode is not None and not offline._ACTIVE
+    with offline.helper(tmp_path / "not-a-run"):
+        assert not offline._ACTIVE  # no run, no helper: the command says what is wrong
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "nosuchscheme://store")  # MLflow has no store for it
+    record = {"kind": "credit", "experiment": "x", "name": "tiny-a credit x", "tags": {}, "params": {}}
+    record |= {"rows": [{"iteration": 0, "adv_std": 1.0}], "metrics": ["adv_std"]}
+    with offline.helper(copy), pytest.raises(StageError, match="writing the MLflow run of `credit` failed"):
+        offline.log(copy, "tiny-a", record)
+
+
 def test_rerunning_the_same_run_computes_nothing(trained, tiny, calls):
     from flows.train import train
 
