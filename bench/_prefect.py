@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from stepgrpo.runtime.server import prefect_command
+
 BIN = Path(sys.executable).parent
 
 
@@ -42,13 +44,6 @@ def call(env: dict[str, str], cwd: Path, *args: str, timeout: float = 3600) -> t
     if out.returncode != 0:
         raise SystemExit(f"{' '.join(args)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
     return out.stdout + out.stderr, time.perf_counter() - t0
-
-
-def prefect_command() -> list[str]:
-    """Prefect's console script beside this interpreter, or `python -m prefect` where there is none
-    (Prefect installed with `pip --target`)."""
-    script = BIN / "prefect"
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "prefect"]
 
 
 @contextmanager

@@ -114,8 +114,7 @@ def start(host: str = "127.0.0.1", port: int = 4200) -> tuple[dict[str, Any], bo
         )
     home = prefect_home()
     home.mkdir(parents=True, exist_ok=True)
-    prefect = Path(sys.executable).with_name("prefect")
-    command = [str(prefect)] if prefect.is_file() else [sys.executable, "-m", "prefect"]
+    command = prefect_command()
     env = dict(os.environ)
     env.pop("PREFECT_API_URL", None)
     with (home / LOG).open("ab") as log:
@@ -203,6 +202,13 @@ def temporary() -> Iterator[str]:
             _drain()
         finally:
             _end(proc.pid)
+
+
+def prefect_command() -> list[str]:
+    """Prefect's console script beside this interpreter, or `python -m prefect` where there is none
+    (Prefect installed with `pip --target`)."""
+    script = Path(sys.executable).with_name("prefect")
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "prefect"]
 
 
 def _drain() -> None:
