@@ -59,7 +59,7 @@ def batch(seed: int = 0):
     return out, advantages, torch.arange(GROUPS).repeat_interleave(G)
 
 
-def run_update(overrides, seed=0, adv_scale=None):
+def run_update(overrides, seed=0, adv_scale=None, parallel=None):
     cfg = load_config(
         None,
         [
@@ -84,8 +84,47 @@ def run_update(overrides, seed=0, adv_scale=None):
         training.Batch(out.states, out.log_probs, adv, groups, None, SIGMAS, "flow", 0.7),
         torch.Generator().manual_seed(1),
         initial=start,
+        parallel=parallel,
     )
     return pol, opt, summary
+
+
+class ThreadRanks:
+    """`world` ranks of a data-parallel update as threads of this process: each rank's `sum`
+    waits for every rank's tensor and adds them in rank order (what gloo's all-reduce computes)."""
+
+    def __init__(self, world: int) -> None:
+        import threading
+
+        self.world, self.barrier, self.slots = world, threading.Barrier(world, timeout=20), [None] * world
+
+    def rank(self, r: int) -> training.DataParallel:
+        ranks = self
+
+        class Rank(training.DataParallel):
+            def _all(self, t):
+                ranks.slots[self.rank] = t.detach().clone()
+                ranks.barrier.wait()
+                out = torch.stack(ranks.slots)
+                ranks.barrier.wait()  # every rank has read the slots before any writes again
+                return out
+
+            def sum(self, t):
+                return self._all(t).sum(0)
+
+            def extreme(self, value, which):
+                every = self._all(torch.tensor([value], dtype=torch.float64))
+                return float(every.min() if which == "min" else every.max())
+
+        return Rank(r, self.world)
+
+    def update(self, overrides):
+        """Every rank's (policy, summary) after one update over the ranks."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(self.world) as pool:
+            futures = [pool.submit(run_update, overrides, parallel=self.rank(r)) for r in range(self.world)]
+            return [(f.result()[0], f.result()[2]) for f in futures]
 
 
 @pytest.mark.parametrize("steps", [1, 2, 3])
@@ -165,6 +204,39 @@ def test_signal_cosine_is_the_cosine_of_the_two_halves_gradients():
         grads.append(torch.cat([p.grad.reshape(-1) for p in pol.trainable_parameters()]))
     expected = float(torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0))
     assert s["signal_cosine"] == pytest.approx(expected, abs=1e-5)
+
+
+def test_whole_micro_batches_go_to_ranks_only_where_they_share_out_evenly():
+    owners = training._balanced_owners
+    assert owners([4, 2, 4, 2], 2) == [0, 0, 1, 1]  # the 4s first, then each 2 to the lighter rank
+    assert owners([4, 4, 4], 2) is None  # 8 rows against 4: every other row of each instead
+    assert owners([8], 2) is None  # fewer micro-batches than ranks
+    # largest first finds no even share-out here (3+3 against 2+2+2 exists): every other row instead;
+    # the micro-batches of a step are all full but each half's last, where largest first suffices
+    assert owners([3, 3, 2, 2, 2], 2) is None
+    halves = [torch.arange(0, 6), torch.arange(6, 12)]
+    for world in (1, 2, 3, 4, 5):
+        shares = [training.DataParallel(r, world).micro_batches(halves, 4) for r in range(world)]
+        for h, half in enumerate(halves):  # every row of every half once, over the ranks
+            rows = torch.cat([idx for share in shares for idx in share[h]])
+            assert sorted(rows.tolist()) == half.tolist()
+        loads = [sum(len(idx) for share_h in share for idx in share_h) for share in shares]
+        assert max(loads) - min(loads) <= len(halves)  # no rank has more than a row a half over another
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("micro_batch", [1, 3, 16])
+def test_a_data_parallel_update_is_the_one_process_update(world, micro_batch):
+    """The ranks (threads here, processes in tests/test_scale.py) compute the one-process update's
+    weights and diagnostics, whichever way the micro-batches share out."""
+    over = ["optim.optimizer_steps=2", f"optim.micro_batch={micro_batch}"]
+    one, _, expected = run_update(over)
+    for pol, summary in ThreadRanks(world).update(over):
+        for a, b in zip(one.trainable_parameters(), pol.trainable_parameters()):
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-8)
+        for name in ("signal_cosine", "grad_norm", "loss", "clip_frac_later", "trained_trajectories"):
+            assert summary[name] == pytest.approx(expected[name], rel=1e-5, abs=1e-7), name
+        assert summary["grad_energy_share"] == pytest.approx(expected["grad_energy_share"], rel=1e-5)
 
 
 def test_checkpoint_state_keeps_lists_and_drops_nan():

@@ -71,6 +71,25 @@ def rng_tensor() -> torch.Tensor:
     return torch.random.get_rng_state().clone()
 
 
+def micro_batches(halves: Sequence[torch.Tensor], size: int) -> list[list[torch.Tensor]]:
+    """The micro-batches of one trained step, per half of the part: each half's rows in runs of `size`."""
+    return [[c for c in h.split(size) if len(c)] for h in halves]
+
+
+def _balanced_owners(sizes: Sequence[int], world: int) -> list[int] | None:
+    """A rank for each micro-batch of `sizes` rows such that every rank gets the same number of
+    rows (the largest first, each to the least loaded rank, ties to the lowest), or None when
+    whole micro-batches cannot share out so."""
+    total = sum(sizes)
+    if total % world or len(sizes) < world:
+        return None
+    load, owner = [0] * world, [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        r = min(range(world), key=lambda r: load[r])
+        owner[i], load[r] = r, load[r] + sizes[i]
+    return owner if max(load) == total // world else None
+
+
 class DataParallel:
     """One rank of a data-parallel update over a `torch.distributed` process group (gloo on CPU,
     NCCL on GPUs): which rows are this rank's, and the sums across ranks."""
@@ -81,6 +100,22 @@ class DataParallel:
     def mine(self, rows: torch.Tensor) -> torch.Tensor:
         """This rank's share of `rows`: every `world`-th, from its rank."""
         return rows[self.rank :: self.world]
+
+    def micro_batches(self, halves: Sequence[torch.Tensor], size: int) -> list[list[torch.Tensor]]:
+        """This rank's micro-batches of one trained step, per half of the part (`micro_batches`):
+        whole micro-batches where they share out evenly over the ranks (every rank the same number of
+        rows), else every `world`-th row of each half, in micro-batches. A forward pass on a micro-batch of
+        `size` rows costs less than two on `size / 2`, so whole ones are taken where they balance."""
+        chunks = micro_batches(halves, size)
+        sizes = [len(c) for cs in chunks for c in cs]
+        owner = _balanced_owners(sizes, self.world)
+        if owner is None:
+            return micro_batches([self.mine(h) for h in halves], size)  # a rank may have no row of a half
+        mine, i = [], 0
+        for cs in chunks:
+            mine.append([c for j, c in enumerate(cs) if owner[i + j] == self.rank])
+            i += len(cs)
+        return mine
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         """`t` summed over the ranks (a new tensor)."""
@@ -152,8 +187,9 @@ def update(
     AdamW step takes the mean gradient over one part's trajectories and the trained steps
     (Flow-GRPO). Trajectories whose advantages are all zero (dropped groups) are skipped.
 
-    Data-parallel, every rank draws the same order and parts; each takes every `world`-th row of
-    each part (and of each half), weighs its loss by the whole part's size, and the ranks sum their
+    Data-parallel, every rank draws the same order and parts; each takes its share of each trained
+    step's micro-batches (`DataParallel.micro_batches`: whole ones where they share out evenly, else
+    every `world`-th row), weighs its loss by the whole part's size, and the ranks sum their
     gradients before clipping: each optimizer step sees the gradient the one-process update sees,
     up to the order of the float sums, whatever the number of processes.
     """
@@ -180,9 +216,12 @@ def update(
             # half's gradient measured apart (at the same weights, before any optimizer step).
             halves = _halves(part, group_ids) if first and o.diagnostics else [part]
             opt.zero_grad(set_to_none=True)
+            split = parallel.micro_batches if parallel else micro_batches
+            batches = split(halves, o.micro_batch)
             for k in steps:
-                for half in halves:
-                    for idx in (parallel.mine(half) if parallel else half).split(o.micro_batch):
+                accumulated = []  # after each half (the signal check)
+                for mine in batches:
+                    for idx in mine:
                         loss = _step_loss(
                             pol,
                             velocity,
@@ -201,8 +240,11 @@ def update(
                         (loss.loss * (weight[k] * len(idx) / (len(part) * len(steps)))).backward()
                         diag.add_loss(k, first, len(idx), loss)
                     if first and o.diagnostics:
-                        accumulated = _flat(trained, grad=True)
-                        diag.add_half(parallel.sum(accumulated) if parallel else accumulated)
+                        accumulated.append(_flat(trained, grad=True))
+                if accumulated and parallel:  # one sum a step, after both halves: the ranks wait once, for equal work
+                    accumulated = list(parallel.sum(torch.stack(accumulated)))
+                for total in accumulated:
+                    diag.add_half(total)
                 diag.end_step(k)
             if parallel:
                 parallel.sum_grads(trained)

@@ -64,12 +64,15 @@ def train(
     """Update from the previous checkpoint and publish checkpoint `iteration` (rank 0 of a
     data-parallel update publishes; every rank computes the same weights)."""
     t0 = time.perf_counter()
-    pol = workspace.policy_at(run, cfg, iteration)
+    pol = workspace.policy(cfg)
     nfe0 = pol.nfe
     opt = training.make_optimizer(pol.trainable_parameters(), cfg, iteration)
     ema, signal = None, {}
-    if iteration > 0:
+    if iteration == 0:
+        workspace.set_lora(pol, workspace.initial_lora(cfg))
+    else:  # the previous checkpoint, read and verified once: its weights, AdamW state, EMA and sums
         prev = run.checkpoints.load_checkpoint(iteration - 1)
+        workspace.set_lora(pol, prev.tensors[workspace.trained_group(cfg)])
         training.load_optimizer_tensors(opt, prev.tensors.get("optimizer", {}))
         ema = prev.tensors.get("ema")
         signal = dict(prev.tensors.get("signal", {}))
