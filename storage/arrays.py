@@ -28,6 +28,8 @@ from storage.publish import canonical_json, check_json
 from storage.schema import (
     CHECKSUM_BYTES,
     CHUNK_KEY_SEPARATOR,
+    DIGEST_FORMAT,
+    DIGEST_FORMATS,
     ArraySpec,
     StoreSpec,
     array_shape,
@@ -299,13 +301,20 @@ class StageStore:
                     missing[spec.name] = gone
         return missing
 
-    def verify_and_digest(self) -> tuple[str, int]:
+    def verify_and_digest(self, digest_format: int = DIGEST_FORMAT) -> tuple[str, int]:
         """Check every chunk's size and crc32c; return (sha256 hex digest, payload bytes).
 
-        The digest covers, in schema order, each array's name, dtype and shape and the stored
-        bytes of its chunks in chunk order, then the canonical JSON of the store's attrs. Equal
-        content under one schema version gives an equal digest (timestamps are not included).
+        The digest covers, in schema order, each array's name, dtype and shape and its chunks in
+        chunk order, then the canonical JSON of the store's attrs. A chunk enters it as its stored
+        bytes (`digest_format` 1) or as the sha256 of them (2, the default: the reading threads hash
+        their chunks in parallel, where format 1 hashes every byte in one thread). Equal content
+        under one schema version and format gives an equal digest (timestamps are not included).
         """
+        if digest_format not in DIGEST_FORMATS:
+            raise ValueError(
+                f"{self.path.name}: digest format {digest_format} is not one this version reads {DIGEST_FORMATS}; "
+                "open the run with the stepgrpo version that wrote it"
+            )
         missing = self.missing_trajectories()
         if missing:
             raise IncompleteStageError(
@@ -320,12 +329,19 @@ class StageStore:
             digest.update(canonical_json([spec.name, dtype.str, list(shape)]).encode())
             coords = self.chunks(spec)
             bufs = [np.empty(chunk_shape(spec, shape), dtype) for _ in range(min(len(coords), 2 * IO_THREADS))]
-            # Read a window of chunks in parallel, then hash them in order (sha256 is sequential).
+            hashes: list[bytes] = [b""] * len(bufs)
+
+            def check(i: int, window: list[tuple[int, ...]]) -> None:
+                self._read_chunk(spec, window[i], bufs[i])
+                if digest_format == 2:  # hashlib lets go of the GIL: the threads hash side by side
+                    hashes[i] = hashlib.sha256(memoryview(bufs[i]).cast("B")).digest()
+
+            # Read (and in format 2 hash) a window of chunks in parallel, then digest them in order.
             for lo in range(0, len(coords), len(bufs)):
                 window = coords[lo : lo + len(bufs)]
-                _each(lambda i: self._read_chunk(spec, window[i], bufs[i]), len(window), bufs[0].nbytes)
-                for buf in bufs[: len(window)]:
-                    digest.update(memoryview(buf).cast("B"))
+                _each(lambda i, w=window: check(i, w), len(window), bufs[0].nbytes)
+                for i, buf in enumerate(bufs[: len(window)]):
+                    digest.update(hashes[i] if digest_format == 2 else memoryview(buf).cast("B"))
                     total += buf.nbytes
         digest.update(canonical_json(self.attrs).encode())
         return digest.hexdigest(), total

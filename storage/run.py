@@ -52,6 +52,7 @@ from storage.publish import (
 )
 from storage.run_tables import RunTables
 from storage.schema import (
+    DIGEST_FORMATS,
     EXPORT_FILE,
     PUBLISHED_FILE,
     READABLE_SCHEMA_VERSIONS,
@@ -346,7 +347,13 @@ class Run:
             recorded = manifest.get("metadata_digest")  # stages published before it was recorded have none
             if recorded is not None and metadata_digest(path) != recorded:
                 raise CorruptChunkError(f"{what}: a zarr.json metadata file differs from the one published")
-            found = store.verify_and_digest()[0]  # a bad chunk raises, naming the array and chunk
+            digest_format = manifest.get("digest_format", 1)  # stages published before format 2 record none
+            if digest_format not in DIGEST_FORMATS:
+                raise CorruptChunkError(
+                    f"{what}: its manifest names digest format {digest_format!r}, not one this version reads "
+                    f"{DIGEST_FORMATS}: open the run with the stepgrpo version that wrote it"
+                )
+            found = store.verify_and_digest(digest_format)[0]  # a bad chunk raises, naming the array and chunk
         if found != manifest.get("digest"):
             raise CorruptChunkError(f"{what}: its content no longer matches its published digest (damaged or edited)")
 

@@ -23,7 +23,14 @@ from storage.publish import (
     release_lock,
     utc_now,
 )
-from storage.schema import ALLOWED_FILE_SUFFIXES, EXPORT_FILE, PUBLISHED_FILE, SCHEMA_VERSION, StoreSpec
+from storage.schema import (
+    ALLOWED_FILE_SUFFIXES,
+    DIGEST_FORMAT,
+    EXPORT_FILE,
+    PUBLISHED_FILE,
+    SCHEMA_VERSION,
+    StoreSpec,
+)
 
 
 class StageWriter:
@@ -113,7 +120,7 @@ class StageWriter:
             missing = [a for a in self.spec.required_attrs if a not in store.attrs]
             if missing:
                 raise ValueError(f"{self.what}: attrs {missing} are required to publish (pass them to publish())")
-            digest, nbytes = store.verify_and_digest()
+            digest, nbytes = store.verify_and_digest(DIGEST_FORMAT)
             counts = {
                 "trajectories": store.B,
                 "steps": store.sizes.get("T"),
@@ -121,6 +128,7 @@ class StageWriter:
             }
             manifest.update(
                 digest=digest,
+                digest_format=DIGEST_FORMAT,
                 metadata_digest=metadata_digest(self.path),
                 counts={**{k: v for k, v in counts.items() if v is not None}, "bytes": nbytes},
                 attrs=store.attrs,

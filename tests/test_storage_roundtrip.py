@@ -181,6 +181,55 @@ def test_digest_is_deterministic_and_content_sensitive(tmp_path):
     assert d0 == d1 != d2
 
 
+def test_digest_formats_threads_and_runs_published_before_format_2(tmp_path, monkeypatch):
+    """Format 2 (each chunk's sha256, hashed by the reading threads) gives the same digest hashed in
+    one thread; a stage published before it (format 1, none recorded) still verifies as one; a
+    digest under the wrong format, or a format this version does not know, fails verification."""
+    import storage.arrays as arrays
+    from storage import CorruptChunkError
+    from storage.arrays import StageStore
+    from storage.schema import DIGEST_FORMAT
+
+    run = Run.create(tmp_path, "r", {})
+    x = rollout_inputs()
+    big = torch.randn(B, T + 1, 4, 64, 64, generator=torch.Generator().manual_seed(1))  # 256 KiB chunks: threads
+    with run.stages.begin_rollout(
+        0,
+        sigmas=x["sigmas"],
+        seeds=x["seeds"],
+        prompt_ids=x["prompt_ids"],
+        group_ids=x["group_ids"],
+        latent_shape=(4, 64, 64),
+        latent_dtype="float32",
+        kernel="sde",
+        kernel_params={"eta": 0.7, "window": [1, 3]},
+    ) as w:
+        w.write(0, states=big, log_probs=x["log_probs"], stds=x["stds"], ode_final=big[:, -1])
+        manifest = w.publish()
+    assert manifest["digest_format"] == DIGEST_FORMAT == 2
+    store = StageStore.open(run.stage_path(0, "rollout"), ROLLOUT)
+    assert store.verify_and_digest(2)[0] == manifest["digest"]
+    monkeypatch.setattr(arrays, "THREAD_MIN_BYTES", 1 << 40)  # every chunk in the calling thread
+    assert store.verify_and_digest(2)[0] == manifest["digest"] != store.verify_and_digest(1)[0]
+    monkeypatch.undo()
+
+    published = run.stage_path(0, "rollout") / "_published.json"
+
+    def republish(**changes):
+        body = {k: v for k, v in manifest.items() if k not in ("digest_format", "seal")} | changes
+        published.write_text(json.dumps(seal({k: v for k, v in body.items() if v is not None})))
+
+    republish(digest=store.verify_and_digest(1)[0])  # as a version before format 2 published it
+    run.verify(0, "rollout")
+    assert same_bits(run.stages.read_rollout(0).states, big.numpy())
+    republish(digest=manifest["digest"])  # a format 2 digest under no (so format 1) format
+    with pytest.raises(CorruptChunkError, match="no longer matches"):
+        run.verify(0, "rollout")
+    republish(digest=manifest["digest"], digest_format=7)
+    with pytest.raises(CorruptChunkError, match="digest format 7"):
+        run.verify(0, "rollout")
+
+
 def test_publish_rules(tmp_path):
     run = Run.create(tmp_path, "r", {})
     x = rollout_inputs()
