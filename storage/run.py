@@ -52,6 +52,7 @@ from storage.publish import (
 )
 from storage.run_tables import RunTables
 from storage.schema import (
+    DIGEST_FORMAT,
     DIGEST_FORMATS,
     EXPORT_FILE,
     PUBLISHED_FILE,
@@ -123,6 +124,13 @@ class Run:
         self.checkpoints = Checkpoints(self)
 
     @property
+    def digest_format(self) -> int:
+        """How the run's Zarr stages are digested (`storage.schema.DIGEST_FORMAT`), fixed when the run
+        was made (runs made before format 2: 1), so that a stage computed again has the digest its
+        downstream stages were keyed on."""
+        return self.manifest.get("digest_format", 1)
+
+    @property
     def config(self) -> dict[str, Any]:
         """The full config the run was created with."""
         return self.manifest["config"]
@@ -159,6 +167,7 @@ class Run:
         manifest = {
             "run_id": run_id,
             "schema_version": SCHEMA_VERSION,
+            "digest_format": DIGEST_FORMAT,  # every Zarr stage of the run is digested so, recomputed ones too
             "created_at": utc_now(),
             "code_version": code_version(),
             "config": dict(config),
@@ -195,6 +204,12 @@ class Run:
             raise StorageError(f"{path / MANIFEST_FILE} is not a run manifest (no run_id / config); restore it")
         manifest.pop(SEAL_KEY, None)  # checked by read_json: an edited manifest is refused, named
         _check_schema(manifest.get("schema_version"), f"run {manifest.get('run_id', path.name)}")
+        if manifest.get("digest_format", 1) not in DIGEST_FORMATS:
+            raise SchemaVersionError(
+                f"run {manifest['run_id']} digests its stages in format {manifest['digest_format']!r}; this code "
+                f"reads formats {DIGEST_FORMATS}. Open it with the stepgrpo version that wrote it (see code_version "
+                "in the run's manifest.json)."
+            )
         return cls(path, manifest)
 
     def inside(self, path: str | os.PathLike[str]) -> Path:
@@ -305,6 +320,7 @@ class Run:
             spec=spec,
             resume=resume,
             resumed=resumed,
+            digest_format=self.digest_format,
         )
 
     # --- prompt draws (the curriculum) ------------------------------------------------------------
@@ -468,7 +484,14 @@ class Run:
         """Join a begun stage from another process with the begin's `writer.token`."""
         spec = spec_of(stage) if stage != "checkpoint" else None
         writer = StageWriter(
-            self.run_id, self.stage_path(iteration, stage), iteration, stage, token, owner=False, spec=spec
+            self.run_id,
+            self.stage_path(iteration, stage),
+            iteration,
+            stage,
+            token,
+            owner=False,
+            spec=spec,
+            digest_format=self.digest_format,
         )
         check_token(writer.lock, token, writer.what)
         return writer

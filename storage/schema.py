@@ -63,9 +63,10 @@ BF16_BITS = "uint16"  # the NumPy dtype that holds bf16 latents
 
 CHUNK_KEY_SEPARATOR = "."
 CHECKSUM_BYTES = 4  # crc32c appended to every chunk, little endian
-# How a Zarr stage's content digest is computed (its manifest's `digest_format`; none recorded: 1).
-# 1: one sha256 over every chunk's bytes in order (sequential). 2: one sha256 over each chunk's own
-# sha256 in order, so the chunks are hashed in parallel (the publish is bound by sha256, SCALING.md).
+# How a Zarr stage's content digest is computed, fixed per run (the run's and each stage's manifest
+# record `digest_format`; none recorded: 1). 1: one sha256 over every chunk's bytes in order
+# (sequential). 2: one sha256 over each chunk's own sha256 in order, so the chunks are hashed in
+# parallel (the publish was bound by sha256, SCALING.md).
 DIGEST_FORMAT = 2
 DIGEST_FORMATS = (1, 2)
 PUBLISHED_FILE = "_published.json"

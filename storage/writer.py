@@ -52,8 +52,10 @@ class StageWriter:
         spec: StoreSpec | None,
         resume: str | None = None,
         resumed: bool = False,
+        digest_format: int = DIGEST_FORMAT,
     ) -> None:
         self.run_id = run_id
+        self.digest_format = digest_format  # the run's (`Run.digest_format`)
         self.iteration = iteration
         self.stage = stage
         self.token = token  # pass to `Run.attach` in other writer processes
@@ -120,7 +122,7 @@ class StageWriter:
             missing = [a for a in self.spec.required_attrs if a not in store.attrs]
             if missing:
                 raise ValueError(f"{self.what}: attrs {missing} are required to publish (pass them to publish())")
-            digest, nbytes = store.verify_and_digest(DIGEST_FORMAT)
+            digest, nbytes = store.verify_and_digest(self.digest_format)
             counts = {
                 "trajectories": store.B,
                 "steps": store.sizes.get("T"),
@@ -128,7 +130,7 @@ class StageWriter:
             }
             manifest.update(
                 digest=digest,
-                digest_format=DIGEST_FORMAT,
+                digest_format=self.digest_format,
                 metadata_digest=metadata_digest(self.path),
                 counts={**{k: v for k, v in counts.items() if v is not None}, "bytes": nbytes},
                 attrs=store.attrs,

@@ -19,5 +19,6 @@ def test_the_sd35_storage_benchmark_stores_both_stages(tmp_path):
     latents = 2 * 30 * 11 * 16 * 64 * 64 * 2  # rollout states and completion latents, bf16
     assert latents < got["bytes"] < 1.1 * latents
     assert set(got["seconds"]) == {"write", "publish", "verify", "sha256"} and min(got["seconds"].values()) > 0
+    assert set(got["digest_formats"]) == {"1", "2"} and min(got["digest_formats"].values()) > 0
     assert "% of the iteration" in proc.stdout
     assert [p.name for p in tmp_path.iterdir()] == ["storage.json"]  # its store is removed

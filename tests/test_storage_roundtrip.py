@@ -230,6 +230,23 @@ def test_digest_formats_threads_and_runs_published_before_format_2(tmp_path, mon
         run.verify(0, "rollout")
 
 
+def test_a_run_made_before_digest_format_2_keeps_format_1(tmp_path):
+    """A stage an older run computes again is digested as its first one was, so the stages keyed
+    on that digest stay valid; a run naming a format this version does not know is refused."""
+    run = Run.create(tmp_path, "old", {})
+    path = run.path / "manifest.json"
+    manifest = {k: v for k, v in json.loads(path.read_text()).items() if k not in ("digest_format", "seal")}
+    path.write_text(json.dumps(seal(manifest)))  # as a version before format 2 made it
+    old = Run.open(run.path)
+    assert old.digest_format == 1
+    published = write_rollout(old, 0, rollout_inputs())
+    assert published["digest_format"] == 1
+    old.verify(0, "rollout")
+    path.write_text(json.dumps(seal({**manifest, "digest_format": 7})))
+    with pytest.raises(SchemaVersionError, match="format 7"):
+        Run.open(run.path)
+
+
 def test_publish_rules(tmp_path):
     run = Run.create(tmp_path, "r", {})
     x = rollout_inputs()
