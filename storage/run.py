@@ -60,6 +60,7 @@ from storage.schema import (
     SCHEMA_VERSION,
     StoreSpec,
     check_name,
+    known_digest_format,
     store_sizes,
 )
 from storage.stage_stores import CompletionData, ImagesData, RolloutData, StageStores, spec_of
@@ -204,7 +205,7 @@ class Run:
             raise StorageError(f"{path / MANIFEST_FILE} is not a run manifest (no run_id / config); restore it")
         manifest.pop(SEAL_KEY, None)  # checked by read_json: an edited manifest is refused, named
         _check_schema(manifest.get("schema_version"), f"run {manifest.get('run_id', path.name)}")
-        if manifest.get("digest_format", 1) not in DIGEST_FORMATS:
+        if not known_digest_format(manifest.get("digest_format", 1)):
             raise SchemaVersionError(
                 f"run {manifest['run_id']} digests its stages in format {manifest['digest_format']!r}; this code "
                 f"reads formats {DIGEST_FORMATS}. Open it with the stepgrpo version that wrote it (see code_version "
@@ -364,7 +365,7 @@ class Run:
             if recorded is not None and metadata_digest(path) != recorded:
                 raise CorruptChunkError(f"{what}: a zarr.json metadata file differs from the one published")
             digest_format = manifest.get("digest_format", 1)  # stages published before format 2 record none
-            if digest_format not in DIGEST_FORMATS:
+            if not known_digest_format(digest_format):
                 raise CorruptChunkError(
                     f"{what}: its manifest names digest format {digest_format!r}, not one this version reads "
                     f"{DIGEST_FORMATS}: open the run with the stepgrpo version that wrote it"

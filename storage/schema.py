@@ -69,6 +69,13 @@ CHECKSUM_BYTES = 4  # crc32c appended to every chunk, little endian
 # parallel (the publish was bound by sha256, SCALING.md).
 DIGEST_FORMAT = 2
 DIGEST_FORMATS = (1, 2)
+
+
+def known_digest_format(value: object) -> bool:
+    """Whether a manifest's `digest_format` is one this version computes (an int, not a JSON `true`)."""
+    return type(value) is int and value in DIGEST_FORMATS
+
+
 PUBLISHED_FILE = "_published.json"
 EXPORT_FILE = "_export.json"  # the digest of an exported folder (`lora/`, `transformer/`), beside its files
 
