@@ -34,6 +34,7 @@ from storage.schema import (
     StoreSpec,
     array_shape,
     chunk_shape,
+    known_digest_format,
     storage_dtype,
     store_sizes,
 )
@@ -310,7 +311,7 @@ class StageStore:
         their chunks in parallel, where format 1 hashes every byte in one thread). Equal content
         under one schema version and format gives an equal digest (timestamps are not included).
         """
-        if digest_format not in DIGEST_FORMATS:
+        if not known_digest_format(digest_format):
             raise ValueError(
                 f"{self.path.name}: digest format {digest_format} is not one this version reads {DIGEST_FORMATS}; "
                 "open the run with the stepgrpo version that wrote it"
