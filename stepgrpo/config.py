@@ -192,7 +192,8 @@ class SamplerConfig(_Section):
 
 class CompletionConfig(_Section):
     method: str | None = Field("remaining", json_schema_extra=_completion_choices)
-    """How every state `x_k` is completed to a clean image: `remaining`, `substeps:N`, `tweedie`
+    """How every state `x_k` is completed to a clean image: `remaining`, `substeps:N`, `tweedie`,
+    `rollout` (the rollout's own prediction, 0 NFEs)
     (`stepgrpo_core.completions.COMPLETIONS`); None scores only the final sample (Flow-GRPO)."""
 
     @field_validator("method")
@@ -499,7 +500,7 @@ class Config(_Section):
             final_only = [s for s in SCHEMES.names() if not SCHEMES.facts(s)["step_rewards"]]
             raise ValueError(
                 f"credit.scheme {self.credit.scheme!r} needs step rewards: set completion.method "
-                f"(remaining, substeps:N, tweedie); only {', '.join(map(repr, final_only))} works with "
+                f"(remaining, substeps:N, tweedie, rollout); only {', '.join(map(repr, final_only))} works with "
                 "completion.method null"
             )
         start, end = self.sampler.window()

@@ -10,6 +10,11 @@ METHODS.md, "Step rewards from ODE completion". For each trajectory and each sta
   grid from `sigmas[k]` to 0, `N` NFEs per non-final state, `N T` per trajectory. *Choice*: the
   fresh grid is uniform in sigma (`sigmas[k] (1 - i / N)`); no source fixes its spacing.
 - `tweedie` (Stepwise-Flow-GRPO's one-step estimate): `x0_hat = x_k - sigmas[k] v`, 1 NFE each.
+- `rollout`: the same estimate with the velocity the rollout took step `k` with
+  (`Rollout.velocities`, stored beside the states): 0 NFEs. It is the sampling policy's own
+  prediction, CFG included when the rollout used it, and it equals `tweedie` of the same policy
+  up to float rounding. Where no velocities are stored (a rollout made before they were kept),
+  it recomputes them: `tweedie`'s cost.
 
 Batching: one call completes every state of every trajectory. Rows of all trajectories that sit
 at the same noise level are stacked and sent through `velocity` together, in chunks of at most
@@ -17,8 +22,9 @@ at the same noise level are stacked and sent through `velocity` together, in chu
 `x_k` with `k <= j` has been carried down to `sigmas[j]` and all of them (`B (j + 1)` rows) take
 their step `j -> j + 1` in the same calls. The arithmetic is exactly the per-state Euler runs;
 sharing only fills the batches, so the count is exactly `T (T + 1) / 2` NFEs per trajectory and
-never more. (Reusing the rollout's own velocity at `x_k` would save `T` more per trajectory, but
-only when the rollout ran the same model at the same precision; we do not assume it.)
+never more. (`remaining` does not reuse the rollout's velocity at `x_k`, which would save `T` more per
+trajectory: a stored velocity is in the latent dtype, and `remaining` keeps the full precision of
+its first step; `rollout` is the method that reuses it.)
 
 States that evolve deterministically (`through`): with an SDE window `[start, end)` every step
 from `end` on is `ode`, so the ODE completion of `x_k`, `k >= end`, on the rollout's own grid is
@@ -60,7 +66,9 @@ CompletionFn = Callable[[Velocity, torch.Tensor, torch.Tensor, Any, int, "str | 
 # Fact `exact_tail`: completing a state after the SDE window gives the sample x_T itself (the method
 # runs the rollout's own ODE on its own grid), so those states are copied, not completed.
 # Fact `argument`: checks the text after ':' (None when absent), raising ValueError in the method's words.
-COMPLETIONS: Registry[CompletionFn] = Registry("completion", exact_tail=False, argument=None)
+# Fact `rollout_velocity`: given the rollout's stored velocities, the method needs no model call
+# (`from_velocities`); the registered function recomputes what was not stored.
+COMPLETIONS: Registry[CompletionFn] = Registry("completion", exact_tail=False, argument=None, rollout_velocity=False)
 
 
 def parse_method(method: str) -> tuple[str, str | None]:
@@ -191,6 +199,36 @@ def tweedie(velocity, states, sigmas, cond, max_batch, arg, through) -> Completi
     return Completion(latents, z.shape[0])
 
 
+@COMPLETIONS.register("rollout", rollout_velocity=True)
+def rollout_prediction(velocity, states, sigmas, cond, max_batch, arg, through) -> Completion:
+    """The rollout's own clean-latent prediction `x_k - sigmas[k] v_k` (module doc). This function
+    runs only where the rollout's velocities were not stored: it recomputes them (`tweedie`)."""
+    check_argument("rollout", arg)
+    return tweedie(velocity, states, sigmas, cond, max_batch, None, through)
+
+
+def from_velocities(states: torch.Tensor, velocities: torch.Tensor, sigmas: torch.Tensor, through: int) -> Completion:
+    """`x0_hat = x_k - sigmas[k] v_k` for every state `k < through` from stored velocities: 0 NFEs.
+
+    `states [B, T+1, C, H, W]`, `velocities [B, T, C, H, W]` (the velocity step `k` was sampled
+    with), `sigmas [T+1]` fp32. Returns latents `[B, T+1, C, H, W]` in the dtype of `states`
+    (states from `through` on are left as they are; `complete` copies `x_T` there). The arithmetic
+    is `tweedie`'s (one `ode` step to sigma 0, in fp32), so equal velocities give equal bytes."""
+    if velocities.shape[:1] + velocities.shape[2:] != states.shape[:1] + states.shape[2:] or (
+        velocities.shape[1] != states.shape[1] - 1
+    ):
+        raise ValueError(
+            f"velocities must be [B, T, C, H, W] for states {tuple(states.shape)}; got {tuple(velocities.shape)}"
+        )
+    batch = states.shape[0]
+    latents = states.clone()
+    z, _, sigma = _nonfinal_rows(states, sigmas, through)
+    v = velocities[:, :through].reshape(-1, *states.shape[2:])
+    x0_hat = step_moments("ode", z, v, sigma, torch.zeros_like(sigma))[0]
+    latents[:, :through] = x0_hat.to(states.dtype).reshape(batch, through, *states.shape[2:])
+    return Completion(latents, 0)
+
+
 @torch.no_grad()  # completions feed rewards only; no gradient flows through them
 def complete(
     method: str,
@@ -200,11 +238,13 @@ def complete(
     cond: Any,
     max_batch: int,
     through: int | None = None,
+    velocities: torch.Tensor | None = None,
+    cond_keys: list[bytes] | None = None,
 ) -> Completion:
     """Complete every state of every trajectory with `method` (module doc).
 
     Args:
-        method: `remaining`, `substeps:N` or `tweedie`.
+        method: `remaining`, `substeps:N`, `tweedie` or `rollout`.
         velocity: `velocity(x [N,C,H,W], sigma [N], cond) -> v`; `cond` rows are selected with
             `conditioning.take` for each batch.
         states: `[B, T+1, C, H, W]` stored states `x_0 .. x_T`.
@@ -213,6 +253,10 @@ def complete(
         max_batch: the most rows per `velocity` call.
         through: complete only `x_0 .. x_{through-1}`; states from `through` on evolve
             deterministically (the end of the SDE window) and get `x_T`. None: `T`, every state.
+        velocities: `[B, T, C, H, W]` the rollout's stored velocities; a `rollout_velocity` method
+            (`rollout`) then calls no model. None: computed with `velocity`.
+        cond_keys: `[B]` bytes equal exactly when two rows' conditioning is (e.g. their prompt ids),
+            in place of digesting `cond` (which may then be None with stored velocities).
 
     Returns `Completion(latents [B, T+1, C, H, W], nfe)`.
     """
@@ -228,21 +272,25 @@ def complete(
     through = num_steps if through is None else through
     if not isinstance(through, int) or not 0 <= through <= num_steps:
         raise ValueError(f"through must be an int in [0, T = {num_steps}]; got {through!r}")
-    out = COMPLETIONS.get(name)(velocity, states, s, cond, max_batch, arg, through)
+    if velocities is not None and COMPLETIONS.facts(name)["rollout_velocity"]:
+        out = from_velocities(states, velocities.to(states.device), s, through)
+    else:
+        out = COMPLETIONS.get(name)(velocity, states, s, cond, max_batch, arg, through)
     out.latents[:, through:] = states[:, -1:]  # deterministic from `through` on: the sample itself
-    tie_equal_states(states, cond, out.latents, through)
+    keys = cond_keys if cond_keys is not None else row_digests(cond, states.shape[0])
+    tie_equal_states(states, keys, out.latents, through)
     return out
 
 
-def tie_equal_states(states: torch.Tensor, cond: Any, latents: torch.Tensor, through: int) -> None:
-    """Give states that are bitwise equal (same `x_k` bytes, same conditioning) the completion of
-    the first of them, in place. A group's members share `x_0`, but their rows sit at other
+def tie_equal_states(states: torch.Tensor, conds: list[bytes], latents: torch.Tensor, through: int) -> None:
+    """Give states that are bitwise equal (same `x_k` bytes, same conditioning: `conds [B]`, bytes
+    equal exactly when two rows' conditioning is) the completion of the first of them, in place.
+    A group's members share `x_0`, but their rows sit at other
     positions of a batched model call, and on some CPUs (AVX512, several threads) a GEMM gives a
     row other last bits at another position; equal inputs must give equal clean latents (their
     rewards and decodes are then shared exactly). `states`, `latents`: `[B, T+1, C, H, W]`."""
     import hashlib
 
-    conds = row_digests(cond, states.shape[0])
     flat = states[:, :through].detach().cpu()
     for k in range(through):
         first: dict[bytes, int] = {}

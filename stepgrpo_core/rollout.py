@@ -29,6 +29,8 @@ class Rollout(NamedTuple):
     log_probs: torch.Tensor  # [B, T] fp32 log-density of each step; NaN where the step is deterministic
     stds: torch.Tensor  # [B, T] fp32 std of each step (0 for ode steps)
     nfe: int  # velocity rows evaluated (B * T)
+    velocities: torch.Tensor  # [B, T, C, H, W] the velocity step k was taken with, at x_k (dtype of x0);
+    # `x_k - sigmas[k] v_k` is the rollout's own Tweedie estimate of the clean latent (completion `rollout`)
 
 
 class StepLogProb(NamedTuple):
@@ -98,7 +100,8 @@ def rollout(
         window: `(start, size)`: only steps `start .. start+size-1` use `kernel`, the rest `ode`.
         generator: the RNG for the step noise (on the device of `x0`); fix it for reproducibility.
 
-    Returns `Rollout`. A step inside the window whose std is 0 (e.g. `ddim` with `eta = 0`) has no
+    Returns `Rollout`. The velocities are kept because they are free: the clean latent each state
+    predicts (`x_k - sigmas[k] v_k`) gives step rewards with no further transformer call. A step inside the window whose std is 0 (e.g. `ddim` with `eta = 0`) has no
     density and gets a NaN log-prob, like the steps outside the window: it cannot be trained.
     The log-prob is taken of the state as stored (after the cast to the dtype of `x0`), so
     `step_log_prob` on the stored states reproduces it exactly.
@@ -115,9 +118,11 @@ def rollout(
     states = [x0]
     log_probs = torch.full((batch, num_steps), float("nan"), device=x0.device)
     stds = torch.zeros(batch, num_steps, device=x0.device)
+    velocities = []
     x = x0
     for k in range(num_steps):
         v = velocity(x, s[k].repeat(batch), cond)  # repeat, not expand: models may write into it
+        velocities.append(v.to(x0.dtype))
         kind = kernel if start <= k < start + size else "ode"
         mean, std = step_moments(kind, x, v, s[k], s[k + 1], _noise_at(kernel, noise, k))
         eps = torch.randn(x.shape, generator=generator, device=x.device, dtype=torch.float32)
@@ -130,7 +135,9 @@ def rollout(
             log_probs[:, k] = torch.where(stochastic, lp, torch.full_like(lp, float("nan")))
         stds[:, k] = std.reshape(batch)
         states.append(x)
-    return Rollout(torch.stack(states, dim=1), log_probs, stds, batch * num_steps)
+    return Rollout(
+        torch.stack(states, dim=1), log_probs, stds, batch * num_steps, torch.stack(velocities, dim=1)
+    )
 
 
 def step_log_prob(

@@ -115,6 +115,26 @@ class StageStore:
 
     # --- layout -------------------------------------------------------------------------------
 
+    def arrays(self) -> tuple[ArraySpec, ...]:
+        """The arrays this store holds: its spec's, less the optional ones it was made without."""
+        return tuple(a for a in self.spec.arrays if self.has(a.name))
+
+    def has(self, name: str) -> bool:
+        """Whether the store holds array `name` (an optional array is absent from older stores)."""
+        spec = self.spec.array(name)
+        return not spec.optional or (self.path / name / "zarr.json").is_file()
+
+    def drop_unwritten_optional(self) -> None:
+        """Before a publish: an optional array whose writers wrote no chunk at all leaves the store
+        (the stage is published without it, as older stores are); one written in part stays, and
+        the publish refuses it as incomplete."""
+        import shutil
+
+        for spec in self.arrays():
+            if spec.optional and spec.per_trajectory:
+                if not any(chunk_file(self.path, spec.name, c).exists() for c in self.chunks(spec)):
+                    shutil.rmtree(self.path / spec.name)
+
     def shape(self, name: str) -> tuple[int, ...]:
         return array_shape(self.spec.array(name), self.sizes)
 
@@ -138,7 +158,7 @@ class StageStore:
         # group with its attrs in one write, the arrays concurrently): one synchronous round trip
         # per array plus one per attribute cost ~2/3 of a small stage's write time.
         sync(self._create_metadata())
-        missing = [s.name for s in self.spec.arrays if not s.per_trajectory and s.name not in whole]
+        missing = [s.name for s in self.arrays() if not s.per_trajectory and s.name not in whole]
         if missing:
             raise ValueError(f"{self.spec.kind}: arrays {missing} must be given when the stage begins")
         for name, value in whole.items():
@@ -285,7 +305,7 @@ class StageStore:
     def rows_intact(self, rows: range) -> bool:
         """Whether every per-trajectory chunk of `rows` is there and passes its checksum."""
         try:
-            for spec in self.spec.arrays:
+            for spec in self.arrays():
                 if spec.per_trajectory:
                     self.read(spec.name, list(rows))
         except CorruptChunkError:
@@ -295,7 +315,7 @@ class StageStore:
     def missing_trajectories(self) -> dict[str, list[int]]:
         """Per-trajectory arrays -> trajectories whose chunk was never written."""
         missing: dict[str, list[int]] = {}
-        for spec in self.spec.arrays:
+        for spec in self.arrays():
             if spec.per_trajectory:
                 gone = [c[0] for c in self.chunks(spec) if not chunk_file(self.path, spec.name, c).exists()]
                 if gone:
@@ -325,7 +345,7 @@ class StageStore:
             )
         digest = hashlib.sha256()
         total = 0
-        for spec in self.spec.arrays:
+        for spec in self.arrays():
             dtype, shape = self.dtype(spec.name), self.shape(spec.name)
             digest.update(canonical_json([spec.name, dtype.str, list(shape)]).encode())
             coords = self.chunks(spec)

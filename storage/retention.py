@@ -8,7 +8,7 @@ their results are read from the manifests), `inspect` still shows it and `stepgr
 recomputes its advantages; what needs the removed bytes (re-scoring, re-completing, evaluating
 a thinned checkpoint) says so, naming the setting that removed them (`PrunedError`).
 
-What goes, per stage (`BULK`): a rollout's `states` and `ode_final` (its plan, log-probs and stds
+What goes, per stage (`BULK`): a rollout's `states`, `ode_final` and `velocities` (its plan, log-probs and stds
 stay), a completion's `latents`, a stage's stored `images`; of a checkpoint, its tensor files (its
 `state.json`, the update's record, stays). Only an iteration whose update is published is pruned:
 the update is the last stage that reads its latents.
@@ -33,7 +33,7 @@ from storage.publish import utc_now, write_file_atomic
 if TYPE_CHECKING:
     from storage.run import Run
 
-BULK = {"rollout": ("states", "ode_final"), "completion": ("latents",), "images": ("images",)}
+BULK = {"rollout": ("states", "ode_final", "velocities"), "completion": ("latents",), "images": ("images",)}
 Keep = Literal["all", "last", "tables"]
 
 

@@ -392,7 +392,7 @@ class Run:
         if store.attrs != manifest.get("attrs"):
             raise CorruptChunkError(f"{what}: the store's attributes differ from its published manifest")
         gone = set(pruned(path)["removed"])
-        for spec in store.spec.arrays:
+        for spec in store.arrays():
             if spec.name not in gone:
                 store.read(spec.name)
 

@@ -50,8 +50,9 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 3  # 2: rollout.ode_final; 3: bf16 latents stored as bf16 (uint16 bits)
-READABLE_SCHEMA_VERSIONS = (2, 3)  # 3 only adds the bf16 latent dtype: schema 2 runs read unchanged
+SCHEMA_VERSION = 4  # 2: rollout.ode_final; 3: bf16 latents stored as bf16 (uint16 bits); 4: rollout.velocities
+# 3 only adds the bf16 latent dtype and 4 an optional array (older rollouts lack it): older runs read unchanged
+READABLE_SCHEMA_VERSIONS = (2, 3, 4)
 
 # Latent storage dtype for each compute dtype: the same (bf16 as its bits, `BF16_BITS`).
 LATENT_STORAGE_DTYPES: dict[str, str] = {
@@ -92,6 +93,9 @@ class ArraySpec:
     dtype: str  # NumPy dtype name, or "latent" for the configured latent storage dtype
     per_trajectory: bool  # True: one chunk per trajectory, written by trajectory writers
     doc: str
+    # True: stores made before the array existed lack it (their readers get None, their digest
+    # covers what they hold); every store made now has it
+    optional: bool = False
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,15 @@ ROLLOUT = StoreSpec(
             True,
             "the ODE sample (every step `ode`, same grid) from the trajectory's x_0: the clean "
             "latent of R_0, the same for every member of a group",
+        ),
+        ArraySpec(
+            "velocities",
+            ("B", "T", "C", "H", "W"),
+            "latent",
+            True,
+            "the velocity step k was sampled with, at x_k (CFG applied): x_k - sigmas[k] v_k is the "
+            "rollout's own clean-latent prediction (completion `rollout`, 0 NFEs)",
+            optional=True,
         ),
         ArraySpec("sigmas", ("T+1",), "float32", False, "the grid, sigmas[0] = 1 > ... > sigmas[T] = 0"),
         ArraySpec("seeds", ("B",), "int64", False, "the seed of each trajectory"),

@@ -33,6 +33,7 @@ class RolloutData:
     log_probs: np.ndarray  # [n, T] float32, NaN outside the SDE window
     stds: np.ndarray  # [n, T] float32
     ode_final: np.ndarray  # [n, C, H, W] the ODE sample from each trajectory's x_0 (shared by its group)
+    velocities: np.ndarray | None  # [n, T, C, H, W] the velocity of each step at x_k; None: not stored (older runs)
     sigmas: np.ndarray  # [T+1] float32
     seeds: np.ndarray  # [n] int64
     prompt_ids: np.ndarray  # [n] int64
@@ -85,7 +86,8 @@ class StageStores:
         resume: str | None = None,
     ) -> StageWriter:
         """Begin the rollout of `iteration`: the plan (`sigmas [T+1]`, `seeds, prompt_ids, group_ids [B]`)
-        is written now; `states`, `log_probs`, `stds`, `ode_final` are written per trajectory with `writer.write`.
+        is written now; `states`, `log_probs`, `stds`, `ode_final`, `velocities` are written per trajectory
+        with `writer.write`.
 
         `latent_shape` is `(C, H, W)`; `latent_dtype` the compute dtype ("float16", "float32",
         "bfloat16" -> stored as float32). Raises StageLockedError if another writer holds the stage.
@@ -206,6 +208,10 @@ class StageStores:
         limits = self.run.dim_limits()  # type: ignore[attr-defined]
         return StageStore(path, spec, manifest.get("attrs") or {}, removed=_removed(path), limits=limits), manifest
 
+    def has_array(self, iteration: int, stage: str, name: str) -> bool:
+        """Whether a published Zarr stage holds array `name` (an optional one may be absent)."""
+        return self._store(iteration, stage, spec_of(stage))[0].has(name)
+
     def read_array(
         self, iteration: int, stage: str, name: str, trajectories: slice | Sequence[int] | None = None
     ) -> np.ndarray:
@@ -221,6 +227,7 @@ class StageStores:
             log_probs=store.read("log_probs", trajectories),
             stds=store.read("stds", trajectories),
             ode_final=store.read("ode_final", trajectories),
+            velocities=store.read("velocities", trajectories) if store.has("velocities") else None,
             sigmas=store.read("sigmas"),
             seeds=store.read("seeds")[rows],
             prompt_ids=store.read("prompt_ids")[rows],

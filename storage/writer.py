@@ -119,6 +119,7 @@ class StageWriter:
                 zarr.open_group(str(self.path), mode="r+", zarr_format=3).attrs.update(dict(attrs))
             self._store = None
             store = self.store()
+            store.drop_unwritten_optional()
             missing = [a for a in self.spec.required_attrs if a not in store.attrs]
             if missing:
                 raise ValueError(f"{self.what}: attrs {missing} are required to publish (pass them to publish())")

@@ -105,7 +105,14 @@ def compute(run: Run, cfg: Config, key: str) -> CalibrateResult:
             shared_x0=cfg.sampler.shared_x0,
         )
         done = complete(
-            cfg.completion.method, pol.velocity, chunk.sde.states, sigmas, chunk.cond, cfg.model.max_batch, through
+            cfg.completion.method,
+            pol.velocity,
+            chunk.sde.states,
+            sigmas,
+            chunk.cond,
+            cfg.model.max_batch,
+            through,
+            velocities=chunk.sde.velocities,  # `rollout`: the sampled velocities, no model call
         )
         B, T1 = done.latents.shape[:2]
         images = pol.decoder.decode_uint8(done.latents.reshape(B * T1, *done.latents.shape[2:]))

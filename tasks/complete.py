@@ -4,6 +4,8 @@ Every state before the end of the SDE window is completed with `completion.metho
 (`stepgrpo_core.completions`), and the window's last state too when the method is not the
 rollout's own ODE (`completed_through`); the states after that evolve deterministically, so their
 completion is the sample `x_T` itself and costs nothing. The clean latents and NFEs are stored.
+Completion `rollout` reads the velocities the rollout stored and loads no model (0 NFEs); a rollout
+stored without them (made before they were kept) is completed with the policy, at `tweedie`'s cost.
 """
 
 from __future__ import annotations
@@ -16,12 +18,12 @@ import torch
 
 from stepgrpo.config import Config
 from stepgrpo.loops import workspace
-from stepgrpo.loops.sampling import complete_chunks
+from stepgrpo.loops.sampling import complete_chunks, rollout_predictions
 from stepgrpo.prompts import stored_prompts
 from stepgrpo.results import CompleteResult, RolloutResult, UpdateResult
 from stepgrpo.runtime.faults import maybe_fail
 from stepgrpo.runtime.sharding import shard_ranges
-from stepgrpo_core.completions import completed_through
+from stepgrpo_core.completions import COMPLETIONS, completed_through, parse_method
 from storage.ledger import record
 from storage.run import Run
 from storage.schema import completion_stage
@@ -98,15 +100,24 @@ def compute(run: Run, cfg: Config, iteration: int, key: str) -> None:
 
 @shard_task("complete")
 def complete_shard(run: Run, cfg: Config, iteration: int, through: int, token: str, key: str, shard: range) -> None:
-    """Complete the states of the trajectories `shard` into the begun completion, then record it."""
+    """Complete the states of the trajectories `shard` into the begun completion, then record it.
+    A method that reuses the rollout's velocities (`rollout`) loads no model when they are stored."""
     t0 = time.perf_counter()
-    pol = workspace.policy_at(run, cfg, iteration)
+    method = cfg.completion.method
     data = run.stages.read_rollout(iteration, slice(shard.start, shard.stop))
-    writer = run.attach(iteration, clean_stage(cfg.completion.method), token)
+    writer = run.attach(iteration, clean_stage(method), token)
+    if COMPLETIONS.facts(parse_method(method)[0])["rollout_velocity"] and data.velocities is not None:
+        sigmas = torch.from_numpy(data.sigmas)
+        out = rollout_predictions(method, data.states, data.velocities, sigmas, data.prompt_ids, through)
+        writer.write(shard.start, latents=out.latents)
+        maybe_fail("complete", shard.start)
+        record(writer.ledger, shard, key, {"nfe": 0, "seconds": time.perf_counter() - t0, "worker": workspace.worker()})
+        return
+    pol = workspace.policy_at(run, cfg, iteration)
     nfe = 0
     for c0, out in complete_chunks(
         pol,
-        cfg.completion.method,
+        method,
         data.states,
         torch.from_numpy(data.sigmas),
         stored_prompts(run).texts,

@@ -1,7 +1,8 @@
 """The rollout stage: sample an iteration's groups with the policy after the previous update.
 
 `prompts_per_iteration` groups of `group_size` trajectories (a group shares its prompt and initial
-noise, `stepgrpo.loops.sampling.iteration_plan`), every state and step log-prob stored, and the ODE
+noise, `stepgrpo.loops.sampling.iteration_plan`), every state, step log-prob and the velocity each step
+was taken with stored (the velocities make completion `rollout` free), and the ODE
 sample of each group's initial noise (`ode_final`: R_0 of outcome runs, and the ODE reward beside
 the SDE training reward).
 """
@@ -130,6 +131,7 @@ def sample_shard(
             log_probs=chunk.sde.log_probs.cpu(),
             stds=chunk.sde.stds.cpu(),
             ode_final=chunk.ode_final.cpu(),
+            velocities=chunk.sde.velocities.cpu(),
         )
         maybe_fail("rollout", shard.start)
     result = {

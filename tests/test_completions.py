@@ -114,7 +114,7 @@ def test_chunking_does_not_change_results(method, max_batch):
 @pytest.mark.parametrize(
     "method,match",
     [
-        ("ode", "known completions: remaining, substeps, tweedie"),
+        ("ode", "known completions: remaining, rollout, substeps, tweedie"),
         ("substeps", "positive step count"),
         ("substeps:0", "positive step count"),
         ("substeps:x", "positive step count"),

@@ -1030,7 +1030,7 @@ def test_retention_prunes_finished_iterations_and_the_run_still_resumes(harness,
     run = Run.open(run_dir)
     for i in (0, 1):  # finished, and older than the last one: latents, completions and images gone
         assert not (run.stage_path(i, "rollout") / "states").exists()
-        assert run.pruned(i, "rollout")["removed"] == ["states", "ode_final"]
+        assert run.pruned(i, "rollout")["removed"] == ["states", "ode_final", "velocities"]
         assert run.pruned(i, "completions/remaining")["removed"] == ["latents"]
         assert run.pruned(i, "images/remaining") is not None
         assert run.stages.read_array(i, "rollout", "group_ids").shape == (6,)  # the plan and log-probs stay

@@ -28,6 +28,7 @@ def traj(b):
         "log_probs": rng.standard_normal((1, T)).astype(np.float32),
         "stds": rng.random((1, T)).astype(np.float32),
         "ode_final": rng.standard_normal((1, *LATENT)).astype(np.float16),
+        "velocities": rng.standard_normal((1, T, *LATENT)).astype(np.float16),
     }
 
 def begin(run):

@@ -34,6 +34,7 @@ def rollout_inputs(seed: int = 0, dtype: torch.dtype = torch.float16) -> dict:
         "log_probs": log_probs,
         "stds": torch.rand(B, T, generator=g),
         "ode_final": torch.randn(B, C, H, W, generator=g).to(dtype),
+        "velocities": torch.randn(B, T, C, H, W, generator=g).to(dtype),
         "sigmas": torch.linspace(1, 0, T + 1),
         "seeds": torch.arange(B) + 1000,
         "prompt_ids": torch.tensor([7, 7, 3, 3]),
@@ -61,6 +62,7 @@ def write_rollout(run: Run, iteration: int, x: dict, dtype: str = "float16", ord
                 log_probs=x["log_probs"][sl],
                 stds=x["stds"][sl],
                 ode_final=x["ode_final"][sl],
+                velocities=x["velocities"][sl],
             )
         return w.publish(inputs={"seed": 0})
 
@@ -77,6 +79,7 @@ def test_rollout_round_trip_is_bit_exact(tmp_path, dtype, stored):
     data = run.stages.read_rollout(0)
     # bf16 is stored as its 16 bits and read as float32: exact, every bf16 value is a float32 value
     assert same_bits(data.states, x["states"].float().numpy().astype(stored))
+    assert same_bits(data.velocities, x["velocities"].float().numpy().astype(stored))
     chunk = run.stage_path(0, "rollout") / "states" / "c.0.0.0.0.0"
     assert chunk.stat().st_size == x["states"][0].numel() * x["states"].element_size() + 4  # 2 bytes a bf16 value
     assert same_bits(data.log_probs, x["log_probs"].numpy())  # NaN bits included
@@ -110,7 +113,12 @@ def test_a_bf16_store_refuses_values_that_are_not_bf16(tmp_path):
     x = rollout_inputs(dtype=torch.float32)  # float32 noise: not bf16 values
     with pytest.raises(ValueError, match="not bfloat16"):
         write_rollout(run, 0, x, "bfloat16")
-    exact = {**x, "states": x["states"].to(torch.bfloat16).float(), "ode_final": x["ode_final"].to(torch.bfloat16)}
+    exact = {
+        **x,
+        "states": x["states"].to(torch.bfloat16).float(),
+        "ode_final": x["ode_final"].to(torch.bfloat16),
+        "velocities": x["velocities"].to(torch.bfloat16),
+    }
     write_rollout(run, 1, exact, "bfloat16")  # float32 holding bf16 values is stored exactly
     assert same_bits(run.stages.read_rollout(1).states, exact["states"].numpy())
 

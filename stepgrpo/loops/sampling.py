@@ -215,6 +215,33 @@ def complete_chunks(
         yield c0, complete(method, pol.velocity, chunk, sigmas.to(pol.device), cond, max_batch, through)  # no_grad
 
 
+def rollout_predictions(
+    method: str,
+    states: np.ndarray,
+    velocities: np.ndarray,
+    sigmas: torch.Tensor,
+    prompt_ids: np.ndarray,
+    through: int,
+) -> Any:
+    """The `rollout` completion of stored states `[B, T+1, ...]` from the rollout's stored
+    `velocities [B, T, ...]` (numpy, as stored): no model is loaded or called, 0 NFEs. Rows with
+    equal states and prompt share a completion, as `complete_chunks` gives them."""
+    from stepgrpo_core.completions import complete
+
+    keys = [int(p).to_bytes(8, "little", signed=True) for p in prompt_ids]
+    return complete(
+        method,
+        None,  # type: ignore[arg-type]  # not called: the velocities are given
+        torch.from_numpy(states),
+        sigmas,
+        None,
+        1,
+        through,
+        velocities=torch.from_numpy(velocities),
+        cond_keys=keys,
+    )
+
+
 def stored_noise(kernel_params: dict[str, Any], device: str | torch.device = "cpu") -> float | torch.Tensor:
     """The kernel's `noise` as a stored rollout records it: a float, or the psi table as an fp32 tensor."""
     noise = kernel_params["noise"]
