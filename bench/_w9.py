@@ -45,13 +45,18 @@ ARMS: dict[str, tuple[str, str]] = {
     "stepwise_w9": ("configs/shapes_stepwise_w9.yaml", "stepwise"),
     "turning_point_w9": ("configs/shapes_turning_point_w9.yaml", "turning_point"),
     "outcome_w3": ("configs/shapes_outcome.yaml", "outcome"),
+    # `--regime cheap`: DenseGRPO's credit from the rollout's own x0 predictions (0 extra NFEs)
+    "dense_rollout_w9": ("configs/shapes_dense_w9.yaml", "dense"),
 }
+# overrides an arm adds to its config (the cheap arms: their completion)
+ARM_SETS: dict[str, list[str]] = {"dense_rollout_w9": ["completion.method=rollout"]}
 OUTCOMES = ("outcome_w9", "outcome_w3")  # the two outcome recipes every step-level arm is compared with
-STEP_LEVEL = ("dense_w9", "stepwise_w9", "turning_point_w9")
+STEP_LEVEL = ("dense_w9", "stepwise_w9", "turning_point_w9", "dense_rollout_w9")
 PAPERS = {
     "stepwise_w9": ("Stepwise-Flow-GRPO", "reaches Flow-GRPO's reward in 2-3x fewer iterations", 0.5),
     "turning_point_w9": ("TP-GRPO", "reaches Flow-GRPO's reward in about a third of the steps", 0.4),
     "dense_w9": ("DenseGRPO", None, None),
+    "dense_rollout_w9": ("DenseGRPO", None, None),
 }
 RECORDS = ROOT / "docs" / "bench" / "credit_schemes_w9" / "runs"
 PRESETS: dict[str, dict[str, Any]] = {
@@ -66,6 +71,37 @@ PRESETS: dict[str, dict[str, Any]] = {
         "continuations": 8,
         "records": "credit_schemes_w9",
         "set": ["run.eval_seeds=8"],
+    },
+    # `--regime cheap` (docs/BENCHMARKS.md section 10): step-level credit at outcome's cost, DenseGRPO on
+    # the rollout's own x0 predictions against both outcome recipes, 6 paired seeds. outcome_w9's
+    # records (and outcome_w3's seeds 0-2, 500 iterations) are the papers' regime's (`borrow`); a cheap
+    # arm's NFEs are ~1x outcome_w9's and ~1.5x outcome_w3's, its seconds ~2-2.5x outcome_w3's: 250
+    # iterations of outcome_w3 reach both
+    "cheap": {
+        "iterations": 100,
+        "eval_every": 25,
+        "outcome_iterations": {"outcome_w9": 350, "outcome_w3": 250},
+        "seeds": {"outcome_w9": 6, "dense_rollout_w9": 6, "outcome_w3": 6},
+        "continuations": 8,
+        "records": "credit_schemes_cheap",
+        "borrow": "credit_schemes_w9",
+        "set": ["run.eval_seeds=8"],
+    },
+    # every path of the cheap regime at tiny settings: a test runs it
+    "cheap_quick": {
+        "iterations": 2,
+        "eval_every": 1,
+        "outcome_iterations": {"outcome_w9": 4, "outcome_w3": 4},
+        "seeds": {"outcome_w9": 1, "dense_rollout_w9": 1, "outcome_w3": 1},
+        "continuations": 2,
+        "records": "credit_schemes_cheap_quick",
+        "set": [
+            "run.prompts_per_iteration=2",
+            "run.group_size=4",
+            "run.eval_prompts=8",
+            "run.eval_seeds=1",
+            "optim.diagnostics=false",
+        ],
     },
     # a CUDA GPU: outcome against dense at W9 with 8x the trajectories an iteration (64 prompts x 8),
     # every run at once, on the tiny model (its batches take milliseconds there: the CPU side sets the
@@ -118,26 +154,53 @@ class W9:
     jobs: int
     out: Path  # run directories (scratch)
     records: Path  # the durable records
+    borrow: Path | None = None  # another regime's records, read for the arms both share
 
     def arm_seeds(self, arm: str) -> list[int]:
-        return list(range(self.seeds[arm]))
+        return list(range(self.seeds.get(arm, 0)))
+
+    def arms(self) -> list[str]:
+        return [arm for arm in ARMS if self.seeds.get(arm, 0)]
 
     def overrides_of(self, arm: str) -> list[str]:
         n = self.outcome_iterations.get(arm, self.iterations)
-        return [*self.overrides, f"run.iterations={n}", f"run.eval_every={self.eval_every}"]
+        return [*self.overrides, *ARM_SETS.get(arm, []), f"run.iterations={n}", f"run.eval_every={self.eval_every}"]
 
     def argv(self, arm: str) -> list[str]:
         return [ARMS[arm][0], *self.overrides_of(arm)]
 
     def record_path(self, arm: str, seed: int) -> Path:
-        return self.records / arm / f"seed_{seed}.json"
+        """Where the record of `(arm, seed)` is: this regime's own, else a borrowed one that covers it."""
+        own = self.records / arm / f"seed_{seed}.json"
+        if self.borrow is not None and not own.is_file():
+            other = self.borrow / arm / f"seed_{seed}.json"
+            if other.is_file() and covers(json.loads(other.read_text())["argv"], self.argv(arm)):
+                return other
+        return own
 
     def check_path(self, arm: str) -> Path:
         return self.records / arm / "check_seed_0.json"
 
 
+def covers(recorded: list[str], wanted: list[str]) -> bool:
+    """Whether a run made with argv `recorded` holds the run `wanted` asks for: the same argv, or
+    the same but for more `run.iterations` (a longer run of a constant learning rate passes through
+    the shorter one: same prompts, noise and updates, evaluated at the same iterations)."""
+
+    def split(argv: list[str]) -> tuple[list[str], int]:
+        rest = [x for x in argv if not x.startswith("run.iterations=")]
+        n = [int(x.split("=", 1)[1]) for x in argv if x.startswith("run.iterations=")]
+        return rest, (n[-1] if n else 0)
+
+    (r, n_r), (w, n_w) = split(recorded), split(wanted)
+    constant = not any(x.startswith("optim.lr_schedule=") and not x.endswith("=constant") for x in recorded)
+    return r == w and (n_r == n_w or (n_r > n_w and constant))
+
+
 def settings(a: Any) -> W9:
     name = "quick" if a.quick else "gpu" if a.gpu else "full"
+    if getattr(a, "regime", "w9") == "cheap":
+        name = "cheap_quick" if a.quick else "cheap"
     p = PRESETS[name]
     seeds = dict(p["seeds"])
     if a.seeds:  # --seeds N: at most N seeds per arm
@@ -154,6 +217,7 @@ def settings(a: Any) -> W9:
         records=(
             a.records or (a.out / "records" if a.quick and a.out else RECORDS.parents[1] / p["records"] / "runs")
         ).resolve(),
+        borrow=(RECORDS.parents[1] / p["borrow"] / "runs").resolve() if p.get("borrow") else None,
     )
 
 
@@ -185,7 +249,7 @@ def record_of(run_dir: Path, argv: list[str]) -> dict[str, Any]:
 def train_one(s: W9, arm: str, seed: int, stepgrpo: Stepgrpo) -> None:
     """Train one (arm, seed) unless its record exists; then its record (and, for seed 0, the check)."""
     path = s.record_path(arm, seed)
-    if path.is_file() and json.loads(path.read_text())["argv"] == s.argv(arm):
+    if path.is_file() and covers(json.loads(path.read_text())["argv"], s.argv(arm)):
         return
     out = (s.out / arm).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -229,8 +293,8 @@ def check(s: W9, arm: str, out: Path, stepgrpo: Stepgrpo) -> None:
 def queue(s: W9) -> list[tuple[str, int]]:
     """Seed-major: every arm of seed 0 before any of seed 1, so a stopped comparison holds whole
     pairs; the costly step-level arms first within a seed."""
-    order = ("dense_w9", "outcome_w9", "stepwise_w9", "turning_point_w9", "outcome_w3")
-    return [(arm, seed) for seed in range(max(s.seeds.values())) for arm in order if seed < s.seeds[arm]]
+    order = ("dense_rollout_w9", "dense_w9", "outcome_w9", "stepwise_w9", "turning_point_w9", "outcome_w3")
+    return [(arm, seed) for seed in range(max(s.seeds.values())) for arm in order if seed < s.seeds.get(arm, 0)]
 
 
 # --------------------------------------------------------------------------------- analysis
@@ -256,7 +320,7 @@ def load(s: W9, arm: str, seed: int) -> Rec | None:
     if not path.is_file():
         return None
     r = json.loads(path.read_text())
-    if r["argv"] != s.argv(arm):
+    if not covers(r["argv"], s.argv(arm)):
         return None  # a record of other settings
     evals = {int(k): v for k, v in r["evals"].items()}
     return Rec(arm, seed, r["nfe"], r["seconds"], r["setup_seconds"], evals)

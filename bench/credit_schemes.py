@@ -895,7 +895,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--report-only", action="store_true", help="read the finished runs and report")
     ap.add_argument(
         "--regime",
-        choices=("w3", "w9"),
+        choices=("w3", "w9", "cheap"),
         default="w3",
         help="w3: the shipped early-window recipes and the papers' ablations (default); "
         "w9: the papers' 9-step window against outcome at W9 and W3 (bench/_w9.py)",
@@ -907,7 +907,7 @@ def parser() -> argparse.ArgumentParser:
 def main() -> None:
     ap = parser()
     a = ap.parse_args()
-    if a.regime == "w9":
+    if a.regime in ("w9", "cheap"):
         if a.gpu and not a.report_only:
             import torch
 

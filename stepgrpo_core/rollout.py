@@ -135,9 +135,7 @@ def rollout(
             log_probs[:, k] = torch.where(stochastic, lp, torch.full_like(lp, float("nan")))
         stds[:, k] = std.reshape(batch)
         states.append(x)
-    return Rollout(
-        torch.stack(states, dim=1), log_probs, stds, batch * num_steps, torch.stack(velocities, dim=1)
-    )
+    return Rollout(torch.stack(states, dim=1), log_probs, stds, batch * num_steps, torch.stack(velocities, dim=1))
 
 
 def step_log_prob(
