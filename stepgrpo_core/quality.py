@@ -52,6 +52,27 @@ def true_advantages(values: torch.Tensor) -> torch.Tensor:
     return values[..., 1:] - values[..., :-1]
 
 
+def oracle_advantages(values: torch.Tensor, trained: torch.Tensor | None = None) -> torch.Tensor:
+    """Oracle credit: every trained step gets its true advantage `A*_k = V(x_{k+1}) - V(x_k)`,
+    scaled by `1 / (std(R_T) + STD_EPS)` over the batch (`R_T = V(x_T)`), outcome's global scale,
+    so that with `sum_k A*_k = R_T - V(x_0)` it is outcome's advantage split over the steps that
+    made it; 0 on the other steps. The bound of any step-level scheme, for the benchmarks only:
+    `V` from `M` continuations of every state costs `M` times a trajectory's remaining NFEs.
+
+    `values [B, T+1]` (`TrueValues.value`, or exact values), `trained [T]` bool (None: every
+    step). Returns `[B, T]` in the dtype of `values`."""
+    from .credit import STD_EPS
+
+    if values.dim() != 2 or values.shape[1] < 2:
+        raise ValueError(f"values must be [B, T+1]; got {tuple(values.shape)}")
+    final = values[:, -1]
+    scale = (final - final[0]).std(correction=0) + STD_EPS  # shifted: a constant batch gives exactly 0
+    adv = true_advantages(values) / scale
+    if trained is not None:
+        adv = torch.where(trained.to(torch.bool)[None, :], adv, torch.zeros_like(adv))
+    return adv
+
+
 def shifted_window(window: tuple[int, int], k: int, num_steps: int) -> tuple[int, int] | None:
     """The SDE window `(start, size)` of a grid that starts at step `k` (None: no stochastic step left)."""
     start, size = check_window(window, num_steps)

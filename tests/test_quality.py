@@ -151,3 +151,27 @@ def test_window_bookkeeping_and_reliability():
     assert reliability(-0.2) != reliability(-0.2)  # NaN: no correction when the halves disagree
     with pytest.raises(ValueError, match="M >= 2"):
         true_values(torch.zeros(2, 3, 1))
+
+
+def test_the_oracle_scheme_returns_the_true_advantage(case):
+    """Oracle credit (`oracle_advantages`, the benchmarks' bound) on the exact values is `A*` at
+    outcome's scale, 0 on untrained steps; on Monte-Carlo values it tracks the exact `A*`."""
+    from stepgrpo_core.credit import STD_EPS
+    from stepgrpo_core.quality import oracle_advantages
+
+    _, _, _, finals, exact = case
+    trained = torch.ones(T, dtype=torch.bool)
+    trained[-1] = False
+    adv = oracle_advantages(exact, trained)
+    scale = exact[:, -1].std(correction=0) + STD_EPS
+    expected = (exact[:, 1:] - exact[:, :-1]) / scale  # A*_k = V(x_{k+1}) - V(x_k), outcome's scale
+    torch.testing.assert_close(adv[:, :-1], expected[:, :-1])
+    assert bool((adv[:, -1] == 0).all())
+    # summed over every step it is the final reward's deviation from V(x_0), at outcome's scale
+    full = oracle_advantages(exact)
+    torch.testing.assert_close(full.sum(1), (exact[:, -1] - exact[:, 0]) / scale)
+    mc = oracle_advantages(true_values(finals).value, trained)
+    corr = torch.corrcoef(torch.stack([mc[:, :-1].reshape(-1), expected[:, :-1].reshape(-1)]))[0, 1]
+    assert corr > 0.3  # M = 16 continuations: ~0.5 here; the Monte-Carlo noise of a difference of means
+    with pytest.raises(ValueError, match=r"\[B, T\+1\]"):
+        oracle_advantages(exact[:, :1])
