@@ -24,11 +24,14 @@ def credit_quality(
     schemes: list[str] | None = None,
     seed: int = 0,
     overrides: list[str] | None = None,
+    methods: list[str] | None = None,
 ) -> dict[str, Any]:
     """The credit-quality check of `iteration` (default: the latest scored one): `continuations` SDE
     continuations per state give the true values `V(x_k)` and advantages `A*_k`; each of `schemes`
     (default: every registered scheme) is judged per step and in gradient space (METHODS.md,
-    "Judging credit"). Stored in the run and reused; logged to MLflow as a child of the run."""
+    "Judging credit"), on the run's own step rewards and on each completion method of `methods`
+    (each scheme's tables then also as `scheme:method`, with the method's NFEs per trajectory).
+    Stored in the run and reused; logged to MLflow as a child of the run."""
     allow(*(schemes or []))  # the caller's own names; a stored run's plug-ins are never imported
     names = schemes_to_judge(schemes)
     with owned_stored(run, overrides or []) as (stored, cfg):
@@ -37,11 +40,15 @@ def credit_quality(
         if iteration is None:
             iteration = max(stored_iterations(stored))
         score.stored(stored, iteration, reward_identity(cfg.reward)["name"])  # scored (a clear error if not)
-        result = check_stage(stored, cfg, iteration, continuations, names, seed)
+        result = check_stage(stored, cfg, iteration, continuations, names, seed, methods)
         path = record_path(stored, iteration, result.key)
         _log(stored, cfg, result, path)
         for row in result.gradient["uniform"]["rows"]:
             print(f"iteration {iteration}: {row['scheme']} gradient cosine {_fmt(row['cosine'])}")
+        for method, cost in (result.methods or {}).items():
+            print(
+                f"iteration {iteration}: step rewards by {method}: {cost['nfe_per_trajectory']:.1f} NFEs a trajectory"
+            )
         return {"run_dir": str(stored.path), "record": str(path), **result.record()}
 
 

@@ -239,3 +239,6 @@ class QualityResult(Result):
     seconds: float
     seconds_continuations: float
     seconds_gradient: float
+    # completion method -> {"nfe_per_trajectory", "seconds"}: the step rewards judged (the run's own
+    # first; another method's tables are named `scheme:method`); None: the run's own method alone
+    methods: dict[str, dict[str, float]] | None = None

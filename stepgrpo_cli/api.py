@@ -184,18 +184,27 @@ def credit_quality(
     schemes: Sequence[str] | None = None,
     seed: int = 0,
     overrides: Sequence[str] = (),
+    methods: Sequence[str] | None = None,
 ) -> QualityCheck:
     """Judge credit schemes on a stored iteration of `run` (default: the latest scored one) against
     Monte-Carlo true advantages from `continuations` SDE continuations per state (METHODS.md,
-    "Judging credit"); `schemes`: default every registered one."""
+    "Judging credit"); `schemes`: default every registered one. `methods`: completion methods whose
+    step rewards are judged beside the run's own (`scheme:method`, with their NFEs)."""
     from stepgrpo.checks import check_run
     from stepgrpo.errors import StageError
     from stepgrpo_core.registry import allow
     from tasks.quality import check_continuations, schemes_to_judge
 
+    from stepgrpo_core.completions import validate_method
+
     check_continuations(continuations)
     allow(*(schemes or []))  # the caller's own names may be imported
     schemes_to_judge(list(schemes or []))
+    for method in methods or []:
+        try:
+            validate_method(method)
+        except (KeyError, ValueError) as err:
+            raise StageError(f"--method {method!r}: {err}") from None
     path = check_run(str(run), overrides=list(overrides))
     done = Run.open(path).iterations("rollout")
     if not done:
@@ -214,6 +223,7 @@ def credit_quality(
             schemes=list(schemes) if schemes else None,
             seed=seed,
             overrides=list(overrides) or None,
+            methods=list(methods) if methods else None,
         )
     record = Path(out.pop("record"))
     run_dir = Path(out.pop("run_dir"))

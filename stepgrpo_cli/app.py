@@ -317,6 +317,14 @@ def credit_quality(
         typer.Option("--scheme", help="A scheme to judge (repeatable; default every registered scheme)."),
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the continuations (recorded).")] = 0,
+    method: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--method",
+            help="A completion method whose step rewards are judged too, e.g. rollout, tweedie, substeps:2 "
+            "(repeatable; default the run's own alone).",
+        ),
+    ] = None,
     set_: SetOpt = None,
 ) -> None:
     """Judge every credit scheme on a stored iteration of RUN against Monte-Carlo true advantages."""
@@ -330,6 +338,7 @@ def credit_quality(
         schemes=scheme or None,
         seed=seed,
         overrides=set_ or [],
+        methods=method or None,
     )
     console.print(quality_tables(out.result.record() | {"record": str(out.record), "run_dir": str(out.run_dir)}))
 
@@ -376,9 +385,11 @@ def quality_tables(out: dict[str, Any]) -> Any:
                 else "",
             )
     rel = ", ".join(f"{k} {_fmt(v['reliability'], 2)}" for k, v in out["gradient"].items())
+    costs = "; ".join(f"{m} {c['nfe_per_trajectory']:.1f}" for m, c in (out.get("methods") or {}).items())
     notes = (
         f"reliability of G(A*): {rel}; {out['score_rows']} scored rows, {out['nfe']} NFEs, "
         f"{out['seconds']:.0f} s; record {out['record']}"
+        + (f"; step rewards' NFEs a trajectory: {costs}" if costs else "")
     )
     return Group(steps, grad, *([f"skipped: {'; '.join(out['skipped'])}"] if out["skipped"] else []), notes)
 

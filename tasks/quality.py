@@ -23,35 +23,29 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import numpy as np
 import torch
 
 from stepgrpo.config import CODE_SALT, Config, digest_of
 from stepgrpo.errors import StageError
-from stepgrpo.loops import workspace
-from stepgrpo.loops.sampling import encode, generator, stored_noise
-from stepgrpo.loops.scoring import reward_images, score_images
+from stepgrpo.loops import judging, workspace
+from stepgrpo.loops.sampling import stored_noise
 from stepgrpo.prompts import stored_prompts
-from stepgrpo.reporting.report import track
 from stepgrpo.results import QualityResult
-from stepgrpo_core.conditioning import take
 from stepgrpo_core.credit import SCHEMES, assign
 from stepgrpo_core.loss import step_weights
 from stepgrpo_core.quality import (
-    GradientSums,
-    continue_states,
     gradient_check,
     step_table,
     true_advantages,
     true_values,
 )
-from stepgrpo_core.rollout import step_log_prob
 from storage.errors import StorageError
 from storage.publish import read_json, seal, write_file_atomic
 from storage.run import Run
 from tasks.base import stage_task, warn
+from tasks.complete import clean_stage
 from tasks.credit import trained_mask
 
 QUALITY_DIR = Run.QUALITY_DIR
@@ -60,16 +54,19 @@ BOOTSTRAP_DRAWS = 2000
 VERSION = "1"  # bumped when the check computes other numbers from the same inputs (part of its key)
 
 
-if TYPE_CHECKING:
-    from stepgrpo.policy import Policy
-
-
 @stage_task("credit_quality")
 def credit_quality(
-    run: Run, cfg: Config, iteration: int, continuations: int, schemes: list[str], seed: int = 0
+    run: Run,
+    cfg: Config,
+    iteration: int,
+    continuations: int,
+    schemes: list[str],
+    seed: int = 0,
+    methods: list[str] | None = None,
 ) -> QualityResult:
-    """The credit-quality check of `iteration` with `continuations` per state for `schemes`."""
-    return execute(run, cfg, iteration, continuations, schemes, seed)
+    """The credit-quality check of `iteration` with `continuations` per state for `schemes`, on the
+    run's own step rewards and on those of each other completion method in `methods`."""
+    return execute(run, cfg, iteration, continuations, schemes, seed, methods)
 
 
 def scheme_setup(cfg: Config, schemes: list[str]) -> dict[str, dict[str, Any]]:
@@ -77,7 +74,15 @@ def scheme_setup(cfg: Config, schemes: list[str]) -> dict[str, dict[str, Any]]:
     return {s: dict(cfg.credit.options) if s == cfg.credit.scheme else {} for s in schemes}
 
 
-def key_of(run: Run, cfg: Config, iteration: int, continuations: int, schemes: list[str], seed: int) -> str:
+def key_of(
+    run: Run,
+    cfg: Config,
+    iteration: int,
+    continuations: int,
+    schemes: list[str],
+    seed: int,
+    methods: list[str] | None = None,
+) -> str:
     """Everything the check reads (module doc), as one digest; loads no model."""
     identity = workspace.reward_identity(cfg.reward)
     rollout = run.stage_manifest(iteration, "rollout") or {}
@@ -98,6 +103,8 @@ def key_of(run: Run, cfg: Config, iteration: int, continuations: int, schemes: l
         "salt": CODE_SALT,
         "version": VERSION,
     }
+    if methods:  # a check of the run's own rewards keeps the key it had before methods could be judged
+        parts["methods"] = list(methods)
     return digest_of(parts)
 
 
@@ -124,17 +131,24 @@ def check_continuations(continuations: int) -> None:
 
 
 def execute(
-    run: Run, cfg: Config, iteration: int, continuations: int, schemes: list[str], seed: int = 0
+    run: Run,
+    cfg: Config,
+    iteration: int,
+    continuations: int,
+    schemes: list[str],
+    seed: int = 0,
+    methods: list[str] | None = None,
 ) -> QualityResult:
     check_continuations(continuations)
     if run.stage_manifest(iteration, "rollout") is None:
         raise StageError(f"run {run.run_id} has no published rollout at iteration {iteration}")
-    key = key_of(run, cfg, iteration, continuations, schemes, seed)
+    methods = methods_to_judge(cfg, methods)
+    key = key_of(run, cfg, iteration, continuations, schemes, seed, methods)
     path = run.inside(record_path(run, iteration, key))
     found = read(run, path, key)
     if found is not None:
         return found
-    result = compute(run, cfg, iteration, continuations, schemes, seed, key)
+    result = compute(run, cfg, iteration, continuations, schemes, seed, key, methods)
     path.parent.mkdir(parents=True, exist_ok=True)
     record = seal(result.model_dump(mode="json", exclude_none=True))
     write_file_atomic(path, (json.dumps(record) + "\n").encode())
@@ -160,7 +174,14 @@ def read_partial(path: Path, key: str, k: int, shape: tuple[int, int]) -> torch.
 
 
 def compute(
-    run: Run, cfg: Config, iteration: int, continuations: int, schemes: list[str], seed: int, key: str
+    run: Run,
+    cfg: Config,
+    iteration: int,
+    continuations: int,
+    schemes: list[str],
+    seed: int,
+    key: str,
+    methods: list[str] | None = None,
 ) -> QualityResult:
     t0 = time.perf_counter()
     identity = workspace.reward_identity(cfg.reward)
@@ -172,24 +193,47 @@ def compute(
     data = run.stages.read_rollout(iteration)
     group_ids = torch.from_numpy(data.group_ids).long()
     trained = cfg.trained_steps()
-    mask = trained_mask(cfg)
-    tables, skipped = {}, []
-    step_rewards = bool(torch.isfinite(rewards).all())
-    grid = rewards if step_rewards else rewards[:, -1:].expand_as(rewards)  # final-only runs: R_T everywhere
-    for s, options in scheme_setup(cfg, schemes).items():
-        if SCHEMES.facts(s)["step_rewards"] and not step_rewards:
-            skipped.append(f"{s}: needs a reward for every state; this run was scored on final samples only")
-            continue
-        adv = assign(s, grid.float(), group_ids, mask, **options).advantages.double()
-        tables[s] = adv.clamp(-cfg.optim.adv_clip, cfg.optim.adv_clip)  # as the loss clips them
+    pol = workspace.policy_at(run, cfg, iteration)
+    prompts = stored_prompts(run)
+    reward = workspace.reward(cfg.reward)
+    # the run's own step rewards, then each other completion method's on the same states
+    grids = {cfg.completion.method: rewards}
+    B = int(rewards.shape[0])
+    stored = run.stage_manifest(iteration, clean_stage(cfg.completion.method)) if cfg.completion.method else None
+    cost = {str(cfg.completion.method): {"nfe_per_trajectory": (stored["attrs"]["nfe"] / B) if stored else 0.0}}
+    for method in [m for m in methods or [] if m != cfg.completion.method]:
+        t = time.perf_counter()
+        grids[method], nfe = judging.method_rewards(pol, cfg, reward, data, prompts, method, rewards[:, -1])
+        cost[method] = {"nfe_per_trajectory": nfe / B, "seconds": time.perf_counter() - t}
+    tables, skipped = judged_tables(cfg, schemes, grids, group_ids)
     judged = list(tables)
 
-    pol = workspace.policy_at(run, cfg, iteration)
     noise = stored_noise(data.kernel_params, pol.device)
-    finals, nfe = _continuations(run, cfg, pol, iteration, data, rewards, noise, continuations, seed, key)
+    partial = partial_dir(run, key)
+    partial.mkdir(parents=True, exist_ok=True)
+
+    def save(k: int, done: torch.Tensor) -> None:
+        write_file_atomic(
+            partial / f"k{k}.json", json.dumps(seal({"key": key, "k": k, "rewards": done.tolist()})).encode()
+        )
+
+    finals, nfe = judging.continuations(
+        pol,
+        cfg,
+        reward,
+        data,
+        prompts,
+        noise,
+        rewards[:, -1],
+        continuations,
+        (cfg.run.seed, "credit-quality", iteration, seed),
+        lambda k: read_partial(partial / f"k{k}.json", key, k, (B, continuations)),
+        save,
+    )
     t1 = time.perf_counter()
     tv = true_values(finals)
-    steps = step_table(grid, tv, tables, group_ids, trained)
+    own = rewards if bool(torch.isfinite(rewards).all()) else rewards[:, -1:].expand_as(rewards)
+    steps = step_table(own, tv, tables, group_ids, trained)
     weights = step_weights("noise", data.kernel, torch.from_numpy(data.sigmas), noise, trained)
     w = torch.zeros(rewards.shape[1] - 1, dtype=torch.float64)
     w[trained] = weights.double()
@@ -200,7 +244,7 @@ def compute(
     }
     plain = {**truth, **tables}
     weighted = {f"{name}@noise": t * w for name, t in plain.items()}
-    sums, rows = _gradient_sums(pol, cfg, data, stored_prompts(run).texts, plain | weighted, group_ids, trained, noise)
+    sums, rows = judging.gradient_sums(pol, cfg, data, prompts.texts, plain | weighted, group_ids, trained, noise)
     gradient = {}
     for suffix, label in (("", "uniform"), ("@noise", "noise")):
         check = gradient_check(
@@ -220,13 +264,13 @@ def compute(
         seed=seed,
         reward_name=identity["name"],
         reward_version=identity["version"],
-        trajectories=int(rewards.shape[0]),
+        trajectories=B,
         groups=int(torch.unique(group_ids).numel()),
         trained_steps=trained,
         schemes=judged,
         skipped=skipped,
-        steps=_finite(steps),
-        gradient=_finite(gradient),
+        steps=judging.finite(steps),
+        gradient=judging.finite(gradient),
         values=tv.value.tolist(),
         value_halves=tv.halves.tolist(),
         nfe=nfe,
@@ -234,110 +278,41 @@ def compute(
         seconds=t2 - t0,
         seconds_continuations=t1 - t0,
         seconds_gradient=t2 - t1,
+        methods=cost if methods else None,
     )
 
 
-def _continuations(
-    run: Run,
-    cfg: Config,
-    pol: Policy,
-    iteration: int,
-    data: Any,
-    rewards: torch.Tensor,
-    noise: float | torch.Tensor,
-    m: int,
-    seed: int,
-    key: str,
-) -> tuple[torch.Tensor, int]:
-    """Final rewards `[B, T+1, M]` of `m` SDE continuations of every stored state inside the SDE
-    window (the states from its end on evolve deterministically: their entries are `R_T`), and
-    the continuations' NFEs (a state a stopped call finished is read back, its NFEs counted)."""
-    B, T1 = rewards.shape
-    T = T1 - 1
-    start, size = data.kernel_params.get("window", [0, T])
-    end = int(start) + int(size)
-    sigmas = torch.from_numpy(data.sigmas).to(pol.device)
-    prompts = stored_prompts(run)
-    reward = workspace.reward(cfg.reward)
-    cond = encode(pol, prompts.texts, data.prompt_ids)
-    finals = rewards[:, -1:, None].expand(B, T1, m).clone()
-    rows_per_call = max(1, cfg.model.max_batch // m)  # trajectories a call continues, m times each
-    nfe0 = pol.nfe
-    partial = partial_dir(run, key)
-    partial.mkdir(parents=True, exist_ok=True)
-    read_back = 0
-    for k in track(range(end), f"continue {iteration}"):
-        done = read_partial(partial / f"k{k}.json", key, k, (B, m))
-        if done is not None:
-            finals[:, k] = done
-            read_back += B * m * (T - k)  # what computing them cost (a CFG pair counts once)
-            continue
-        for b0 in range(0, B, rows_per_call):
-            rows = torch.arange(b0, min(B, b0 + rows_per_call))
-            reps = rows.repeat_interleave(m)  # trajectory of each continuation
-            x = torch.from_numpy(data.states[rows.numpy(), k]).to(pol.device, pol.dtype).repeat_interleave(m, 0)
-            gen = generator(cfg.run.seed, "credit-quality", iteration, seed, k, b0, device=pol.device)
-            x_T = continue_states(
-                pol.velocity, x, sigmas, k, take(cond, reps), data.kernel, noise, (int(start), int(size)), gen
-            )
-            images = reward_images(pol.decoder, x_T)[0]
-            pids = data.prompt_ids[reps.numpy()]
-            out = score_images(
-                reward,
-                images,
-                prompts.texts_of(pids),
-                prompts.metadata_of(pids),
-                chunk=len(images),
-                device=pol.decoder.device,
-                progress="",
-            )
-            finals[rows, k] = out.scores.double().reshape(len(rows), m)
-        record = seal({"key": key, "k": k, "rewards": finals[:, k].tolist()})
-        write_file_atomic(partial / f"k{k}.json", json.dumps(record).encode())
-    return finals, pol.nfe - nfe0 + read_back
-
-
-def _gradient_sums(
-    pol: Policy,
-    cfg: Config,
-    data: Any,
-    texts: Any,
-    tables: dict[str, torch.Tensor],
-    group_ids: torch.Tensor,
-    trained: list[int],
-    noise: float | torch.Tensor,
-) -> tuple[dict[str, torch.Tensor], int]:
-    """Per-group sums of `A s` for every table, from one LoRA score per trained row (`GradientSums`)."""
-    from stepgrpo.loops.training import update_velocity
-
-    params = pol.trainable_parameters()
-    velocity = update_velocity(pol, cfg.optim.detach_uncond)  # the velocity the update differentiates
-    sums = GradientSums(tables, group_ids, sum(p.numel() for p in params))
-    cond = encode(pol, texts, data.prompt_ids)
-    states = torch.from_numpy(data.states).to(pol.device, pol.dtype)
-    sigmas = torch.from_numpy(data.sigmas).to(pol.device)
-    finite = np.isfinite(data.log_probs)
-    for b in track(range(states.shape[0]), "scores"):
-        one = take(cond, torch.tensor([b]))
-        for k in trained:
-            if not finite[b, k]:
+def judged_tables(
+    cfg: Config, schemes: list[str], grids: dict[str | None, torch.Tensor], group_ids: torch.Tensor
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Each scheme's advantages `[B, T]` (clipped as the loss clips them) from each method's step
+    rewards `grids` (the run's own method first, named by the scheme alone; another method's as
+    `scheme:method`); a scheme that reads only `R_T` is judged once. Also what was skipped, with why."""
+    mask = trained_mask(cfg)
+    tables, skipped = {}, []
+    for method, rewards in grids.items():
+        step_rewards = bool(torch.isfinite(rewards).all())
+        grid = rewards if step_rewards else rewards[:, -1:].expand_as(rewards)  # final-only runs: R_T everywhere
+        for s, options in scheme_setup(cfg, schemes).items():
+            reads_steps = SCHEMES.facts(s)["step_rewards"]
+            if method != cfg.completion.method and not reads_steps:
+                continue  # the same advantages as with the run's own rewards
+            if reads_steps and not step_rewards:
+                skipped.append(f"{s}: needs a reward for every state; this run was scored on final samples only")
                 continue
-            lp = step_log_prob(velocity, states[b : b + 1], sigmas, one, k, data.kernel, noise).log_prob.sum()
-            grads = torch.autograd.grad(lp, params, allow_unused=True)
-            flat = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, grads)])
-            sums.add(b, k, flat)
-    return sums.sums, sums.rows
+            adv = assign(s, grid.float(), group_ids, mask, **options).advantages.double()
+            name = s if method == cfg.completion.method else f"{s}:{method}"
+            tables[name] = adv.clamp(-cfg.optim.adv_clip, cfg.optim.adv_clip)
+    return tables, skipped
 
 
-def _finite(obj: Any) -> Any:
-    """`obj` with NaN / inf numbers as None (JSON has no NaN)."""
-    if isinstance(obj, float):
-        return obj if np.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_finite(v) for v in obj]
-    return obj
+def methods_to_judge(cfg: Config, requested: list[str] | None) -> list[str] | None:
+    """The completion methods a check judges beside the run's own (validated, in order, without
+    repeats); None when it is the run's own alone (the check as it was before methods)."""
+    from stepgrpo_core.completions import validate_method
+
+    names = [validate_method(m) for m in dict.fromkeys(requested or [])]
+    return names if [m for m in names if m != cfg.completion.method] else None
 
 
 def schemes_to_judge(requested: list[str] | None) -> list[str]:

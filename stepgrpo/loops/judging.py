@@ -1,0 +1,172 @@
+"""The computations of the credit-quality check (`tasks.quality`): step rewards of a stored
+iteration by any completion method, the Monte-Carlo continuations of its states, and the per-row
+LoRA scores of the gradient check. METHODS.md, "Judging credit".
+
+Shapes: `B` trajectories, `T` steps, `M` continuations, `C, H, W` latent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from stepgrpo.loops.sampling import complete_chunks, encode, generator, rollout_predictions
+from stepgrpo.loops.scoring import decode_distinct, reward_images, score_images
+from stepgrpo.reporting.report import track
+from stepgrpo_core.completions import COMPLETIONS, completed_through, parse_method
+from stepgrpo_core.conditioning import take
+from stepgrpo_core.quality import GradientSums, continue_states
+from stepgrpo_core.rollout import step_log_prob
+
+if TYPE_CHECKING:
+    from stepgrpo.config import Config
+    from stepgrpo.policy import Policy
+
+
+def window_of(data: Any, num_steps: int) -> tuple[int, int]:
+    """The stored rollout's SDE window `(start, end)`."""
+    start, size = data.kernel_params.get("window", [0, num_steps])
+    return int(start), int(start) + int(size)
+
+
+def method_rewards(
+    pol: Policy | None,
+    cfg: Config,
+    reward: Any,
+    data: Any,
+    prompts: Any,
+    method: str,
+    finals: torch.Tensor,
+) -> tuple[torch.Tensor, int]:
+    """The step rewards `[B, T+1]` fp64 of the stored states `data` completed by `method` and scored
+    with `reward`, as the complete and score stages would give them (the states the method does not
+    complete, and `x_T`, get the stored final rewards `finals [B]`), and the transformer rows it cost.
+    `pol` is used only when the method calls the model (`rollout` with stored velocities does not)."""
+    B, T1 = data.states.shape[:2]
+    T = T1 - 1
+    through = completed_through(method, window_of(data, T)[1], T)
+    sigmas = torch.from_numpy(data.sigmas)
+    if COMPLETIONS.facts(parse_method(method)[0])["rollout_velocity"] and data.velocities is not None:
+        done = rollout_predictions(method, data.states, data.velocities, sigmas, data.prompt_ids, through)
+        latents, nfe = done.latents.numpy(), 0
+    else:
+        assert pol is not None, f"completion {method!r} needs the policy"
+        parts, nfe = [], 0
+        for _, out in complete_chunks(
+            pol, method, data.states, sigmas, prompts.texts, data.prompt_ids, max(1, cfg.model.max_batch), through
+        ):
+            parts.append(out.latents.cpu().numpy())
+            nfe += out.nfe
+        latents = np.concatenate(parts)
+    flat = latents[:, :through].reshape(-1, *latents.shape[2:])
+    decoder = pol.decoder if pol is not None else _decoder(cfg)
+    images = torch.from_numpy(decode_distinct(decoder, flat, max(1, cfg.model.max_batch), ""))
+    pids = np.repeat(data.prompt_ids, through)
+    out = score_images(
+        reward, images, prompts.texts_of(pids), prompts.metadata_of(pids), len(images), decoder.device, ""
+    )
+    grid = finals.double()[:, None].expand(B, T1).clone()
+    grid[:, :through] = out.scores.double().reshape(B, through)
+    return grid, nfe
+
+
+def _decoder(cfg: Config) -> Any:
+    from stepgrpo.loops import workspace
+
+    return workspace.decoder(cfg.model)
+
+
+def continuations(
+    pol: Policy,
+    cfg: Config,
+    reward: Any,
+    data: Any,
+    prompts: Any,
+    noise: float | torch.Tensor,
+    finals: torch.Tensor,
+    m: int,
+    seeds: tuple[Any, ...],
+    done: Callable[[int], torch.Tensor | None],
+    save: Callable[[int, torch.Tensor], None],
+) -> tuple[torch.Tensor, int]:
+    """Final rewards `[B, T+1, M]` of `m` SDE continuations of every stored state inside the SDE
+    window (the states from its end on evolve deterministically: their entries are `finals [B]`,
+    `R_T`), and their transformer rows. State `k`'s rewards `[B, M]` are read back with `done(k)`
+    when a stopped check finished them (their rows counted as computed), else computed and kept
+    with `save(k, ...)`. Chunk `b0` of state `k` draws from `generator(*seeds, k, b0)`."""
+    B, T1 = data.states.shape[:2]
+    T = T1 - 1
+    start, end = window_of(data, T)
+    sigmas = torch.from_numpy(data.sigmas).to(pol.device)
+    cond = encode(pol, prompts.texts, data.prompt_ids)
+    out = finals.double()[:, None, None].expand(B, T1, m).clone()
+    rows_per_call = max(1, cfg.model.max_batch // m)  # trajectories a call continues, m times each
+    nfe0, read_back = pol.nfe, 0
+    for k in track(range(end), "continue"):
+        found = done(k)
+        if found is not None:
+            out[:, k] = found
+            read_back += B * m * (T - k)  # what computing them cost (a CFG pair counts once)
+            continue
+        for b0 in range(0, B, rows_per_call):
+            rows = torch.arange(b0, min(B, b0 + rows_per_call))
+            reps = rows.repeat_interleave(m)  # trajectory of each continuation
+            x = torch.from_numpy(data.states[rows.numpy(), k]).to(pol.device, pol.dtype).repeat_interleave(m, 0)
+            gen = generator(*seeds, k, b0, device=pol.device)
+            x_T = continue_states(
+                pol.velocity, x, sigmas, k, take(cond, reps), data.kernel, noise, (start, end - start), gen
+            )
+            images = reward_images(pol.decoder, x_T)[0]
+            pids = data.prompt_ids[reps.numpy()]
+            scored = score_images(
+                reward, images, prompts.texts_of(pids), prompts.metadata_of(pids), len(images), pol.decoder.device, ""
+            )
+            out[rows, k] = scored.scores.double().reshape(len(rows), m)
+        save(k, out[:, k])
+    return out, pol.nfe - nfe0 + read_back
+
+
+def gradient_sums(
+    pol: Policy,
+    cfg: Config,
+    data: Any,
+    texts: Any,
+    tables: Mapping[str, torch.Tensor],
+    group_ids: torch.Tensor,
+    trained: list[int],
+    noise: float | torch.Tensor,
+) -> tuple[dict[str, torch.Tensor], int]:
+    """Per-group sums of `A s` for every table, from one LoRA score per trained row (`GradientSums`)."""
+    from stepgrpo.loops.training import update_velocity
+
+    params = pol.trainable_parameters()
+    velocity = update_velocity(pol, cfg.optim.detach_uncond)  # the velocity the update differentiates
+    sums = GradientSums(dict(tables), group_ids, sum(p.numel() for p in params))
+    cond = encode(pol, texts, data.prompt_ids)
+    states = torch.from_numpy(data.states).to(pol.device, pol.dtype)
+    sigmas = torch.from_numpy(data.sigmas).to(pol.device)
+    finite = np.isfinite(data.log_probs)
+    for b in track(range(states.shape[0]), "scores"):
+        one = take(cond, torch.tensor([b]))
+        for k in trained:
+            if not finite[b, k]:
+                continue
+            lp = step_log_prob(velocity, states[b : b + 1], sigmas, one, k, data.kernel, noise).log_prob.sum()
+            grads = torch.autograd.grad(lp, params, allow_unused=True)
+            flat = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, grads)])
+            sums.add(b, k, flat)
+    return sums.sums, sums.rows
+
+
+def finite(obj: Any) -> Any:
+    """`obj` with NaN / inf numbers as None (JSON has no NaN)."""
+    if isinstance(obj, float):
+        return obj if np.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [finite(v) for v in obj]
+    return obj
