@@ -16,6 +16,13 @@ intervals) and `summary.md` (the table and the regimes read off it).
 
     .venv/bin/python bench/credit_quality.py                 # the screen of docs/BENCHMARKS.md (~1 h)
     .venv/bin/python bench/credit_quality.py --quick         # every path at tiny settings (~2 min)
+    .venv/bin/python bench/credit_quality.py --methods       # the estimators judged per NFE (below)
+
+`--methods`: the same stored iterations (a = 0.7) judged with the step rewards of every completion
+method (`stepgrpo credit-quality --method`: `remaining`, `substeps:1/2/3/5`, `tweedie`, `rollout`,
+on the same rows and continuations), each with its transformer NFEs per trajectory: `methods.csv`
+(a column `nfe_per_trajectory`), `methods.png` (cosine against NFEs per scheme and window) and
+`methods.md`.
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ from bench._warm import Stepgrpo
 WINDOWS = (3, 6, 9)
 NOISES = (0.5, 0.7)
 SCHEMES = ("outcome", "stepwise", "dense", "turning_point")
+# the completion methods of `--methods`; the stored iterations are completed by the first
+METHODS = ("remaining", "substeps:1", "substeps:2", "substeps:3", "substeps:5", "tweedie", "rollout")
 
 
 def command(stepgrpo: Stepgrpo, args: list[str], log: Path) -> None:
@@ -45,9 +54,11 @@ def command(stepgrpo: Stepgrpo, args: list[str], log: Path) -> None:
         raise SystemExit(f"stepgrpo {' '.join(args)} failed ({rc}); see {relative(log)}")
 
 
-def stored_check(run_dir: Path) -> dict[str, Any] | None:
-    found = sorted((run_dir / "credit_quality").glob("iter_0-*.json"))
-    return json.loads(found[-1].read_text()) if found else None
+def stored_check(run_dir: Path, methods: bool = False) -> dict[str, Any] | None:
+    """The stored check of the run's iteration 0: with `methods`, the one that judged other methods too."""
+    found = [json.loads(f.read_text()) for f in sorted((run_dir / "credit_quality").glob("iter_0-*.json"))]
+    found = [c for c in found if bool(c.get("methods")) == methods]
+    return found[-1] if found else None
 
 
 def screen_one(window: int, noise: float, args: argparse.Namespace, out: Path, stepgrpo: Stepgrpo) -> dict[str, Any]:
@@ -75,15 +86,17 @@ def screen_one(window: int, noise: float, args: argparse.Namespace, out: Path, s
             + [a for o in overrides for a in ("--set", o)],
             out / f"{name}.train.log",
         )
-    if stored_check(run_dir) is None or stored_check(run_dir)["continuations"] != args.continuations:
+    found = stored_check(run_dir, args.methods)
+    if found is None or found["continuations"] != args.continuations:
         print(f"{name}: credit-quality check, M = {args.continuations}", flush=True)
         command(
             stepgrpo,
             ["credit-quality", str(run_dir), "--iteration", "0", "--continuations", str(args.continuations)]
-            + [a for s in SCHEMES for a in ("--scheme", s)],
-            out / f"{name}.check.log",
+            + [a for s in SCHEMES for a in ("--scheme", s)]
+            + [a for m in (METHODS if args.methods else ()) for a in ("--method", m)],
+            out / f"{name}.check{'.methods' if args.methods else ''}.log",
         )
-    check = stored_check(run_dir)
+    check = stored_check(run_dir, args.methods)
     assert check is not None
     print(f"{name}: done in {time.perf_counter() - t0:.0f} s (check {check['seconds']:.0f} s)", flush=True)
     return {"name": name, "window": window, "noise": noise, "check": check}
@@ -213,6 +226,101 @@ def plot(screen: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def method_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per window, weighting, scheme and completion method: its cosine and its NFEs."""
+    rows = []
+    for r in results:
+        c = r["check"]
+        own = next(iter(c["methods"]))  # the stored iteration's own method (named by the scheme alone)
+        for weighting, g in c["gradient"].items():
+            for row in g["rows"]:
+                scheme, _, method = row["scheme"].partition(":")
+                method = method or own
+                rows.append(
+                    {
+                        "window": r["window"],
+                        "noise": r["noise"],
+                        "weighting": weighting,
+                        "scheme": scheme,
+                        "method": method if scheme != "outcome" else "none (R_T only)",
+                        "nfe_per_trajectory": c["methods"][method]["nfe_per_trajectory"] if scheme != "outcome" else 0,
+                        "cosine": row["cosine"],
+                        "low": row["low"],
+                        "high": row["high"],
+                        "diff_vs_outcome": row.get("diff"),
+                        "diff_low": row.get("diff_low"),
+                        "diff_high": row.get("diff_high"),
+                        "reliability": g["reliability"],
+                        "groups": c["groups"],
+                        "continuations": c["continuations"],
+                    }
+                )
+    return rows
+
+
+def methods_md(rows: list[dict[str, Any]]) -> str:
+    """Per window (uniform weighting): each scheme's cosine by method, with the method's NFEs."""
+    lines = []
+    for w in sorted({r["window"] for r in rows}):
+        sel = [r for r in rows if r["window"] == w and r["weighting"] == "uniform"]
+        schemes = [s for s in SCHEMES if s != "outcome" and any(r["scheme"] == s for r in sel)]
+        groups = sel[0]["groups"]
+        lines += [
+            f"W = {w} ({groups} prompt groups, M = {sel[0]['continuations']}; corrected cosine with the "
+            "true-advantage gradient, 95 % interval over prompt groups):",
+            "",
+            "| step rewards from | NFEs per trajectory | " + " | ".join(schemes) + " |",
+            "|---|---|" + "---|" * len(schemes),
+        ]
+        for m in METHODS:
+            cells = []
+            nfe = None
+            for s in schemes:
+                row = next((r for r in sel if r["scheme"] == s and r["method"] == m), None)
+                if row is None or row["cosine"] is None:
+                    cells.append("-")
+                    continue
+                nfe = row["nfe_per_trajectory"]
+                cells.append(f"{fmt(row['cosine'])} [{fmt(row['low'])}, {fmt(row['high'])}]")
+            lines.append(f"| `{m}` | {'-' if nfe is None else f'{nfe:.0f}'} | " + " | ".join(cells) + " |")
+        o = next((r for r in sel if r["scheme"] == "outcome"), None)
+        if o is not None:
+            lines.append(
+                f"| outcome (no step rewards) | 0 | {fmt(o['cosine'])} [{fmt(o['low'])}, {fmt(o['high'])}] |"
+                + " |" * (len(schemes) - 1)
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot_methods(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    windows = sorted({r["window"] for r in rows})
+    fig, axes = plt.subplots(1, len(windows), figsize=(5 * len(windows), 4.2), sharey=True, squeeze=False)
+    for ax, w in zip(axes[0], windows):
+        sel = [r for r in rows if r["window"] == w and r["weighting"] == "uniform" and r["cosine"] is not None]
+        for s in SCHEMES:
+            pts = sorted((r["nfe_per_trajectory"], r["cosine"], r["method"]) for r in sel if r["scheme"] == s)
+            if not pts:
+                continue
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", label=s)
+            if s == "dense":
+                for x, y, m in pts:
+                    ax.annotate(m, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set_xscale("symlog", linthresh=1)
+        ax.set_xlabel("transformer NFEs per trajectory for the step rewards")
+        ax.set_title(f"W = {w}")
+        ax.axhline(0, color="grey", lw=0.5)
+    axes[0][0].set_ylabel("cos(G_scheme, G_true), corrected")
+    axes[0][0].legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "credit_quality")
@@ -224,7 +332,10 @@ def main() -> None:
     p.add_argument("--noises", type=float, nargs="+", default=list(NOISES))
     p.add_argument("--set", action="append", default=[], help="more overrides for every run")
     p.add_argument("--quick", action="store_true", help="every path at tiny settings (a smoke test)")
+    p.add_argument("--methods", action="store_true", help="every completion method per NFE (module doc)")
     args = p.parse_args()
+    if args.methods:
+        args.noises = [0.7]
     if args.quick:
         args.groups, args.group_size, args.continuations = 2, 2, 2
         args.windows, args.noises = [2], [0.7]
@@ -235,6 +346,14 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     with Stepgrpo(1, out) as stepgrpo:
         results = [screen_one(w, a, args, out, stepgrpo) for w in args.windows for a in args.noises]
+    if args.methods:
+        rows = method_rows(results)
+        write_csv(out / "methods.csv", rows)
+        (out / "methods.md").write_text(methods_md(rows))
+        plot_methods(rows, out / "methods.png")
+        print((out / "methods.md").read_text())
+        print(f"written to {relative(out)}")
+        return
     screen, steps = rows_of(results)
     write_csv(out / "screen.csv", screen)
     write_csv(out / "steps.csv", steps)
