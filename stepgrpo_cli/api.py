@@ -192,10 +192,9 @@ def credit_quality(
     step rewards are judged beside the run's own (`scheme:method`, with their NFEs)."""
     from stepgrpo.checks import check_run
     from stepgrpo.errors import StageError
+    from stepgrpo_core.completions import validate_method
     from stepgrpo_core.registry import allow
     from tasks.quality import check_continuations, schemes_to_judge
-
-    from stepgrpo_core.completions import validate_method
 
     check_continuations(continuations)
     allow(*(schemes or []))  # the caller's own names may be imported

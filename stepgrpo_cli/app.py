@@ -620,12 +620,42 @@ def _prune(run: str, keep: str | None, keep_last: int | None, every: int | None,
 def inspect(
     run: RunArg,
     verify: Annotated[bool, typer.Option("--verify", help="Check every stored byte against its digests.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the run as JSON: each iteration's NFEs and seconds per stage.")
+    ] = False,
 ) -> None:
     """A table of RUN's iterations: stages published and rewards (--verify: check all stored data)."""
     if verify:
         _run(_verify, run)
         return
-    _run(_inspect, run)
+    _run(_inspect_json if as_json else _inspect, run)
+
+
+def _inspect_json(run: str) -> None:
+    """The run as JSON (`iterations`: `stepgrpo.reporting.costs.iteration_costs`; `evaluations`: the
+    held-out records' headline numbers), on stdout, for scripts."""
+    from stepgrpo.reporting.costs import iteration_costs
+    from storage.publish import read_json
+    from storage.run import Run, find_run
+
+    r = Run.open(find_run(run))
+    evaluations = []
+    for f in sorted((r.path / "eval").glob("*.json")):
+        e = read_json(f, "evaluation record")
+        if isinstance(e, dict) and "reward_mean" in e:
+            keep = ("label", "reward_mean", "reward_strict", "prompts", "seeds", "nfe", "seconds")
+            evaluations.append({k: e.get(k) for k in keep})
+    cfg = r.config
+    out = {
+        "run_id": r.run_id,
+        "run_dir": str(r.path),
+        "scheme": (cfg.get("credit") or {}).get("scheme"),
+        "completion": (cfg.get("completion") or {}).get("method"),
+        "reward": (cfg.get("reward") or {}).get("name"),
+        "iterations": iteration_costs(r),
+        "evaluations": evaluations,
+    }
+    print(json.dumps(out, indent=1))
 
 
 def _verify(run: str) -> None:

@@ -101,8 +101,9 @@ def rollout(
         generator: the RNG for the step noise (on the device of `x0`); fix it for reproducibility.
 
     Returns `Rollout`. The velocities are kept because they are free: the clean latent each state
-    predicts (`x_k - sigmas[k] v_k`) gives step rewards with no further transformer call. A step inside the window whose std is 0 (e.g. `ddim` with `eta = 0`) has no
-    density and gets a NaN log-prob, like the steps outside the window: it cannot be trained.
+    predicts (`x_k - sigmas[k] v_k`) gives step rewards with no further transformer call. A step
+    inside the window whose std is 0 (e.g. `ddim` with `eta = 0`) has no density and gets a NaN
+    log-prob, like the steps outside the window: it cannot be trained.
     The log-prob is taken of the state as stored (after the cast to the dtype of `x0`), so
     `step_log_prob` on the stored states reproduces it exactly.
     """

@@ -189,3 +189,32 @@ def test_the_window_s_last_state_is_completed_by_a_method_that_is_not_the_rollou
     assert completed_through("substeps:5", 3, 10) == 4
     assert completed_through("tweedie", 3, 10) == 4
     assert completed_through("substeps:5", 10, 10) == 10  # no window: every state but x_T, as before
+
+
+def test_rollout_completion_is_the_tweedie_estimate_of_the_sampled_velocities():
+    """`rollout` reads the velocities the rollout sampled with: `x_k - sigmas[k] v_k` for every
+    state before `through`, 0 NFEs, no model call; bitwise `tweedie` of the same field."""
+    g = torch.Generator().manual_seed(3)
+    cond = {"scale": torch.linspace(0.5, 1.5, 3)}
+    field = Counting()
+    traj = rollout(field, torch.randn(3, 2, 3, 3, generator=g), SIGMAS, cond, kernel="flow", noise=0.7, generator=g)
+    assert traj.velocities.shape == (3, T, 2, 3, 3)
+    # the stored velocity of step k is the field at the stored state x_k
+    for k in range(T):
+        assert torch.equal(traj.velocities[:, k], field(traj.states[:, k], SIGMAS[k].repeat(3), cond))
+
+    def no_model(*args):
+        raise AssertionError("rollout completion called the model")
+
+    out = complete("rollout", no_model, traj.states, SIGMAS, cond, max_batch=4, through=4, velocities=traj.velocities)
+    assert out.nfe == 0
+    for k in range(4):  # by hand
+        assert torch.equal(out.latents[:, k], traj.states[:, k] - SIGMAS[k] * traj.velocities[:, k])
+    assert torch.equal(out.latents[:, 4], traj.states[:, -1])  # from `through` on: the sample
+    tweedie = complete("tweedie", Counting(), traj.states, SIGMAS, cond, max_batch=4, through=4)
+    assert torch.equal(out.latents, tweedie.latents) and tweedie.nfe == 3 * 4
+    # without stored velocities (a rollout made before they were kept) it recomputes them
+    again = complete("rollout", Counting(), traj.states, SIGMAS, cond, max_batch=4, through=4)
+    assert torch.equal(again.latents, out.latents) and again.nfe == 3 * 4
+    with pytest.raises(ValueError, match="velocities must be"):
+        complete("rollout", no_model, traj.states, SIGMAS, cond, 4, 4, velocities=traj.velocities[:, :2])

@@ -11,6 +11,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -684,6 +685,93 @@ def test_substeps_complete_the_window_s_last_state_by_the_same_method(harness, t
     grid = run.tables.reward_grid(0, "jpeg_compressibility")
     assert torch.equal(grid[:, 3], grid[:, 4])  # after the window's last state: the sample's own reward
     assert not torch.equal(grid[:, 2], grid[:, 4])  # x_2 by 2 substeps, not by the rollout's own ODE
+
+
+def test_rollout_step_rewards_cost_no_transformer_call_and_rescore_without_one(
+    harness, tiny, tmp_path, monkeypatch, decodes
+):
+    """Completion `rollout`: the complete stage loads no policy and counts 0 NFEs; its latents are
+    the Tweedie estimate `x_k - sigma_k v_k` of the velocities the rollout stored, computed by hand
+    here; a stored run re-scored with another reward loads no transformer; the credit-quality
+    check judges other methods on the same rows, with their NFEs."""
+    import shutil
+
+    from flows.quality import credit_quality
+    from flows.rescore import rescore
+    from flows.train import train
+    from storage.run import Run
+
+    sets = [*tiny, "credit.scheme=dense", "completion.method=rollout", "run.iterations=1", "sampler.sde_window_size=2"]
+    import tasks.complete
+
+    counted: dict[str, int] = {}
+    compute = tasks.complete.compute
+
+    def nfe_counted(*args, **kwargs):  # transformer rows of every loaded policy during the stage
+        before = sum(p.nfe for p, _ in workspace._policies.values())
+        compute(*args, **kwargs)
+        counted["complete"] = sum(p.nfe for p, _ in workspace._policies.values()) - before
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the complete stage ran the model")
+
+    monkeypatch.setattr(tasks.complete, "compute", nfe_counted)
+    monkeypatch.setattr(tasks.complete, "complete_chunks", no_model)
+    out = train(overrides=sets, run_dir=str(tmp_path / "rollout"))
+    assert counted == {"complete": 0}
+    run = Run.open(out["run_dir"])
+    m = run.stage_manifest(0, "completions/rollout")
+    assert m["attrs"]["nfe"] == 0 and m["attrs"]["deterministic_from"] == 3  # x_0, x_1 and the window's last
+    data = run.stages.read_rollout(0)
+    assert data.velocities.shape == (6, 4, *data.states.shape[2:])
+    latents = run.stages.read_completion(0, "rollout").latents
+    sigmas = data.sigmas.astype(np.float32)
+    for k in range(3):  # x0_hat = x_k - sigma_k v_k, by hand from the stored arrays
+        hand = data.states[:, k].astype(np.float32) - sigmas[k] * data.velocities[:, k].astype(np.float32)
+        np.testing.assert_array_equal(latents[:, k], hand.astype(latents.dtype))
+    np.testing.assert_array_equal(latents[:, 3], data.states[:, -1])  # after the window: the sample itself
+    # the rollout's velocities are the policy's: the same as `tweedie` recomputing them
+    pol = workspace.policy_at(run, load_config(None, sets), 0)
+    x = torch.from_numpy(data.states[:, 1]).to(pol.dtype)
+    cond = encode(pol, stored_prompts(run).texts, data.prompt_ids)
+    v = pol.velocity(x, torch.full((6,), float(sigmas[1])), cond)
+    torch.testing.assert_close(v, torch.from_numpy(data.velocities[:, 1]), rtol=1e-4, atol=1e-5)
+    costs = [it["nfe_stages"] for it in json.loads(_cli_json(out["run_dir"]))["iterations"]]
+    assert costs[0]["complete"] == 0 and costs[0]["rollout"] == 6 * 4
+
+    copy = tmp_path / "copy"
+    shutil.copytree(out["run_dir"], copy)
+    for d in copy.glob("iter_*/images"):
+        shutil.rmtree(d)
+    monkeypatch.setattr(workspace, "_policies", {})  # a fresh process: nothing loaded
+    monkeypatch.setattr(workspace, "_decoders", {})
+    scored = rescore(str(copy), "shapes")
+    assert [s["images"] for s in scored["scores"]] == ["decoded+stored"]
+    assert workspace._policies == {} and len(workspace._decoders) == 1  # the VAE alone
+
+    check = credit_quality(
+        out["run_dir"], iteration=0, continuations=2, schemes=["outcome", "dense"], methods=["tweedie", "remaining"]
+    )
+    names = [r["scheme"] for r in check["gradient"]["uniform"]["rows"]]
+    assert names == ["outcome", "dense", "dense:tweedie", "dense:remaining"]
+    assert {k: v["nfe_per_trajectory"] for k, v in check["methods"].items()} == {
+        "rollout": 0.0,
+        "tweedie": 3.0,
+        "remaining": 4.0 + 3.0,  # x_0, x_1: from the window's end on the ODE completion is the sample
+    }
+    rows = {r["scheme"]: r for r in check["gradient"]["uniform"]["rows"]}
+    assert rows["dense"]["raw"] == pytest.approx(rows["dense:tweedie"]["raw"], abs=1e-6)  # the same estimate
+
+
+def _cli_json(run_dir: str) -> str:
+    """`stepgrpo inspect RUN --json`'s output."""
+    from typer.testing import CliRunner
+
+    from stepgrpo_cli.app import app
+
+    result = CliRunner().invoke(app, ["inspect", run_dir, "--json"])
+    assert result.exit_code == 0, result.output
+    return result.stdout
 
 
 def test_credit_quality_is_stored_reused_and_computed_again_when_damaged(trained, monkeypatch):
