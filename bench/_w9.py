@@ -490,6 +490,66 @@ def claims_v2_md(rows: list[dict[str, str]], early: Path = EARLY_WINDOW) -> str:
     return "\n".join(L) + "\n"
 
 
+V2 = Path(__file__).resolve().parents[1] / "docs" / "bench" / "credit_schemes_w9" / "claims_v2.md"
+CHEAP_ARMS = {"DenseGRPO": "dense_rollout_w9"}  # paper -> its arm with the rollout's own step rewards
+
+
+def cheap_claims(a: dict[str, Any]) -> list[dict[str, str]]:
+    """The claims measured with the cheap estimator (`--regime cheap`): each paper's cheap arm
+    against outcome_w9 (the papers' comparison) and against outcome_w3 (the best outcome recipe
+    per NFE, section 8)."""
+    from bench._schemes import ci, verdict
+
+    N, rows = a["iterations"], []
+    for paper, arm in CHEAP_ARMS.items():
+        for ref in OUTCOMES:
+            e = a["vs"].get(f"{arm} - {ref}")
+            if e is None:
+                continue
+            against = "Flow-GRPO" if ref == "outcome_w9" else "the best outcome recipe, W = 3,"
+            for budget, what in (
+                ("trajectories", "at the same iterations"),
+                ("nfe", "at equal transformer NFEs"),
+                ("seconds", "at equal training seconds"),
+            ):
+                p = e[budget]["pooled"]
+                its = "/".join(str(x["outcome_iterations"]) for x in e[budget]["per_seed"])
+                short = any(x["short"] for x in e[budget]["per_seed"])
+                rows.append(
+                    {
+                        "paper": paper,
+                        "claim": f"higher reward than {against} {what}",
+                        "measured": f"{arm} after {N} - {ref} after {its}: {ci(p)} over {p['n']} seeds",
+                        "verdict": verdict(p) + (" (outcome ran short of equal compute)" if short else ""),
+                    }
+                )
+    return rows
+
+
+def claims_v3_md(cheap: list[dict[str, str]], v2: Path = V2) -> str:
+    """The claims table, version 3: each claim of version 2 (W = 9, each scheme with its paper's
+    completion) beside the same claim with the cheap estimator (step rewards from the rollout's own
+    x0 predictions, 0 extra NFEs); the claims against the best outcome recipe (W = 3) added."""
+    old: dict[tuple[str, str], tuple[str, str]] = {}
+    if v2.is_file():
+        for line in v2.read_text().splitlines()[2:]:
+            cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+            if len(cells) == 6:
+                old[(cells[0], _base_claim(cells[1]))] = (cells[2], cells[3])
+    new = {(r["paper"], _base_claim(r["claim"])): (r["measured"], r["verdict"]) for r in cheap}
+    L = [
+        "| paper | claim | v2: the paper's completion (W = 9): measured | verdict "
+        "| v3: rollout step rewards (W = 9, 0 extra NFEs): measured | verdict |",
+        "|---|---|---|---|---|---|",
+    ]
+    keys = list(dict.fromkeys([*old, *new]))
+    for paper, claim in keys:
+        m2, v2_ = old.get((paper, claim), ("not measured", ""))
+        m3, v3_ = new.get((paper, claim), ("not measured (the cheap comparison ran DenseGRPO only)", ""))
+        L.append(f"| {paper} | {claim} | {m2} | {v2_} | {m3} | {v3_} |")
+    return "\n".join(L) + "\n"
+
+
 def _base_claim(claim: str) -> str:
     """A claim without its parenthetical reference point: `... fewer iterations (outcome's ...)`."""
     return claim.split(" (")[0].strip()
@@ -608,6 +668,7 @@ def plot(runs: dict[tuple[str, int], Rec], s: W9, path: Path) -> None:
         "dense_w9": "tab:orange",
         "stepwise_w9": "tab:blue",
         "turning_point_w9": "tab:green",
+        "dense_rollout_w9": "tab:red",
     }
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for arm in ARMS:
@@ -657,7 +718,11 @@ def main(a: Any) -> None:
     report.mkdir(parents=True, exist_ok=True)
     (report / "summary.md").write_text(summary_md(analysis, s, info))
     (report / "claims.md").write_text(claims_md(table))
-    (report / "claims_v2.md").write_text(claims_v2_md(table))
+    cheap = "dense_rollout_w9" in s.arms()
+    if cheap:
+        (report / "claims_v3.md").write_text(claims_v3_md(cheap_claims(analysis)))
+    else:
+        (report / "claims_v2.md").write_text(claims_v2_md(table))
     write_json(report / "analysis.json", {**info, **analysis, "claims": table, "missing": missing})
     import csv
 
@@ -668,5 +733,8 @@ def main(a: Any) -> None:
         w.writerows(rows)
     plot(runs, s, report / "heldout.png")
     print((report / "summary.md").read_text())
-    print((report / "claims_v2.md").read_text())
-    print(f"wrote {relative(report)}/: summary.md, claims.md, claims_v2.md, analysis.json, comparison.csv, heldout.png")
+    claims_file = "claims_v3.md" if cheap else "claims_v2.md"
+    print((report / claims_file).read_text())
+    print(
+        f"wrote {relative(report)}/: summary.md, claims.md, {claims_file}, analysis.json, comparison.csv, heldout.png"
+    )

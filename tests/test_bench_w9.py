@@ -168,3 +168,46 @@ def test_claims_v2_puts_each_claim_beside_its_early_window_row(w9, tmp_path):
     assert lines[2].endswith("| +0.019 | consistent | +0.001 [-0.025, +0.028] | not resolved |")
     assert lines[3].endswith("| 0.82, 0.60 | contradicted | 0.65 | contradicted |")  # the row at 100 iterations
     assert lines[4].endswith("| -0.04 | not resolved | not measured |  |")
+
+
+def test_the_cheap_regime_borrows_the_outcome_records_that_cover_its_runs(w9, tmp_path):
+    """`--regime cheap`: outcome records of the papers' regime are read where they hold the run asked
+    for (the same argv, or more iterations of a constant learning rate); the cheap arm's own are
+    written to its own records; claims v3 puts each claim beside version 2's."""
+    a = argparse.Namespace(
+        quick=False, gpu=False, seeds=None, iterations=2, eval_every=1, overrides=[], jobs=1, out=tmp_path,
+        records=tmp_path / "cheap" / "runs", regime="cheap",
+    )  # fmt: skip
+    s = w9.settings(a)
+    s.borrow = tmp_path / "w9" / "runs"
+    assert s.arms() == ["outcome_w9", "outcome_w3", "dense_rollout_w9"]
+    assert "completion.method=rollout" in s.argv("dense_rollout_w9")
+    base = [0.0, 0.2, 0.4, 0.1, 0.3, 0.5]
+    plus = lambda d: [x + d for x in base]  # noqa: E731
+    # a borrowed outcome_w3 record ran longer (500 iterations where the cheap regime asks for 250)
+    more = {**s.outcome_iterations, "outcome_w3": 500}
+    longer = w9.W9(**{**vars(s), "records": s.borrow, "borrow": None, "outcome_iterations": more})
+    record(longer, "outcome_w3", 0, 50, {i: plus(0.02 * i) for i in range(5)})
+    record(longer, "outcome_w9", 0, 100, {i: plus(0.01 * i) for i in range(5)})
+    assert s.record_path("outcome_w3", 0).parent.parent == s.borrow  # covered: read from the papers' regime
+    assert w9.covers(json.loads(s.record_path("outcome_w3", 0).read_text())["argv"], s.argv("outcome_w3"))
+    assert not w9.covers([*s.argv("outcome_w3"), "optim.lr_schedule=cosine"], s.argv("outcome_w3"))
+    assert s.record_path("outcome_w3", 1).parent.parent == s.records  # not borrowed: trained here
+    record(s, "dense_rollout_w9", 0, 100, {0: base, 1: plus(0.05), 2: plus(0.06)})
+    runs = {job: r for job in w9.queue(s) if (r := w9.load(s, *job)) is not None}
+    assert set(runs) == {("dense_rollout_w9", 0), ("outcome_w9", 0), ("outcome_w3", 0)}
+    analysis = w9.analyse(runs, s)
+    nfe = analysis["vs"]["dense_rollout_w9 - outcome_w9"]["nfe"]["per_seed"][0]
+    assert nfe["outcome_iterations"] == 2 and not nfe["short"]  # equal NFEs: 200 each
+    rows = w9.cheap_claims(analysis)
+    assert {r["claim"] for r in rows} >= {
+        "higher reward than Flow-GRPO at equal transformer NFEs",
+        "higher reward than the best outcome recipe, W = 3, at equal transformer NFEs",
+    }
+    v2 = tmp_path / "claims_v2.md"
+    v2.write_text(
+        "| paper | claim | w9 | verdict | w3 | verdict |\n|---|---|---|---|---|---|\n"
+        "| DenseGRPO | higher reward than Flow-GRPO at equal transformer NFEs | -0.027 | not resolved | x | y |\n"
+    )
+    lines = w9.claims_v3_md(rows, v2).splitlines()
+    assert "| -0.027 | not resolved | dense_rollout_w9 after 2 - outcome_w9 after 2:" in lines[2]
