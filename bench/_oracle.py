@@ -125,7 +125,7 @@ def monte_carlo_values(run: Any, cfg: Any, iteration: int, m: int) -> tuple[torc
 
 
 @flow(name="oracle-train", log_prints=True)
-def oracle_train(config_path: str, overrides: list[str], run_dir: str, continuations: int) -> dict[str, Any]:
+def oracle_train(config_path: str | None, overrides: list[str], run_dir: str, continuations: int) -> dict[str, Any]:
     """`flows/train.py`'s loop with outcome's scoring and the oracle's values in place of completions."""
     from flows.progress import TrainingLog, name_flow_run
     from stepgrpo.checks import check_config

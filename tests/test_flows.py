@@ -763,6 +763,31 @@ def test_rollout_step_rewards_cost_no_transformer_call_and_rescore_without_one(
     assert rows["dense"]["raw"] == pytest.approx(rows["dense:tweedie"]["raw"], abs=1e-6)  # the same estimate
 
 
+def test_the_oracle_bound_trains_on_monte_carlo_true_advantages(harness, tiny, tmp_path):
+    """bench/_oracle.py (benchmark only): every state's value from continuations with common random
+    numbers, stored as value rows; the oracle scheme's advantages through the ordinary credit stage
+    are `A*` at outcome's scale on the trained steps; the update trains on them."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench._oracle import ORACLE, oracle_train
+    from stepgrpo_core.quality import oracle_advantages
+    from stepgrpo_core.registry import allow
+    from storage.run import Run
+
+    sets = [*tiny, "run.iterations=1", "sampler.sde_window_size=2"]
+    out = oracle_train(None, sets, str(tmp_path / "oracle"), 2)
+    allow(ORACLE)
+    run = Run.open(out["run_dir"])
+    values = run.tables.reward_grid(0, "jpeg_compressibility-value")
+    finals = run.tables.reward_grid(0, "jpeg_compressibility")[:, -1]
+    assert torch.equal(values[:, -1], finals) and torch.equal(values[:, 2], finals)  # x_2 on: deterministic
+    assert not torch.equal(values[:, 0], values[:, 1])
+    adv = run.tables.read_advantages(0, ORACLE).to_pandas().sort_values(["traj", "k"])
+    trained = torch.tensor([True, True, False, False])
+    expected = oracle_advantages(values.double(), trained).reshape(-1).numpy()
+    np.testing.assert_allclose(adv["value"].to_numpy(), expected, rtol=1e-5, atol=1e-6)
+    assert run.stage_manifest(0, "checkpoint") is not None
+
+
 def _cli_json(run_dir: str) -> str:
     """`stepgrpo inspect RUN --json`'s output."""
     from typer.testing import CliRunner
