@@ -852,7 +852,7 @@ def test_credit_quality_is_stored_reused_and_computed_again_when_damaged(trained
 
 def test_a_stopped_credit_quality_check_resumes_at_the_first_unfinished_state(trained, monkeypatch):
     from flows.quality import credit_quality
-    from tasks import quality
+    from stepgrpo.loops import judging as quality  # the check's continuation loop
 
     original, seen = quality.continue_states, []
 
