@@ -201,6 +201,16 @@ def ledger_of(run: Run, iteration: int, key: str) -> Path:
     return run.inside(run.stage_path(iteration, "rollout").parent / f".score-{key[:16]}.shards")
 
 
+def r0_is_ode(run: Run) -> bool:
+    """Whether the run's `R_0` is the ODE sample of `x_0`: no completion (outcome's `ode_final`), or a
+    method that runs the rollout's own ODE (`remaining`); a one-step estimate from noise is not."""
+    from stepgrpo_core.completions import COMPLETIONS
+
+    method = (run.config.get("completion") or {}).get("method", "remaining")
+    name = str(method).partition(":")[0]
+    return method is None or (name in COMPLETIONS.names() and bool(COMPLETIONS.facts(name)["exact_tail"]))
+
+
 def stored(run: Run, iteration: int, name: str, version: str | None = None) -> ScoreResult:
     """The result of the stored rows of reward `name` (`version`: the latest stored when None),
     with the seconds and the images' source recorded when they were computed."""
@@ -218,6 +228,7 @@ def stored(run: Run, iteration: int, name: str, version: str | None = None) -> S
         grid,
         run.tables.reward_grid(iteration, name, version, field="strict"),
         torch.from_numpy(run.stages.read_array(iteration, "rollout", "group_ids")).long(),
+        r0_is_ode=r0_is_ode(run),
     )
     digest = run.tables.rewards_digest(iteration, name, version)
     info = run.tables.rows_info("rewards", digest)

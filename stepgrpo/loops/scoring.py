@@ -101,11 +101,15 @@ def score_images(
     return cat_outputs(outputs)
 
 
-def reward_summary(grid: torch.Tensor, strict: torch.Tensor, group_ids: torch.Tensor) -> dict[str, Any]:
+def reward_summary(
+    grid: torch.Tensor, strict: torch.Tensor, group_ids: torch.Tensor, r0_is_ode: bool = True
+) -> dict[str, Any]:
     """The training reward of an iteration: `grid, strict [B, T+1]` (NaN where not scored), `group_ids [B]`.
 
     `reward_*`: the SDE samples `x_T`; `ode_reward_*`: `R_0`, the ODE sample of the same prompt
-    and initial noise (with a completion method, the completion of `x_0`: exact for `remaining`).
+    and initial noise (with a completion method, the completion of `x_0`: exact for `remaining`;
+    `r0_is_ode` False for a method whose `R_0` is not the ODE sample, e.g. `tweedie`, `rollout`:
+    then no ODE reward is reported rather than a one-step estimate from pure noise).
     `group_reward_std`: the mean within-group std of `R_T` (what GRPO's advantages are made of);
     `zero_std_groups`: the fraction of groups whose rewards are all equal (no signal).
     """
@@ -115,7 +119,7 @@ def reward_summary(grid: torch.Tensor, strict: torch.Tensor, group_ids: torch.Te
     out: dict[str, Any] = {"reward_mean": float(final.mean()), "reward_std": float(final.std(unbiased=False))}
     if bool(torch.isfinite(strict[:, -1]).all()):
         out["reward_strict"] = float(strict[:, -1].mean())
-    if bool(torch.isfinite(grid[:, 0]).all()):
+    if r0_is_ode and bool(torch.isfinite(grid[:, 0]).all()):
         out["ode_reward_mean"] = float(grid[:, 0].mean())
         if bool(torch.isfinite(strict[:, 0]).all()):
             out["ode_reward_strict"] = float(strict[:, 0].mean())
