@@ -171,6 +171,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--report-only", action="store_true")
     ap.add_argument("--seeds", type=int, help="at most this many seeds")
+    ap.add_argument("--only-seed", type=int, help="train this seed alone (several processes share the seeds)")
     ap.add_argument("--out", type=Path, help="run directories (scratch)")
     a = ap.parse_args()
     p = dict(PRESETS["quick" if a.quick else "full"])
@@ -183,7 +184,7 @@ def main() -> None:
 
     allow(ORACLE)  # the records are read from the oracle's own run directories
     if not a.report_only:
-        for seed in range(p["seeds"]):
+        for seed in [a.only_seed] if a.only_seed is not None else range(p["seeds"]):
             train(p, seed, out, records)
     analysis = report(p, records)
     where = records.parent
