@@ -8,7 +8,7 @@ stages take: `tasks.keys` builds a stage's cache key from its upstream results'
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
@@ -242,3 +242,21 @@ class QualityResult(Result):
     # completion method -> {"nfe_per_trajectory", "seconds"}: the step rewards judged (the run's own
     # first; another method's tables are named `scheme:method`); None: the run's own method alone
     methods: dict[str, dict[str, float]] | None = None
+
+
+class Gain(NamedTuple):
+    """A paired held-out gain of the trained model over the base: the mean difference and its 95 %
+    interval, the prompt the unit (`stepgrpo.reporting.report.paired_gain`). Unpacks as
+    `mean, low, high`; prints as `+0.0645 [+0.0240, +0.1049]`."""
+
+    mean: float
+    low: float
+    high: float
+
+    def __str__(self) -> str:
+        return f"{self.mean:+.4f} [{self.low:+.4f}, {self.high:+.4f}]"
+
+    @property
+    def resolved(self) -> bool:
+        """Whether the interval excludes 0 (the gain is beyond the evaluation's noise)."""
+        return self.low > 0 or self.high < 0

@@ -78,6 +78,24 @@ def owned(run_dir: str | Path) -> Iterator[Path]:
             lock.release()
 
 
+def in_use(run_dir: Path) -> bool:
+    """Whether a process holds the run's lock now (a listing writes nothing: no lock file, no use)."""
+    from filelock import FileLock, Timeout
+
+    path = lock_path(Path(run_dir).resolve())
+    if str(path) in _held:
+        return True
+    if not path.is_file():
+        return False
+    lock = FileLock(str(path), timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        return True
+    lock.release()
+    return False
+
+
 def _holder(path: Path) -> str:
     try:
         h = json.loads(Path(str(path) + ".holder").read_text())

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from stepgrpo.config import Config
-from stepgrpo.results import CreditResult, EvaluateResult, QualityResult, ScoreResult
+from stepgrpo.results import CreditResult, EvaluateResult, Gain, QualityResult, ScoreResult
 from storage.run import Run
 
 __all__ = [
@@ -63,14 +63,15 @@ class TrainResult:
     evaluations: list[EvaluateResult]  # held-out evaluations, base first
     iterations: list[dict[str, Any]]  # one row per iteration (training reward, PPO diagnostics)
 
-    def gain(self) -> tuple[float, float, float] | None:
-        """The paired held-out gain of the last evaluation over the base (mean, 95 % interval,
+    def gain(self) -> Gain | None:
+        """The paired held-out gain of the last evaluation over the base (`Gain`: mean, 95 % interval,
         clustered by prompt), None with fewer than two evaluations."""
         from stepgrpo.reporting.report import paired_gain
 
         if len(self.evaluations) < 2:
             return None
-        return paired_gain(self.evaluations[0].record(), self.evaluations[-1].record())
+        found = paired_gain(self.evaluations[0].record(), self.evaluations[-1].record())
+        return None if found is None else Gain(*found)
 
 
 def train(

@@ -547,31 +547,64 @@ def server_status() -> None:
 
 @app.command()
 def runs(root: Annotated[Path, typer.Option(help="Directory holding run directories.")] = Path("runs")) -> None:
-    """List the runs under ROOT."""
+    """List the runs under ROOT: each one's recipe, scheme, status and held-out reward."""
+    from stepgrpo.runs import in_use
     from storage.errors import StorageError
     from storage.publish import read_json
 
+    if not root.is_dir():
+        err_console.print(
+            f"[bold red]error:[/] --root {escape(str(root))} is not a directory; name the directory that holds "
+            "your run directories (the `run.runs_root` of your config, `runs` by default)",
+            soft_wrap=True,
+        )
+        raise typer.Exit(2)
     table = Table(
-        "run id", "config", "created", "iterations", "checkpoints", "held-out reward (base -> last)", title=str(root)
+        "run id",
+        "config",
+        "scheme",
+        "status",
+        "created",
+        "checkpoints",
+        "held-out reward (base -> last)",
+        title=str(root),
     )
     for path in sorted(p for p in root.glob("*") if (p / "manifest.json").is_file()):
         try:
             m = read_json(path / "manifest.json", "run manifest")
-            iters = [d for d in path.glob("iter_*") if (d / "rollout.zarr" / "_published.json").is_file()]
+            cfg = m.get("config", {})
             ckpts = [d for d in (path / "checkpoints").glob("iter_*") if (d / "_published.json").is_file()]
             evals = _evals(path)
-        except (OSError, ValueError, KeyError, TypeError, StorageError) as err:  # one broken run hides no other
-            table.add_row(path.name, f"[red]unreadable: {escape(str(err))[:80]}[/]", "", "", "", "")
+            total = int(cfg.get("run", {}).get("iterations", 0))
+            method = cfg.get("completion", {}).get("method")
+            scheme = str(cfg.get("credit", {}).get("scheme", "")) + (f" @ {method}" if method else "")
+        except (
+            OSError,
+            ValueError,
+            KeyError,
+            TypeError,
+            AttributeError,
+            StorageError,
+        ) as err:  # one broken run hides no other
+            table.add_row(path.name, f"[red]unreadable: {escape(str(err))[:80]}[/]", "", "", "", "", "")
             continue
+        status = (
+            "running"
+            if in_use(path)
+            else "finished"
+            if total and len(ckpts) >= total
+            else f"stopped at {len(ckpts)}/{total}"
+        )
         reward = (
             f"{evals[0][1]:.4f} -> {evals[-1][1]:.4f}" if len(evals) > 1 else (f"{evals[0][1]:.4f}" if evals else "")
         )
         table.add_row(
             path.name,
-            str(m.get("config", {}).get("run", {}).get("name", "")),
+            str(cfg.get("run", {}).get("name", "")),
+            escape(scheme),
+            status,
             str(m.get("created_at", "")),
-            str(len(iters)),
-            str(len(ckpts)),
+            f"{len(ckpts)}/{total}",
             reward,
         )
     console.print(table)

@@ -104,6 +104,24 @@ def test_runs_on_an_empty_root(tmp_path):
     assert result.exit_code == 0
 
 
+def test_runs_lists_scheme_and_status_and_refuses_a_missing_root(tmp_path):
+    from stepgrpo.config import load_config
+    from stepgrpo.runs import owned
+    from storage.run import Run
+
+    missing = invoke("runs", "--root", str(tmp_path / "nowhere"))
+    assert missing.exit_code == 2 and "is not a directory" in missing.output
+    assert not (tmp_path / "nowhere").exists()
+    cfg = load_config(None, ["credit.scheme=dense", "completion.method=rollout", "run.iterations=3"])
+    path = Run.create(tmp_path / "runs", "r", cfg.model_dump(mode="json")).path
+    listed = runner.invoke(app, ["runs", "--root", str(tmp_path / "runs")], env={"COLUMNS": "200"})
+    assert listed.exit_code == 0 and "dense @ rollout" in listed.output and "stopped at 0/3" in listed.output
+    with owned(path):  # while a process owns the run
+        assert (
+            "running" in runner.invoke(app, ["runs", "--root", str(tmp_path / "runs")], env={"COLUMNS": "200"}).output
+        )
+
+
 def test_transformers_notice_of_its_pil_fallback_is_dropped_and_nothing_else():
     import logging
 

@@ -245,6 +245,9 @@ def test_the_python_entry_returns_typed_results_and_reuses_what_the_run_stored(t
     ]
     mean, low, high = again.gain()
     assert low <= mean <= high
+    gain = again.gain()  # a named result: fields, a readable form, and whether it is beyond noise
+    assert gain.mean == mean and str(gain) == f"{mean:+.4f} [{low:+.4f}, {high:+.4f}]"
+    assert gain.resolved == (low > 0 or high < 0)
 
     copy = tmp_path / "copy"
     shutil.copytree(trained["run_dir"], copy)

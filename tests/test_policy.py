@@ -234,3 +234,13 @@ def test_detached_uncond_trains_through_the_conditional_branch_only(base_dir):
     for a, b in zip(cfg_policy.trainable_parameters(), cond_policy.trainable_parameters()):
         torch.testing.assert_close(a.grad, 3.0 * b.grad, rtol=1e-4, atol=1e-6)
     assert not cfg_policy._detach_uncond  # restored after the block
+
+
+def test_loading_a_policy_prints_no_loading_bars(base_dir, capfd, monkeypatch):
+    """transformers' and diffusers' per-component "Loading weights" bars stay off the user's terminal."""
+    from stepgrpo.config import load_config
+    from stepgrpo.loops import workspace
+
+    monkeypatch.setattr(workspace, "_policies", {})
+    workspace.policy(load_config(None, [f"model.path={base_dir}", "model.lora_rank=4", "model.lora_alpha=8"]))
+    assert "Loading weights" not in capfd.readouterr().err

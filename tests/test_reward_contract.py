@@ -300,6 +300,14 @@ def test_the_server_checks_token_body_and_resolution_before_decoding(monkeypatch
             client(torch.rand(1, 3, 8, 8), ["a"], [{}])
         with pytest.raises(RuntimeError, match="answered 413: a request body of .* at most 20000"):
             client(torch.rand(64, 3, 16, 16), ["a"] * 64, [{}] * 64)
+        # a malformed image is named, with the fix, not answered with the decoder's own words
+        headers = {"Authorization": "Bearer s3cret"}
+        bad = httpx.post(url + "/score", json={"images": ["abc"], "prompts": ["a"], "metadata": [{}]}, headers=headers)
+        assert bad.status_code == 400 and "image 0 is not valid base64" in bad.text and "base64 of its PNG" in bad.text
+        not_png = httpx.post(
+            url + "/score", json={"images": ["AAAA"], "prompts": ["a"], "metadata": [{}]}, headers=headers
+        )
+        assert not_png.status_code == 400 and "image 0 is base64 but not a PNG image" in not_png.text
         schema = httpx.get(url + "/openapi.json").json()  # the OpenAPI page needs no token
         assert "/score" in schema["paths"] and "/info" in schema["paths"]
     finally:

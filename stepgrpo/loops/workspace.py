@@ -119,11 +119,13 @@ def policy(cfg: Config) -> Policy:
     with _lock:
         if key not in _policies:
             from diffusers.utils import logging as diffusers_logging
+            from transformers.utils import logging as transformers_logging
 
             from stepgrpo.policy import policy_class
             from stepgrpo.policy.lora import LoraSpec
 
             diffusers_logging.disable_progress_bar()  # the pipeline's loading bars, per component
+            transformers_logging.disable_progress_bar()  # the text encoders' "Loading weights" bars, per load
 
             m = cfg.model
             full = m.finetune == "full"

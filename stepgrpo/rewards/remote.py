@@ -24,6 +24,7 @@ A server that listens beyond the loopback needs a shared secret: `--token`, and 
 from __future__ import annotations
 
 import base64
+import binascii
 import io
 import json
 import os
@@ -62,7 +63,19 @@ def decode_images(encoded: Sequence[str], resolution: int | None = None) -> torc
     huge PNGs must not allocate gigabytes."""
     opened, total = [], 0
     for i, e in enumerate(encoded):
-        image = Image.open(io.BytesIO(base64.b64decode(e, validate=True)))
+        try:
+            data = base64.b64decode(e, validate=True)
+        except (binascii.Error, ValueError) as err:
+            raise ValueError(
+                f"image {i} is not valid base64 ({err}); send each image as the standard base64 of its PNG "
+                "bytes (`base64.b64encode(png).decode()`), without line breaks or a data: prefix"
+            ) from None
+        try:
+            image = Image.open(io.BytesIO(data))
+        except (OSError, Image.DecompressionBombError) as err:
+            raise ValueError(
+                f"image {i} is base64 but not a PNG image ({type(err).__name__}); send PNG bytes"
+            ) from None
         if resolution is not None and image.size != (resolution, resolution):
             raise ValueError(
                 f"image {i} is {image.size[0]}x{image.size[1]}, but this server scores "
