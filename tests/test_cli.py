@@ -104,7 +104,11 @@ def test_runs_on_an_empty_root(tmp_path):
     assert result.exit_code == 0
 
 
-def test_runs_lists_scheme_and_status_and_refuses_a_missing_root(tmp_path):
+def test_runs_lists_scheme_and_status_and_refuses_a_missing_root(tmp_path, monkeypatch):
+    import importlib
+
+    from rich.console import Console
+
     from stepgrpo.config import load_config
     from stepgrpo.runs import owned
     from storage.run import Run
@@ -114,7 +118,9 @@ def test_runs_lists_scheme_and_status_and_refuses_a_missing_root(tmp_path):
     assert not (tmp_path / "nowhere").exists()
     cfg = load_config(None, ["credit.scheme=dense", "completion.method=rollout", "run.iterations=3"])
     path = Run.create(tmp_path / "runs", "r", cfg.model_dump(mode="json")).path
-    listed = runner.invoke(app, ["runs", "--root", str(tmp_path / "runs")], env={"COLUMNS": "200"})
+    cli = importlib.import_module("stepgrpo_cli.app")  # the module (the package's `app` is the typer app)
+    monkeypatch.setattr(cli, "console", Console(width=200))  # one line a run, whatever the terminal
+    listed = runner.invoke(app, ["runs", "--root", str(tmp_path / "runs")])
     assert listed.exit_code == 0 and "dense @ rollout" in listed.output and "stopped at 0/3" in listed.output
     with owned(path):  # while a process owns the run
         assert (

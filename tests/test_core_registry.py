@@ -30,7 +30,7 @@ def test_register_get_validate():
 
 def test_core_families():
     assert KERNELS.names() == ["cps", "ddim", "flow", "ode", "psi"]
-    assert COMPLETIONS.names() == ["remaining", "substeps", "tweedie"]
+    assert COMPLETIONS.names() == ["remaining", "rollout", "substeps", "tweedie"]
     assert SCHEMES.names() == ["dense", "outcome", "stepwise", "turning_point"]
     for reg in (KERNELS, COMPLETIONS, SCHEMES):
         with pytest.raises(KeyError, match="known"):
