@@ -333,9 +333,17 @@ def gain(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float, float]:
     return paired(a, b)
 
 
+EQUAL_WITHIN = 0.05  # an evaluation within 5 % of the arm's cost counts as equal compute
+
+
 def matched(o: Rec, cost: float, per: str) -> int:
-    """Outcome's first evaluated iteration whose cumulative cost reaches `cost` (its last if none)."""
+    """Outcome's evaluated iteration at the arm's cumulative `cost`: the one nearest to it when that
+    is within `EQUAL_WITHIN` (an arm that costs what outcome costs an iteration is read at the same
+    iteration, not one evaluation later), else the first whose cost reaches it (its last if none)."""
     its = sorted(i for i in o.evals if i > 0)
+    near = min(its, key=lambda i: abs(o.cost(i, per) - cost))
+    if abs(o.cost(near, per) - cost) <= EQUAL_WITHIN * cost:
+        return near
     return next((i for i in its if o.cost(i, per) >= cost), its[-1])
 
 

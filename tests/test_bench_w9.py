@@ -199,6 +199,10 @@ def test_the_cheap_regime_borrows_the_outcome_records_that_cover_its_runs(w9, tm
     analysis = w9.analyse(runs, s)
     nfe = analysis["vs"]["dense_rollout_w9 - outcome_w9"]["nfe"]["per_seed"][0]
     assert nfe["outcome_iterations"] == 2 and not nfe["short"]  # equal NFEs: 200 each
+    # an outcome evaluation within 5 % of the arm's cost is the equal-compute point, not the next one
+    o = runs["outcome_w9", 0]
+    assert w9.matched(o, 0.97 * o.cost(2, "nfe"), "nfe") == 2 and w9.matched(o, 1.03 * o.cost(2, "nfe"), "nfe") == 2
+    assert w9.matched(o, 1.2 * o.cost(2, "nfe"), "nfe") == 3
     rows = w9.cheap_claims(analysis)
     assert {r["claim"] for r in rows} >= {
         "higher reward than Flow-GRPO at equal transformer NFEs",
