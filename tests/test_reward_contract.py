@@ -229,10 +229,17 @@ def test_a_busy_server_is_tried_again_and_a_refusal_is_not():
     assert len(seen) == 1
     sock.close()
     url, sock, seen = _answering([(200, '{"name": "y", "version": "1"}')])
-    with pytest.raises(RuntimeError, match="serves y v1, but the config declares x v1"):
+    with pytest.raises(RuntimeError, match="serves y v1, but the config declares x v1") as refused:
         HttpReward(url, "x", "1", timeout=5, backoff=0.05).check()
     assert len(seen) == 1
     sock.close()
+    # and a stage that meets either is not retried by Prefect (permanent errors, tasks.base.transient)
+    from types import SimpleNamespace
+
+    from tasks.base import transient
+
+    failed = SimpleNamespace(result=lambda raise_on_failure=False: refused.value)
+    assert transient(None, None, failed) is False
     url, sock, seen = _answering([(503, '{"error": "still warming up"}')])
     with pytest.raises(RuntimeError, match="answered 503: still warming up"):
         HttpReward(url, "x", "1", timeout=5, retries=2, backoff=0.05).check()

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from stepgrpo.errors import StageError
 from stepgrpo.images import dequantize, quantize
 from stepgrpo.rewards.base import REWARDS, RewardOutput
 
@@ -167,8 +168,8 @@ class HttpReward:
         text = data.decode(errors="replace")
         if status in TRANSIENT_STATUS:
             raise _Transient(f"{where} answered {status}: {_error_text(text)}")
-        if status >= 400:
-            raise RuntimeError(f"{where} answered {status}: {_error_text(text)}")
+        if status >= 400:  # the server's own answer to these inputs: the same again on a retry
+            raise StageError(f"{where} answered {status}: {_error_text(text)}")
         try:
             return json.loads(data)
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -202,8 +203,8 @@ class HttpReward:
         """The server must serve the identity this reward declares."""
         info = self._request("/info")
         served = (str(info.get("name")), str(info.get("version")))
-        if served != (self.name, self.version):
-            raise RuntimeError(
+        if served != (self.name, self.version):  # permanent: a stage retry would meet the same server
+            raise StageError(
                 f"reward server {self.url} serves {served[0]} v{served[1]}, but the config declares "
                 f"{self.name} v{self.version}: set reward.options.name / version to what it serves"
             )
