@@ -1321,7 +1321,16 @@ def test_the_readme_commands_run_in_order(harness, tiny, tmp_path, monkeypatch):
     text = (repo / "README.md").read_text()
     block = text[text.index("## Using it") :].split("```bash", 1)[1].split("```", 1)[0]
     commands = [shlex.split(line.split("#", 1)[0]) for line in block.splitlines() if line.startswith(".venv/bin")]
-    assert [c[1] for c in commands] == ["--help", "train", "inspect", "rescore", "credit", "credit-quality"]
+    assert [c[1] for c in commands] == [
+        "--help",
+        "train",
+        "inspect",
+        "rescore",
+        "credit",
+        "credit-quality",
+        "credit-quality",
+        "inspect",
+    ]
     small = [o for o in tiny if not o.startswith(("reward.", "credit."))] + ["run.iterations=1", "run.eval_prompts=2"]
     # Prefect's console handler keeps the stream it was made with: make it now, on the real stderr,
     # not inside the first CliRunner (whose captured stream is closed when that command returns)
