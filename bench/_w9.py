@@ -316,6 +316,14 @@ class Rec:
         return self.setup_seconds + n * float(statistics.median(self.seconds))  # robust to other load a while
 
 
+COST = Path(__file__).resolve().parents[1] / "docs" / "bench" / "credit_schemes_cheap" / "cost.json"
+SECONDS_NOTE = (
+    "a cheap arm's seconds are outcome_w9's own seconds an iteration (same seed) times the ratio "
+    "bench/cheap_cost.py measured with both trained in turns in one run (cost.json): its runs shared "
+    "the machine with other benchmarks, the borrowed outcome records did not"
+)
+
+
 def load(s: W9, arm: str, seed: int) -> Rec | None:
     path = s.record_path(arm, seed)
     if not path.is_file():
@@ -324,7 +332,13 @@ def load(s: W9, arm: str, seed: int) -> Rec | None:
     if not covers(r["argv"], s.argv(arm)):
         return None  # a record of other settings
     evals = {int(k): v for k, v in r["evals"].items()}
-    return Rec(arm, seed, r["nfe"], r["seconds"], r["setup_seconds"], evals)
+    seconds = r["seconds"]
+    if s.borrow is not None and arm in ARM_SETS and COST.is_file():  # SECONDS_NOTE
+        outcome = load(s, "outcome_w9", seed)
+        ratio = json.loads(COST.read_text())["arms"].get(arm, {}).get("seconds_ratio")
+        if outcome is not None and ratio is not None:
+            seconds = [ratio * statistics.median(outcome.seconds)] * len(r["seconds"])
+    return Rec(arm, seed, r["nfe"], seconds, r["setup_seconds"], evals)
 
 
 def gain(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float, float]:
@@ -392,7 +406,7 @@ def analyse(runs: dict[tuple[str, int], Rec], s: W9) -> dict[str, Any]:
                         N, budget if budget != "trajectories" else "nfe"
                     )
                     # an outcome run that ended before the arm's cost: not equal compute (flagged)
-                    short = budget != "trajectories" and fraction < 0.99
+                    short = budget != "trajectories" and fraction < 1 - EQUAL_WITHIN
                     rows.append(
                         {"seed": seed, "outcome_iterations": n, "cost_ratio": fraction, "diff": list(d), "short": short}
                     )
@@ -607,8 +621,12 @@ def summary_md(a: dict[str, Any], s: W9, info: dict[str, Any]) -> str:
         )
     for budget, what in (
         ("trajectories", f"equal trajectories (both after {N} iterations)"),
-        ("nfe", "equal transformer NFEs (outcome read at its first evaluation with at least the arm's NFEs)"),
-        ("seconds", "equal training seconds (likewise)"),
+        (
+            "nfe",
+            "equal transformer NFEs (outcome read at its evaluation within 5 % of the arm's NFEs, else its first "
+            "with more)",
+        ),
+        ("seconds", "equal training seconds (likewise)" + (f"; {SECONDS_NOTE}" if s.borrow is not None else "")),
     ):
         L += [
             "",
