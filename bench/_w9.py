@@ -59,6 +59,14 @@ PAPERS = {
     "dense_rollout_w9": ("DenseGRPO", None, None),
 }
 RECORDS = ROOT / "docs" / "bench" / "credit_schemes_w9" / "runs"
+# the tiny settings of every `--quick` run (2 prompts x 4 samples, a one-seed held-out set)
+QUICK_SET = [
+    "run.prompts_per_iteration=2",
+    "run.group_size=4",
+    "run.eval_prompts=8",
+    "run.eval_seeds=1",
+    "optim.diagnostics=false",
+]
 PRESETS: dict[str, dict[str, Any]] = {
     # the comparison of docs/BENCHMARKS.md ("The papers' regime"): ~13 core-hours, resumable
     "full": {
@@ -96,13 +104,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "seeds": {"outcome_w9": 1, "dense_rollout_w9": 1, "outcome_w3": 1},
         "continuations": 2,
         "records": "credit_schemes_cheap_quick",
-        "set": [
-            "run.prompts_per_iteration=2",
-            "run.group_size=4",
-            "run.eval_prompts=8",
-            "run.eval_seeds=1",
-            "optim.diagnostics=false",
-        ],
+        "set": QUICK_SET,
     },
     # a CUDA GPU: outcome against dense at W9 with 8x the trajectories an iteration (64 prompts x 8),
     # every run at once, on the tiny model (its batches take milliseconds there: the CPU side sets the
@@ -133,13 +135,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "seeds": {"outcome_w9": 2, "dense_w9": 2, "stepwise_w9": 1, "turning_point_w9": 1, "outcome_w3": 1},
         "continuations": 2,
         "records": "credit_schemes_w9_quick",
-        "set": [
-            "run.prompts_per_iteration=2",
-            "run.group_size=4",
-            "run.eval_prompts=8",
-            "run.eval_seeds=1",
-            "optim.diagnostics=false",
-        ],
+        "set": QUICK_SET,
     },
 }
 

@@ -38,13 +38,7 @@ PRESETS = {
         "seeds": 1,
         "continuations": 2,
         "eval_every": 1,
-        "set": [
-            "run.prompts_per_iteration=2",
-            "run.group_size=4",
-            "run.eval_prompts=8",
-            "run.eval_seeds=1",
-            "optim.diagnostics=false",
-        ],
+        "set": _w9.QUICK_SET,
     },
 }
 # the arms compared at equal trajectories: (records of, arm)
