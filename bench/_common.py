@@ -163,7 +163,7 @@ def _plain(x: Any) -> Any:
 
 def train_flow(overrides: Sequence[str], run_id: str, config_path: str | None = None) -> dict[str, Any]:
     """Run the product's `train` flow in this process; returns its result and the wall seconds."""
-    from flows.train import train
+    from stepgrpo.flows.train import train
 
     t0 = time.perf_counter()
     out = train(config_path=config_path, overrides=list(overrides), run_id=run_id)
@@ -196,7 +196,7 @@ def open_run_once(run_dir: Path) -> Any:
     """
     import pyarrow.compute as pc
 
-    from storage import Run
+    from stepgrpo.storage import Run
 
     run = Run.open(run_dir)
     rows = run.tables.read_rewards()
@@ -228,7 +228,7 @@ def read_run(run_dir: Path) -> RunRecord:
 
     from stepgrpo.config import validate_config
     from stepgrpo.results import EvaluateResult
-    from storage.schema import completion_stage
+    from stepgrpo.storage.schema import completion_stage
 
     run = open_run_once(run_dir)
     cfg = validate_config(run.config)
@@ -349,10 +349,10 @@ def bare_loop(
     from stepgrpo.loops.sampling import complete_chunks, encode, generator, iteration_plan, sample_iteration
     from stepgrpo.loops.scoring import reward_images, score_images
     from stepgrpo.prompts import prompt_source
+    from stepgrpo.tasks.credit import trained_mask
     from stepgrpo_core.completions import completed_through
     from stepgrpo_core.credit import assign
     from stepgrpo_core.kernels import KERNELS
-    from tasks.credit import trained_mask
 
     if KERNELS.facts(cfg.sampler.kernel)["calibrated"]:
         raise ValueError("the bare loop has no calibration stage; benchmark a kernel with a fixed noise")

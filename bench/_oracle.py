@@ -53,7 +53,7 @@ def value_name(reward_name: str) -> str:
 def value_rows(run: Any, cfg: Any, iteration: int, m: int) -> Any:
     """The values of `iteration`'s states, stored once as reward rows; their `ScoreResult`."""
     from stepgrpo.loops import workspace
-    from tasks.score import stored
+    from stepgrpo.tasks.score import stored
 
     identity = workspace.reward_identity(cfg.reward)
     name, version = value_name(identity["name"]), f"{identity['version']}-crn{m}"
@@ -127,14 +127,14 @@ def monte_carlo_values(run: Any, cfg: Any, iteration: int, m: int) -> tuple[torc
 @flow(name="oracle-train", log_prints=True)
 def oracle_train(config_path: str | None, overrides: list[str], run_dir: str, continuations: int) -> dict[str, Any]:
     """`flows/train.py`'s loop with outcome's scoring and the oracle's values in place of completions."""
-    from flows.progress import TrainingLog, name_flow_run
     from stepgrpo.checks import check_config
     from stepgrpo.config import config_from
+    from stepgrpo.flows.progress import TrainingLog, name_flow_run
     from stepgrpo.loops.update import export_lora
     from stepgrpo.runs import open_run, owned, resolve_run_dir
     from stepgrpo.runtime import environment
+    from stepgrpo.tasks import bind
     from stepgrpo_core.registry import allow
-    from tasks import bind
 
     allow(ORACLE)
     cfg = config_from(None, config_path, [*overrides, f"credit.scheme={ORACLE}", "completion.method=null"])

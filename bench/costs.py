@@ -113,8 +113,8 @@ def calibration_cost(a: argparse.Namespace, out: Path) -> dict[str, Any]:
     """DenseGRPO psi calibration, once, as the calibrate stage runs it (its own temporary run)."""
     from stepgrpo.config import load_config
     from stepgrpo.loops import workspace
-    from storage import Run
-    from tasks import calibrate, prompts
+    from stepgrpo.storage import Run
+    from stepgrpo.tasks import calibrate, prompts
 
     cfg = load_config(None, overrides(a, out / "runs", **{"sampler.kernel": "psi"}))
     root = out / "runs"
@@ -184,7 +184,7 @@ def regenerate(run_dir: Path, reward_name: str) -> dict[str, Any]:
     from stepgrpo.loops.sampling import complete_chunks, iteration_plan, sample_iteration
     from stepgrpo.loops.scoring import reward_images, score_images
     from stepgrpo.prompts import stored_prompts
-    from storage import Run
+    from stepgrpo.storage import Run
 
     run = Run.open(run_dir)
     cfg = validate_config(run.config)
@@ -230,7 +230,7 @@ def rescore_costs(run_dir: Path, reward_name: str, cfg: Any) -> dict[str, Any]:
     against `regenerate`; the transformer's NFE counter must not move."""
     import shutil
 
-    from flows.rescore import rescore
+    from stepgrpo.flows.rescore import rescore
     from stepgrpo.loops import workspace
 
     pol = workspace.policy(cfg)

@@ -238,7 +238,7 @@ def read(name: str, seed: int, s: Settings) -> Run:
     from stepgrpo.config import validate_config
 
     run_dir = (s.out / name / f"seed_{seed}").resolve()
-    from storage import Run as StoredRun
+    from stepgrpo.storage import Run as StoredRun
 
     rec = read_run(run_dir)
     run = StoredRun.open(run_dir)  # the config and the rollout's stds; the rewards came with `rec`

@@ -50,8 +50,8 @@ def training_spread(run_dir: Path) -> dict[str, float]:
     of groups with none (`stepgrpo_core.curriculum.group_spread`)."""
     import torch
 
+    from stepgrpo.storage.run import Run
     from stepgrpo_core.curriculum import group_spread
-    from storage.run import Run
 
     run = Run.open(run_dir)
     spreads = []

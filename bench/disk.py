@@ -2,7 +2,7 @@
 
     python bench/disk.py [--model sd35m|shapes] [--check RUN_DIR]
 
-A stage's bytes follow from its arrays (`storage.schema`): every per-trajectory chunk is the raw
+A stage's bytes follow from its arrays (`stepgrpo.storage.schema`): every per-trajectory chunk is the raw
 array bytes plus a 4-byte checksum, latents in the dtype they were sampled in. The paper recipes
 run SD3.5-Medium (16 latent channels, 1/8 of the image side); its LoRA's size is counted on
 SD3.5-Medium's transformer built on the meta device (no weights), with the recipe's rank and
@@ -78,8 +78,8 @@ def main() -> None:
     if args.check:
         import json
 
-        from storage.run import Run
-        from storage.schema import completion_stage
+        from stepgrpo.storage.run import Run
+        from stepgrpo.storage.schema import completion_stage
 
         run = Run.open(args.check)
         cfg = Config.model_validate(run.config)

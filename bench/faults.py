@@ -199,7 +199,7 @@ READS["credit"] |= {KEY_FLIP}
 
 
 def flip_trial(out: Path, reference: Path, kind: str, command: str) -> dict[str, Any]:
-    import storage.run
+    import stepgrpo.storage.run
 
     run_dir = out / "flips" / f"{kind.replace(' ', '_').replace(chr(39), '')}-{command.split()[0]}"
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -232,7 +232,7 @@ def flip_trial(out: Path, reference: Path, kind: str, command: str) -> dict[str,
     )
     # noticed: stopped naming the damage, or said it, kept the damaged data aside, recomputed it and
     # left a run that verifies
-    repaired = rc == 0 and named and storage.run.Run.open(run_dir).verify_all() == []
+    repaired = rc == 0 and named and stepgrpo.storage.run.Run.open(run_dir).verify_all() == []
     detected = named and (rc != 0 or repaired)
     return {
         "kind": kind,
@@ -257,7 +257,7 @@ def _copy_of(out: Path, reference: Path, name: str) -> Path:
 
 def _edit_config(run_dir: Path, section: str, values: dict[str, Any]) -> None:
     """Edit the run's stored config as a crafted run would: consistently, sealed again."""
-    from storage.publish import seal
+    from stepgrpo.storage.publish import seal
 
     manifest = json.loads((run_dir / "manifest.json").read_text())
     manifest["config"][section] = {**manifest["config"][section], **values}
@@ -274,7 +274,7 @@ def trust_trials(out: Path, reference: Path) -> list[dict[str, Any]]:
     """Each attack of a run directory, on a copy of the reference run, through the console script."""
     import socket
 
-    from storage.publish import seal
+    from stepgrpo.storage.publish import seal
 
     trials = []
     site = out / "trust" / "site"
@@ -417,7 +417,7 @@ def _state(pid: int) -> str:
 
 
 def concurrency(out: Path, reference: Path) -> list[dict[str, Any]]:
-    import storage.run
+    import stepgrpo.storage.run
 
     results = []
     run_dir = out / "concurrent" / "same-id"
@@ -440,7 +440,7 @@ def concurrency(out: Path, reference: Path) -> list[dict[str, Any]]:
             "exit_codes": rcs,
             "refused": len(refused),
             "finished": rcs.count(0),
-            "verifies": storage.run.Run.open(run_dir).verify_all() == [],
+            "verifies": stepgrpo.storage.run.Run.open(run_dir).verify_all() == [],
             "same_as_reference": a == b,
             "pass": sorted(rcs) == [0, 1] and len(refused) == 1 and a == b,
         }
@@ -467,7 +467,7 @@ def concurrency(out: Path, reference: Path) -> list[dict[str, Any]]:
             "exit_codes": [trc, rc],
             "refused": int("is in use" in text),
             "finished": int(trc == 0),
-            "verifies": storage.run.Run.open(copy).verify_all() == [],
+            "verifies": stepgrpo.storage.run.Run.open(copy).verify_all() == [],
             "same_as_reference": None,
             "pass": trc == 0 and rc == 1 and "is in use" in text,
         }

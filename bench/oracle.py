@@ -81,7 +81,7 @@ def train(p: dict[str, Any], seed: int, out: Path, records: Path) -> None:
 
 def values_cost(run_dir: Path) -> dict[str, list[float]]:
     """Per iteration, the continuations' transformer rows and seconds (not in the run's own costs)."""
-    from storage.run import Run
+    from stepgrpo.storage.run import Run
 
     run = Run.open(run_dir)
     nfe, seconds = [], []

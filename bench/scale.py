@@ -58,7 +58,7 @@ def stage_seconds(run_dir: Path) -> list[dict[str, float]]:
     """Seconds of each stage of each iteration as the stages recorded them, and `overhead`: what
     rollout, complete and score spent beyond their slowest shard (submission, Prefect task runs,
     begin and publish)."""
-    from storage import Run
+    from stepgrpo.storage import Run
 
     run = Run.open(run_dir)
     out = []

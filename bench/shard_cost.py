@@ -2,7 +2,7 @@
 
     python bench/shard_cost.py [--shards 24] [--out FILE.json]
 
-A flow maps `--shards` shards of an empty shard task (`tasks.base.shard_task`), with a real
+A flow maps `--shards` shards of an empty shard task (`stepgrpo.tasks.base.shard_task`), with a real
 shard's parameters (the run, the config), over a local Ray
 cluster of one CPU (`stepgrpo.runtime.workers`, as a stage does), so the shards run one after
 another; its seconds per shard are the pipeline's fixed cost of a shard. Beside it: a bare Ray task
@@ -34,8 +34,8 @@ def main() -> None:
 
     from stepgrpo.config import Config, validate_config
     from stepgrpo.runtime.workers import run_shards, workers
-    from storage.run import Run
-    from tasks.base import shard_task
+    from stepgrpo.storage.run import Run
+    from stepgrpo.tasks.base import shard_task
 
     @shard_task("noop")
     def noop(run: Run, cfg: Config, iteration: int, shard: range, key: str) -> None:

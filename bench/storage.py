@@ -25,7 +25,7 @@ import numpy as np
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from storage import Run  # noqa: E402
+from stepgrpo.storage import Run  # noqa: E402
 
 B, T, LATENT = 64, 10, (16, 64, 64)
 REPEATS = 5

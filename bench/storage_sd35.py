@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from storage import Run  # noqa: E402
-from storage.arrays import StageStore  # noqa: E402
-from storage.schema import ROLLOUT  # noqa: E402
+from stepgrpo.storage import Run  # noqa: E402
+from stepgrpo.storage.arrays import StageStore  # noqa: E402
+from stepgrpo.storage.schema import ROLLOUT  # noqa: E402
 
 T, LATENT = 10, (16, 64, 64)
 GPU_ITERATION_S = 95.6  # docs/bench/scale_model.txt: `remaining` completion, 16 H200s

@@ -6,12 +6,12 @@ from typing import Any
 
 from prefect import flow
 
-from flows.progress import name_flow_run, run_name_from_parameters
 from stepgrpo.checks import check_config
 from stepgrpo.config import Config, config_from
+from stepgrpo.flows.progress import name_flow_run, run_name_from_parameters
 from stepgrpo.runs import open_run, owned, resolve_run_dir
 from stepgrpo.runtime import environment
-from tasks import bind
+from stepgrpo.tasks import bind
 
 
 @flow(name="calibrate", log_prints=True, flow_run_name=run_name_from_parameters)

@@ -7,11 +7,11 @@ from typing import Any
 
 from prefect import flow
 
-from flows.progress import log_offline, name_flow_run, run_name_from_parameters
+from stepgrpo.flows.progress import log_offline, name_flow_run, run_name_from_parameters
 from stepgrpo.runs import owned_stored, stored_iterations
 from stepgrpo.runtime import environment
+from stepgrpo.tasks import bind, rollout, score
 from stepgrpo_core.registry import allow
-from tasks import bind, rollout, score
 
 
 @flow(name="credit", log_prints=True, flow_run_name=run_name_from_parameters)

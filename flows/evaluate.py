@@ -6,11 +6,11 @@ from typing import Any
 
 from prefect import flow
 
-from flows.progress import evaluation_record, log_offline, name_flow_run, run_name_from_parameters
+from stepgrpo.flows.progress import evaluation_record, log_offline, name_flow_run, run_name_from_parameters
 from stepgrpo.runs import latest_checkpoint, owned_stored
 from stepgrpo.runtime import environment
 from stepgrpo.runtime.workers import workers
-from tasks import bind, update
+from stepgrpo.tasks import bind, update
 
 
 @flow(name="evaluate", log_prints=True, flow_run_name=run_name_from_parameters)

@@ -24,7 +24,7 @@ from stepgrpo.results import (
     ScoreResult,
     UpdateResult,
 )
-from storage.run import Run
+from stepgrpo.storage.run import Run
 
 
 def run_name_from_parameters() -> str:
@@ -263,7 +263,7 @@ class TrainingLog:
         report.publish_reward_table(self.run.run_id, self.rows)
 
     def pruned(self, report: Any) -> None:
-        """What retention removed after an iteration (`storage.retention`): a console line, and
+        """What retention removed after an iteration (`stepgrpo.storage.retention`): a console line, and
         the bytes freed so far as a metric."""
         if report.stages:
             print(report.describe())

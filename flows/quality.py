@@ -6,14 +6,14 @@ from typing import Any
 
 from prefect import flow
 
-from flows.progress import name_flow_run, run_name_from_parameters
+from stepgrpo.flows.progress import name_flow_run, run_name_from_parameters
 from stepgrpo.loops.workspace import reward_identity
 from stepgrpo.runs import owned_stored, stored_iterations
 from stepgrpo.runtime import environment
+from stepgrpo.tasks import score
+from stepgrpo.tasks.quality import credit_quality as check_stage
+from stepgrpo.tasks.quality import record_path, schemes_to_judge
 from stepgrpo_core.registry import allow
-from tasks import score
-from tasks.quality import credit_quality as check_stage
-from tasks.quality import record_path, schemes_to_judge
 
 
 @flow(name="credit-quality", log_prints=True, flow_run_name=run_name_from_parameters)

@@ -13,12 +13,12 @@ from typing import Any
 
 from prefect import flow
 
-from flows.progress import log_offline, name_flow_run, run_name_from_parameters
+from stepgrpo.flows.progress import log_offline, name_flow_run, run_name_from_parameters
 from stepgrpo.runs import check_rescorable, owned_stored, stored_iterations
 from stepgrpo.runtime import environment
 from stepgrpo.runtime.workers import workers
+from stepgrpo.tasks import bind, complete, rollout
 from stepgrpo_core.registry import allow, references_in
-from tasks import bind, complete, rollout
 
 
 @flow(name="rescore", log_prints=True, flow_run_name=run_name_from_parameters)

@@ -1,6 +1,6 @@
 """The training flow: iterations of [draw] -> rollout -> complete -> score -> credit -> update.
 
-Every stage is a cached task (`tasks`, keys in `tasks.keys`); re-running the same run id resumes
+Every stage is a cached task (`tasks`, keys in `stepgrpo.tasks.keys`); re-running the same run id resumes
 at the first unpublished stage. Held-out evaluation runs before training, every `run.eval_every`
 iterations, and at the end.
 """
@@ -11,16 +11,16 @@ from typing import Any
 
 from prefect import flow
 
-from flows.progress import TrainingLog, name_flow_run, run_name_from_parameters
 from stepgrpo.checks import check_config
 from stepgrpo.config import Config, config_from
+from stepgrpo.flows.progress import TrainingLog, name_flow_run, run_name_from_parameters
 from stepgrpo.loops.update import export_lora, kept_ranks
 from stepgrpo.runs import apply_retention, open_run, owned, resolve_run_dir, resume_point
 from stepgrpo.runtime import environment
 from stepgrpo.runtime.workers import workers
+from stepgrpo.storage.run import Run
+from stepgrpo.tasks import bind
 from stepgrpo_core.kernels import KERNELS
-from storage.run import Run
-from tasks import bind
 
 
 @flow(name="train", log_prints=True, flow_run_name=run_name_from_parameters)

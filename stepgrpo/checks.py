@@ -140,8 +140,8 @@ def check_run(
     (a list, or "all"), that a re-score finds their latents; for a re-score or a re-credit, that
     the run has rollouts. All before any server starts."""
     from stepgrpo.runs import open_stored
+    from stepgrpo.storage.run import Run, find_run
     from stepgrpo_core.registry import allow, references_in
-    from storage.run import Run, find_run
 
     allow(*references_in([reward, reward_options, scheme]))  # this command's own names may be imported
     replace: dict[str, Any] = {}
@@ -197,7 +197,7 @@ def check_run(
 def check_checkpoint(path: Path, iteration: int | None) -> None:
     """An evaluation's checkpoint is there (None: the latest; -1: the base model, always)."""
     from stepgrpo.runs import latest_checkpoint
-    from storage.run import Run
+    from stepgrpo.storage.run import Run
 
     run = Run.open(path)
     if iteration is None:

@@ -2,7 +2,7 @@
 
 A stage's output lives in the run directory; its result names it (`digest`) and carries the
 counts, NFEs, seconds and summary numbers the flows track. A result is also what the downstream
-stages take: `tasks.keys` builds a stage's cache key from its upstream results'
+stages take: `stepgrpo.tasks.keys` builds a stage's cache key from its upstream results'
 `key_inputs`, so the key names exactly the data a stage reads.
 """
 
@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from storage.publish import SEAL_KEY
+from stepgrpo.storage.publish import SEAL_KEY
 
 
 class Result(BaseModel):
@@ -20,14 +20,14 @@ class Result(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    # the peak GPU memory of the call that returned it (`tasks.base.stage_task`; None on a CPU)
+    # the peak GPU memory of the call that returned it (`stepgrpo.tasks.base.stage_task`; None on a CPU)
     peak_memory_gib: float | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _untyped_record(cls, data: Any) -> Any:
         """Records written as plain dicts (calibration and evaluation files of older runs) also
-        named their stage; the type says it now. A stored record's seal (`storage.publish.seal`) is
+        named their stage; the type says it now. A stored record's seal (`stepgrpo.storage.publish.seal`) is
         checked by the reader that reads its file, not part of the result."""
         if isinstance(data, dict) and ("stage" in data or SEAL_KEY in data):
             data = {k: v for k, v in data.items() if k not in ("stage", SEAL_KEY)}
@@ -70,7 +70,7 @@ class CalibrateResult(StageResult):
 
 
 class DrawResult(StageResult):
-    """The training prompts an iteration draws under the curriculum (`tasks.draw`)."""
+    """The training prompts an iteration draws under the curriculum (`stepgrpo.tasks.draw`)."""
 
     iteration: int
     prompt_ids: list[int]  # one per group, in group order
@@ -217,7 +217,7 @@ class EvaluateResult(Result):
 
 
 class QualityResult(Result):
-    """The credit-quality check of one stored iteration (`tasks.quality`, METHODS.md "Judging credit")."""
+    """The credit-quality check of one stored iteration (`stepgrpo.tasks.quality`, METHODS.md "Judging credit")."""
 
     key: str  # what the check read (its cache key)
     iteration: int

@@ -1,9 +1,9 @@
 """A run directory as the pipeline opens it: bound to one config and one model, found by id or path.
 
-`storage.run.Run` holds the data; this module adds what the pipeline knows: the config a run was
+`stepgrpo.storage.run.Run` holds the data; this module adds what the pipeline knows: the config a run was
 created with (and the diff when another one is asked for), and the model's fingerprint, computed
 once when the run is created and recorded in its manifest, so that a cache key never needs the
-model files (`tasks.keys`).
+model files (`stepgrpo.tasks.keys`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any
 from stepgrpo.config import Config, apply_overrides, validate_config
 from stepgrpo.errors import StageError
 from stepgrpo.runtime import environment
-from storage.run import Run, find_run
-from storage.schema import NAME_RE, completion_stage
+from stepgrpo.storage.run import Run, find_run
+from stepgrpo.storage.schema import NAME_RE, completion_stage
 
 MODEL_FACT = "model_identity"  # manifest fact: `workspace.policy_identity` of the run's model (and init LoRA)
 
@@ -216,8 +216,8 @@ def resumable_change(field: str) -> bool:
 
 def retention_plan(run: Run, storage: Any) -> list[tuple[int, str]]:
     """What `storage` (a `StorageConfig`) does not keep of the run's finished iterations
-    (`storage.retention.plan`); a checkpoint that was evaluated keeps its weights."""
-    from storage import retention
+    (`stepgrpo.storage.retention.plan`); a checkpoint that was evaluated keeps its weights."""
+    from stepgrpo.storage import retention
 
     evaluated = {int(p.stem.removeprefix("iter_")) for p in (run.path / run.EVAL_DIR).glob("iter_*.json")}
     return retention.plan(run, storage.keep, storage.keep_last, storage.checkpoint_every, evaluated)
@@ -225,7 +225,7 @@ def retention_plan(run: Run, storage: Any) -> list[tuple[int, str]]:
 
 def apply_retention(run: Run, storage: Any, why: str) -> Any:
     """Prune `retention_plan`, recording `why`; returns the `PruneReport`."""
-    from storage import retention
+    from stepgrpo.storage import retention
 
     return retention.prune(run, retention_plan(run, storage), why)
 

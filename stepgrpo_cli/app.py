@@ -83,8 +83,8 @@ RunArg = Annotated[str, typer.Argument(help="A run directory or a run id under r
 def _expected_errors() -> tuple[type[BaseException], ...]:
     from stepgrpo.config import ConfigError
     from stepgrpo.errors import StageError
+    from stepgrpo.storage.errors import StorageError
     from stepgrpo_core.registry import UnknownNameError
-    from storage.errors import StorageError
 
     return (ConfigError, StageError, StorageError, UnknownNameError, FileNotFoundError, ValueError, TypeError, KeyError)
 
@@ -112,13 +112,13 @@ def _run(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def _command(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """Run a command that runs a flow (`stepgrpo_cli.api`), as `_run` does. Whatever ends this
+    """Run a command that runs a flow (`stepgrpo.flows.api`), as `_run` does. Whatever ends this
     process, what it starts ends with it (`stepgrpo.runtime.reaper`; SIGTERM is an orderly exit
     that stops Prefect's temporary server)."""
     import signal
 
+    from stepgrpo.flows import api
     from stepgrpo.runtime import reaper
-    from stepgrpo_cli import api
 
     reaper.start()
     signal.signal(signal.SIGTERM, _terminated)
@@ -163,9 +163,9 @@ def train(
     ] = False,
 ) -> None:
     """Train: iterations of rollout -> complete -> score -> credit -> update, evaluated before and after."""
+    from stepgrpo.flows import api
     from stepgrpo.reporting.live import VERBOSE_ENV, interactive
     from stepgrpo.reporting.report import print_summary
-    from stepgrpo_cli import api
 
     if verbose:
         os.environ[VERBOSE_ENV] = "1"
@@ -248,7 +248,7 @@ def rescore(
     ] = None,
 ) -> None:
     """Score the stored trajectories of RUN with another reward (no transformer call)."""
-    from stepgrpo_cli import api
+    from stepgrpo.flows import api
 
     parsed = _json(options)
     scores = _offline_command(api.rescore, run, reward, options=parsed, iterations=iteration or None)
@@ -278,7 +278,7 @@ def credit(
     reward: Annotated[str | None, typer.Option(help="Which stored reward to use (default: the run's).")] = None,
 ) -> None:
     """Recompute the advantages of RUN with another scheme, from its stored rewards only."""
-    from stepgrpo_cli import api
+    from stepgrpo.flows import api
 
     parsed = _json(options)
     advantages = _offline_command(api.credit, run, scheme, options=parsed, reward=reward)
@@ -328,7 +328,7 @@ def credit_quality(
     set_: SetOpt = None,
 ) -> None:
     """Judge every credit scheme on a stored iteration of RUN against Monte-Carlo true advantages."""
-    from stepgrpo_cli import api
+    from stepgrpo.flows import api
 
     out = _command(
         api.credit_quality,
@@ -399,7 +399,7 @@ def calibrate(
     config: ConfigOpt = None, set_: SetOpt = None, run_dir: RunDirOpt = None, run_id: RunIdOpt = None
 ) -> None:
     """DenseGRPO psi calibration into a run (then `train` with the same config and run id)."""
-    from stepgrpo_cli import api
+    from stepgrpo.flows import api
 
     psi, path = _command(api.calibrate, config, overrides=set_ or [], run_dir=run_dir, run_id=run_id)
     console.print(f"psi: {[round(p, 4) for p in psi]}\nrun directory: {path}")
@@ -412,7 +412,7 @@ def evaluate(
     set_: SetOpt = None,
 ) -> None:
     """Held-out reward of RUN's policy and an image grid."""
-    from stepgrpo_cli import api
+    from stepgrpo.flows import api
 
     out = _offline_command(api.evaluate, run, iteration=iteration, overrides=list(set_ or []))
     console.print(
@@ -549,8 +549,8 @@ def server_status() -> None:
 def runs(root: Annotated[Path, typer.Option(help="Directory holding run directories.")] = Path("runs")) -> None:
     """List the runs under ROOT: each one's recipe, scheme, status and held-out reward."""
     from stepgrpo.runs import in_use
-    from storage.errors import StorageError
-    from storage.publish import read_json
+    from stepgrpo.storage.errors import StorageError
+    from stepgrpo.storage.publish import read_json
 
     if not root.is_dir():
         err_console.print(
@@ -627,7 +627,7 @@ def prune(
 def _prune(run: str, keep: str | None, keep_last: int | None, every: int | None, dry_run: bool) -> None:
     from stepgrpo.config import validate_config
     from stepgrpo.runs import apply_retention, owned, retention_plan, stored_config
-    from storage.run import Run, find_run
+    from stepgrpo.storage.run import Run, find_run
 
     path = find_run(run)
     with owned(path):
@@ -668,8 +668,8 @@ def _inspect_json(run: str) -> None:
     """The run as JSON (`iterations`: `stepgrpo.reporting.costs.iteration_costs`; `evaluations`: the
     held-out records' headline numbers), on stdout, for scripts."""
     from stepgrpo.reporting.costs import iteration_costs
-    from storage.publish import read_json
-    from storage.run import Run, find_run
+    from stepgrpo.storage.publish import read_json
+    from stepgrpo.storage.run import Run, find_run
 
     r = Run.open(find_run(run))
     evaluations = []
@@ -693,7 +693,7 @@ def _inspect_json(run: str) -> None:
 
 def _verify(run: str) -> None:
     """Every published stage, table part, checkpoint and the prompts against their digests; exit 1 if any differs."""
-    from storage.run import Run, find_run
+    from stepgrpo.storage.run import Run, find_run
 
     r = Run.open(find_run(run))
     problems = r.verify_all()
@@ -710,7 +710,7 @@ def _verify(run: str) -> None:
 
 
 def _inspect(run: str) -> None:
-    from storage.run import Run, find_run
+    from stepgrpo.storage.run import Run, find_run
 
     r = Run.open(find_run(run))
     rewards = r.tables.read_rewards().to_pandas() if (r.path / "rewards").is_dir() else None
@@ -760,8 +760,8 @@ def _inspect(run: str) -> None:
 def _quality_checks(r: Any) -> None:
     """One line per stored credit-quality check: each scheme's corrected gradient cosine, and its
     paired difference to outcome with the 95 % interval (`stepgrpo credit-quality`)."""
-    from storage.errors import StorageError
-    from storage.publish import read_json
+    from stepgrpo.storage.errors import StorageError
+    from stepgrpo.storage.publish import read_json
 
     for path in sorted((r.path / r.QUALITY_DIR).glob("iter_*.json")):
         try:
@@ -794,9 +794,9 @@ def _diagnostics(r: Any, iters: list[int]) -> None:
     from stepgrpo.reporting.report import SignalWatch
     from stepgrpo.results import UpdateStats
     from stepgrpo.runs import stored_config
+    from stepgrpo.storage.errors import StorageError
+    from stepgrpo.storage.publish import read_json
     from stepgrpo_core.registry import PluginError
-    from storage.errors import StorageError
-    from storage.publish import read_json
 
     try:
         reward = reward_identity(stored_config(r).reward)["name"]
@@ -873,9 +873,9 @@ def _diagnostics(r: Any, iters: list[int]) -> None:
 def _evals(path: Path) -> list[tuple[str, float]]:
     """The run's held-out evaluations at its own settings, `(label, reward)`, oldest first; a damaged
     record is named on stderr and left out."""
-    from storage.errors import StorageError
-    from storage.publish import read_json
-    from storage.run import Run
+    from stepgrpo.storage.errors import StorageError
+    from stepgrpo.storage.publish import read_json
+    from stepgrpo.storage.run import Run
 
     out = []
     for f in (path / Run.EVAL_DIR).glob("*.json"):
@@ -894,7 +894,7 @@ def _evals(path: Path) -> list[tuple[str, float]]:
 
 def _where(run: str) -> str:
     """The run directory a command's RUN argument names (for a table's title)."""
-    from storage.run import find_run
+    from stepgrpo.storage.run import find_run
 
     return str(find_run(run))
 

@@ -21,7 +21,8 @@ def deploy_flow(cfg: Config, name: str, pool: str, source: str, flow_name: str =
 
     if flow_name not in FLOWS:
         raise ValueError(f"--flow {flow_name!r}: the flows that take a config are {', '.join(FLOWS)}")
-    flow = Flow.from_source(source=str(REPO_ROOT), entrypoint=f"flows/{flow_name}.py:{flow_name}")
+    # a module entrypoint (`stepgrpo.flows.train.train`): the worker imports the installed flow by name
+    flow = Flow.from_source(source=str(REPO_ROOT), entrypoint=f"stepgrpo.flows.{flow_name}.{flow_name}")
     return flow.deploy(
         name=name,
         work_pool_name=pool,

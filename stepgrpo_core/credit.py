@@ -95,7 +95,7 @@ class Groups:
 Scheme = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (rewards, gains, groups, **opts) -> (A, turning mask)
 # Fact `step_rewards`: the scheme reads a reward for every state (needs a completion method);
 # False: it reads only R_T, the final sample's. Fact `version`: bumped when a scheme computes other
-# advantages from the same rewards and options (stored advantages name it: `tasks.credit`).
+# advantages from the same rewards and options (stored advantages name it: `stepgrpo.tasks.credit`).
 # Plug-ins (`stepgrpo.plugins.scheme`): `module:attr` references and the `stepgrpo.schemes` entry points.
 
 

@@ -1,7 +1,7 @@
 """The run directory: Zarr stage stores, append-only Parquet tables, atomic publish, locks, schema.
 
 Every array, axis, dtype, chunking, column and the schema version is declared in
-`storage.schema`. The layout of a run is in `storage.run`'s docstring.
+`stepgrpo.storage.schema`. The layout of a run is in `stepgrpo.storage.run`'s docstring.
 
 Public API: a `Run` and its three parts, `run.stages`, `run.tables` and `run.checkpoints`:
 
@@ -39,7 +39,7 @@ Public API: a `Run` and its three parts, `run.stages`, `run.tables` and `run.che
 - Advantages (`run.tables`): `append_advantages(iteration, scheme, options, traj, k, value)`,
   `read_advantages(iteration=None, scheme=None, options_digest=None, as_pandas=False)`,
   `advantage_grid(iteration, scheme, options_digest=None) -> Tensor [B, T]`,
-  `advantages_digest(...)`, `scheme_options(options_digest)`; `storage.options_digest(options)`.
+  `advantages_digest(...)`, `scheme_options(options_digest)`; `stepgrpo.storage.options_digest(options)`.
 - Checkpoints (`run.checkpoints`): `save_checkpoint(iteration, tensors {group: {name: Tensor}}, state JSON)`,
   `load_checkpoint(iteration=None) -> Checkpoint`, `latest_checkpoint()`, and
   `begin_checkpoint(iteration)` to write other data files (e.g. a diffusers LoRA directory) under
@@ -58,7 +58,7 @@ Example::
     run.stage_manifest(0, "rollout")["digest"]  # what downstream cache keys use
 """
 
-from storage.errors import (
+from stepgrpo.storage.errors import (
     AlreadyPublishedError,
     CorruptChunkError,
     IncompleteStageError,
@@ -67,9 +67,9 @@ from storage.errors import (
     StageLockedError,
     StorageError,
 )
-from storage.publish import options_digest
-from storage.run import Checkpoint, CompletionData, RolloutData, Run, StageWriter, find_run
-from storage.schema import SCHEMA_VERSION
+from stepgrpo.storage.publish import options_digest
+from stepgrpo.storage.run import Checkpoint, CompletionData, RolloutData, Run, StageWriter, find_run
+from stepgrpo.storage.schema import SCHEMA_VERSION
 
 __all__ = [
     "SCHEMA_VERSION",

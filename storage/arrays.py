@@ -1,7 +1,7 @@
 """Zarr v3 stage stores: create, write trajectory slices, verify + digest, read.
 
 Zarr itself writes the metadata (`zarr.json`), so every store opens with `zarr.open_group`. The
-chunks are written and read here, in exactly the encoding declared in `storage.schema` (raw
+chunks are written and read here, in exactly the encoding declared in `stepgrpo.storage.schema` (raw
 little-endian bytes + crc32c): one `os.writev` per trajectory chunk instead of zarr's codec
 pipeline, which copies every chunk twice and is about 4x slower for latents (see bench/storage.py).
 """
@@ -23,9 +23,9 @@ import zarr.api.asynchronous
 from zarr.codecs import Crc32cCodec
 from zarr.core.sync import sync
 
-from storage.errors import CorruptChunkError, IncompleteStageError
-from storage.publish import canonical_json, check_json
-from storage.schema import (
+from stepgrpo.storage.errors import CorruptChunkError, IncompleteStageError
+from stepgrpo.storage.publish import canonical_json, check_json
+from stepgrpo.storage.schema import (
     CHECKSUM_BYTES,
     CHUNK_KEY_SEPARATOR,
     DIGEST_FORMAT,
@@ -98,7 +98,7 @@ class StageStore:
         limits: Mapping[str, int] | None = None,
     ) -> None:
         self.path = path
-        self.removed = dict(removed or {})  # arrays retention pruned -> why (`storage.retention`)
+        self.removed = dict(removed or {})  # arrays retention pruned -> why (`stepgrpo.storage.retention`)
         self.spec = spec
         self.attrs = dict(attrs)
         try:  # bounded before anything is allocated (`limits`: the run's, `Run.dim_limits`)
@@ -276,7 +276,7 @@ class StageStore:
         spec = self.spec.array(name)
         shape = self.shape(name)
         if name in self.removed:
-            from storage.pruned import PrunedError
+            from stepgrpo.storage.pruned import PrunedError
 
             raise PrunedError(
                 f"{self.path.parent.name}/{self.path.name}: {name} was pruned ({self.removed[name]}); this needs it. "

@@ -1,6 +1,6 @@
 """The checkpoints of a run: safetensors groups and a JSON state, published atomically.
 
-`Checkpoints` is a part of `storage.run.Run`; see `storage` for the API.
+`Checkpoints` is a part of `stepgrpo.storage.run.Run`; see `storage` for the API.
 """
 
 from __future__ import annotations
@@ -10,16 +10,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from storage.errors import CorruptChunkError, NotPublishedError
-from storage.pruned import check_not_pruned
-from storage.publish import check_json, read_json
-from storage.schema import check_name
-from storage.writer import StageWriter, digest_files
+from stepgrpo.storage.errors import CorruptChunkError, NotPublishedError
+from stepgrpo.storage.pruned import check_not_pruned
+from stepgrpo.storage.publish import check_json, read_json
+from stepgrpo.storage.schema import check_name
+from stepgrpo.storage.writer import StageWriter, digest_files
 
 if TYPE_CHECKING:
     import torch
 
-    from storage.owner import RunDir
+    from stepgrpo.storage.owner import RunDir
 
 
 STATE_FILE = "state.json"

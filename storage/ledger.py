@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from storage.publish import canonical_json, partial_path, write_file_atomic
+from stepgrpo.storage.publish import canonical_json, partial_path, write_file_atomic
 
 LEDGER = "_shards"  # the ledger's directory inside a stage's `.partial` directory
 

@@ -1,5 +1,5 @@
 """What a run's parts (`Run.stages`, `Run.tables`, `Run.checkpoints`) use of the run they belong to,
-as a protocol: the parts stand below `storage.run`, which builds them, and import nothing of it."""
+as a protocol: the parts stand below `stepgrpo.storage.run`, which builds them, and import nothing of it."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
-from storage.schema import StoreSpec
-from storage.writer import StageWriter
+from stepgrpo.storage.schema import StoreSpec
+from stepgrpo.storage.writer import StageWriter
 
 
 class RunDir(Protocol):

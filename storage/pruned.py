@@ -1,14 +1,14 @@
 """The marks retention leaves: a pruned stage's `_pruned.json` record (what was removed, when, why),
 and the error a read of removed data raises. Below every reader of a stage (arrays, checkpoints,
-the run); the pruning policy itself is `storage.retention`."""
+the run); the pruning policy itself is `stepgrpo.storage.retention`."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from storage.errors import CorruptChunkError, StorageError
-from storage.publish import read_json
+from stepgrpo.storage.errors import CorruptChunkError, StorageError
+from stepgrpo.storage.publish import read_json
 
 PRUNED_FILE = "_pruned.json"
 

@@ -23,8 +23,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from storage.errors import CorruptChunkError, StageLockedError, StorageError
-from storage.schema import PUBLISHED_FILE
+from stepgrpo.storage.errors import CorruptChunkError, StageLockedError, StorageError
+from stepgrpo.storage.schema import PUBLISHED_FILE
 
 LOCK_POLL_S = 0.05  # how often a waiting writer retries a held lock
 

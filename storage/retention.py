@@ -16,7 +16,7 @@ the update is the last stage that reads its latents.
 A pruned stage gets `_pruned.json` (what was removed, when, how many bytes) before anything is
 deleted, so a reader never meets a missing array without the record that explains it, and an
 interrupted prune is finished by the next one. Reading those records (and the error a read of
-pruned data raises) is `storage.pruned`, below the run that this policy works on.
+pruned data raises) is `stepgrpo.storage.pruned`, below the run that this policy works on.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from storage.pruned import PRUNED_FILE, pruned
-from storage.publish import utc_now, write_file_atomic
+from stepgrpo.storage.pruned import PRUNED_FILE, pruned
+from stepgrpo.storage.publish import utc_now, write_file_atomic
 
 if TYPE_CHECKING:
-    from storage.run import Run
+    from stepgrpo.storage.run import Run
 
 BULK = {"rollout": ("states", "ode_final", "velocities"), "completion": ("latents",), "images": ("images",)}
 Keep = Literal["all", "last", "tables"]

@@ -28,13 +28,19 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from storage import tables
-from storage.arrays import StageStore
-from storage.checkpoints import Checkpoint, Checkpoints
-from storage.errors import AlreadyPublishedError, CorruptChunkError, NotPublishedError, SchemaVersionError, StorageError
-from storage.ledger import resumable
-from storage.pruned import pruned
-from storage.publish import (
+from stepgrpo.storage import tables
+from stepgrpo.storage.arrays import StageStore
+from stepgrpo.storage.checkpoints import Checkpoint, Checkpoints
+from stepgrpo.storage.errors import (
+    AlreadyPublishedError,
+    CorruptChunkError,
+    NotPublishedError,
+    SchemaVersionError,
+    StorageError,
+)
+from stepgrpo.storage.ledger import resumable
+from stepgrpo.storage.pruned import pruned
+from stepgrpo.storage.publish import (
     SEAL_KEY,
     acquire_lock,
     canonical_json,
@@ -50,8 +56,8 @@ from storage.publish import (
     utc_now,
     write_file_atomic,
 )
-from storage.run_tables import RunTables
-from storage.schema import (
+from stepgrpo.storage.run_tables import RunTables
+from stepgrpo.storage.schema import (
     DIGEST_FORMAT,
     DIGEST_FORMATS,
     EXPORT_FILE,
@@ -63,8 +69,8 @@ from storage.schema import (
     known_digest_format,
     store_sizes,
 )
-from storage.stage_stores import CompletionData, ImagesData, RolloutData, StageStores, spec_of
-from storage.writer import StageWriter, digest_files, metadata_digest
+from stepgrpo.storage.stage_stores import CompletionData, ImagesData, RolloutData, StageStores, spec_of
+from stepgrpo.storage.writer import StageWriter, digest_files, metadata_digest
 
 __all__ = [
     "Checkpoint",
@@ -126,7 +132,7 @@ class Run:
 
     @property
     def digest_format(self) -> int:
-        """How the run's Zarr stages are digested (`storage.schema.DIGEST_FORMAT`), fixed when the run
+        """How the run's Zarr stages are digested (`stepgrpo.storage.schema.DIGEST_FORMAT`), fixed when the run
         was made (runs made before format 2: 1), so that a stage computed again has the digest its
         downstream stages were keyed on."""
         return self.manifest.get("digest_format", 1)
@@ -215,7 +221,7 @@ class Run:
 
     def inside(self, path: str | os.PathLike[str]) -> Path:
         """`path` (under the run directory) for a write: refused when a part of it is a symbolic link,
-        which would take the write out of the run (`storage.publish.no_links`)."""
+        which would take the write out of the run (`stepgrpo.storage.publish.no_links`)."""
         return no_links(self.path, Path(path))
 
     def dim_limits(self) -> dict[str, int]:
@@ -375,7 +381,7 @@ class Run:
             raise CorruptChunkError(f"{what}: its content no longer matches its published digest (damaged or edited)")
 
     def _verify_pruned(self, iteration: int, stage: str, manifest: dict[str, Any]) -> None:
-        """A pruned stage (`storage.retention`): what it kept still passes its checks (the attrs,
+        """A pruned stage (`stepgrpo.storage.retention`): what it kept still passes its checks (the attrs,
         every chunk's crc32c; a checkpoint's state); its digest covered what is gone."""
         what = f"run {self.run_id} iteration {iteration} {stage} (pruned)"
         path = self.stage_path(iteration, stage)
@@ -397,7 +403,7 @@ class Run:
                 store.read(spec.name)
 
     def pruned(self, iteration: int, stage: str) -> dict[str, Any] | None:
-        """The retention record of a pruned stage (`storage.retention`), or None."""
+        """The retention record of a pruned stage (`stepgrpo.storage.retention`), or None."""
         return pruned(self.stage_path(iteration, stage))
 
     def stored_items(self) -> list[tuple[str, Any]]:
@@ -419,9 +425,9 @@ class Run:
         return items
 
     EXPORTS = ("lora", "transformer")  # the run's exported weights (`stepgrpo.loops.update.export_lora`)
-    EVAL_DIR = "eval"  # held-out evaluations (`tasks.evaluate`)
-    QUALITY_DIR = "credit_quality"  # credit-quality checks (`tasks.quality`)
-    RECORDS = (EVAL_DIR, QUALITY_DIR)  # folders of sealed JSON records (`storage.publish.seal`)
+    EVAL_DIR = "eval"  # held-out evaluations (`stepgrpo.tasks.evaluate`)
+    QUALITY_DIR = "credit_quality"  # credit-quality checks (`stepgrpo.tasks.quality`)
+    RECORDS = (EVAL_DIR, QUALITY_DIR)  # folders of sealed JSON records (`stepgrpo.storage.publish.seal`)
 
     def seal_export(self, name: str) -> dict[str, Any]:
         """Record the digest of the export folder `name` (in it, as `_export.json`), so that a
@@ -444,7 +450,7 @@ class Run:
 
     def verify_all(self) -> list[tuple[str, str]]:
         """Check every stored item (`stored_items`); returns `(item, what is wrong)` for those that fail."""
-        from storage.run_tables import TABLES
+        from stepgrpo.storage.run_tables import TABLES
 
         problems = []
         for what, item in self.stored_items():

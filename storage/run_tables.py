@@ -1,6 +1,6 @@
 """The Parquet tables of a run: its prompts, and the append-only rewards and advantages.
 
-`RunTables` is a part of `storage.run.Run`; see `storage` for the API.
+`RunTables` is a part of `stepgrpo.storage.run.Run`; see `storage` for the API.
 """
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
-from storage import tables
-from storage.errors import CorruptChunkError, NotPublishedError
-from storage.publish import canonical_json, check_json, options_digest, write_file_atomic
-from storage.schema import ADVANTAGES_KEY, ADVANTAGES_SCHEMA, REWARDS_KEY, REWARDS_SCHEMA
+from stepgrpo.storage import tables
+from stepgrpo.storage.errors import CorruptChunkError, NotPublishedError
+from stepgrpo.storage.publish import canonical_json, check_json, options_digest, write_file_atomic
+from stepgrpo.storage.schema import ADVANTAGES_KEY, ADVANTAGES_SCHEMA, REWARDS_KEY, REWARDS_SCHEMA
 
 if TYPE_CHECKING:
     import torch
 
-    from storage.owner import RunDir
+    from stepgrpo.storage.owner import RunDir
 
 
 TABLES = {"rewards": (REWARDS_SCHEMA, REWARDS_KEY), "advantages": (ADVANTAGES_SCHEMA, ADVANTAGES_KEY)}
@@ -53,7 +53,7 @@ class RunTables:
         return tables.read_footer(self.run.path / "prompts.parquet")
 
     def read_prompts(self) -> pa.Table:
-        """The prompts table (`storage.schema.PROMPTS_SCHEMA`; `metadata` is a JSON string),
+        """The prompts table (`stepgrpo.storage.schema.PROMPTS_SCHEMA`; `metadata` is a JSON string),
         checked against the digest in its footer (`CorruptChunkError` if it does not match)."""
         import pyarrow.parquet as pq
 

@@ -5,7 +5,7 @@ decoded images `K` scored states, `RGB` channels (3), `Y, X` pixels.
 
 Bump `SCHEMA_VERSION` whenever anything declared here changes in a way an older reader would
 misread (a renamed array or column, a new required attr, another codec). Runs record the version
-they were written with and readers refuse other versions (see `storage.errors.SchemaVersionError`).
+they were written with and readers refuse other versions (see `stepgrpo.storage.errors.SchemaVersionError`).
 
 Zarr stores (v3, one directory per stage):
 
@@ -15,7 +15,7 @@ Zarr stores (v3, one directory per stage):
 - Codecs: `bytes` (little endian) then `crc32c`, no compression: latents are noise-like and
   barely compress, and the checksum lets a reader detect a damaged chunk instead of training on
   it. A chunk file is therefore the raw little-endian array bytes followed by 4 bytes of crc32c
-  (little endian); `storage.arrays` reads and writes that encoding directly for speed, and the
+  (little endian); `stepgrpo.storage.arrays` reads and writes that encoding directly for speed, and the
   stores stay plain Zarr v3 that `zarr.open_group` reads.
 - Chunk keys use the `default` encoding with separator `"."` (`c.3.0.0.0.0`), which keeps a
   store's chunk files in one directory per array (nested directories cost more than the writes).
@@ -231,7 +231,7 @@ def axis_sizes(B: int, T: int, C: int, H: int, W: int) -> dict[str, int]:
 
 # Bounds on a stored dim, checked before anything is allocated or iterated (a damaged or hostile
 # store's metadata must not make a reader allocate terabytes or loop 10^12 times): far above any
-# real run, and a run's own config bounds B and T tighter (`storage.run.Run.dim_limits`).
+# real run, and a run's own config bounds B and T tighter (`stepgrpo.storage.run.Run.dim_limits`).
 MAX_DIM = 2**20
 MAX_CHUNK_ELEMENTS = 2**28  # one trajectory's chunk: 1 GiB of float32
 

@@ -1,6 +1,6 @@
 """The Zarr stages of a run: rollouts, completions and decoded images (begin, write, read).
 
-`StageStores` is a part of `storage.run.Run`; see `storage` for the API.
+`StageStores` is a part of `stepgrpo.storage.run.Run`; see `storage` for the API.
 """
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from storage.arrays import StageStore
-from storage.errors import NotPublishedError
-from storage.ledger import open_ledger
-from storage.pruned import pruned
-from storage.publish import fresh_partial
-from storage.schema import COMPLETION, IMAGES, ROLLOUT, StoreSpec, latent_storage_dtype
-from storage.writer import StageWriter, abort_on_error
+from stepgrpo.storage.arrays import StageStore
+from stepgrpo.storage.errors import NotPublishedError
+from stepgrpo.storage.ledger import open_ledger
+from stepgrpo.storage.pruned import pruned
+from stepgrpo.storage.publish import fresh_partial
+from stepgrpo.storage.schema import COMPLETION, IMAGES, ROLLOUT, StoreSpec, latent_storage_dtype
+from stepgrpo.storage.writer import StageWriter, abort_on_error
 
 if TYPE_CHECKING:
-    from storage.owner import RunDir
+    from stepgrpo.storage.owner import RunDir
 
 
 @dataclass(frozen=True)
@@ -215,7 +215,7 @@ class StageStores:
     def read_array(
         self, iteration: int, stage: str, name: str, trajectories: slice | Sequence[int] | None = None
     ) -> np.ndarray:
-        """One array of a published Zarr stage (see `storage.schema`), optionally some trajectories."""
+        """One array of a published Zarr stage (see `stepgrpo.storage.schema`), optionally some trajectories."""
         return self._store(iteration, stage, spec_of(stage))[0].read(name, trajectories)
 
     def read_rollout(self, iteration: int, trajectories: slice | Sequence[int] | None = None) -> RolloutData:

@@ -3,7 +3,7 @@
 Rewards and advantages live in a directory each (`rewards/`, `advantages/`) as immutable files
 `part-<digest>.parquet`, one per append, read together as one dataset. An append never rewrites a
 file: a new reward version or credit scheme adds files. Appending rows whose key (see
-`storage.schema.REWARDS_KEY` / `ADVANTAGES_KEY`) is already stored is refused, except that
+`stepgrpo.storage.schema.REWARDS_KEY` / `ADVANTAGES_KEY`) is already stored is refused, except that
 appending exactly the same rows again is a no-op (a stage re-run after a crash that happened
 after its append). Appends take a short lock on the table directory.
 """
@@ -24,9 +24,9 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from storage.errors import CorruptChunkError
-from storage.publish import acquire_lock, canonical_json, check_json, release_lock, write_file_atomic
-from storage.schema import (
+from stepgrpo.storage.errors import CorruptChunkError
+from stepgrpo.storage.publish import acquire_lock, canonical_json, check_json, release_lock, write_file_atomic
+from stepgrpo.storage.schema import (
     ADVANTAGES_SCHEMA,
     PROMPTS_SCHEMA,
     REWARDS_SCHEMA,

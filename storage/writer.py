@@ -10,10 +10,10 @@ from typing import Any
 
 import zarr
 
-from storage.arrays import StageStore
-from storage.errors import StorageError
-from storage.ledger import LEDGER, close_ledger
-from storage.publish import (
+from stepgrpo.storage.arrays import StageStore
+from stepgrpo.storage.errors import StorageError
+from stepgrpo.storage.ledger import LEDGER, close_ledger
+from stepgrpo.storage.publish import (
     canonical_json,
     check_json,
     check_token,
@@ -23,7 +23,7 @@ from storage.publish import (
     release_lock,
     utc_now,
 )
-from storage.schema import (
+from stepgrpo.storage.schema import (
     ALLOWED_FILE_SUFFIXES,
     DIGEST_FORMAT,
     EXPORT_FILE,

@@ -5,7 +5,7 @@
 
 Each module holds the Prefect task, the stage body it runs (`execute`, idempotent) and the
 result of a published stage read back (`stored`). A task persists nothing: a stage is reused when
-its published output verifies under its key (`tasks.base`).
+its published output verifies under its key (`stepgrpo.tasks.base`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from stepgrpo.config import Config
-from storage.run import Run
+from stepgrpo.storage.run import Run
 
 if TYPE_CHECKING:
     from prefect import Task
@@ -49,19 +49,19 @@ class Stages:
 
 def bind(run: Run, cfg: Config) -> Stages:
     """The stage tasks for `run`, each retried `cfg.scale.stage_retries` times after a failure that
-    may pass (`tasks.base.transient`). They keep no results of their own: the run directory is
-    their cache (`tasks.base`), which is also what makes a retry safe: every stage is idempotent,
+    may pass (`stepgrpo.tasks.base.transient`). They keep no results of their own: the run directory is
+    their cache (`stepgrpo.tasks.base`), which is also what makes a retry safe: every stage is idempotent,
     and a retried one reuses what the failed attempt finished (its published shards)."""
-    from tasks.base import with_retries
-    from tasks.calibrate import calibrate
-    from tasks.complete import complete
-    from tasks.credit import credit
-    from tasks.draw import draw
-    from tasks.evaluate import evaluate
-    from tasks.prompts import prompts
-    from tasks.rollout import rollout
-    from tasks.score import score
-    from tasks.update import update
+    from stepgrpo.tasks.base import with_retries
+    from stepgrpo.tasks.calibrate import calibrate
+    from stepgrpo.tasks.complete import complete
+    from stepgrpo.tasks.credit import credit
+    from stepgrpo.tasks.draw import draw
+    from stepgrpo.tasks.evaluate import evaluate
+    from stepgrpo.tasks.prompts import prompts
+    from stepgrpo.tasks.rollout import rollout
+    from stepgrpo.tasks.score import score
+    from stepgrpo.tasks.update import update
 
     stages = Stages(prompts, calibrate, draw, rollout, complete, score, credit, update, evaluate)
     return Stages(*(with_retries(getattr(stages, f.name), cfg.scale.stage_retries) for f in fields(Stages)))

@@ -19,10 +19,10 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from stepgrpo.errors import StageError
-from storage.errors import CorruptChunkError, StorageError
-from storage.ledger import finished as ledger_result
-from storage.run import Run
-from tasks.keys import Key
+from stepgrpo.storage.errors import CorruptChunkError, StorageError
+from stepgrpo.storage.ledger import finished as ledger_result
+from stepgrpo.storage.run import Run
+from stepgrpo.tasks.keys import Key
 
 # What to do about a damaged stage that a flow reads but cannot compute (rescore, credit, evaluate).
 RESUME_FIX = "resume the run with `stepgrpo train` and its config to compute it again, or restore it from a copy"
@@ -112,7 +112,7 @@ def with_retries(stage: Any, retries: int) -> Any:
 
 def shard_task(stage: str) -> Callable[[Callable[..., Any]], Any]:
     """`@shard_task("rollout")`: the Prefect task of one shard of a stage (`stepgrpo.runtime.workers`). It
-    writes its rows and then its ledger record (`storage.ledger`); it returns nothing. On a Ray
+    writes its rows and then its ledger record (`stepgrpo.storage.ledger`); it returns nothing. On a Ray
     worker as in this process it computes with the thread count its run recorded (`_pin_threads`)."""
 
     def decorate(fn: Callable[..., Any]) -> Any:

@@ -23,11 +23,11 @@ from stepgrpo.loops.sampling import generator, sample_groups
 from stepgrpo.loops.scoring import score_images
 from stepgrpo.prompts import stored_prompts
 from stepgrpo.results import CalibrateResult, PromptsResult
+from stepgrpo.storage.publish import write_file_atomic
+from stepgrpo.storage.run import Run
+from stepgrpo.tasks.base import stage_task, warn
+from stepgrpo.tasks.keys import Key, stage_key
 from stepgrpo_core.kernels import KERNELS
-from storage.publish import write_file_atomic
-from storage.run import Run
-from tasks.base import stage_task, warn
-from tasks.keys import Key, stage_key
 
 CALIBRATION_FILE = "calibration/psi.json"
 

@@ -23,12 +23,12 @@ from stepgrpo.prompts import stored_prompts
 from stepgrpo.results import CompleteResult, RolloutResult, UpdateResult
 from stepgrpo.runtime.faults import maybe_fail
 from stepgrpo.runtime.sharding import shard_ranges
+from stepgrpo.storage.ledger import record
+from stepgrpo.storage.run import Run
+from stepgrpo.storage.schema import completion_stage
+from stepgrpo.tasks.base import fan_out, manifest, reuse, shard_task, stage_task
+from stepgrpo.tasks.keys import Key, stage_key
 from stepgrpo_core.completions import COMPLETIONS, completed_through, parse_method
-from storage.ledger import record
-from storage.run import Run
-from storage.schema import completion_stage
-from tasks.base import fan_out, manifest, reuse, shard_task, stage_task
-from tasks.keys import Key, stage_key
 
 # Completion attr: states k >= this evolve deterministically (after the SDE window); their
 # completion is x_T, so they are neither completed nor scored (their rewards are R_T's).

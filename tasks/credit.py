@@ -16,10 +16,10 @@ import torch
 from stepgrpo.config import Config
 from stepgrpo.errors import StageError
 from stepgrpo.results import CreditResult, ScoreResult
+from stepgrpo.storage.publish import options_digest
+from stepgrpo.storage.run import Run
+from stepgrpo.tasks.base import repair_table, stage_task
 from stepgrpo_core.credit import SCHEMES, assign, reads_trained
-from storage.publish import options_digest
-from storage.run import Run
-from tasks.base import repair_table, stage_task
 
 
 @stage_task("credit")

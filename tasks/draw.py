@@ -22,10 +22,10 @@ from stepgrpo.loops import workspace
 from stepgrpo.loops.sampling import generator, uniform_prompts
 from stepgrpo.prompts import stored_prompts
 from stepgrpo.results import DrawResult, PromptsResult
+from stepgrpo.storage.run import Run
+from stepgrpo.tasks.base import manifest, reuse, stage_task
+from stepgrpo.tasks.keys import stage_key
 from stepgrpo_core import curriculum
-from storage.run import Run
-from tasks.base import manifest, reuse, stage_task
-from tasks.keys import stage_key
 
 UNIFORM = "uniform"
 

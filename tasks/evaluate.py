@@ -25,13 +25,13 @@ from stepgrpo.reporting.report import write_grid
 from stepgrpo.results import EvaluateResult, PromptsResult, UpdateResult
 from stepgrpo.runtime.faults import maybe_fail
 from stepgrpo.runtime.sharding import blocks_per_shard
+from stepgrpo.storage.errors import StorageError
+from stepgrpo.storage.ledger import close_ledger, open_ledger, record
+from stepgrpo.storage.publish import read_json, seal, write_file_atomic
+from stepgrpo.storage.run import Run
+from stepgrpo.tasks.base import fan_out, shard_task, stage_task, warn
+from stepgrpo.tasks.keys import Key, stage_key
 from stepgrpo_core.rollout import rollout as sample
-from storage.errors import StorageError
-from storage.ledger import close_ledger, open_ledger, record
-from storage.publish import read_json, seal, write_file_atomic
-from storage.run import Run
-from tasks.base import fan_out, shard_task, stage_task, warn
-from tasks.keys import Key, stage_key
 
 EVAL_DIR = Run.EVAL_DIR
 GRID_IMAGES = 64

@@ -10,7 +10,7 @@ score and what follows it, never of rollout or complete. No path is part of a ke
 moved or remounted run resumes.
 
 A published stage records its key in its manifest; the stage counts as done for a key only if the
-recorded key is that key (`Key.accepts`) and its data verify against its manifest (`tasks.base`).
+recorded key is that key (`Key.accepts`) and its data verify against its manifest (`stepgrpo.tasks.base`).
 Runs made before keys were relocatable recorded the key with the run's absolute path in it: that
 key is accepted too, for a run that has not moved.
 """
@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 from stepgrpo.config import CODE_SALT, Config, digest_of, stage_fields
 from stepgrpo.results import StageResult
 from stepgrpo.runs import MODEL_FACT
-from storage.run import Run
+from stepgrpo.storage.run import Run
 
 # Stages whose numbers depend on the reward model itself (not only on stored reward rows).
 REWARD_STAGES = frozenset({"score", "evaluate", "calibrate"})

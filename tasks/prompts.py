@@ -6,9 +6,9 @@ from stepgrpo.config import Config
 from stepgrpo.errors import StageError
 from stepgrpo.prompts import prompt_source
 from stepgrpo.results import PromptsResult
-from storage.errors import CorruptChunkError
-from storage.run import Run
-from tasks.base import stage_task, warn
+from stepgrpo.storage.errors import CorruptChunkError
+from stepgrpo.storage.run import Run
+from stepgrpo.tasks.base import stage_task, warn
 
 
 @stage_task("prompts")

@@ -33,6 +33,12 @@ from stepgrpo.loops import judging, workspace
 from stepgrpo.loops.sampling import stored_noise
 from stepgrpo.prompts import stored_prompts
 from stepgrpo.results import QualityResult
+from stepgrpo.storage.errors import StorageError
+from stepgrpo.storage.publish import read_json, seal, write_file_atomic
+from stepgrpo.storage.run import Run
+from stepgrpo.tasks.base import stage_task, warn
+from stepgrpo.tasks.complete import clean_stage
+from stepgrpo.tasks.credit import trained_mask
 from stepgrpo_core.credit import SCHEMES, assign
 from stepgrpo_core.loss import step_weights
 from stepgrpo_core.quality import (
@@ -41,12 +47,6 @@ from stepgrpo_core.quality import (
     true_advantages,
     true_values,
 )
-from storage.errors import StorageError
-from storage.publish import read_json, seal, write_file_atomic
-from storage.run import Run
-from tasks.base import stage_task, warn
-from tasks.complete import clean_stage
-from tasks.credit import trained_mask
 
 QUALITY_DIR = Run.QUALITY_DIR
 TRUTH = ("true", "true_a", "true_b")  # A* and its two halves' tables

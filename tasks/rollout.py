@@ -23,12 +23,12 @@ from stepgrpo.prompts import stored_prompts
 from stepgrpo.results import CalibrateResult, DrawResult, PromptsResult, RolloutResult, UpdateResult
 from stepgrpo.runtime.faults import maybe_fail
 from stepgrpo.runtime.sharding import shard_ranges
+from stepgrpo.storage.ledger import record
+from stepgrpo.storage.run import Run
+from stepgrpo.tasks.base import fan_out, manifest, reuse, shard_task, stage_task
+from stepgrpo.tasks.draw import drawn_prompts
+from stepgrpo.tasks.keys import Key, stage_key
 from stepgrpo_core.kernels import KERNELS
-from storage.ledger import record
-from storage.run import Run
-from tasks.base import fan_out, manifest, reuse, shard_task, stage_task
-from tasks.draw import drawn_prompts
-from tasks.keys import Key, stage_key
 
 
 @stage_task("rollout")

@@ -29,11 +29,11 @@ from stepgrpo.prompts import stored_prompts
 from stepgrpo.results import CompleteResult, RolloutResult, ScoreResult
 from stepgrpo.runtime.faults import maybe_fail
 from stepgrpo.runtime.sharding import block_rows, blocks, shard_ranges
-from storage.errors import AlreadyPublishedError, CorruptChunkError, StageLockedError
-from storage.ledger import close_ledger, open_ledger, record
-from storage.run import Run
-from tasks.base import fan_out, intact, repair_table, shard_task, stage_task, warn
-from tasks.complete import clean_latents, clean_stage, scored_states
+from stepgrpo.storage.errors import AlreadyPublishedError, CorruptChunkError, StageLockedError
+from stepgrpo.storage.ledger import close_ledger, open_ledger, record
+from stepgrpo.storage.run import Run
+from stepgrpo.tasks.base import fan_out, intact, repair_table, shard_task, stage_task, warn
+from stepgrpo.tasks.complete import clean_latents, clean_stage, scored_states
 
 
 @stage_task("score")

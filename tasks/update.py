@@ -11,9 +11,9 @@ import json
 from stepgrpo.config import Config
 from stepgrpo.loops import update as body
 from stepgrpo.results import CreditResult, RolloutResult, UpdateResult
-from storage.run import Run
-from tasks.base import manifest, reuse, stage_task
-from tasks.keys import Key, stage_key
+from stepgrpo.storage.run import Run
+from stepgrpo.tasks.base import manifest, reuse, stage_task
+from stepgrpo.tasks.keys import Key, stage_key
 
 
 @stage_task("update")

@@ -14,7 +14,7 @@ from conftest import shared
 from filelock import FileLock
 from safetensors.torch import load_file
 
-from storage.run import Run
+from stepgrpo.storage.run import Run
 
 # 8 groups of 3, 6 rows a model call: 4 shards of 2 groups, one evaluation call per seed.
 SHARDED = ["scale.groups_per_shard=2"]
@@ -57,7 +57,7 @@ def tiny(tmp_path_factory) -> list[str]:
 
 
 def _train(tiny: list[str], run_dir: Path, *extra: str) -> dict:
-    from flows.train import train
+    from stepgrpo.flows.train import train
 
     return train(overrides=[*tiny, *extra], run_dir=str(run_dir))
 

@@ -186,7 +186,7 @@ def test_calibrate_refuses_a_kernel_with_a_fixed_noise(here):
 def stored_run(here):
     """A run directory with its manifest only (as after a crash before its first stage)."""
     from stepgrpo.config import load_config
-    from storage.run import Run
+    from stepgrpo.storage.run import Run
 
     cfg = load_config(None, ["run.runs_root=runs"])
     return Run.create(here / "runs", "r", cfg.model_dump(mode="json")).path
@@ -249,7 +249,7 @@ def test_commands_on_a_run_refuse_bad_input_early(stored_run, case):
 def test_a_step_reward_scheme_on_a_run_without_step_rewards_is_refused_early(here):
     """The README's old quick start: `credit` with turning_point on an outcome run (final samples only)."""
     from stepgrpo.config import load_config
-    from storage.run import Run
+    from stepgrpo.storage.run import Run
 
     cfg = load_config(None, ["run.runs_root=runs", "completion.method=null", "credit.scheme=outcome"])
     run = Run.create(here / "runs", "o", cfg.model_dump(mode="json")).path

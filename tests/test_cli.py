@@ -86,7 +86,7 @@ def test_a_run_of_another_schema_version_is_refused(tmp_path):
 
 
 def test_offline_commands_name_unknown_runs_rewards_and_schemes(tmp_path):
-    from storage.schema import SCHEMA_VERSION
+    from stepgrpo.storage.schema import SCHEMA_VERSION
 
     run = _fake_run(tmp_path, SCHEMA_VERSION)
     result = invoke("rescore", str(tmp_path / "missing"), "--reward", "shapes")
@@ -111,7 +111,7 @@ def test_runs_lists_scheme_and_status_and_refuses_a_missing_root(tmp_path, monke
 
     from stepgrpo.config import load_config
     from stepgrpo.runs import owned
-    from storage.run import Run
+    from stepgrpo.storage.run import Run
 
     missing = invoke("runs", "--root", str(tmp_path / "nowhere"))
     assert missing.exit_code == 2 and "is not a directory" in missing.output
@@ -171,7 +171,7 @@ def test_offline_commands_skip_flow_heartbeats_unless_the_user_asks_for_them(mon
     long) run without it, unless the user set the interval; training keeps Prefect's default."""
     from prefect.settings import get_current_settings
 
-    from stepgrpo_cli import api
+    from stepgrpo.flows import api
 
     for name in api.HEARTBEAT_VARIABLES:
         monkeypatch.delenv(name, raising=False)

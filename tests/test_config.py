@@ -177,8 +177,8 @@ def test_the_run_form_is_the_typed_config_every_field_described_names_as_choices
     description, and the registered names as the choices of reward, scheme and kernel."""
     from prefect.utilities.callables import parameter_schema
 
-    from flows.train import train
     from stepgrpo.config import Config
+    from stepgrpo.flows.train import train
     from stepgrpo.rewards import REWARDS
     from stepgrpo_core.credit import SCHEMES
     from stepgrpo_core.kernels import KERNELS
@@ -237,7 +237,7 @@ def test_fields_added_later_stay_out_of_stored_runs_keys_at_their_old_behaviour(
 
 
 def test_stage_keys_name_what_changed_only_where_it_changed():
-    from tasks.keys import code_facts
+    from stepgrpo.tasks.keys import code_facts
 
     w3 = ["sampler.sde_window_size=3"]
     assert code_facts("complete", load_config(None, [*w3, "completion.method=remaining"])) == {}
@@ -255,7 +255,7 @@ def test_the_run_form_marks_the_fields_that_take_no_null_required_and_shows_each
     something (`model.resolution`: the model's own size); every field says its default."""
     from prefect.utilities.callables import parameter_schema
 
-    from flows.train import train
+    from stepgrpo.flows.train import train
 
     forms = parameter_schema(train.fn).model_dump()["definitions"]
     model = forms["ModelConfig"]

@@ -334,7 +334,7 @@ def test_a_one_signed_batch_keeps_every_turning_point():
 
 def test_turning_point_advantages_are_stored_under_the_scheme_version():
     from stepgrpo.config import load_config
-    from tasks.credit import stored_options
+    from stepgrpo.tasks.credit import stored_options
 
     tp_cfg = load_config(None, ["credit.scheme=turning_point", "completion.method=remaining"])
     assert stored_options(tp_cfg, "shapes", "1")["scheme_version"] == "3"

@@ -78,7 +78,7 @@ def test_curriculum_config_is_validated():
 def test_a_run_made_before_the_curriculum_resumes_under_its_defaults(tmp_path):
     """A stored config without the section compares equal to the defaults it now gets."""
     from stepgrpo.runs import check_resumable
-    from storage.run import Run
+    from stepgrpo.storage.run import Run
 
     cfg = load_config()
     old = cfg.model_dump(mode="json")

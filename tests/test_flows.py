@@ -21,7 +21,7 @@ from stepgrpo.loops import workspace
 from stepgrpo.loops.sampling import encode
 from stepgrpo.prompts import stored_prompts
 from stepgrpo.rewards.base import RewardOutput
-from storage.publish import options_digest
+from stepgrpo.storage.publish import options_digest
 
 pytestmark = pytest.mark.slow
 
@@ -60,12 +60,12 @@ def tiny(tiny_model) -> list[str]:
 
 @pytest.fixture
 def calls(monkeypatch) -> collections.Counter:
-    """Counts computations of each stage (`tasks.<stage>.compute`: a reused stage is not computed)."""
+    """Counts computations of each stage (`stepgrpo.tasks.<stage>.compute`: a reused stage is not computed)."""
     import importlib
 
     counter: collections.Counter = collections.Counter()
     for name in STAGES:
-        module = importlib.import_module(f"tasks.{name}")
+        module = importlib.import_module(f"stepgrpo.tasks.{name}")
         original = module.compute
 
         def wrapped(*args, _name=name, _original=original, **kwargs):
@@ -78,7 +78,7 @@ def calls(monkeypatch) -> collections.Counter:
 
 @pytest.fixture(scope="module")
 def trained(harness, tiny, tmp_path_factory) -> dict:
-    from flows.train import train
+    from stepgrpo.flows.train import train
 
     run_dir = tmp_path_factory.mktemp("runs") / "tiny-a"
     return train(overrides=tiny, run_dir=str(run_dir)) | {"model_path": tiny[0].removeprefix("model.path=")}
@@ -94,7 +94,7 @@ def test_the_bare_loop_computes_what_the_pipeline_stores(trained):
     finally:  # bench/_common.py takes its folder off the path itself
         sys.path[:] = [p for p in sys.path if not p.endswith("/bench")]
     from stepgrpo.config import validate_config
-    from storage import Run
+    from stepgrpo.storage import Run
 
     run = Run.open(Path(trained["run_dir"]))
     cfg = validate_config(run.config)
@@ -309,7 +309,7 @@ def test_the_mlflow_helper_of_an_offline_command_fails_loudly_and_stops_when_unu
 
 
 def test_rerunning_the_same_run_computes_nothing(trained, tiny, calls):
-    from flows.train import train
+    from stepgrpo.flows.train import train
 
     again = train(overrides=tiny, run_dir=trained["run_dir"])
     assert sum(calls.values()) == 0, calls
@@ -317,7 +317,7 @@ def test_rerunning_the_same_run_computes_nothing(trained, tiny, calls):
 
 
 def test_a_run_refuses_another_config(trained, tiny):
-    from flows.train import train
+    from stepgrpo.flows.train import train
 
     with pytest.raises(StageError, match="changed: optim.lr"):
         train(overrides=[*tiny, "optim.lr=0.5"], run_dir=trained["run_dir"])
@@ -326,8 +326,8 @@ def test_a_run_refuses_another_config(trained, tiny):
 def test_a_finished_run_is_extended_by_more_iterations_and_never_shortened(trained, tiny, tmp_path, calls):
     """`run.iterations` 2 -> 3 on a finished run: its stored stages are reused as they are, one more
     iteration is trained and exported; fewer iterations than it trained is refused, naming why."""
-    from flows.train import train
-    from storage.run import Run
+    from stepgrpo.flows.train import train
+    from stepgrpo.storage.run import Run
 
     copy = _copy(trained, tmp_path)
     before = {i: Run.open(copy).stage_manifest(i, "checkpoint")["digest"] for i in (0, 1)}
@@ -345,10 +345,10 @@ def test_a_finished_run_is_extended_by_more_iterations_and_never_shortened(train
 def test_the_curriculum_draws_stored_prompts_by_gain_variance_and_resumes(harness, tiny, tmp_path, calls):
     import numpy as np
 
-    from flows.train import train
+    from stepgrpo.flows.train import train
     from stepgrpo.loops.sampling import iteration_plan
+    from stepgrpo.storage.run import Run
     from stepgrpo_core.curriculum import group_spread
-    from storage.run import Run
 
     over = [*tiny, "curriculum.draw=gain_variance", "curriculum.window=2", "run.iterations=3"]
     run_dir = tmp_path / "curriculum"
@@ -390,8 +390,8 @@ def test_the_curriculum_draws_stored_prompts_by_gain_variance_and_resumes(harnes
 
 def test_a_uniform_run_draws_no_stage_and_keys_its_rollout_as_before(trained, tiny):
     from stepgrpo.results import DrawResult
-    from storage.run import Run
-    from tasks.keys import stage_key
+    from stepgrpo.storage.run import Run
+    from stepgrpo.tasks.keys import stage_key
 
     run = Run.open(trained["run_dir"])
     assert run.stage_manifest(0, "draw") is None
@@ -408,8 +408,8 @@ def test_a_uniform_run_draws_no_stage_and_keys_its_rollout_as_before(trained, ti
 
 
 def test_cache_keys_follow_the_contract(trained, tiny):
-    from storage.run import Run
-    from tasks.keys import stage_key
+    from stepgrpo.storage.run import Run
+    from stepgrpo.tasks.keys import stage_key
 
     base = load_config(None, tiny)
     new_reward = load_config(None, [*tiny, "reward.name=jpeg_incompressibility"])
@@ -442,8 +442,8 @@ def decodes(monkeypatch) -> collections.Counter:
 
 
 def test_rescore_adds_rows_without_a_transformer_call(trained, calls, decodes):
-    from flows.rescore import rescore
-    from storage.run import Run
+    from stepgrpo.flows.rescore import rescore
+    from stepgrpo.storage.run import Run
 
     pol = workspace.policy(load_config(None, _stored_overrides(trained)))
     before = pol.nfe
@@ -461,8 +461,8 @@ def test_rescore_adds_rows_without_a_transformer_call(trained, calls, decodes):
 def test_rescore_without_stored_images_loads_only_the_vae(trained, tmp_path, monkeypatch, decodes):
     import shutil
 
-    from flows.rescore import rescore
-    from storage.run import Run
+    from stepgrpo.flows.rescore import rescore
+    from stepgrpo.storage.run import Run
 
     copy = tmp_path / "copy"
     shutil.copytree(trained["run_dir"], copy)
@@ -491,8 +491,8 @@ def test_rescore_without_stored_images_loads_only_the_vae(trained, tmp_path, mon
 
 
 def test_credit_recomputes_advantages_from_stored_rewards(trained, calls):
-    from flows.credit import credit
-    from storage.run import Run
+    from stepgrpo.flows.credit import credit
+    from stepgrpo.storage.run import Run
 
     out = credit(trained["run_dir"], "turning_point")
     assert calls["credit"] == 2 and calls["rollout"] == calls["complete"] == calls["score"] == 0
@@ -504,9 +504,9 @@ def test_credit_recomputes_advantages_from_stored_rewards(trained, calls):
 
 
 def test_nan_rewards_fail_the_stage_naming_the_rows(trained, monkeypatch):
-    from flows.rescore import rescore
+    from stepgrpo.flows.rescore import rescore
     from stepgrpo.rewards import REWARDS
-    from storage.run import Run
+    from stepgrpo.storage.run import Run
 
     class NanReward:
         name, version = "nan_test", "1"
@@ -525,7 +525,7 @@ def test_nan_rewards_fail_the_stage_naming_the_rows(trained, monkeypatch):
 
 
 def test_evaluate_flow_reuses_the_stored_evaluation(trained, calls):
-    from flows.evaluate import evaluate
+    from stepgrpo.flows.evaluate import evaluate
 
     out = evaluate(trained["run_dir"])
     assert calls["evaluate"] == 0 and out == trained["evaluations"][-1]
@@ -534,7 +534,7 @@ def test_evaluate_flow_reuses_the_stored_evaluation(trained, calls):
 
 
 def test_psi_kernel_calibrates_then_trains(harness, tiny, tmp_path, calls):
-    from flows.train import train
+    from stepgrpo.flows.train import train
 
     out = train(
         overrides=[
@@ -560,8 +560,8 @@ def test_psi_kernel_calibrates_then_trains(harness, tiny, tmp_path, calls):
 
 
 def test_outcome_without_completion_scores_final_samples_only(harness, tiny, tmp_path):
-    from flows.train import train
-    from storage.run import Run
+    from stepgrpo.flows.train import train
+    from stepgrpo.storage.run import Run
 
     out = train(
         overrides=[
@@ -586,10 +586,10 @@ def test_outcome_without_completion_scores_final_samples_only(harness, tiny, tmp
 
 
 def test_states_after_the_sde_window_are_not_recomputed(harness, tiny, tmp_path):
-    from flows.train import train
+    from stepgrpo.flows.train import train
     from stepgrpo.images import dequantize
+    from stepgrpo.storage.run import Run
     from stepgrpo_core.completions import complete
-    from storage.run import Run
 
     out = train(
         overrides=[*tiny, "completion.method=remaining", "run.iterations=1", "sampler.sde_window_size=2"],
@@ -628,9 +628,9 @@ def test_states_after_the_sde_window_are_not_recomputed(harness, tiny, tmp_path)
 
 
 def test_outcome_runs_store_the_ode_sample_of_each_group(harness, tiny, tmp_path):
-    from flows.train import train
+    from stepgrpo.flows.train import train
+    from stepgrpo.storage.run import Run
     from stepgrpo_core.rollout import rollout
-    from storage.run import Run
 
     overrides = [*tiny, "completion.method=null", "credit.scheme=outcome", "run.iterations=1"]
     out = train(overrides=overrides, run_dir=str(tmp_path / "ode"))
@@ -655,8 +655,8 @@ def test_outcome_runs_store_the_ode_sample_of_each_group(harness, tiny, tmp_path
 
 
 def test_shared_x0_false_gives_each_member_its_own_noise_and_R0(harness, tiny, tmp_path):
-    from flows.train import train
-    from storage.run import Run
+    from stepgrpo.flows.train import train
+    from stepgrpo.storage.run import Run
 
     overrides = [*tiny, "completion.method=null", "credit.scheme=outcome", "run.iterations=1"]
     out = train(overrides=[*overrides, "sampler.shared_x0=false"], run_dir=str(tmp_path / "own"))
@@ -674,8 +674,8 @@ def test_shared_x0_false_gives_each_member_its_own_noise_and_R0(harness, tiny, t
 
 
 def test_substeps_complete_the_window_s_last_state_by_the_same_method(harness, tiny, tmp_path):
-    from flows.train import train
-    from storage.run import Run
+    from stepgrpo.flows.train import train
+    from stepgrpo.storage.run import Run
 
     out = train(
         overrides=[*tiny, "completion.method=substeps:2", "run.iterations=1", "sampler.sde_window_size=2"],
@@ -699,16 +699,16 @@ def test_rollout_step_rewards_cost_no_transformer_call_and_rescore_without_one(
     check judges other methods on the same rows, with their NFEs."""
     import shutil
 
-    from flows.quality import credit_quality
-    from flows.rescore import rescore
-    from flows.train import train
-    from storage.run import Run
+    from stepgrpo.flows.quality import credit_quality
+    from stepgrpo.flows.rescore import rescore
+    from stepgrpo.flows.train import train
+    from stepgrpo.storage.run import Run
 
     sets = [*tiny, "credit.scheme=dense", "completion.method=rollout", "run.iterations=1", "sampler.sde_window_size=2"]
-    import tasks.complete
+    import stepgrpo.tasks.complete
 
     counted: dict[str, int] = {}
-    compute = tasks.complete.compute
+    compute = stepgrpo.tasks.complete.compute
 
     def nfe_counted(*args, **kwargs):  # transformer rows of every loaded policy during the stage
         before = sum(p.nfe for p, _ in workspace._policies.values())
@@ -718,8 +718,8 @@ def test_rollout_step_rewards_cost_no_transformer_call_and_rescore_without_one(
     def no_model(*args, **kwargs):
         raise AssertionError("the complete stage ran the model")
 
-    monkeypatch.setattr(tasks.complete, "compute", nfe_counted)
-    monkeypatch.setattr(tasks.complete, "complete_chunks", no_model)
+    monkeypatch.setattr(stepgrpo.tasks.complete, "compute", nfe_counted)
+    monkeypatch.setattr(stepgrpo.tasks.complete, "complete_chunks", no_model)
     out = train(overrides=sets, run_dir=str(tmp_path / "rollout"))
     assert counted == {"complete": 0}
     run = Run.open(out["run_dir"])
@@ -772,9 +772,9 @@ def test_the_oracle_bound_trains_on_monte_carlo_true_advantages(harness, tiny, t
     are `A*` at outcome's scale on the trained steps; the update trains on them."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from bench._oracle import ORACLE, oracle_train
+    from stepgrpo.storage.run import Run
     from stepgrpo_core.quality import oracle_advantages
     from stepgrpo_core.registry import allow
-    from storage.run import Run
 
     sets = [*tiny, "run.iterations=1", "sampler.sde_window_size=2"]
     out = oracle_train(None, sets, str(tmp_path / "oracle"), 2)
@@ -803,9 +803,9 @@ def _cli_json(run_dir: str) -> str:
 
 
 def test_credit_quality_is_stored_reused_and_computed_again_when_damaged(trained, monkeypatch):
-    from flows.quality import credit_quality
-    from storage.run import Run
-    from tasks import quality
+    from stepgrpo.flows.quality import credit_quality
+    from stepgrpo.storage.run import Run
+    from stepgrpo.tasks import quality
 
     out = credit_quality(run=trained["run_dir"], iteration=1, continuations=2)
     assert out["schemes"] == ["dense", "outcome", "stepwise", "turning_point"] and not out["skipped"]
@@ -854,7 +854,7 @@ def test_credit_quality_is_stored_reused_and_computed_again_when_damaged(trained
 
 
 def test_a_stopped_credit_quality_check_resumes_at_the_first_unfinished_state(trained, monkeypatch):
-    from flows.quality import credit_quality
+    from stepgrpo.flows.quality import credit_quality
     from stepgrpo.loops import judging as quality  # the check's continuation loop
 
     original, seen = quality.continue_states, []
@@ -878,7 +878,7 @@ def test_a_stopped_credit_quality_check_resumes_at_the_first_unfinished_state(tr
 
 
 def _stored_overrides(trained: dict) -> list[str]:
-    from storage.run import Run
+    from stepgrpo.storage.run import Run
 
     cfg = Run.open(trained["run_dir"]).config
     return [
@@ -893,8 +893,8 @@ SHIPPED = Path(__file__).resolve().parents[1] / "models" / "shapes"
 
 @pytest.mark.skipif(not (SHIPPED / "model_index.json").is_file(), reason="the shipped shapes model is not built yet")
 def test_end_to_end_on_the_shipped_shapes_model(harness, tmp_path):
-    from flows.train import train
-    from storage.run import Run
+    from stepgrpo.flows.train import train
+    from stepgrpo.storage.run import Run
 
     out = train(
         config_path=str(SHIPPED.parents[1] / "configs" / "demo.yaml"),
@@ -921,8 +921,8 @@ def test_full_fine_tuning_of_the_shipped_model_checkpoints_and_exports_the_trans
     from diffusers import SD3Transformer2DModel
     from safetensors.torch import load_file
 
-    from flows.train import train
-    from storage.run import Run
+    from stepgrpo.flows.train import train
+    from stepgrpo.storage.run import Run
 
     over = [
         "model.finetune=full",
@@ -957,8 +957,8 @@ def test_full_fine_tuning_of_the_shipped_model_checkpoints_and_exports_the_trans
 
 
 def test_the_credit_flow_loads_no_model(trained, monkeypatch):
-    from flows.credit import credit
     from stepgrpo import rewards
+    from stepgrpo.flows.credit import credit
 
     def refuse(*args, **kwargs):
         raise AssertionError("the credit flow loaded a model")
@@ -1004,9 +1004,9 @@ def test_planted_result_records_run_nothing(trained, tiny, tmp_path, calls):
     import base64
     import pickle
 
-    from flows.rescore import rescore
-    from flows.train import train
-    from storage.run import Run
+    from stepgrpo.flows.rescore import rescore
+    from stepgrpo.flows.train import train
+    from stepgrpo.storage.run import Run
 
     copy = _copy(trained, tmp_path)
     sentinel = tmp_path / "code-ran"
@@ -1040,9 +1040,9 @@ def test_planted_result_records_run_nothing(trained, tiny, tmp_path, calls):
 
 
 def test_a_moved_run_resumes_rescores_and_recredits(trained, tiny, tmp_path, calls):
-    from flows.credit import credit
-    from flows.rescore import rescore
-    from flows.train import train
+    from stepgrpo.flows.credit import credit
+    from stepgrpo.flows.rescore import rescore
+    from stepgrpo.flows.train import train
 
     moved = _copy(trained, tmp_path, "elsewhere")
     exported = (moved / "lora" / "pytorch_lora_weights.safetensors").stat().st_mtime_ns
@@ -1056,8 +1056,8 @@ def test_a_moved_run_resumes_rescores_and_recredits(trained, tiny, tmp_path, cal
 
 
 def test_resume_recomputes_a_damaged_stage_and_keeps_the_damaged_copy(trained, tiny, tmp_path, calls):
-    from flows.train import train
-    from storage.run import Run
+    from stepgrpo.flows.train import train
+    from stepgrpo.storage.run import Run
 
     copy = _copy(trained, tmp_path)
     run = Run.open(copy)
@@ -1078,9 +1078,9 @@ def test_resume_recomputes_a_damaged_stage_and_keeps_the_damaged_copy(trained, t
 def test_offline_flows_and_verify_detect_a_flipped_byte(trained, tmp_path):
     from typer.testing import CliRunner
 
-    from flows.credit import credit
-    from flows.evaluate import evaluate
-    from flows.rescore import rescore
+    from stepgrpo.flows.credit import credit
+    from stepgrpo.flows.evaluate import evaluate
+    from stepgrpo.flows.rescore import rescore
     from stepgrpo_cli import app
 
     copy = _copy(trained, tmp_path)
@@ -1132,13 +1132,13 @@ def test_a_second_process_is_refused_while_one_owns_the_run(trained, tmp_path):
 def test_retention_prunes_finished_iterations_and_the_run_still_resumes(harness, tiny, tmp_path, calls):
     from typer.testing import CliRunner
 
-    from flows.credit import credit
-    from flows.evaluate import evaluate
-    from flows.rescore import rescore
-    from flows.train import train
+    from stepgrpo.flows.credit import credit
+    from stepgrpo.flows.evaluate import evaluate
+    from stepgrpo.flows.rescore import rescore
+    from stepgrpo.flows.train import train
+    from stepgrpo.storage.pruned import PrunedError
+    from stepgrpo.storage.run import Run
     from stepgrpo_cli.app import app
-    from storage.pruned import PrunedError
-    from storage.run import Run
 
     keep = [*tiny, "run.iterations=3", "storage.keep=last", "storage.keep_last=1", "storage.checkpoint_every=2"]
     run_dir = tmp_path / "pruned"
@@ -1189,9 +1189,9 @@ def test_an_installed_plugin_rescores_and_recredits_a_stored_run_offline(
     import subprocess
     import sys
 
-    from flows.credit import credit
-    from flows.rescore import rescore
-    from storage.run import Run
+    from stepgrpo.flows.credit import credit
+    from stepgrpo.flows.rescore import rescore
+    from stepgrpo.storage.run import Run
 
     site = tmp_path / "site"
     source = shutil.copytree(EXAMPLE_PLUGIN, tmp_path / "src", ignore=shutil.ignore_patterns("build", "*.egg-info"))
@@ -1288,8 +1288,8 @@ def test_every_stored_file_a_command_reads_is_verified_or_named(trained, tmp_pat
 
 
 def test_a_key_mismatch_shows_both_whole_keys(trained, tiny, tmp_path):
-    from tasks.base import check_key
-    from tasks.keys import Key
+    from stepgrpo.tasks.base import check_key
+    from stepgrpo.tasks.keys import Key
 
     with pytest.raises(StageError) as err:
         check_key("a" * 64, Key("b" * 64, "c" * 64), "iteration 0 rollout")
@@ -1299,7 +1299,7 @@ def test_a_key_mismatch_shows_both_whole_keys(trained, tiny, tmp_path):
 def test_rescore_finds_the_completions_of_a_substeps_run(trained, tmp_path):
     """The stored folder of `substeps:5` is `completions/substeps-5`: a re-score finds it."""
     from stepgrpo.runs import check_rescorable
-    from storage.run import Run
+    from stepgrpo.storage.run import Run
 
     copy = _copy(trained, tmp_path)
     (copy / "iter_0" / "completions" / "remaining.zarr").rename(copy / "iter_0" / "completions" / "substeps-5.zarr")

@@ -109,8 +109,8 @@ def test_lora_on_off_and_its_export_loads_into_a_stock_flux_pipeline(flux_dir, t
     [("outcome", "null"), ("stepwise", "remaining"), ("dense", "remaining"), ("turning_point", "substeps:2")],
 )
 def test_one_training_iteration_of_every_scheme_on_flux(harness, flux_dir, tmp_path, scheme, completion):
-    from flows.train import train
-    from storage.run import Run
+    from stepgrpo.flows.train import train
+    from stepgrpo.storage.run import Run
 
     over = [
         f"model.path={flux_dir}", f"model.resolution={RESOLUTION}", "model.guidance_scale=3.5", "model.lora_rank=4",

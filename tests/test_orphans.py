@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("
 COMMAND = textwrap.dedent(
     """
     import os, subprocess, sys, time
-    from stepgrpo_cli import api
+    from stepgrpo.flows import api
     from stepgrpo_cli.app import _command
 
     def hold() -> None:

@@ -19,8 +19,20 @@ def test_the_wheel_lists_every_package_of_the_code():
     from setuptools import find_packages
 
     listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    mapped = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
     code = set(find_packages(str(REPO), include=["stepgrpo*", "stepgrpo_core*", "storage*", "flows*", "tasks*"]))
-    assert listed - {"stepgrpo.shipped.configs", "stepgrpo.shipped.models"} == code
+    # the top-level flows/, tasks/, storage/ install under stepgrpo's name, never their own
+    named = {mapped_name(package, mapped) for package in code}
+    assert listed - {"stepgrpo.shipped.configs", "stepgrpo.shipped.models"} == named
+    assert not named & {"flows", "tasks", "storage"}
+
+
+def mapped_name(package: str, mapped: dict[str, str]) -> str:
+    """`flows.x` -> `stepgrpo.flows.x` where pyproject maps `stepgrpo.flows` to the folder `flows`."""
+    for name, folder in mapped.items():
+        if package == folder or package.startswith(folder + "."):
+            return name + package[len(folder) :]
+    return package
 
 
 @pytest.mark.slow
@@ -28,7 +40,8 @@ def test_an_installed_wheel_trains_a_shipped_config_from_another_directory(tmp_p
     """`pip wheel` of a copy of the checkout (no build/ left in the repository), installed into a
     fresh venv (the dependencies, already here, reached through a .pth; the checkout's editable
     install is not), then `stepgrpo train --config shapes_outcome` from a directory with no
-    configs/ or models/ in it."""
+    configs/ or models/ in it, but with packages of its own named `flows`, `tasks` and `storage`
+    (a Prefect project's usual layout): train, rescore and the Python API use stepgrpo's."""
     source = tmp_path / "source"
     shutil.copytree(
         REPO,
@@ -57,7 +70,9 @@ def test_an_installed_wheel_trains_a_shipped_config_from_another_directory(tmp_p
     assert (shipped / "models" / "shapes" / "transformer" / "diffusion_pytorch_model.safetensors").is_file()
     assert (shipped / "configs" / "shapes_outcome.yaml").is_file()
     elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
+    for own in ("flows", "tasks", "storage"):  # the user's packages, first on sys.path from this directory
+        (elsewhere / own).mkdir(parents=True)
+        (elsewhere / own / "__init__.py").write_text(f"MINE = {own!r}\n")
 
     def run(*args):
         done = subprocess.run(args, cwd=elsewhere, env=server, capture_output=True, text=True, timeout=600)
@@ -78,7 +93,15 @@ def test_an_installed_wheel_trains_a_shipped_config_from_another_directory(tmp_p
     small += ["run.eval_seeds=1", "sampler.steps=4", "sampler.eval_steps=4", "sampler.sde_window_size=2"]
     run(stepgrpo, "train", "--config", "shapes_outcome", "--run-id", "wheel", *[a for o in small for a in ("--set", o)])
     stored = elsewhere / "runs" / "wheel"
-    from storage.run import Run
+    run(stepgrpo, "rescore", "wheel", "--reward", "jpeg_compressibility")
+    api = (
+        "import flows, tasks, storage, stepgrpo; "
+        "scores = stepgrpo.rescore('wheel', 'shapes'); "
+        "print(len(scores), flows.MINE, tasks.MINE, storage.MINE, stepgrpo.open_run('wheel').iterations('rollout'))"
+    )
+    assert run(str(venv / "bin" / "python"), "-c", api).split() == ["1", "flows", "tasks", "storage", "[0]"]
+    assert run(str(venv / "bin" / "python"), "-m", "stepgrpo_cli", "--version").startswith("stepgrpo ")
+    from stepgrpo.storage.run import Run
 
     trained = Run.open(stored)
     assert trained.iterations("checkpoint") == [0]

@@ -9,7 +9,7 @@ import torch
 
 from stepgrpo.config import ConfigError, load_config
 from stepgrpo.plugins import allow
-from storage.publish import options_digest
+from stepgrpo.storage.publish import options_digest
 
 PLUGINS = """
 import torch

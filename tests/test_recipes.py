@@ -20,11 +20,11 @@ import torch
 from stepgrpo.checks import check_config
 from stepgrpo.config import load_config
 from stepgrpo.runs import open_run
+from stepgrpo.tasks import prompts as prompts_stage
+from stepgrpo.tasks import rollout as rollout_stage
+from stepgrpo.tasks.keys import stage_key
 from stepgrpo_core.calibration import initial_psi
 from stepgrpo_core.kernels import KERNELS
-from tasks import prompts as prompts_stage
-from tasks import rollout as rollout_stage
-from tasks.keys import stage_key
 
 pytestmark = pytest.mark.slow
 

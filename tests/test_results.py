@@ -115,7 +115,7 @@ def test_an_evaluation_stored_with_flat_sub_scores_still_reads():
 
 
 def test_key_inputs_name_what_downstream_stages_read():
-    from tasks.keys import key_inputs
+    from stepgrpo.tasks.keys import key_inputs
 
     score, credit = EXAMPLES[4], EXAMPLES[5]
     assert key_inputs({"rewards": score}) == {"rewards": "s" * 64, "reward": ["shapes", "2"]}
@@ -149,8 +149,8 @@ def test_a_key_computes_from_the_manifest_when_the_model_directory_is_gone(tmp_p
     import shutil
 
     from stepgrpo.runs import MODEL_FACT
-    from storage.run import Run
-    from tasks.keys import stage_key
+    from stepgrpo.storage.run import Run
+    from stepgrpo.tasks.keys import stage_key
 
     model = tmp_path / "model"
     model.mkdir()
@@ -170,8 +170,8 @@ def test_a_key_computes_from_the_manifest_when_the_model_directory_is_gone(tmp_p
 
 def test_the_model_fingerprint_alone_changes_model_stages_keys(tmp_path, no_models, monkeypatch):
     from stepgrpo.runs import MODEL_FACT
-    from storage.run import Run
-    from tasks import keys
+    from stepgrpo.storage.run import Run
+    from stepgrpo.tasks import keys
 
     cfg = load_config(None, ["completion.method=remaining", "credit.scheme=stepwise"])
     run = Run.create(tmp_path, "r", cfg.model_dump(mode="json"), facts={MODEL_FACT: "one"})

@@ -236,7 +236,7 @@ def test_a_busy_server_is_tried_again_and_a_refusal_is_not():
     # and a stage that meets either is not retried by Prefect (permanent errors, tasks.base.transient)
     from types import SimpleNamespace
 
-    from tasks.base import transient
+    from stepgrpo.tasks.base import transient
 
     failed = SimpleNamespace(result=lambda raise_on_failure=False: refused.value)
     assert transient(None, None, failed) is False

@@ -16,7 +16,7 @@ from scale_fixtures import RAY, SHARDED, _train, lora, reference, stored, tiny  
 
 from stepgrpo.errors import StageError
 from stepgrpo.paths import REPO_ROOT
-from storage.run import Run
+from stepgrpo.storage.run import Run
 
 pytestmark = pytest.mark.slow
 
@@ -183,7 +183,7 @@ def test_the_http_reward_names_an_unreachable_server():
 def test_the_in_process_path_never_imports_ray(tiny, tmp_path, server):
     script = f"""
 import sys
-from flows.train import train
+from stepgrpo.flows.train import train
 train(overrides={[*tiny, "run.iterations=1", "run.prompts_per_iteration=2"]!r}, run_dir={str(tmp_path / "run")!r})
 print("RAY" if any(m == "ray" or m.startswith(("ray.", "prefect_ray")) for m in sys.modules) else "NO RAY")
 """

@@ -14,7 +14,7 @@ import torch
 from scale_fixtures import SHARDED, _train, lora, reference, tiny  # noqa: F401  (fixtures)
 
 from stepgrpo.errors import StageError
-from storage.run import Run
+from stepgrpo.storage.run import Run
 
 pytestmark = pytest.mark.slow
 

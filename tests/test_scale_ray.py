@@ -10,7 +10,7 @@ import torch
 from scale_fixtures import RAY, _train, lora, reference, stored, tiny  # noqa: F401  (fixtures)
 
 from stepgrpo.errors import StageError
-from storage.run import Run
+from stepgrpo.storage.run import Run
 
 pytestmark = pytest.mark.slow
 

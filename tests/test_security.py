@@ -18,9 +18,9 @@ import prefect  # noqa: F401  (Prefect binds its log handlers at import: not ins
 import pytest
 from typer.testing import CliRunner
 
+from stepgrpo.storage.publish import seal
 from stepgrpo_cli import app
 from stepgrpo_core.registry import PLUGINS_ENV, PluginError, allow, allowed
-from storage.publish import seal
 
 runner = CliRunner()
 
@@ -46,7 +46,7 @@ def evil(tmp_path, monkeypatch):
 def make_run(root: Path, **sections) -> Path:
     """A run directory with its manifest only; `sections` replace parts of the default config."""
     from stepgrpo.config import load_config
-    from storage.run import Run
+    from stepgrpo.storage.run import Run
 
     cfg = load_config(None, ["run.runs_root=runs"]).model_dump(mode="json")
     run = Run.create(root, "r", cfg).path
@@ -172,8 +172,8 @@ def test_where_to_run_comes_from_the_command_not_the_stored_run(tmp_path):
 
 @pytest.mark.parametrize("link", ["lora", "eval", "iter_0", "rewards", "calibration.json"])
 def test_no_write_follows_a_link_out_of_the_run(tmp_path, link):
-    from storage.errors import StorageError
-    from storage.run import Run
+    from stepgrpo.storage.errors import StorageError
+    from stepgrpo.storage.run import Run
 
     run_dir = make_run(tmp_path / "runs")
     outside = tmp_path / "outside"
@@ -197,8 +197,8 @@ def test_no_write_follows_a_link_out_of_the_run(tmp_path, link):
 def test_the_lora_export_refuses_a_linked_folder_before_loading_a_model(tmp_path):
     from stepgrpo.config import load_config
     from stepgrpo.loops.update import export_lora
-    from storage.errors import StorageError
-    from storage.run import Run
+    from stepgrpo.storage.errors import StorageError
+    from stepgrpo.storage.run import Run
 
     run_dir = make_run(tmp_path / "runs")
     (tmp_path / "outside").mkdir()
@@ -215,7 +215,7 @@ def test_huge_consistent_dims_are_refused_before_anything_is_allocated(tmp_path,
     --verify` answer at once, naming the dim, instead of allocating terabytes or looping."""
     from test_storage_roundtrip import rollout_inputs, write_rollout
 
-    from storage.run import Run
+    from stepgrpo.storage.run import Run
 
     run_dir = make_run(tmp_path / "runs", run={"prompts_per_iteration": 2, "group_size": 2}, sampler={"steps": 3})
     write_rollout(Run.open(run_dir), 0, rollout_inputs())

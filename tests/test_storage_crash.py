@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from storage import CorruptChunkError, Run, StageLockedError
-from storage.publish import lock_path, partial_path
+from stepgrpo.storage import CorruptChunkError, Run, StageLockedError
+from stepgrpo.storage.publish import lock_path, partial_path
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -68,7 +68,7 @@ def check_rollout(run: Run) -> None:
 
 CRASHING_WRITER = """
 import sys, time
-from storage import Run
+from stepgrpo.storage import Run
 run = Run.open(sys.argv[1])
 w = begin(run)
 for b in range(B):
@@ -128,7 +128,7 @@ def test_crash_between_manifest_and_rename_is_not_published(tmp_path, monkeypatc
 
 ATTACHED_WRITER = """
 import sys, time
-from storage import Run
+from stepgrpo.storage import Run
 run = Run.open(sys.argv[1])
 w = run.attach(0, "rollout", sys.argv[2])
 for b in range(int(sys.argv[3]), int(sys.argv[4])):
@@ -152,7 +152,7 @@ def test_two_processes_write_disjoint_trajectories_of_one_stage(tmp_path):
 
 SECOND_WRITER = """
 import sys
-from storage import Run, StageLockedError
+from stepgrpo.storage import Run, StageLockedError
 run = Run.open(sys.argv[1])
 try:
     begin(run)
@@ -239,7 +239,7 @@ def _begin_resumable(run, key, kernel="sde"):
 
 
 def test_a_resumable_stage_keeps_its_finished_shards_only_under_the_same_key(tmp_path):
-    from storage.ledger import finished, record
+    from stepgrpo.storage.ledger import finished, record
 
     run = Run.create(tmp_path, "r", {})
     with pytest.raises(RuntimeError):

@@ -9,7 +9,7 @@ import pytest
 import torch
 import zarr
 
-from storage import (
+from stepgrpo.storage import (
     AlreadyPublishedError,
     IncompleteStageError,
     NotPublishedError,
@@ -17,9 +17,9 @@ from storage import (
     SchemaVersionError,
     options_digest,
 )
-from storage.arrays import bf16_values
-from storage.publish import seal
-from storage.schema import COMPLETION, ROLLOUT
+from stepgrpo.storage.arrays import bf16_values
+from stepgrpo.storage.publish import seal
+from stepgrpo.storage.schema import COMPLETION, ROLLOUT
 
 B, T, C, H, W = 4, 3, 2, 4, 4
 
@@ -193,10 +193,10 @@ def test_digest_formats_threads_and_runs_published_before_format_2(tmp_path, mon
     """Format 2 (each chunk's sha256, hashed by the reading threads) gives the same digest hashed in
     one thread; a stage published before it (format 1, none recorded) still verifies as one; a
     digest under the wrong format, or a format this version does not know, fails verification."""
-    import storage.arrays as arrays
-    from storage import CorruptChunkError
-    from storage.arrays import StageStore
-    from storage.schema import DIGEST_FORMAT
+    import stepgrpo.storage.arrays as arrays
+    from stepgrpo.storage import CorruptChunkError
+    from stepgrpo.storage.arrays import StageStore
+    from stepgrpo.storage.schema import DIGEST_FORMAT
 
     run = Run.create(tmp_path, "r", {})
     x = rollout_inputs()

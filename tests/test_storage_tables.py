@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from storage import NotPublishedError, Run
+from stepgrpo.storage import NotPublishedError, Run
 
 B, T = 4, 3
 
@@ -156,7 +156,7 @@ def test_a_part_whose_rows_decode_the_same_but_whose_bytes_changed_is_damaged(tm
     import numpy as np
     import pyarrow.parquet as pq
 
-    from storage import CorruptChunkError, Run
+    from stepgrpo.storage import CorruptChunkError, Run
 
     run = Run.create(tmp_path, "r", {"a": 1})
     run.tables.append_rewards(0, "x", "1", np.arange(4), np.zeros(4, int), np.arange(4.0))
@@ -171,7 +171,7 @@ def test_a_part_whose_rows_decode_the_same_but_whose_bytes_changed_is_damaged(tm
 def test_a_read_of_one_iteration_opens_only_the_parts_that_may_hold_it(tmp_path, monkeypatch):
     import pyarrow.dataset as pads
 
-    import storage.tables as tables
+    import stepgrpo.storage.tables as tables
 
     run = Run.create(tmp_path, "r", {"seed": 0})
     for i in range(6):  # a part per iteration, as a run appends them

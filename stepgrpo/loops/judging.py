@@ -1,4 +1,4 @@
-"""The computations of the credit-quality check (`tasks.quality`): step rewards of a stored
+"""The computations of the credit-quality check (`stepgrpo.tasks.quality`): step rewards of a stored
 iteration by any completion method, the Monte-Carlo continuations of its states, and the per-row
 LoRA scores of the gradient check. METHODS.md, "Judging credit".
 

@@ -55,7 +55,7 @@ class Plan(NamedTuple):
 
 def iteration_plan(cfg: Config, splits: Sequence[str], iteration: int, drawn: np.ndarray | None = None) -> Plan:
     """The plan of `iteration`: its groups' prompts are `drawn` (one id per group, the curriculum's
-    draw, `tasks.draw`), or a permutation of the training prompts from `(run.seed, iteration)`;
+    draw, `stepgrpo.tasks.draw`), or a permutation of the training prompts from `(run.seed, iteration)`;
     the noise derives from `(run.seed, iteration)` alone."""
     train_ids = np.array([i for i, s in enumerate(splits) if s == "train"])
     if len(train_ids) == 0:

@@ -49,7 +49,7 @@ from stepgrpo.prompts import stored_prompts
 from stepgrpo.runtime import parallel as ranks
 from stepgrpo.runtime.environment import pin_threads
 from stepgrpo.runtime.faults import maybe_fail
-from storage.run import Run
+from stepgrpo.storage.run import Run
 
 
 def train(

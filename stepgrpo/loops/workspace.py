@@ -28,7 +28,7 @@ from stepgrpo.paths import SHIPPED_ROOT
 if TYPE_CHECKING:
     from stepgrpo.policy import Policy
     from stepgrpo.policy.base import ImageDecoder
-    from storage.run import Run
+    from stepgrpo.storage.run import Run
 
 HASH_LIMIT = 256 * 2**20  # files up to this size are content-hashed for the model identity
 
@@ -239,7 +239,7 @@ def reward_identity(cfg: RewardConfig) -> dict[str, Any]:
     declared version, and with options given, a digest of them (`1+3fa2c1d0`), so rows scored with
     other options are never read back as these (a plug-in's identity rarely shows its options)."""
     from stepgrpo.rewards import reward_identity as identity
-    from storage.publish import options_digest
+    from stepgrpo.storage.publish import options_digest
 
     name, version = identity({"name": cfg.name, "options": dict(cfg.options)})
     options = dict(cfg.options)

@@ -18,7 +18,7 @@ from stepgrpo.paths import SHIPPED_ROOT
 from stepgrpo.prompts.sets import PROMPT_SETS
 
 if TYPE_CHECKING:
-    from storage.run import Run
+    from stepgrpo.storage.run import Run
 
 
 class Prompts(NamedTuple):

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from storage.run import Run
-from storage.schema import completion_stage
+from stepgrpo.storage.run import Run
+from stepgrpo.storage.schema import completion_stage
 
 
 def iteration_costs(run: Run) -> list[dict[str, Any]]:

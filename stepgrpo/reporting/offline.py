@@ -37,7 +37,7 @@ def helper(run: str | Path) -> Iterator[None]:
     if _ACTIVE:
         yield
         return
-    from storage.run import Run, find_run  # the command imports it next anyway
+    from stepgrpo.storage.run import Run, find_run  # the command imports it next anyway
 
     try:
         path = find_run(run)

@@ -1,5 +1,5 @@
 """What the pipeline tells people: progress bars, the signal check, paired gains, Prefect
-artifacts, image grids and the end-of-run summary (`flows.progress` logs a training flow)."""
+artifacts, image grids and the end-of-run summary (`stepgrpo.flows.progress` logs a training flow)."""
 
 from __future__ import annotations
 
@@ -205,7 +205,7 @@ def write_grid(path: Path, images: Any, ncols: int = 8, captions: list[str] | No
     from PIL.PngImagePlugin import PngInfo
 
     from stepgrpo.images import captioned_grid, grid
-    from storage.publish import write_file_atomic
+    from stepgrpo.storage.publish import write_file_atomic
 
     buf = io.BytesIO()
     image = grid(images, ncols=ncols) if captions is None else captioned_grid(images, captions, ncols=ncols)

@@ -332,7 +332,7 @@ def source_tags() -> dict[str, str]:
     """MLflow's source tags: the command, and the git commit of the code when it is a checkout."""
     import sys
 
-    from storage.run import code_version
+    from stepgrpo.storage.run import code_version
 
     version = code_version()
     tags = {"mlflow.source.name": " ".join(Path(a).name if i == 0 else a for i, a in enumerate(sys.argv[:3]))}

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from stepgrpo.config import Config
-    from storage.run import Run
+    from stepgrpo.storage.run import Run
 
 TELEMETRY_OFF = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
 THREADS_ENV = "STEPGRPO_THREADS"

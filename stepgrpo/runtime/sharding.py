@@ -7,7 +7,7 @@ alone, exactly as the in-process stage computes it: a shard's bytes never depend
 shards there are. Seeds are per group and per model call (`stepgrpo.loops.sampling`), never a stream
 that runs across shards.
 
-A shard that finished records it in its stage's ledger (`storage.ledger`), so a stage interrupted
+A shard that finished records it in its stage's ledger (`stepgrpo.storage.ledger`), so a stage interrupted
 half-way resumes with only the unfinished shards.
 """
 

@@ -10,7 +10,8 @@
     run = stepgrpo.open_run("nb-1")                   # the stored run, as data
     run.tables.read_rewards().to_pandas()
 
-`stepgrpo` hands these names on from here (they sit above the flows they run, like the CLI). Each
+`stepgrpo` hands these names on from here: they sit with the flows they run, below the CLI, which
+calls them; each imports its flow when called. Each
 checks its input before any flow or server starts (the same checks and errors as the CLI), holds
 the run's lock while its flow runs, and talks to Prefect the way the CLI does: the server of
 `PREFECT_API_URL` if set, else a kept one (`stepgrpo server start`), else a temporary one that
@@ -24,11 +25,12 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from stepgrpo.config import Config
-from stepgrpo.results import CreditResult, EvaluateResult, Gain, QualityResult, ScoreResult
-from storage.run import Run
+if TYPE_CHECKING:  # imported where used: `import stepgrpo` (every module of it does) stays cheap
+    from stepgrpo.config import Config
+    from stepgrpo.results import CreditResult, EvaluateResult, Gain, QualityResult, ScoreResult
+    from stepgrpo.storage.run import Run
 
 __all__ = [
     "Interrupted",
@@ -67,6 +69,7 @@ class TrainResult:
         """The paired held-out gain of the last evaluation over the base (`Gain`: mean, 95 % interval,
         clustered by prompt), None with fewer than two evaluations."""
         from stepgrpo.reporting.report import paired_gain
+        from stepgrpo.results import Gain
 
         if len(self.evaluations) < 2:
             return None
@@ -91,12 +94,13 @@ def train(
         run_dir: Or the run directory itself.
     """
     from stepgrpo.checks import check_train
+    from stepgrpo.results import EvaluateResult
 
     cfg = _config(config, overrides)
     path = check_train(cfg, str(run_dir) if run_dir is not None else None, run_id)
     try:
         with _prefect():
-            from flows.train import train as train_flow
+            from stepgrpo.flows.train import train as train_flow
 
             out = _owned(path, train_flow, config=cfg, run_dir=str(path))
     except KeyboardInterrupt as err:
@@ -119,11 +123,12 @@ def rescore(
 ) -> list[ScoreResult]:
     """Score the stored trajectories of `run` (a directory or a run id) with another reward; no transformer call."""
     from stepgrpo.checks import check_run
+    from stepgrpo.results import ScoreResult
 
     todo = list(iterations) if iterations is not None else "all"
     path = check_run(str(run), reward=reward, reward_options=dict(options or {}), rescore_iterations=todo)
     with _offline_log(path), _prefect(heartbeats=False):
-        from flows.rescore import rescore as rescore_flow
+        from stepgrpo.flows.rescore import rescore as rescore_flow
 
         out = _owned(
             path,
@@ -145,10 +150,11 @@ def credit(
 ) -> list[CreditResult]:
     """Recompute the advantages of `run` with another credit scheme, from its stored rewards only."""
     from stepgrpo.checks import check_run
+    from stepgrpo.results import CreditResult
 
     path = check_run(str(run), scheme=scheme, scheme_options=dict(options or {}))
     with _offline_log(path), _prefect(heartbeats=False):
-        from flows.credit import credit as credit_flow
+        from stepgrpo.flows.credit import credit as credit_flow
 
         out = _owned(path, credit_flow, run=str(path), scheme=scheme, options=dict(options or {}), reward=reward)
     return [CreditResult.model_validate(a) for a in out["advantages"]]
@@ -158,11 +164,12 @@ def evaluate(run: str | Path, *, iteration: int | None = None, overrides: Sequen
     """Held-out reward of `run`'s policy after `iteration` (default: the latest checkpoint; -1:
     the base model); `overrides` may change evaluation settings (`run.eval_prompts=32`)."""
     from stepgrpo.checks import check_checkpoint, check_run
+    from stepgrpo.results import EvaluateResult
 
     path = check_run(str(run), overrides=list(overrides))
     check_checkpoint(path, iteration)
     with _offline_log(path), _prefect(heartbeats=False):
-        from flows.evaluate import evaluate as evaluate_flow
+        from stepgrpo.flows.evaluate import evaluate as evaluate_flow
 
         out = _owned(path, evaluate_flow, run=str(path), iteration=iteration, overrides=list(overrides))
     return EvaluateResult.model_validate(out)
@@ -193,9 +200,11 @@ def credit_quality(
     step rewards are judged beside the run's own (`scheme:method`, with their NFEs)."""
     from stepgrpo.checks import check_run
     from stepgrpo.errors import StageError
+    from stepgrpo.results import QualityResult
+    from stepgrpo.storage.run import Run
+    from stepgrpo.tasks.quality import check_continuations, schemes_to_judge
     from stepgrpo_core.completions import validate_method
     from stepgrpo_core.registry import allow
-    from tasks.quality import check_continuations, schemes_to_judge
 
     check_continuations(continuations)
     allow(*(schemes or []))  # the caller's own names may be imported
@@ -212,7 +221,7 @@ def credit_quality(
     if iteration is not None and iteration not in done:
         raise StageError(f"run {path.name} has no published rollout at iteration {iteration}; stored: {done}")
     with _prefect():
-        from flows.quality import credit_quality as quality_flow
+        from stepgrpo.flows.quality import credit_quality as quality_flow
 
         out = _owned(
             path,
@@ -244,7 +253,7 @@ def calibrate(
     cfg = _config(config, overrides)
     path = check_train(cfg, str(run_dir) if run_dir is not None else None, run_id, calibrated=True)
     with _prefect():
-        from flows.calibrate import calibrate as calibrate_flow
+        from stepgrpo.flows.calibrate import calibrate as calibrate_flow
 
         out = _owned(path, calibrate_flow, config=cfg, run_dir=str(path))
     return list(out["psi"]), Path(out["run_dir"])
@@ -253,7 +262,7 @@ def calibrate(
 def open_run(run: str | Path) -> Run:
     """The stored run (a directory or a run id under runs/), opened as data: its manifest, stages,
     reward and advantage tables (`run.tables.read_rewards()`), checkpoints and records."""
-    from storage.run import find_run
+    from stepgrpo.storage.run import Run, find_run
 
     return Run.open(find_run(str(run)))
 
