@@ -2,7 +2,7 @@
 
     import stepgrpo
 
-    result = stepgrpo.train("shapes_outcome", overrides=["run.iterations=20"], run_id="nb-1")
+    result = stepgrpo.train("shapes_dense", overrides=["run.iterations=20"], run_id="nb-1")
     result.evaluations[-1].reward_mean               # held-out reward of the last checkpoint
     stepgrpo.rescore("nb-1", "jpeg_compressibility")  # [ScoreResult per iteration]
     stepgrpo.credit("nb-1", "turning_point")          # [CreditResult per iteration]
@@ -20,12 +20,12 @@ lives as long as the Python process.
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from stepgrpo.flows import session
 
 if TYPE_CHECKING:  # imported where used: `import stepgrpo` (every module of it does) stays cheap
     from stepgrpo.config import Config
@@ -96,13 +96,13 @@ def train(
     from stepgrpo.checks import check_train
     from stepgrpo.results import EvaluateResult
 
-    cfg = _config(config, overrides)
+    cfg = session.config_of(config, overrides)
     path = check_train(cfg, str(run_dir) if run_dir is not None else None, run_id)
     try:
-        with _prefect():
+        with session.prefect_server():
             from stepgrpo.flows.train import train as train_flow
 
-            out = _owned(path, train_flow, config=cfg, run_dir=str(path))
+            out = session.owned_run(path, train_flow, config=cfg, run_dir=str(path))
     except KeyboardInterrupt as err:
         raise Interrupted(path) from err
     return TrainResult(
@@ -127,10 +127,10 @@ def rescore(
 
     todo = list(iterations) if iterations is not None else "all"
     path = check_run(str(run), reward=reward, reward_options=dict(options or {}), rescore_iterations=todo)
-    with _offline_log(path), _prefect(heartbeats=False):
+    with session.offline_log(path), session.prefect_server(heartbeats=False):
         from stepgrpo.flows.rescore import rescore as rescore_flow
 
-        out = _owned(
+        out = session.owned_run(
             path,
             rescore_flow,
             run=str(path),
@@ -153,10 +153,12 @@ def credit(
     from stepgrpo.results import CreditResult
 
     path = check_run(str(run), scheme=scheme, scheme_options=dict(options or {}))
-    with _offline_log(path), _prefect(heartbeats=False):
+    with session.offline_log(path), session.prefect_server(heartbeats=False):
         from stepgrpo.flows.credit import credit as credit_flow
 
-        out = _owned(path, credit_flow, run=str(path), scheme=scheme, options=dict(options or {}), reward=reward)
+        out = session.owned_run(
+            path, credit_flow, run=str(path), scheme=scheme, options=dict(options or {}), reward=reward
+        )
     return [CreditResult.model_validate(a) for a in out["advantages"]]
 
 
@@ -168,10 +170,10 @@ def evaluate(run: str | Path, *, iteration: int | None = None, overrides: Sequen
 
     path = check_run(str(run), overrides=list(overrides))
     check_checkpoint(path, iteration)
-    with _offline_log(path), _prefect(heartbeats=False):
+    with session.offline_log(path), session.prefect_server(heartbeats=False):
         from stepgrpo.flows.evaluate import evaluate as evaluate_flow
 
-        out = _owned(path, evaluate_flow, run=str(path), iteration=iteration, overrides=list(overrides))
+        out = session.owned_run(path, evaluate_flow, run=str(path), iteration=iteration, overrides=list(overrides))
     return EvaluateResult.model_validate(out)
 
 
@@ -198,32 +200,14 @@ def credit_quality(
     Monte-Carlo true advantages from `continuations` SDE continuations per state (METHODS.md,
     "Judging credit"); `schemes`: default every registered one. `methods`: completion methods whose
     step rewards are judged beside the run's own (`scheme:method`, with their NFEs)."""
-    from stepgrpo.checks import check_run
-    from stepgrpo.errors import StageError
+    from stepgrpo.checks import check_quality
     from stepgrpo.results import QualityResult
-    from stepgrpo.storage.run import Run
-    from stepgrpo.tasks.quality import check_continuations, schemes_to_judge
-    from stepgrpo_core.completions import validate_method
-    from stepgrpo_core.registry import allow
 
-    check_continuations(continuations)
-    allow(*(schemes or []))  # the caller's own names may be imported
-    schemes_to_judge(list(schemes or []))
-    for method in methods or []:
-        try:
-            validate_method(method)
-        except (KeyError, ValueError) as err:
-            raise StageError(f"--method {method!r}: {err}") from None
-    path = check_run(str(run), overrides=list(overrides))
-    done = Run.open(path).iterations("rollout")
-    if not done:
-        raise StageError(f"run {path.name} has no published rollout yet: nothing to judge")
-    if iteration is not None and iteration not in done:
-        raise StageError(f"run {path.name} has no published rollout at iteration {iteration}; stored: {done}")
-    with _prefect():
+    path = check_quality(str(run), iteration, continuations, list(schemes or []), list(methods or []), list(overrides))
+    with session.prefect_server():
         from stepgrpo.flows.quality import credit_quality as quality_flow
 
-        out = _owned(
+        out = session.owned_run(
             path,
             quality_flow,
             run=str(path),
@@ -250,12 +234,12 @@ def calibrate(
     returns psi and the run directory."""
     from stepgrpo.checks import check_train
 
-    cfg = _config(config, overrides)
+    cfg = session.config_of(config, overrides)
     path = check_train(cfg, str(run_dir) if run_dir is not None else None, run_id, calibrated=True)
-    with _prefect():
+    with session.prefect_server():
         from stepgrpo.flows.calibrate import calibrate as calibrate_flow
 
-        out = _owned(path, calibrate_flow, config=cfg, run_dir=str(path))
+        out = session.owned_run(path, calibrate_flow, config=cfg, run_dir=str(path))
     return list(out["psi"]), Path(out["run_dir"])
 
 
@@ -265,66 +249,3 @@ def open_run(run: str | Path) -> Run:
     from stepgrpo.storage.run import Run, find_run
 
     return Run.open(find_run(str(run)))
-
-
-def _config(config: Config | Mapping[str, Any] | str | Path | None, overrides: Sequence[str]) -> Config:
-    from stepgrpo.config import config_from
-
-    if isinstance(config, str | Path):
-        return config_from(None, config, overrides)
-    return config_from(config, None, overrides)
-
-
-# Whether a call with no server to talk to starts a temporary server of its own (`server.temporary`:
-# the console script, one command a process, so that a Ctrl-C reaches the command first) or lets
-# Prefect start its temporary server (in this process's group; it lives as long as the process).
-OWN_TEMPORARY_SERVER = False
-
-
-# Prefect's own names for the flow-run heartbeat interval; a user who sets one keeps heartbeats everywhere
-HEARTBEAT_VARIABLES = ("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "PREFECT_RUNNER_HEARTBEAT_FREQUENCY")
-
-
-@contextlib.contextmanager
-def _prefect(heartbeats: bool = True) -> Iterator[None]:
-    """Prefect's server for the flow: `PREFECT_API_URL`'s, else a kept one, else a temporary one
-    (set in Prefect's settings too, since Prefect may already be imported in this process).
-
-    `heartbeats=False` (the offline commands, seconds long): no flow-run heartbeats unless the user
-    set their interval. Prefect's heartbeat thread sleeps in steps of 1 s and the flow's end waits
-    for it, which added 0-1 s (0.5 s on average) to every such command; the heartbeats serve
-    Prefect's zombie-run automations, which a command of seconds does not need."""
-    from stepgrpo.runtime import environment, server
-
-    environment.apply()  # the flows apply it again with their config's `scale.threads`
-    with contextlib.ExitStack() as stack:
-        url = server.kept_url()
-        if url is None and OWN_TEMPORARY_SERVER and not os.environ.get("PREFECT_API_URL"):
-            url = stack.enter_context(server.temporary())
-        # Prefect imported only now: its process-wide settings, which its events worker reads, then
-        # hold the temporary server's address (imported before, they would hold none, and the
-        # drain at the server's stop would wait seconds on a server of Prefect's own)
-        from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
-
-        updates: dict[Any, Any] = {} if url is None else {PREFECT_API_URL: url}
-        if not heartbeats and not any(os.environ.get(v) for v in HEARTBEAT_VARIABLES):
-            updates[PREFECT_FLOWS_HEARTBEAT_FREQUENCY] = None
-        if updates:
-            stack.enter_context(temporary_settings(updates=updates))
-        yield
-
-
-def _offline_log(path: Path) -> contextlib.AbstractContextManager[None]:
-    """The MLflow run of an offline command, written by a helper process that imports MLflow while
-    the command imports Prefect and torch (`stepgrpo.reporting.offline`)."""
-    from stepgrpo.reporting import offline
-
-    return offline.helper(path)
-
-
-def _owned(path: Path, flow: Any, **kwargs: Any) -> Any:
-    """Run `flow` holding the run's lock (taken before its Prefect server starts)."""
-    from stepgrpo.runs import owned
-
-    with owned(path):
-        return flow(**kwargs)

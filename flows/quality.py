@@ -7,12 +7,13 @@ from typing import Any
 from prefect import flow
 
 from stepgrpo.flows.progress import name_flow_run, run_name_from_parameters
+from stepgrpo.loops.judging import schemes_to_judge
 from stepgrpo.loops.workspace import reward_identity
 from stepgrpo.runs import owned_stored, stored_iterations
 from stepgrpo.runtime import environment
 from stepgrpo.tasks import score
 from stepgrpo.tasks.quality import credit_quality as check_stage
-from stepgrpo.tasks.quality import record_path, schemes_to_judge
+from stepgrpo.tasks.quality import record_path
 from stepgrpo_core.registry import allow
 
 

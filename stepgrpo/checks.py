@@ -27,7 +27,8 @@ def check_model(path: str) -> None:
 
     resolved = Path(resolve_model_path(path))
     if not resolved.is_dir():
-        return  # a hub id: the hub checks it when it is downloaded
+        check_hub_model(path)
+        return
     index = resolved / "model_index.json"
     if not index.is_file():
         raise StageError(
@@ -48,6 +49,65 @@ def check_model(path: str) -> None:
                 f"model.path {path!r}: component {name}/ ({spec[1]}) is missing or has no "
                 f"{' or '.join(wanted)}; model_index.json lists it, so the pipeline cannot load"
             )
+
+
+def check_hub_model(repo_id: str) -> None:
+    """A model named by its hub id, readable before any server starts or weight loads: in the local
+    cache (then it loads offline too), else, with the hub on, there and open to this login."""
+    from huggingface_hub import auth_check, is_offline_mode, try_to_load_from_cache
+    from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
+
+    where = f"model.path {repo_id!r}"
+    try:
+        if isinstance(try_to_load_from_cache(repo_id, "model_index.json"), str):
+            return
+    except HFValidationError:
+        raise StageError(
+            f"{where} is neither a local directory nor a hub model id (owner/name): check the path"
+        ) from None
+    if is_offline_mode():
+        raise StageError(
+            f"{where} is not a local directory nor in the Hugging Face cache, and HF_HUB_OFFLINE is set: download it "
+            f"once with the network on (`hf download {repo_id}`), or unset HF_HUB_OFFLINE"
+        )
+    try:
+        auth_check(repo_id)
+    except GatedRepoError:
+        raise StageError(
+            f"{where} is gated: accept its licence on https://huggingface.co/{repo_id}, then log in "
+            "(`hf auth login`, or set HF_TOKEN)"
+        ) from None
+    except RepositoryNotFoundError:
+        raise StageError(
+            f"{where}: no such local directory, and no hub model this login can read (a typo, or a private "
+            "model: log in with `hf auth login` or set HF_TOKEN)"
+        ) from None
+    except Exception as err:  # the hub cannot be reached: no network, a proxy, a wrong HF_ENDPOINT
+        raise StageError(
+            f"{where}: the Hugging Face hub cannot be reached ({type(err).__name__}: {err}); check the network "
+            "or HF_ENDPOINT, or, with the model in the cache, set HF_HUB_OFFLINE=1"
+        ) from None
+
+
+def check_reward_server(reward: str, options: dict[str, Any]) -> None:
+    """An `http` reward's server, before any Prefect server starts or model loads: reachable, and
+    serving the identity the config declares (one try, seconds, not the stage's retries)."""
+    if reward != "http":
+        return
+    from stepgrpo.rewards.remote import HttpReward
+
+    try:
+        server = HttpReward(
+            str(options.get("url", "")),
+            str(options.get("name", "")),
+            str(options.get("version", "")),
+            timeout=10.0,
+            connect_timeout=5.0,
+            retries=0,
+        )
+        server.check()
+    except (RuntimeError, ValueError) as err:
+        raise StageError(str(err)) from None
 
 
 def check_config(cfg: Config, calibrated: bool = False) -> None:
@@ -78,6 +138,7 @@ def check_config(cfg: Config, calibrated: bool = False) -> None:
         reward_identity(cfg.reward)
     except TypeError as err:
         raise StageError(f"reward.options: {err}") from None
+    check_reward_server(cfg.reward.name, dict(cfg.reward.options))
     check_scale(cfg)
     if calibrated:
         check_calibrated(cfg)
@@ -153,6 +214,7 @@ def check_run(
             reward_identity({"name": reward, "options": reward_options or {}})
         except TypeError as err:
             raise StageError(f"--options: {err}") from None
+        check_reward_server(reward, reward_options or {})
         replace["reward"] = {"name": reward, "options": reward_options or {}}
     if scheme is not None:
         from stepgrpo_core.credit import SCHEMES, check_options
@@ -204,3 +266,30 @@ def check_checkpoint(path: Path, iteration: int | None) -> None:
         latest_checkpoint(run)
     elif iteration >= 0 and run.stage_manifest(iteration, "checkpoint") is None:
         raise StageError(f"run {run.run_id} has no checkpoint of iteration {iteration}; see `stepgrpo inspect`")
+
+
+def check_quality(
+    run: str, iteration: int | None, continuations: int, schemes: list[str], methods: list[str], overrides: list[str]
+) -> Path:
+    """A credit-quality check's input, before its server starts: `continuations` even, the schemes
+    and completion methods known, the run stored with a published rollout at `iteration`."""
+    from stepgrpo.loops.judging import check_continuations, schemes_to_judge
+    from stepgrpo.storage.run import Run
+    from stepgrpo_core.completions import validate_method
+    from stepgrpo_core.registry import allow
+
+    check_continuations(continuations)
+    allow(*schemes)  # the caller's own names may be imported
+    schemes_to_judge(schemes)
+    for method in methods:
+        try:
+            validate_method(method)
+        except (KeyError, ValueError) as err:
+            raise StageError(f"--method {method!r}: {err}") from None
+    path = check_run(run, overrides=overrides)
+    done = Run.open(path).iterations("rollout")
+    if not done:
+        raise StageError(f"run {path.name} has no published rollout yet: nothing to judge")
+    if iteration is not None and iteration not in done:
+        raise StageError(f"run {path.name} has no published rollout at iteration {iteration}; stored: {done}")
+    return path

@@ -97,18 +97,26 @@ def _run(fn: Any, *args: Any, **kwargs: Any) -> Any:
         environment.apply()  # the flows apply it again with their config's `scale.threads`
         return fn(*args, **kwargs)
     except _expected_errors() as err:
-        err_console.print(
-            f"[bold red]error:[/] {type(err).__name__}: {escape(str(err))}",
-            highlight=False,
-            markup=True,
-            soft_wrap=True,
-        )
-        raise typer.Exit(1) from None
+        _failed("error", err)
     except Exception as err:  # an unexpected failure: still a message and a non-zero exit
-        err_console.print(
-            f"[bold red]failed:[/] {type(err).__name__}: {escape(str(err))}", highlight=False, soft_wrap=True
-        )
-        raise typer.Exit(1) from None
+        _failed("failed", err)
+
+
+def _failed(label: str, err: BaseException) -> None:
+    """A failure as one line naming the problem (and, where stepgrpo knows it, the fix), printed
+    after the live bar has closed; the traceback only when asked for (`--verbose`,
+    STEPGRPO_VERBOSE=1), which also shows Prefect's own lines; exits 1."""
+    from stepgrpo.reporting.live import VERBOSE_ENV
+
+    verbose = os.environ.get(VERBOSE_ENV) == "1"
+    if verbose:
+        err_console.print_exception(show_locals=False)
+    err_console.print(
+        f"[bold red]{label}:[/] {type(err).__name__}: {escape(str(err))}", highlight=False, soft_wrap=True
+    )
+    if not verbose:
+        err_console.print(f"[dim](the traceback: run again with --verbose or {VERBOSE_ENV}=1)[/]", highlight=False)
+    raise typer.Exit(1) from None
 
 
 def _command(fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -117,12 +125,18 @@ def _command(fn: Any, *args: Any, **kwargs: Any) -> Any:
     that stops Prefect's temporary server)."""
     import signal
 
-    from stepgrpo.flows import api
+    from stepgrpo.flows import session
+    from stepgrpo.reporting.live import VERBOSE_ENV
     from stepgrpo.runtime import reaper
 
+    if os.environ.get(VERBOSE_ENV) != "1":
+        # Prefect's console lines (its run lines, a failure's tracebacks) stay in its UI and logs; a
+        # failure reaches the console as one line (`_failed`). Set before Prefect is imported.
+        for handler in ("CONSOLE", "CONSOLE_FLOW_RUNS"):
+            os.environ.setdefault(f"PREFECT_LOGGING_HANDLERS_{handler}_LEVEL", "CRITICAL")
     reaper.start()
     signal.signal(signal.SIGTERM, _terminated)
-    api.OWN_TEMPORARY_SERVER = True
+    session.OWN_TEMPORARY_SERVER = True
     return _run(fn, *args, **kwargs)
 
 
@@ -159,18 +173,19 @@ def train(
     run_dir: RunDirOpt = None,
     run_id: RunIdOpt = None,
     verbose: Annotated[
-        bool, typer.Option("--verbose", "-v", help="Prefect's flow and task run lines on the console too.")
+        bool,
+        typer.Option(
+            "--verbose", "-v", help="Prefect's run lines and a failure's traceback on the console too."
+        ),
     ] = False,
 ) -> None:
     """Train: iterations of rollout -> complete -> score -> credit -> update, evaluated before and after."""
     from stepgrpo.flows import api
-    from stepgrpo.reporting.live import VERBOSE_ENV, interactive
+    from stepgrpo.reporting.live import VERBOSE_ENV
     from stepgrpo.reporting.report import print_summary
 
     if verbose:
         os.environ[VERBOSE_ENV] = "1"
-    elif interactive():  # the live bar: Prefect's run lines stay in its UI (set before Prefect is imported)
-        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
     try:
         out = _command(api.train, config, overrides=set_ or [], run_dir=run_dir, run_id=run_id)
     except api.Interrupted as stopped:
@@ -189,7 +204,10 @@ def demo(
     set_: SetOpt = None,
     run_id: RunIdOpt = None,
     verbose: Annotated[
-        bool, typer.Option("--verbose", "-v", help="Prefect's flow and task run lines on the console too.")
+        bool,
+        typer.Option(
+            "--verbose", "-v", help="Prefect's run lines and a failure's traceback on the console too."
+        ),
     ] = False,
 ) -> None:
     """The CPU demo: the shipped shapes model learns its reward with Flow-GRPO (the shipped `demo`

@@ -23,7 +23,6 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -39,18 +38,10 @@ from stepgrpo.storage.run import Run
 from stepgrpo.tasks.base import stage_task, warn
 from stepgrpo.tasks.complete import clean_stage
 from stepgrpo.tasks.credit import trained_mask
-from stepgrpo_core.credit import SCHEMES, assign
-from stepgrpo_core.loss import step_weights
-from stepgrpo_core.quality import (
-    gradient_check,
-    step_table,
-    true_advantages,
-    true_values,
-)
+from stepgrpo_core.credit import SCHEMES
+from stepgrpo_core.quality import step_table, true_values
 
 QUALITY_DIR = Run.QUALITY_DIR
-TRUTH = ("true", "true_a", "true_b")  # A* and its two halves' tables
-BOOTSTRAP_DRAWS = 2000
 VERSION = "1"  # bumped when the check computes other numbers from the same inputs (part of its key)
 
 
@@ -69,11 +60,6 @@ def credit_quality(
     return execute(run, cfg, iteration, continuations, schemes, seed, methods)
 
 
-def scheme_setup(cfg: Config, schemes: list[str]) -> dict[str, dict[str, Any]]:
-    """Each judged scheme's options: the run's own for its scheme, else the scheme's defaults."""
-    return {s: dict(cfg.credit.options) if s == cfg.credit.scheme else {} for s in schemes}
-
-
 def key_of(
     run: Run,
     cfg: Config,
@@ -86,7 +72,7 @@ def key_of(
     """Everything the check reads (module doc), as one digest; loads no model."""
     identity = workspace.reward_identity(cfg.reward)
     rollout = run.stage_manifest(iteration, "rollout") or {}
-    setup = scheme_setup(cfg, schemes)
+    setup = judging.scheme_setup(cfg, schemes)
     parts = {
         "stage": "credit_quality",
         "iteration": iteration,
@@ -124,12 +110,6 @@ def read(run: Run, path: Path, key: str) -> QualityResult | None:
     return found if found.key == key else None
 
 
-def check_continuations(continuations: int) -> None:
-    """M continuations split into two halves: an even number >= 2."""
-    if continuations < 2 or continuations % 2:
-        raise StageError(f"--continuations must be an even number >= 2 (two halves); got {continuations}")
-
-
 def execute(
     run: Run,
     cfg: Config,
@@ -139,10 +119,10 @@ def execute(
     seed: int = 0,
     methods: list[str] | None = None,
 ) -> QualityResult:
-    check_continuations(continuations)
+    judging.check_continuations(continuations)
     if run.stage_manifest(iteration, "rollout") is None:
         raise StageError(f"run {run.run_id} has no published rollout at iteration {iteration}")
-    methods = methods_to_judge(cfg, methods)
+    methods = judging.methods_to_judge(cfg, methods)
     key = key_of(run, cfg, iteration, continuations, schemes, seed, methods)
     path = run.inside(record_path(run, iteration, key))
     found = read(run, path, key)
@@ -205,7 +185,7 @@ def compute(
         t = time.perf_counter()
         grids[method], nfe = judging.method_rewards(pol, cfg, reward, data, prompts, method, rewards[:, -1])
         cost[method] = {"nfe_per_trajectory": nfe / B, "seconds": time.perf_counter() - t}
-    tables, skipped = judged_tables(cfg, schemes, grids, group_ids)
+    tables, skipped = judging.judged_tables(cfg, schemes, grids, group_ids, trained_mask(cfg))
     judged = list(tables)
 
     noise = stored_noise(data.kernel_params, pol.device)
@@ -234,28 +214,7 @@ def compute(
     tv = true_values(finals)
     own = rewards if bool(torch.isfinite(rewards).all()) else rewards[:, -1:].expand_as(rewards)
     steps = step_table(own, tv, tables, group_ids, trained)
-    weights = step_weights("noise", data.kernel, torch.from_numpy(data.sigmas), noise, trained)
-    w = torch.zeros(rewards.shape[1] - 1, dtype=torch.float64)
-    w[trained] = weights.double()
-    truth = {
-        "true": true_advantages(tv.value),
-        "true_a": true_advantages(tv.halves[0]),
-        "true_b": true_advantages(tv.halves[1]),
-    }
-    plain = {**truth, **tables}
-    weighted = {f"{name}@noise": t * w for name, t in plain.items()}
-    sums, rows = judging.gradient_sums(pol, cfg, data, prompts.texts, plain | weighted, group_ids, trained, noise)
-    gradient = {}
-    for suffix, label in (("", "uniform"), ("@noise", "noise")):
-        check = gradient_check(
-            {name: sums[name + suffix] for name in plain},
-            judged,
-            truth=TRUTH,
-            baseline="outcome" if "outcome" in judged else None,
-            draws=BOOTSTRAP_DRAWS,
-            seed=seed,
-        )
-        gradient[label] = {"reliability": check.reliability, "half_cosine": check.half_cosine, "rows": check.rows}
+    gradient, rows = judging.judge_gradients(pol, cfg, data, prompts.texts, tables, tv, group_ids, noise, seed)
     t2 = time.perf_counter()
     return QualityResult(
         key=key,
@@ -280,44 +239,3 @@ def compute(
         seconds_gradient=t2 - t1,
         methods=cost if methods else None,
     )
-
-
-def judged_tables(
-    cfg: Config, schemes: list[str], grids: dict[str | None, torch.Tensor], group_ids: torch.Tensor
-) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Each scheme's advantages `[B, T]` (clipped as the loss clips them) from each method's step
-    rewards `grids` (the run's own method first, named by the scheme alone; another method's as
-    `scheme:method`); a scheme that reads only `R_T` is judged once. Also what was skipped, with why."""
-    mask = trained_mask(cfg)
-    tables, skipped = {}, []
-    for method, rewards in grids.items():
-        step_rewards = bool(torch.isfinite(rewards).all())
-        grid = rewards if step_rewards else rewards[:, -1:].expand_as(rewards)  # final-only runs: R_T everywhere
-        for s, options in scheme_setup(cfg, schemes).items():
-            reads_steps = SCHEMES.facts(s)["step_rewards"]
-            if method != cfg.completion.method and not reads_steps:
-                continue  # the same advantages as with the run's own rewards
-            if reads_steps and not step_rewards:
-                skipped.append(f"{s}: needs a reward for every state; this run was scored on final samples only")
-                continue
-            adv = assign(s, grid.float(), group_ids, mask, **options).advantages.double()
-            name = s if method == cfg.completion.method else f"{s}:{method}"
-            tables[name] = adv.clamp(-cfg.optim.adv_clip, cfg.optim.adv_clip)
-    return tables, skipped
-
-
-def methods_to_judge(cfg: Config, requested: list[str] | None) -> list[str] | None:
-    """The completion methods a check judges beside the run's own (validated, in order, without
-    repeats); None when it is the run's own alone (the check as it was before methods)."""
-    from stepgrpo_core.completions import validate_method
-
-    names = [validate_method(m) for m in dict.fromkeys(requested or [])]
-    return names if [m for m in names if m != cfg.completion.method] else None
-
-
-def schemes_to_judge(requested: list[str] | None) -> list[str]:
-    """The schemes a check judges: `requested` (validated), or every registered scheme."""
-    names = requested or SCHEMES.names()
-    for s in names:
-        SCHEMES.validate(s)
-    return list(dict.fromkeys(names))

@@ -269,3 +269,46 @@ def test_a_broken_manifest_is_named(stored_run):
 
 def test_the_catalogue_has_the_cases_the_reliability_doc_promises():
     assert len(TRAIN_CASES) + len(OFFLINE_CASES) + 3 >= 34
+
+
+HUB_ID = "stepgrpo-tests/no-such-model"
+
+
+def _hub_error(name: str):
+    import httpx
+    from huggingface_hub import errors
+
+    response = httpx.Response(401, request=httpx.Request("GET", "https://huggingface.co"))
+    made = {
+        "gated": lambda: errors.GatedRepoError("gated", response=response),
+        "missing": lambda: errors.RepositoryNotFoundError("missing", response=response),
+        "unreachable": lambda: httpx.ConnectError("[Errno -3] Temporary failure in name resolution"),
+    }
+    return made[name]()
+
+
+@pytest.mark.parametrize(
+    "hub, says",
+    [
+        ("offline", ["HF_HUB_OFFLINE is set", f"hf download {HUB_ID}"]),
+        ("gated", ["is gated", "accept its licence", "hf auth login"]),
+        ("missing", ["no hub model this login can read", "HF_TOKEN"]),
+        ("unreachable", ["cannot be reached", "HF_HUB_OFFLINE=1"]),
+    ],
+)
+def test_a_hub_model_that_cannot_be_read_fails_before_anything_starts(here, monkeypatch, hub, says):
+    """A hub id not in the local cache: offline, gated, unknown to this login, or with no network
+    fails at once, one line naming the fix, before any server starts or directory is made."""
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "is_offline_mode", lambda: hub == "offline")
+
+    def auth_check(repo_id, **kwargs):
+        raise _hub_error(hub)
+
+    monkeypatch.setattr(huggingface_hub, "auth_check", auth_check)
+    result = invoke("train", "--set", "run.runs_root=runs", "--set", f"model.path={HUB_ID}", "--run-id", "x")
+    assert result.exit_code == 1, result.output
+    assert all(text in result.output for text in says), result.output
+    assert "Traceback" not in result.output
+    assert not (here / "runs").exists()

@@ -171,18 +171,18 @@ def test_offline_commands_skip_flow_heartbeats_unless_the_user_asks_for_them(mon
     long) run without it, unless the user set the interval; training keeps Prefect's default."""
     from prefect.settings import get_current_settings
 
-    from stepgrpo.flows import api
+    from stepgrpo.flows import session
 
-    for name in api.HEARTBEAT_VARIABLES:
+    for name in session.HEARTBEAT_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("STEPGRPO_KEPT_SERVER", "0")  # no server lookup: only the settings are read
-    with api._prefect(heartbeats=False):
+    with session.prefect_server(heartbeats=False):
         assert get_current_settings().flows.heartbeat_frequency is None
     default = get_current_settings().flows.heartbeat_frequency
-    with api._prefect():
+    with session.prefect_server():
         assert get_current_settings().flows.heartbeat_frequency == default
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
     monkeypatch.setenv("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "60")  # as a user's process starts with it
-    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: 60}), api._prefect(heartbeats=False):
+    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: 60}), session.prefect_server(heartbeats=False):
         assert get_current_settings().flows.heartbeat_frequency == 60

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("
 COMMAND = textwrap.dedent(
     """
     import os, subprocess, sys, time
-    from stepgrpo.flows import api
+    from stepgrpo.flows import session
     from stepgrpo_cli.app import _command
 
     def hold() -> None:
@@ -27,10 +27,10 @@ COMMAND = textwrap.dedent(
         time.sleep(600)
 
     def command(path):  # as a CLI command runs its flow: its own temporary server, the run's lock
-        with api._prefect():
+        with session.prefect_server():
             from prefect import flow
 
-            api._owned(path, flow(hold))
+            session.owned_run(path, flow(hold))
 
     _command(command, sys.argv[1])
     """

@@ -330,3 +330,29 @@ def test_reward_server_beyond_the_loopback_without_a_token_exits_before_listenin
     monkeypatch.delenv("STEPGRPO_REWARD_TOKEN", raising=False)
     result = CliRunner().invoke(app, ["reward-server", "--reward", "jpeg_compressibility", "--host", "0.0.0.0"])
     assert result.exit_code == 1 and "without a token" in result.output and "--token" in result.output
+
+
+def test_train_checks_the_reward_server_before_anything_starts(jpeg_server, tmp_path, monkeypatch):
+    """A declared identity the server does not serve, and a server that is not there, fail the
+    command before its Prefect server starts or its run directory is made: one line with the fix,
+    no traceback (it is behind --verbose)."""
+    from typer.testing import CliRunner
+
+    from stepgrpo_cli import app
+
+    monkeypatch.chdir(tmp_path)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    cases = {
+        jpeg_server: ["serves jpeg_compressibility", "set reward.options.name / version"],
+        closed: ["cannot be reached", "stepgrpo reward-server"],
+    }
+    for url, says in cases.items():
+        options = f'reward.options={{url: "{url}", name: pickscore, version: "1"}}'
+        args = ["train", "--set", "reward.name=http", "--set", options, "--run-id", "x", "--set", "run.runs_root=runs"]
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 1, result.output
+        assert all(text in result.output for text in says), result.output
+        assert "Traceback" not in result.output and "--verbose" in result.output
+        assert not (tmp_path / "runs").exists()

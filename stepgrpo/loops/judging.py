@@ -13,12 +13,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from stepgrpo.errors import StageError
 from stepgrpo.loops.sampling import complete_chunks, encode, generator, rollout_predictions
 from stepgrpo.loops.scoring import decode_distinct, reward_images, score_images
 from stepgrpo.reporting.report import track
 from stepgrpo_core.completions import COMPLETIONS, completed_through, parse_method
 from stepgrpo_core.conditioning import take
-from stepgrpo_core.quality import GradientSums, continue_states
+from stepgrpo_core.credit import SCHEMES, assign
+from stepgrpo_core.loss import step_weights
+from stepgrpo_core.quality import GradientSums, TrueValues, continue_states, gradient_check, true_advantages
 from stepgrpo_core.rollout import step_log_prob
 
 if TYPE_CHECKING:
@@ -170,3 +173,99 @@ def finite(obj: Any) -> Any:
     if isinstance(obj, list | tuple):
         return [finite(v) for v in obj]
     return obj
+
+
+def scheme_setup(cfg: Config, schemes: list[str]) -> dict[str, dict[str, Any]]:
+    """Each judged scheme's options: the run's own for its scheme, else the scheme's defaults."""
+    return {s: dict(cfg.credit.options) if s == cfg.credit.scheme else {} for s in schemes}
+
+
+def judged_tables(
+    cfg: Config,
+    schemes: list[str],
+    grids: dict[str | None, torch.Tensor],
+    group_ids: torch.Tensor,
+    mask: torch.Tensor,
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Each scheme's advantages `[B, T]` (clipped as the loss clips them) from each method's step
+    rewards `grids` (the run's own method first, named by the scheme alone; another method's as
+    `scheme:method`); a scheme that reads only `R_T` is judged once. Also what was skipped, with why."""
+    tables, skipped = {}, []
+    for method, rewards in grids.items():
+        step_rewards = bool(torch.isfinite(rewards).all())
+        grid = rewards if step_rewards else rewards[:, -1:].expand_as(rewards)  # final-only runs: R_T everywhere
+        for s, options in scheme_setup(cfg, schemes).items():
+            reads_steps = SCHEMES.facts(s)["step_rewards"]
+            if method != cfg.completion.method and not reads_steps:
+                continue  # the same advantages as with the run's own rewards
+            if reads_steps and not step_rewards:
+                skipped.append(f"{s}: needs a reward for every state; this run was scored on final samples only")
+                continue
+            adv = assign(s, grid.float(), group_ids, mask, **options).advantages.double()
+            name = s if method == cfg.completion.method else f"{s}:{method}"
+            tables[name] = adv.clamp(-cfg.optim.adv_clip, cfg.optim.adv_clip)
+    return tables, skipped
+
+
+def methods_to_judge(cfg: Config, requested: list[str] | None) -> list[str] | None:
+    """The completion methods a check judges beside the run's own (validated, in order, without
+    repeats); None when it is the run's own alone (the check as it was before methods)."""
+    from stepgrpo_core.completions import validate_method
+
+    names = [validate_method(m) for m in dict.fromkeys(requested or [])]
+    return names if [m for m in names if m != cfg.completion.method] else None
+
+
+def schemes_to_judge(requested: list[str] | None) -> list[str]:
+    """The schemes a check judges: `requested` (validated), or every registered scheme."""
+    names = requested or SCHEMES.names()
+    for s in names:
+        SCHEMES.validate(s)
+    return list(dict.fromkeys(names))
+
+
+TRUTH = ("true", "true_a", "true_b")  # A* and its two halves' tables
+BOOTSTRAP_DRAWS = 2000
+
+
+def judge_gradients(
+    pol: Policy,
+    cfg: Config,
+    data: Any,
+    texts: list[str],
+    tables: dict[str, torch.Tensor],
+    tv: TrueValues,
+    group_ids: torch.Tensor,
+    noise: Any,
+    seed: int,
+) -> tuple[dict[str, Any], int]:
+    """Each scheme's batch gradient against the true advantages' (and each half's), with uniform and
+    with `noise` step weighting (`{"uniform" | "noise": {reliability, half_cosine, rows}}`), and the
+    number of LoRA score rows it took."""
+    trained = cfg.trained_steps()
+    weights = step_weights("noise", data.kernel, torch.from_numpy(data.sigmas), noise, trained)
+    w = torch.zeros(len(data.sigmas) - 1, dtype=torch.float64)  # [T]
+    w[trained] = weights.double()
+    truth = {name: true_advantages(v) for name, v in zip(TRUTH, (tv.value, *tv.halves))}
+    plain = {**truth, **tables}
+    weighted = {f"{name}@noise": t * w for name, t in plain.items()}
+    sums, rows = gradient_sums(pol, cfg, data, texts, plain | weighted, group_ids, trained, noise)
+    judged = list(tables)
+    gradient = {}
+    for suffix, label in (("", "uniform"), ("@noise", "noise")):
+        check = gradient_check(
+            {name: sums[name + suffix] for name in plain},
+            judged,
+            truth=TRUTH,
+            baseline="outcome" if "outcome" in judged else None,
+            draws=BOOTSTRAP_DRAWS,
+            seed=seed,
+        )
+        gradient[label] = {"reliability": check.reliability, "half_cosine": check.half_cosine, "rows": check.rows}
+    return gradient, rows
+
+
+def check_continuations(continuations: int) -> None:
+    """M continuations split into two halves: an even number >= 2."""
+    if continuations < 2 or continuations % 2:
+        raise StageError(f"--continuations must be an even number >= 2 (two halves); got {continuations}")

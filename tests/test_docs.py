@@ -1,0 +1,172 @@
+"""Every code block of the README and docs/ runs here, at tiny settings, or says why not.
+
+A fenced block with a language is code. The line above it may say `<!-- not run: why -->`
+(a GPU, the network, a server that outlives the test, hours of compute); every other block runs:
+Python in a fresh process, shell blocks command by command through the installed `stepgrpo`, YAML
+and TOML parsed (a config fragment validated as a config). They run in an empty directory that
+holds the checkout's `models/` and `configs/` (links), as the docs' paths assume the repository root. Training commands get the tiny
+settings below appended (`--set` / `overrides`), so the documented commands and calls are the ones
+that run, only smaller.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "models" / "shapes" / "README.md"]
+FENCE = re.compile(r"^\s*```(\S*)\s*$")
+SKIP = re.compile(r"^\s*<!-- not run: (.+) -->\s*$")
+LANGUAGES = {"python", "bash", "sh", "yaml", "toml"}
+TINY = [
+    "run.iterations=1",
+    "run.prompts_per_iteration=2",
+    "run.group_size=2",
+    "run.eval_prompts=2",
+    "run.eval_seeds=1",
+    "sampler.steps=4",
+    "sampler.eval_steps=4",
+    "sampler.sde_window_size=2",
+]
+TRAINING = {"train", "demo", "calibrate"}  # the commands that take the tiny settings
+
+
+@dataclass(frozen=True)
+class Block:
+    path: Path
+    line: int  # of the opening fence, 1-based
+    language: str
+    text: str
+    not_run: str | None  # the reason given above it
+
+    @property
+    def name(self) -> str:
+        return f"{self.path.relative_to(REPO)}:{self.line}"
+
+
+def blocks(path: Path) -> list[Block]:
+    lines = path.read_text().split("\n")
+    found, i = [], 0
+    while i < len(lines):
+        opened = FENCE.match(lines[i])
+        if not opened:
+            i += 1
+            continue
+        end = next(j for j in range(i + 1, len(lines)) if FENCE.match(lines[j]) and not FENCE.match(lines[j]).group(1))
+        above = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
+        reason = SKIP.match(above)
+        body = "\n".join(line[len(lines[i]) - len(lines[i].lstrip()) :] for line in lines[i + 1 : end])
+        found.append(Block(path, i + 1, opened.group(1), body, reason.group(1) if reason else None))
+        i = end + 1
+    return found
+
+
+ALL = [b for doc in DOCS for b in blocks(doc)]
+CODE = [b for b in ALL if b.language in LANGUAGES]
+RUN = [b for b in CODE if b.not_run is None]
+
+
+def checkout_like(tmp_path: Path) -> Path:
+    """An empty working directory with the repository's `models/` and `configs/` in it."""
+    tmp_path.mkdir(exist_ok=True)
+    for name in ("models", "configs"):
+        (tmp_path / name).symlink_to(REPO / name, target_is_directory=True)
+    return tmp_path
+
+
+def commands(block: Block) -> list[list[str]]:
+    """A shell block's commands: continuation lines joined, comments dropped, each split."""
+    joined = re.sub(r"\\\n\s*", " ", block.text)
+    return [shlex.split(line, comments=True) for line in joined.split("\n") if shlex.split(line, comments=True)]
+
+
+def stepgrpo_args(argv: list[str]) -> list[str] | None:
+    """A `stepgrpo ...` (or `.venv/bin/stepgrpo ...`) command's arguments; None for anything else."""
+    return argv[1:] if argv and Path(argv[0]).name == "stepgrpo" else None
+
+
+def test_the_docs_have_code_blocks_and_every_fence_closes():
+    assert len(CODE) > 20 and len(RUN) >= 8
+    assert {b.language for b in ALL} <= LANGUAGES | {"", "text"}, {b.language for b in ALL}
+
+
+@pytest.mark.parametrize("block", [b for b in CODE if b.language in ("bash", "sh")], ids=lambda b: b.name)
+def test_a_shell_block_runs_only_stepgrpo_or_says_why_not(block):
+    """What runs here is stepgrpo's own commands; anything else (make, pip, prefect, a server)
+    must carry its reason, so no documented command is silently left out."""
+    if block.not_run is None:
+        others = [argv for argv in commands(block) if stepgrpo_args(argv) is None]
+        assert others == [], f"{block.name}: mark it <!-- not run: why --> or run only stepgrpo commands"
+    else:
+        assert len(block.not_run) > 10
+
+
+@pytest.mark.parametrize("block", [b for b in RUN if b.language in ("yaml", "toml")], ids=lambda b: b.name)
+def test_a_yaml_or_toml_block_parses_and_a_config_fragment_validates(block, tmp_path, monkeypatch):
+    """A fragment that names the user's own modules (`mypkg.rewards:Redness`) validates with the
+    same document's Python blocks written as those modules (a block whose first line is its file name)."""
+    if block.language == "toml":
+        assert tomllib.loads(block.text)
+        return
+    from stepgrpo.config import Config, config_from
+
+    for other in blocks(block.path):
+        first = other.text.split("\n", 1)[0]
+        if other.language == "python" and re.fullmatch(r"# [\w/]+\.py", first):
+            module = tmp_path / first[2:]
+            module.parent.mkdir(parents=True, exist_ok=True)
+            (module.parent / "__init__.py").touch()
+            module.write_text(other.text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    data = yaml.safe_load(block.text)
+    assert isinstance(data, dict) and data
+    if set(data) <= set(Config.model_fields):  # a config fragment: it must validate as one
+        config_from(data, None, [])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", [b for b in RUN if b.language == "python"], ids=lambda b: b.name)
+def test_a_python_block_runs(block, server, tmp_path):
+    """In a fresh process, from an empty directory; `stepgrpo.train` and `calibrate` calls get the
+    tiny settings appended to their `overrides`."""
+    preamble = (
+        "import stepgrpo.flows.session as _s\n"
+        "_config_of = _s.config_of\n"
+        f"_s.config_of = lambda config, overrides: _config_of(config, [*overrides, *{TINY!r}])\n"
+    )
+    script = tmp_path / "block.py"
+    script.write_text(preamble + block.text + "\n")
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=checkout_like(tmp_path / "work"),
+        env=server,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, f"{block.name}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", [b for b in RUN if b.language in ("bash", "sh")], ids=lambda b: b.name)
+def test_a_shell_block_runs(block, server, tmp_path):
+    """Its commands in order, in one empty directory (runs/ under it), through the installed
+    console script; a training command gets the tiny settings as `--set`s."""
+    script = Path(sys.executable).with_name("stepgrpo")
+    work = checkout_like(tmp_path)
+    for argv in commands(block):
+        args = stepgrpo_args(argv)
+        if args and args[0] in TRAINING:
+            args = [*args, *[a for s in TINY for a in ("--set", s)]]
+        done = subprocess.run([str(script), *args], cwd=work, env=server, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, f"{block.name}: {shlex.join(argv)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
