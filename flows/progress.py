@@ -13,7 +13,7 @@ from typing import Any
 from stepgrpo.config import Config
 from stepgrpo.reporting import report
 from stepgrpo.reporting.live import TrainingView
-from stepgrpo.reporting.metrics import eval_metrics, iteration_cost, iteration_metrics, iteration_row
+from stepgrpo.reporting.metrics import BY_NFE, eval_metrics, iteration_cost, iteration_metrics, iteration_row
 from stepgrpo.reporting.tracking import Tracker, comparison_tags, experiment_name
 from stepgrpo.results import (
     CompleteResult,
@@ -138,6 +138,9 @@ class TrainingLog:
         # the training compute spent before this evaluation, at its step: plot eval/* against these
         cost = {"eval/nfe_total": self.cost[0], "eval/seconds_total": self.cost[1]}
         self.tracker.log_metrics(eval_metrics(ev) | cost, step=step)
+        # the same held-out reward with the cumulative training NFEs as its step: MLflow's default
+        # x-axis (step) then compares runs of any scheme at equal compute, with no chart settings
+        self.tracker.log_metrics({BY_NFE: ev.reward_mean}, step=int(self.cost[0]))
         with Image.open(self.evaluations[-1]["grid"]) as grid:
             self.tracker.log_image(preview(grid).convert("RGB"), key="eval", step=step)
 
@@ -154,7 +157,8 @@ class TrainingLog:
         """Iteration `i`'s stage results: metrics, its row and console line, the signal check."""
         from prefect.artifacts import update_progress_artifact
 
-        metrics = iteration_metrics(rollout, clean, rewards, credit, update, draw)
+        step_rewards = self.cfg.completion.method is not None
+        metrics = iteration_metrics(rollout, clean, rewards, credit, update, draw, step_rewards)
         nfe, seconds = iteration_cost(metrics)
         self.cost = [self.cost[0] + nfe, self.cost[1] + seconds]
         # compare any two runs at equal compute in the MLflow UI: plot against these, not the step

@@ -7,6 +7,7 @@ iterations, and at the end.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from prefect import flow
@@ -75,4 +76,6 @@ def iterate(run: Run, cfg: Config) -> dict[str, Any]:
             if cfg.run.evaluates_after(i):
                 log.evaluation(i + 1, stage.evaluate(run, cfg, i, prompts, checkpoint))
             log.pruned(apply_retention(run, cfg.storage, RETENTION_WHY))
-        return log.finish(export_lora(run, cfg, cfg.run.iterations - 1))
+        last = log.evaluations[-1] if log.evaluations else None
+        grid = Path(last["grid"]) if last else None
+        return log.finish(export_lora(run, cfg, cfg.run.iterations - 1, log.evaluations, grid))

@@ -174,9 +174,7 @@ def train(
     run_id: RunIdOpt = None,
     verbose: Annotated[
         bool,
-        typer.Option(
-            "--verbose", "-v", help="Prefect's run lines and a failure's traceback on the console too."
-        ),
+        typer.Option("--verbose", "-v", help="Prefect's run lines and a failure's traceback on the console too."),
     ] = False,
 ) -> None:
     """Train: iterations of rollout -> complete -> score -> credit -> update, evaluated before and after."""
@@ -205,9 +203,7 @@ def demo(
     run_id: RunIdOpt = None,
     verbose: Annotated[
         bool,
-        typer.Option(
-            "--verbose", "-v", help="Prefect's run lines and a failure's traceback on the console too."
-        ),
+        typer.Option("--verbose", "-v", help="Prefect's run lines and a failure's traceback on the console too."),
     ] = False,
 ) -> None:
     """The CPU demo: the shipped shapes model learns its reward with Flow-GRPO (the shipped `demo`
@@ -665,6 +661,35 @@ def _prune(run: str, keep: str | None, keep_last: int | None, every: int | None,
         )
         report = apply_retention(r, settings, why)
     console.print(f"run {r.run_id}: {report.describe()}")
+
+
+@app.command()
+def export(
+    run: RunArg,
+    push_to_hub: Annotated[
+        str | None, typer.Option("--push-to-hub", help="Upload the export to this hub model repository (owner/name).")
+    ] = None,
+    private: Annotated[bool, typer.Option("--private", help="Make the hub repository private.")] = False,
+) -> None:
+    """Write RUN's export again (lora/: weights, model card README.md, samples.png, config.yaml), and
+    with --push-to-hub upload it (`huggingface_hub`; log in first with `hf auth login`)."""
+    _run(_export, run, push_to_hub, private)
+
+
+def _export(run: str, repo: str | None, private: bool) -> None:
+    from stepgrpo.reporting.card import push_to_hub, refresh_export
+    from stepgrpo.runs import open_stored, owned
+
+    stored, cfg = open_stored(run)
+    with owned(stored.path):
+        folder = refresh_export(stored, cfg)
+    console.print(f"export: {folder} (model card {folder / 'README.md'})", highlight=False, soft_wrap=True)
+    if repo is not None:
+        try:
+            url = push_to_hub(folder, repo, private, f"stepgrpo export of run {stored.run_id}")
+        except RuntimeError as err:
+            raise ValueError(str(err)) from None
+        console.print(f"pushed to {url}", highlight=False, soft_wrap=True)
 
 
 @app.command()

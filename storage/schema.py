@@ -81,7 +81,8 @@ PUBLISHED_FILE = "_published.json"
 EXPORT_FILE = "_export.json"  # the digest of an exported folder (`lora/`, `transformer/`), beside its files
 
 # Files a run directory may hold: data formats only, never pickle (opening a run must not run code).
-ALLOWED_FILE_SUFFIXES = (".json", ".yaml", ".yml", ".parquet", ".safetensors")
+# Markdown and PNG: an export's model card and its sample grid (text and an image, read, never run).
+ALLOWED_FILE_SUFFIXES = (".json", ".yaml", ".yml", ".parquet", ".safetensors", ".md", ".png")
 
 
 @dataclass(frozen=True)

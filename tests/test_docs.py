@@ -4,9 +4,9 @@ A fenced block with a language is code. The line above it may say `<!-- not run:
 (a GPU, the network, a server that outlives the test, hours of compute); every other block runs:
 Python in a fresh process, shell blocks command by command through the installed `stepgrpo`, YAML
 and TOML parsed (a config fragment validated as a config). They run in an empty directory that
-holds the checkout's `models/` and `configs/` (links), as the docs' paths assume the repository root. Training commands get the tiny
-settings below appended (`--set` / `overrides`), so the documented commands and calls are the ones
-that run, only smaller.
+holds the checkout's `models/` and `configs/` (links), as the docs' paths assume the repository
+root. Training commands get the tiny settings below appended (`--set` / `overrides`), so the
+documented commands and calls are the ones that run, only smaller.
 """
 
 from __future__ import annotations

@@ -171,6 +171,11 @@ def test_train_runs_every_stage_and_tracks_it(trained):
     # each evaluation with the training compute before it, at its step (eval/* against compute)
     at_eval = sorted((m.step, m.value) for m in client.get_metric_history(mlrun.info.run_id, "eval/nfe_total"))
     assert at_eval == [(0, 0.0), (2, hist["cost/nfe_total"][-1])]
+    # the held-out reward with the cumulative NFEs as its step: any chart of it compares runs by compute
+    evals = [m.value for m in sorted(client.get_metric_history(mlrun.info.run_id, "eval/mean"), key=lambda m: m.step)]
+    by_nfe = sorted((m.step, m.value) for m in client.get_metric_history(mlrun.info.run_id, "heldout/reward_by_nfe"))
+    assert by_nfe == [(0, evals[0]), (int(hist["cost/nfe_total"][-1]), evals[-1])]
+    assert mlrun.data.tags["stepgrpo.recipe"].startswith("stepwise@")
     artifacts = {a.path for a in client.list_artifacts(mlrun.info.run_id)}
     assert {"lora", "images"} <= artifacts
     # the evaluation grids are an image history (one per evaluation, at its step), captioned
@@ -1342,3 +1347,56 @@ def test_the_readme_commands_run_in_order(harness, tiny, tmp_path, monkeypatch):
         args += ["--continuations", "2"] if args[0] == "credit-quality" else []  # tiny settings
         result = CliRunner().invoke(app, args)
         assert result.exit_code == 0, (args, result.output)
+
+
+def test_the_exported_lora_is_readable_carries_a_model_card_and_pushes_to_the_hub(trained, tmp_path, monkeypatch):
+    """`lora/` as a colleague gets it: every file readable by others (as `save_pretrained` writes
+    them), a hub model card (base model, scheme, reward, iterations, the held-out gain with its
+    interval, the command, a sample grid) and the config it names; `stepgrpo export --push-to-hub`
+    uploads the folder, its own seal left out, through `huggingface_hub` (a local stand-in here)."""
+    import shutil
+    import stat
+
+    import huggingface_hub
+    import yaml
+    from typer.testing import CliRunner
+
+    from stepgrpo.storage.run import Run
+    from stepgrpo_cli import app
+
+    run_dir = tmp_path / "tiny-a"
+    shutil.copytree(trained["run_dir"], run_dir)
+    lora = run_dir / "lora"
+    names = {p.name for p in lora.iterdir()}
+    assert {"pytorch_lora_weights.safetensors", "README.md", "samples.png", "config.yaml"} <= names
+    for f in lora.iterdir():
+        assert f.stat().st_mode & stat.S_IROTH, f"{f.name} is not readable by others"
+    card = (lora / "README.md").read_text()
+    meta = yaml.safe_load(card.split("---")[1])
+    assert meta["base_model"] == trained["model_path"] and meta["library_name"] == "diffusers"
+    assert "lora" in meta["tags"] and "credit-stepwise" in meta["tags"]
+    for text in ("jpeg_compressibility", "| iterations | 2 x", "Paired gain", "95 % interval", "(samples.png)"):
+        assert text in card, text
+    assert "stepgrpo train --config config.yaml --run-id tiny-a" in card
+    assert yaml.safe_load((lora / "config.yaml").read_text())["credit"]["scheme"] == "stepwise"
+
+    pushed: dict = {}
+
+    class LocalHub:  # the hub's client, writing into a folder
+        def create_repo(self, repo_id, repo_type, private, exist_ok):
+            pushed.update(repo=repo_id, private=private)
+            return f"local://{repo_id}"
+
+        def upload_folder(self, repo_id, folder_path, ignore_patterns, commit_message):
+            target = tmp_path / "hub" / repo_id
+            shutil.copytree(folder_path, target, ignore=shutil.ignore_patterns(*ignore_patterns))
+            pushed["message"] = commit_message
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", LocalHub)
+    monkeypatch.setattr(huggingface_hub, "is_offline_mode", lambda: False)
+    result = CliRunner().invoke(app, ["export", str(run_dir), "--push-to-hub", "me/tiny-lora", "--private"])
+    assert result.exit_code == 0, result.output
+    assert pushed == {"repo": "me/tiny-lora", "private": True, "message": "stepgrpo export of run tiny-a"}
+    hub = tmp_path / "hub" / "me" / "tiny-lora"
+    assert sorted(p.name for p in hub.iterdir()) == sorted(names - {"_export.json"})
+    assert Run.open(run_dir).verify_all() == []  # the export's seal still holds

@@ -174,3 +174,35 @@ def test_the_logged_evaluation_image_is_the_grids_first_tiles_square(tmp_path):
         assert small.size == made.size and small.tobytes() == made.tobytes()
     plain = Image.new("RGB", (10, 10))
     assert preview(plain) is plain  # a grid without its layout: as it is
+
+
+def test_a_run_scored_on_final_samples_logs_no_all_zero_step_series():
+    """Outcome credit has no step rewards: no gain/step_k, turning points, completion or ODE
+    reference series (all zero by construction); a run with step rewards logs them."""
+    from types import SimpleNamespace as NS
+
+    from stepgrpo.reporting.metrics import iteration_metrics
+
+    stats = NS(
+        **{k: 0.1 for k in ("clip_frac", "approx_kl", "kl", "loss", "grad_norm", "signal_cosine")},
+        **{k: 0.1 for k in ("signal_cosine_window", "ratio_mean", "ratio_std", "ratio_min", "ratio_max")},
+        **{k: 0.1 for k in ("lora_distance", "update_norm", "clip_frac_first", "clip_frac_later")},
+        zero_grad_frac_first=0.0,
+        zero_grad_frac_later=0.0,
+        grad_energy_share=[0.5, 0.5],
+        clip_frac_later_by_step=[0.0, 0.0],
+        zero_grad_frac_later_by_step=[0.0, 0.0],
+        trained_step_ids=[0, 1],
+    )
+    done = dict(seconds=1.0, peak_memory_gib=None)
+    rollout = NS(nfe=8, nfe_ode=0, **done)
+    rewards = NS(reward_mean=0.5, reward_std=0.1, reward_strict=None, ode_reward_mean=None, **done)
+    rewards.group_reward_std, rewards.zero_std_groups = 0.1, 0
+    credit = NS(adv_mean=0.0, adv_std=1.0, adv_abs_max=2.0, zero_std_ratio=0.0, turning_points=0, **done)
+    credit.gain_mean = [0.0] * 4
+    update = NS(nfe=4, stats=stats, **done)
+    outcome = iteration_metrics(rollout, rollout, rewards, credit, update, step_rewards=False)
+    assert not [k for k in outcome if k.startswith("gain/") or k in ("turning_points", "nfe/complete")]
+    assert "nfe/ode_reference" not in outcome and outcome["nfe/rollout"] == 8
+    stepwise = iteration_metrics(rollout, rollout, rewards, credit, update, step_rewards=True)
+    assert [f"gain/step_{k}" for k in range(4)] == [k for k in stepwise if k.startswith("gain/")]

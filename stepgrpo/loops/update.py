@@ -267,16 +267,23 @@ def serve(config: str) -> None:
         dist.destroy_process_group()
 
 
-def export_lora(run: Run, cfg: Config, iteration: int) -> Path:
+def export_lora(
+    run: Run, cfg: Config, iteration: int, evaluations: list[dict[str, Any]] | None = None, grid: Path | None = None
+) -> Path:
     """Write the weights after `iteration` (their EMA when enabled): the LoRA as `<run>/lora/`, in the
     format `StableDiffusion3Pipeline.load_lora_weights` reads; with full fine-tuning the transformer
-    as `<run>/transformer/` (`SD3Transformer2DModel.from_pretrained`, safetensors)."""
+    as `<run>/transformer/` (`SD3Transformer2DModel.from_pretrained`, safetensors). Beside them the
+    model card (`README.md`, with `evaluations`' held-out gain), `grid` as `samples.png` and the
+    run's config (`stepgrpo.reporting.card`); every file readable by whoever may read the run."""
+    from stepgrpo.reporting.card import write_card
+
     out = run.inside(Path(run.path) / ("transformer" if cfg.model.finetune == "full" else "lora"))  # no link out
     pol = workspace.policy_after(run, cfg, iteration)
     if cfg.model.finetune == "full":
         pol.transformer.save_pretrained(str(out), safe_serialization=True)
     else:
         pol.save_lora(out)
+    write_card(out, cfg, run.run_id, evaluations or [], grid)
     run.seal_export(out.name)  # `inspect --verify` finds a damaged export
     return out
 

@@ -90,15 +90,25 @@ def save_lora(transformer: torch.nn.Module, directory: str | Path, pipeline_cls:
         pipeline_cls.save_lora_weights(
             str(tmp), transformer_lora_layers=lora_state_dict(transformer), transformer_lora_adapter_metadata=meta
         )
+        readable = _new_file_mode()
         for new in tmp.iterdir():
             old = directory / new.name
             data = canonical_safetensors(new.read_bytes()) if new.suffix == ".safetensors" else new.read_bytes()
             if not (old.is_file() and old.read_bytes() == data):
                 new.write_bytes(data)
                 os.replace(new, old)
+            os.chmod(old, readable)  # the writer's temporary file was private (0600)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return directory
+
+
+def _new_file_mode() -> int:
+    """The mode a new file gets here (0666 less the umask; 0644 as a rule), as `save_pretrained`'s
+    files have it: the export is readable by whoever may read the run."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def _check_alpha(file: Path, config: object) -> None:

@@ -16,6 +16,8 @@ from stepgrpo.results import (
     UpdateResult,
 )
 
+BY_NFE = "heldout/reward_by_nfe"  # logged at step = cumulative training NFEs (`TrainingLog.evaluation`)
+
 
 def eval_metrics(ev: EvaluateResult) -> dict[str, float]:
     out = {"eval/mean": ev.reward_mean, "eval/std": ev.reward_std, "eval/strict": ev.reward_strict}
@@ -30,8 +32,12 @@ def iteration_metrics(
     credit: CreditResult,
     update: UpdateResult,
     draw: DrawResult | None = None,
+    step_rewards: bool = True,
 ) -> dict[str, float]:
-    """MLflow metrics of one iteration from its stage results (`draw`: the curriculum's, if any)."""
+    """MLflow metrics of one iteration from its stage results (`draw`: the curriculum's, if any).
+    Only series that can carry information: a run scored on final samples alone (`step_rewards`
+    False, outcome credit) has no per-step gains, turning points, completion or ODE-reference NFEs,
+    so it logs none of those all-zero series."""
     r, c, u = rewards, credit, update.stats
     out: dict[str, Any] = {
         "reward/mean": r.reward_mean,
@@ -75,8 +81,11 @@ def iteration_metrics(
         ("zero_grad_frac_later", u.zero_grad_frac_later_by_step),
     ):
         out |= {f"{name}/step_{k}": v for k, v in zip(u.trained_step_ids, values)}
-    for k, g in enumerate(c.gain_mean):
-        out[f"gain/step_{k}"] = g
+    if step_rewards:
+        out |= {f"gain/step_{k}": g for k, g in enumerate(c.gain_mean)}
+    else:
+        for name in ("turning_points", "nfe/ode_reference", "nfe/complete", "reward/ode_mean"):
+            out.pop(name)
     if draw is not None:
         out["curriculum/seen"] = draw.seen
         out["curriculum/zero_spread"] = draw.zero_spread

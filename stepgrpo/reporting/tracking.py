@@ -61,6 +61,11 @@ def comparison_tags(cfg: Any) -> dict[str, str]:
         "stepgrpo.scheme": cfg.credit.scheme,
         "stepgrpo.reward": cfg.reward.name,
         "stepgrpo.completion": cfg.completion.method or "none",
+        # the recipe in one value, to group or colour runs by: scheme @ completion, window / steps, lr
+        "stepgrpo.recipe": (
+            f"{cfg.credit.scheme}@{cfg.completion.method or 'final'} "
+            f"W{cfg.sampler.sde_window_size}/T{cfg.sampler.steps} lr{cfg.optim.lr:g}"
+        ),
     }
 
 

@@ -1,0 +1,148 @@
+"""The model card of an exported LoRA (`<run>/lora/README.md`), in the Hugging Face hub's format
+(YAML metadata, then Markdown), so that the folder is what a colleague or the hub needs: the base
+model, what trained it (credit scheme, reward, iterations), its held-out gain with its interval,
+the command that makes it again (`config.yaml` beside it), a sample grid, and how to load it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from stepgrpo.config import Config
+from stepgrpo.reporting.report import paired_gain
+
+CARD = "README.md"
+SAMPLES = "samples.png"  # the last held-out evaluation's grid
+CONFIG = "config.yaml"  # the run's resolved config: `stepgrpo train --config config.yaml` makes it again
+
+
+def model_card(cfg: Config, run_id: str, evaluations: list[Mapping[str, Any]], samples: bool) -> str:
+    """The card's text; `evaluations`: the run's held-out records, base first."""
+    base = cfg.model.path
+    flux = "flux" in base.lower()
+    meta = {
+        "base_model": base,
+        "library_name": "diffusers",
+        "pipeline_tag": "text-to-image",
+        "tags": ["text-to-image", "diffusers", "lora", "grpo", "stepgrpo", f"credit-{cfg.credit.scheme}"]
+        + (["flux"] if flux else ["stable-diffusion-3"]),
+    }
+    method = cfg.completion.method
+    scheme = cfg.credit.scheme + (f" (step rewards by {method} completion)" if method else "")
+    run, sampler = cfg.run, cfg.sampler
+    lines = [
+        "---",
+        yaml.safe_dump(meta, sort_keys=False).strip(),
+        "---",
+        "",
+        f"# {run_id}: a GRPO LoRA for `{base}`",
+        "",
+        f"Trained with [stepgrpo](https://pypi.org/project/stepgrpo/) GRPO, credit scheme **{scheme}**.",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| base model | `{base}` |",
+        f"| reward | `{cfg.reward.name}`{' ' + str(dict(cfg.reward.options)) if cfg.reward.options else ''} |",
+        f"| credit | `{cfg.credit.scheme}`{' ' + str(dict(cfg.credit.options)) if cfg.credit.options else ''} |",
+        f"| iterations | {run.iterations} x {run.prompts_per_iteration} prompts x {run.group_size} samples |",
+        f"| sampler | {sampler.steps} steps, SDE window {sampler.sde_window_size}, kernel {sampler.kernel} |",
+        f"| LoRA | rank {cfg.model.lora_rank}, alpha {cfg.model.lora_alpha}; lr {cfg.optim.lr:g} |",
+        "",
+        "## Held-out reward",
+        "",
+        *held_out(evaluations),
+        "",
+    ]
+    if samples:
+        lines += ["## Samples", "", f"![held-out samples after training]({SAMPLES})", ""]
+    lines += [
+        "## Use",
+        "",
+        "```python",
+        "import torch",
+        f"from diffusers import {'FluxPipeline' if flux else 'StableDiffusion3Pipeline'} as Pipeline",
+        "",
+        f'pipe = Pipeline.from_pretrained("{base}", torch_dtype=torch.bfloat16)',
+        'pipe.load_lora_weights("path/to/this/folder")  # or the hub repository it was pushed to',
+        "```",
+        "",
+        "## Made by",
+        "",
+        "```bash",
+        f"stepgrpo train --config {CONFIG} --run-id {run_id}",
+        "```",
+        "",
+        f"`{CONFIG}` (beside this card) is the run's resolved config, every field set.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def held_out(evaluations: list[Mapping[str, Any]]) -> list[str]:
+    """The base and final held-out reward, and the paired gain with its 95 % interval."""
+    if not evaluations:
+        return ["Not evaluated."]
+    first, last = evaluations[0], evaluations[-1]
+    where = f"{first.get('prompts')} held-out prompts x {first.get('seeds')} seeds, `{first.get('reward_name')}`"
+    out = [f"On {where}: base {first['reward_mean']:.4f}, after training {last['reward_mean']:.4f}."]
+    gain = paired_gain(first, last) if len(evaluations) > 1 else None
+    if gain is not None:
+        mean, low, high = gain
+        out += ["", f"Paired gain **{mean:+.4f}** (95 % interval [{low:+.4f}, {high:+.4f}], clustered by prompt)."]
+    return out
+
+
+def write_card(folder: Path, cfg: Config, run_id: str, evaluations: list[Mapping[str, Any]], grid: Path | None) -> None:
+    """The card, the sample grid and the config into an export folder (files anyone can read)."""
+    from stepgrpo.storage.publish import write_file_atomic
+
+    if grid is not None and grid.is_file():
+        write_file_atomic(folder / SAMPLES, grid.read_bytes())
+    write_file_atomic(folder / CONFIG, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False).encode())
+    card = model_card(cfg, run_id, evaluations, samples=grid is not None and grid.is_file())
+    write_file_atomic(folder / CARD, card.encode())
+
+
+def refresh_export(run: Any, stored_cfg: Config) -> Path:
+    """Write the card, samples and config of a finished run's export again from what the run stored
+    (its evaluations under `eval/`), and seal the folder again; returns the folder."""
+    from stepgrpo.storage.publish import read_json
+
+    name = next((n for n in run.EXPORTS if (Path(run.path) / n).is_dir()), None)
+    if name is None:
+        raise FileNotFoundError(
+            f"run {run.run_id} has no exported weights (lora/ or transformer/): a run exports them when its "
+            "last iteration finishes; resume it with `stepgrpo train ... --run-id` to finish it"
+        )
+    folder = run.inside(Path(run.path) / name)
+    evals = Path(run.path) / run.EVAL_DIR
+    order = sorted(evals.glob("iter_*.json"), key=lambda p: int(p.stem.removeprefix("iter_")))
+    records = [read_json(p, "evaluation record") for p in [evals / "base.json", *order] if p.is_file()]
+    grid = Path(run.path) / records[-1]["grid"] if records else None
+    write_card(folder, stored_cfg, run.run_id, records, grid)
+    run.seal_export(name)
+    return folder
+
+
+def push_to_hub(folder: Path, repo_id: str, private: bool, message: str) -> str:
+    """Upload an export folder (its own seal left out) to the hub model repository `repo_id`,
+    made if missing; returns the repository's URL. Errors name the fix (login, offline mode)."""
+    from huggingface_hub import HfApi, is_offline_mode
+
+    if is_offline_mode():
+        raise RuntimeError("--push-to-hub: HF_HUB_OFFLINE is set; unset it to reach the hub")
+    api = HfApi()
+    try:
+        url = api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
+        api.upload_folder(
+            repo_id=repo_id, folder_path=str(folder), ignore_patterns=["_export.json", ".*"], commit_message=message
+        )
+    except Exception as err:
+        raise RuntimeError(
+            f"--push-to-hub {repo_id}: {type(err).__name__}: {err} (log in with `hf auth login` or set HF_TOKEN "
+            "with write access; the repository id is owner/name)"
+        ) from None
+    return str(url)
