@@ -27,6 +27,29 @@ def config_of(config: Config | Mapping[str, Any] | str | Path | None, overrides:
 # Prefect start its temporary server (in this process's group; it lives as long as the process).
 OWN_TEMPORARY_SERVER = False
 
+# Whether Prefect's console handlers drop its error records (a failed task's and flow's tracebacks,
+# ~130 lines over the live bar): the CLI prints a failure as one line instead, and the Prefect UI
+# keeps them. Set by the console script unless it runs with --verbose.
+QUIET_FAILURES = False
+
+
+class _NoErrors:
+    """A logging filter: records below ERROR only."""
+
+    @staticmethod
+    def filter(record: Any) -> bool:
+        return record.levelno < 40  # logging.ERROR
+
+
+def quiet_failures() -> None:
+    """Prefect's console handlers (imported by now) drop its error records; other lines still show."""
+    import logging
+
+    for name in ("prefect", "prefect.flow_runs", "prefect.task_runs"):
+        for handler in logging.getLogger(name).handlers:
+            if isinstance(handler, logging.StreamHandler) and _NoErrors not in map(type, handler.filters):
+                handler.addFilter(_NoErrors())
+
 
 # Prefect's own names for the flow-run heartbeat interval; a user who sets one keeps heartbeats everywhere
 HEARTBEAT_VARIABLES = ("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "PREFECT_RUNNER_HEARTBEAT_FREQUENCY")
@@ -58,6 +81,8 @@ def prefect_server(heartbeats: bool = True) -> Iterator[None]:
             updates[PREFECT_FLOWS_HEARTBEAT_FREQUENCY] = None
         if updates:
             stack.enter_context(temporary_settings(updates=updates))
+        if QUIET_FAILURES:
+            quiet_failures()
         yield
 
 

@@ -129,11 +129,8 @@ def _command(fn: Any, *args: Any, **kwargs: Any) -> Any:
     from stepgrpo.reporting.live import VERBOSE_ENV
     from stepgrpo.runtime import reaper
 
-    if os.environ.get(VERBOSE_ENV) != "1":
-        # Prefect's console lines (its run lines, a failure's tracebacks) stay in its UI and logs; a
-        # failure reaches the console as one line (`_failed`). Set before Prefect is imported.
-        for handler in ("CONSOLE", "CONSOLE_FLOW_RUNS"):
-            os.environ.setdefault(f"PREFECT_LOGGING_HANDLERS_{handler}_LEVEL", "CRITICAL")
+    # a failure reaches the console as one line (`_failed`), not as Prefect's tracebacks
+    session.QUIET_FAILURES = os.environ.get(VERBOSE_ENV) != "1"
     reaper.start()
     signal.signal(signal.SIGTERM, _terminated)
     session.OWN_TEMPORARY_SERVER = True
@@ -179,11 +176,13 @@ def train(
 ) -> None:
     """Train: iterations of rollout -> complete -> score -> credit -> update, evaluated before and after."""
     from stepgrpo.flows import api
-    from stepgrpo.reporting.live import VERBOSE_ENV
+    from stepgrpo.reporting.live import VERBOSE_ENV, interactive
     from stepgrpo.reporting.report import print_summary
 
     if verbose:
         os.environ[VERBOSE_ENV] = "1"
+    elif interactive():  # the live bar: Prefect's run lines stay in its UI (set before Prefect is imported)
+        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
     try:
         out = _command(api.train, config, overrides=set_ or [], run_dir=run_dir, run_id=run_id)
     except api.Interrupted as stopped:

@@ -1311,44 +1311,6 @@ def test_rescore_finds_the_completions_of_a_substeps_run(trained, tmp_path):
     check_rescorable(Run.open(copy), "substeps:5", [0])  # raised "completion method 'substeps:5' must match"
 
 
-def test_the_readme_commands_run_in_order(harness, tiny, tmp_path, monkeypatch):
-    """The README's "Using it" commands, as written, at tiny settings (its train gets `--set`s)."""
-    import shlex
-    import shutil
-
-    from typer.testing import CliRunner
-
-    from stepgrpo_cli import app
-
-    repo = Path(__file__).resolve().parents[1]
-    shutil.copytree(repo / "configs", tmp_path / "configs")
-    monkeypatch.chdir(tmp_path)
-    text = (repo / "README.md").read_text()
-    block = text[text.index("## Using it") :].split("```bash", 1)[1].split("```", 1)[0]
-    commands = [shlex.split(line.split("#", 1)[0]) for line in block.splitlines() if line.startswith(".venv/bin")]
-    assert [c[1] for c in commands] == [
-        "--help",
-        "train",
-        "inspect",
-        "rescore",
-        "credit",
-        "credit-quality",
-        "credit-quality",
-        "inspect",
-    ]
-    small = [o for o in tiny if not o.startswith(("reward.", "credit."))] + ["run.iterations=1", "run.eval_prompts=2"]
-    # Prefect's console handler keeps the stream it was made with: make it now, on the real stderr,
-    # not inside the first CliRunner (whose captured stream is closed when that command returns)
-    from prefect.logging.configuration import setup_logging
-
-    setup_logging()
-    for args in commands:
-        args = args[1:] + ([a for o in small for a in ("--set", o)] if args[1] == "train" else [])
-        args += ["--continuations", "2"] if args[0] == "credit-quality" else []  # tiny settings
-        result = CliRunner().invoke(app, args)
-        assert result.exit_code == 0, (args, result.output)
-
-
 def test_the_exported_lora_is_readable_carries_a_model_card_and_pushes_to_the_hub(trained, tmp_path, monkeypatch):
     """`lora/` as a colleague gets it: every file readable by others (as `save_pretrained` writes
     them), a hub model card (base model, scheme, reward, iterations, the held-out gain with its
