@@ -34,20 +34,18 @@ QUIET_FAILURES = False
 
 
 class _NoErrors:
-    """A logging filter: Prefect's records below ERROR, and every other logger's records."""
+    """A logging filter: records below ERROR only."""
 
     @staticmethod
     def filter(record: Any) -> bool:
-        return record.levelno < 40 or not record.name.startswith("prefect")  # 40: logging.ERROR
+        return record.levelno < 40  # logging.ERROR
 
 
 def quiet_failures() -> None:
-    """Prefect's console handlers drop its error records; other lines still show."""
+    """Prefect's console handlers (imported by now) drop its error records; other lines still show."""
     import logging
 
-    import prefect.main  # noqa: F401  (sets up Prefect's logging handlers, once per process)
-
-    for name in ("", "prefect", "prefect.flow_runs", "prefect.task_runs"):  # the root's: Prefect's console handler
+    for name in ("prefect", "prefect.flow_runs", "prefect.task_runs"):
         for handler in logging.getLogger(name).handlers:
             if isinstance(handler, logging.StreamHandler) and _NoErrors not in map(type, handler.filters):
                 handler.addFilter(_NoErrors())
