@@ -105,6 +105,10 @@ def train(
             out = session.owned_run(path, train_flow, config=cfg, run_dir=str(path))
     except KeyboardInterrupt as err:
         raise Interrupted(path) from err
+    except Exception as err:  # Prefect, interrupted mid-way through a task's setup, may raise its own error instead
+        if session.INTERRUPTED:
+            raise Interrupted(path) from err
+        raise
     return TrainResult(
         run_id=out["run_id"],
         run_dir=Path(out["run_dir"]),

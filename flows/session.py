@@ -27,6 +27,10 @@ def config_of(config: Config | Mapping[str, Any] | str | Path | None, overrides:
 # Prefect start its temporary server (in this process's group; it lives as long as the process).
 OWN_TEMPORARY_SERVER = False
 
+# Set by the console script's SIGINT / SIGTERM handler: the run was interrupted, whatever error
+# the interrupt surfaced as (`api.train` then raises `Interrupted`, the resume command's cue).
+INTERRUPTED = False
+
 # Whether Prefect's console handlers drop its error records (a failed task's and flow's tracebacks,
 # ~130 lines over the live bar): the CLI prints a failure as one line instead, and the Prefect UI
 # keeps them. Set by the console script unless it runs with --verbose.
@@ -34,18 +38,20 @@ QUIET_FAILURES = False
 
 
 class _NoErrors:
-    """A logging filter: records below ERROR only."""
+    """A logging filter: Prefect's records below ERROR, and every other logger's records."""
 
     @staticmethod
     def filter(record: Any) -> bool:
-        return record.levelno < 40  # logging.ERROR
+        return record.levelno < 40 or not record.name.startswith("prefect")  # 40: logging.ERROR
 
 
 def quiet_failures() -> None:
-    """Prefect's console handlers (imported by now) drop its error records; other lines still show."""
+    """Prefect's console handlers drop its error records; other lines still show."""
     import logging
 
-    for name in ("prefect", "prefect.flow_runs", "prefect.task_runs"):
+    import prefect.main  # noqa: F401  (sets up Prefect's logging handlers, once per process)
+
+    for name in ("", "prefect", "prefect.flow_runs", "prefect.task_runs"):  # the root's: Prefect's console handler
         for handler in logging.getLogger(name).handlers:
             if isinstance(handler, logging.StreamHandler) and _NoErrors not in map(type, handler.filters):
                 handler.addFilter(_NoErrors())

@@ -133,6 +133,8 @@ def _command(fn: Any, *args: Any, **kwargs: Any) -> Any:
     session.QUIET_FAILURES = os.environ.get(VERBOSE_ENV) != "1"
     reaper.start()
     signal.signal(signal.SIGTERM, _terminated)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where the shell ignores it
+        signal.signal(signal.SIGINT, _terminated)
     session.OWN_TEMPORARY_SERVER = True
     return _run(fn, *args, **kwargs)
 
@@ -160,6 +162,10 @@ def _resume_command(path: Path) -> str:
 
 
 def _terminated(signum: int, frame: Any) -> None:
+    """SIGINT (Ctrl-C) and SIGTERM: noted (`session.INTERRUPTED`), then a KeyboardInterrupt."""
+    from stepgrpo.flows import session
+
+    session.INTERRUPTED = True
     raise KeyboardInterrupt(f"signal {signum}")
 
 

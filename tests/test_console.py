@@ -151,3 +151,35 @@ def test_ctrl_c_prints_the_command_that_resumes_and_it_resumes(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resuming run interrupted at iteration " in again.stdout + again.stderr
     assert (tmp_path / "runs" / "interrupted" / "checkpoints" / "iter_11" / "_published.json").is_file()
+
+
+@pytest.mark.slow
+def test_a_failure_inside_the_flow_is_one_line_and_verbose_shows_the_traceback(tmp_path):
+    """A reward that raises mid-run: the command exits 1 with one line naming the error and how to
+    see the traceback; Prefect's own tracebacks stay off the console. `--verbose`: they show."""
+    from stepgrpo.shapes.model import build_pipeline, tiny_spec
+
+    model = tmp_path / "tiny-sd3"
+    build_pipeline(tiny_spec(), seed=0).save_pretrained(str(model))
+    (tmp_path / "boom.py").write_text(
+        "from stepgrpo.plugins import reward\n\n\n"
+        "@reward(version='1')\n"
+        "class Boom:\n"
+        "    def __call__(self, images, prompts, metadata):\n"
+        "        raise RuntimeError('the reward model ran out of memory')\n"
+    )
+    sets = [f"model.path={model}", "model.lora_rank=4", "sampler.steps=4", "sampler.eval_steps=4"]
+    sets += ["reward.name=boom:Boom", "run.iterations=1", "run.prompts_per_iteration=2", "run.group_size=2"]
+    sets += ["run.eval_prompts=2", f"run.runs_root={tmp_path / 'runs'}", "scale.stage_retries=0"]
+    args = [sys.executable, "-m", "stepgrpo_cli", "train", *[a for s in sets for a in ("--set", s)]]
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), PREFECT_HOME=str(tmp_path / "prefect"))
+    env.pop("PREFECT_API_URL", None)
+    quiet = subprocess.run([*args, "--run-id", "quiet"], env=env, capture_output=True, text=True, timeout=300)
+    said = quiet.stdout + quiet.stderr
+    assert quiet.returncode == 1, said[-3000:]
+    assert "RuntimeError: the reward model ran out of memory" in said and "--verbose" in said
+    assert "Traceback" not in said, said[-3000:]
+    loud = subprocess.run(
+        [*args, "--run-id", "loud", "--verbose"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert loud.returncode == 1 and "Traceback" in loud.stdout + loud.stderr

@@ -116,3 +116,27 @@ def test_a_checkout_that_is_not_installed_maps_the_same_names(tmp_path):
     )
     flows, storage, mapped = run_python(code, tmp_path).split()
     assert (flows, storage, mapped) == (str(REPO / "flows" / "train.py"), str(REPO / "storage" / "run.py"), "True")
+
+
+def test_without_verbose_prefect_console_drops_error_records_only():
+    """The console script's `quiet_failures`: Prefect's console handlers pass a flow's own lines
+    (INFO, WARNING) and drop its error records, a failure's tracebacks (the CLI prints one line)."""
+    import logging
+
+    import prefect  # noqa: F401  (sets up its handlers)
+
+    from stepgrpo.flows import session
+
+    session.quiet_failures()
+    session.quiet_failures()  # once is enough: no second filter
+    handlers = [h for h in logging.getLogger().handlers if type(h).__name__ == "PrefectConsoleHandler"]
+    assert handlers
+    for handler in handlers:
+        assert len([f for f in handler.filters if type(f).__name__ == "_NoErrors"]) == 1
+        record = logging.LogRecord("prefect.flow_runs", logging.INFO, __file__, 1, "resuming run", None, None)
+        assert handler.filter(record)
+        record.levelno = logging.ERROR
+        assert not handler.filter(record)
+        record.name = "mine"  # another logger's error still shows
+        assert handler.filter(record)
+        handler.filters = [f for f in handler.filters if type(f).__name__ != "_NoErrors"]  # as it was
