@@ -14,7 +14,7 @@ from stepgrpo.config import Config
 from stepgrpo.reporting import report
 from stepgrpo.reporting.live import TrainingView
 from stepgrpo.reporting.metrics import BY_NFE, eval_metrics, iteration_cost, iteration_metrics, iteration_row
-from stepgrpo.reporting.tracking import Tracker, comparison_tags, experiment_name
+from stepgrpo.reporting.tracking import comparison_tags, experiment_name, start_tracker
 from stepgrpo.results import (
     CompleteResult,
     CreditResult,
@@ -95,9 +95,9 @@ class TrainingLog:
         from prefect.artifacts import create_progress_artifact
 
         where = str(self.run.path)
-        self.tracker = Tracker.start(
+        self.tracker = start_tracker(
+            self.cfg,
             self.run.path,
-            experiment_name(),
             self.run.run_id,
             {"run_dir": where, "run_id": self.run.run_id, **comparison_tags(self.cfg)},
         )
@@ -140,7 +140,7 @@ class TrainingLog:
         self.tracker.log_metrics(eval_metrics(ev) | cost, step=step)
         # the same held-out reward with the cumulative training NFEs as its step: MLflow's default
         # x-axis (step) then compares runs of any scheme at equal compute, with no chart settings
-        self.tracker.log_metrics({BY_NFE: ev.reward_mean}, step=int(self.cost[0]))
+        self.tracker.log_by_compute(BY_NFE, ev.reward_mean, self.cost[0], step)
         with Image.open(self.evaluations[-1]["grid"]) as grid:
             self.tracker.log_image(preview(grid).convert("RGB"), key="eval", step=step)
 

@@ -468,6 +468,16 @@ class ScaleConfig(_Section):
     else 0. Below 1 (and `gpus_per_shard` below 1) a rank and a shard share a GPU."""
 
 
+class TrackingConfig(_Section):
+    backend: Literal["mlflow", "wandb"] = "mlflow"
+    """Where training runs are tracked: `mlflow` (a SQLite store under the runs root, or
+    `MLFLOW_TRACKING_URI`'s) or `wandb` (Weights & Biases: `pip install 'stepgrpo[wandb]'`, log in
+    with `wandb login`, or `WANDB_MODE=offline`). The offline commands (`rescore`, `credit`,
+    `evaluate`) log to MLflow either way."""
+    project: str | None = None
+    """The W&B project; null: the MLflow experiment's name (`STEPGRPO_EXPERIMENT`, default stepgrpo)."""
+
+
 class Config(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     """The policy: the model to fine-tune, its dtype and device, CFG and the LoRA."""
@@ -491,6 +501,8 @@ class Config(_Section):
     """What the run directory keeps, and for how long."""
     scale: ScaleConfig = Field(default_factory=ScaleConfig)
     """Where the stages run: in this process or on Ray workers; threads; retries."""
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    """Where the training run's metrics, images and LoRA are tracked: MLflow or W&B."""
 
     @model_validator(mode="after")
     def _steps_in_grid(self) -> Config:

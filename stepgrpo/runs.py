@@ -209,9 +209,9 @@ LENGTH_FIELDS = ("run.iterations", "run.eval_every")
 
 
 def resumable_change(field: str) -> bool:
-    """Whether a run may resume with `field` changed: where stages run (`scale`), retention, or its
-    length and evaluation cadence."""
-    return field.split(".")[0] == "scale" or field in RETENTION_FIELDS or field in LENGTH_FIELDS
+    """Whether a run may resume with `field` changed: where stages run (`scale`) or are tracked
+    (`tracking`), retention, or its length and evaluation cadence."""
+    return field.split(".")[0] in ("scale", "tracking") or field in RETENTION_FIELDS or field in LENGTH_FIELDS
 
 
 def retention_plan(run: Run, storage: Any) -> list[tuple[int, str]]:

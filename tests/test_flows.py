@@ -1362,3 +1362,58 @@ def test_the_exported_lora_is_readable_carries_a_model_card_and_pushes_to_the_hu
     hub = tmp_path / "hub" / "me" / "tiny-lora"
     assert sorted(p.name for p in hub.iterdir()) == sorted(names - {"_export.json"})
     assert Run.open(run_dir).verify_all() == []  # the export's seal still holds
+
+
+def wandb_records(path: Path) -> list:
+    """The records of an offline W&B run file (`run-<id>.wandb`): a 7-byte W&B header, then
+    LevelDB's log format (32 KiB blocks; each piece: crc32c 4, length 2, type 1 (full, first,
+    middle, last)), each record a `wandb_internal_pb2.Record`."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, pos, block, pending, records = path.read_bytes(), 7, 32768, b"", []
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        piece, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        pending = piece if kind in (1, 2) else pending + piece
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+    return records
+
+
+def test_a_run_tracked_with_wandb_logs_its_metrics_by_compute_offline(harness, tiny, tmp_path, monkeypatch):
+    """`tracking.backend: wandb` (W&B offline, as without an account): the training run's metrics,
+    its held-out reward against cumulative NFEs (W&B's own x-axis), its recipe tags and its config
+    go to a W&B run under the runs root, never into the run directory; MLflow gets no run."""
+    import json
+
+    from stepgrpo.flows.train import train
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    root = tmp_path / "runs"
+    sets = [*tiny, "run.iterations=1", "run.eval_prompts=2", "tracking.backend=wandb", "tracking.project=p"]
+    out = train(overrides=sets, run_dir=str(root / "wb"))
+    (folder,) = (root / "wandb").glob("offline-run-*")
+    assert out["tracking_uri"] == str(folder)
+    records = wandb_records(next(folder.glob("run-*.wandb")))
+    rows = [
+        {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}  # "a/b": nested
+        for r in records
+        if r.HasField("history")
+    ]
+    evals = [e["reward_mean"] for e in out["evaluations"]]
+    by_nfe = [(row["heldout/nfe_total"], row["heldout/reward_by_nfe"]) for row in rows]
+    assert [r for _, r in by_nfe] == pytest.approx(evals) and by_nfe[0][0] == 0 < by_nfe[1][0]
+    assert "reward/mean" in rows[0] and "eval/mean" in rows[1]
+    (run,) = [r.run for r in records if r.HasField("run")]
+    assert {"scheme:stepwise", "reward:jpeg_compressibility", "completion:remaining"} <= set(run.tags)
+    config = {u.key for r in records if r.HasField("config") for u in r.config.update}
+    assert {"credit.scheme", "optim.lr", "stepgrpo.torch_threads"} <= config
+    assert not (root / "mlflow.db").exists()
+    assert not [p for p in (root / "wb").rglob("*") if "wandb" in p.name]

@@ -184,8 +184,12 @@ def print_summary(run_dir: Path, tracking_uri: str, evals: Sequence[Mapping[str,
     if len(evals) > 1 and (line := gain_line(evals[0], evals[-1])) is not None:
         print(line, file=out)
     print(f"run directory: {run_dir}", file=out)
-    print(f"MLflow store:  {tracking_uri}", file=out)
-    print(f"MLflow UI:     {_ui_hint(run_dir, tracking_uri)}", file=out)
+    if "wandb" in tracking_uri:  # tracking.backend: wandb (its URL, or an offline run's folder)
+        sync = "" if tracking_uri.startswith("http") else f" (offline: `wandb sync {tracking_uri}` uploads it)"
+        print(f"W&B run:       {tracking_uri}{sync}", file=out)
+    else:
+        print(f"MLflow store:  {tracking_uri}", file=out)
+        print(f"MLflow UI:     {_ui_hint(run_dir, tracking_uri)}", file=out)
     print(f"images:        {run_dir / 'eval'}", file=out)
 
 

@@ -56,6 +56,7 @@ def experiment_name() -> str:
 def comparison_tags(cfg: Any) -> dict[str, str]:
     """The tags that tell runs of one experiment apart in MLflow's charts and run table (group or
     colour by them); the same values are also among the run's params (`Config.flat`)."""
+    window = cfg.sampler.window()  # the SDE window [start, end)
     return {
         "stepgrpo.config": cfg.run.name,
         "stepgrpo.scheme": cfg.credit.scheme,
@@ -64,7 +65,7 @@ def comparison_tags(cfg: Any) -> dict[str, str]:
         # the recipe in one value, to group or colour runs by: scheme @ completion, window / steps, lr
         "stepgrpo.recipe": (
             f"{cfg.credit.scheme}@{cfg.completion.method or 'final'} "
-            f"W{cfg.sampler.sde_window_size}/T{cfg.sampler.steps} lr{cfg.optim.lr:g}"
+            f"W{window[1] - window[0]}/T{cfg.sampler.steps} lr{cfg.optim.lr:g}"
         ),
     }
 
@@ -287,6 +288,11 @@ class Tracker:
             self._logged[key] = {m.step for m in history}
         return self._logged[key]
 
+    def log_by_compute(self, key: str, value: float, compute: float, step: int) -> None:
+        """`key` against `compute` (cumulative training NFEs): logged at step = int(compute), so
+        MLflow's default x-axis (step) compares runs at equal compute with no chart setting."""
+        self.log_metrics({key: value}, step=int(compute))
+
     def log_image(self, image: Image.Image, key: str, step: int) -> None:
         """An image at `step`: MLflow's image history of `key` (the UI shows it with a step slider);
         a step a resumed run logged before is not logged again."""
@@ -315,6 +321,16 @@ class Tracker:
     def set_tags(self, tags: Mapping[str, str]) -> None:
         for k, v in tags.items():
             self.client.set_tag(self.run_id, k, str(v))
+
+
+def start_tracker(cfg: Any, run_dir: str | Path, run_name: str, tags: Mapping[str, str]) -> Any:
+    """The training run's tracker for `cfg.tracking.backend`: MLflow's `Tracker`, or W&B's
+    (`stepgrpo.reporting.wandb_tracker`), which take the same calls."""
+    if cfg.tracking.backend == "wandb":
+        from stepgrpo.reporting.wandb_tracker import WandbTracker
+
+        return WandbTracker.start(run_dir, cfg.tracking.project or experiment_name(), run_name, tags)
+    return Tracker.start(run_dir, experiment_name(), run_name, tags)
 
 
 def find_mlflow_run(run_dir: str | Path, run_id: str | None = None) -> tuple[Any, Any]:

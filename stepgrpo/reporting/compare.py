@@ -1,0 +1,76 @@
+"""Runs side by side at equal compute: each evaluation's held-out reward against the transformer
+NFEs the run had spent on training before it (`stepgrpo compare RUN...`), read from the stored
+runs alone (evaluation records, stage manifests), so runs of any scheme, tracked anywhere or
+nowhere, compare the same way. The chart colours runs by scheme @ completion."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from stepgrpo.reporting.costs import iteration_costs
+from stepgrpo.reporting.report import paired_gain
+from stepgrpo.storage.publish import read_json
+from stepgrpo.storage.run import Run
+
+
+def curve(run: Run) -> dict[str, Any]:
+    """`{run_id, recipe, points: [{label, nfe, seconds, reward_mean}], gain}`: the base evaluation
+    at 0 NFEs, each later one at the cumulative NFEs of the iterations before it."""
+    cfg = run.config
+    method = (cfg.get("completion") or {}).get("method")
+    recipe = f"{(cfg.get('credit') or {}).get('scheme', '?')}@{method or 'final'}"
+    spent, nfe, seconds = {}, 0, 0.0
+    for row in iteration_costs(run):
+        nfe, seconds = nfe + row["nfe"], seconds + row["seconds"]
+        spent[row["iteration"]] = (nfe, seconds)
+    evals = Path(run.path) / run.EVAL_DIR
+    records = []
+    if (evals / "base.json").is_file():
+        records.append((read_json(evals / "base.json", "evaluation record"), (0, 0.0)))
+    for path in sorted(evals.glob("iter_*.json"), key=lambda p: int(p.stem.removeprefix("iter_"))):
+        i = int(path.stem.removeprefix("iter_"))
+        if i in spent:
+            records.append((read_json(path, "evaluation record"), spent[i]))
+    points = [
+        {"label": r["label"], "nfe": n, "seconds": round(s, 3), "reward_mean": r["reward_mean"]}
+        for r, (n, s) in records
+    ]
+    gain = paired_gain(records[0][0], records[-1][0]) if len(records) > 1 else None
+    return {"run_id": run.run_id, "recipe": recipe, "points": points, "gain": gain}
+
+
+def compare(runs: Sequence[Run]) -> list[dict[str, Any]]:
+    return [curve(run) for run in runs]
+
+
+def chart(curves: list[dict[str, Any]], out: Path, reward: str) -> Path:
+    """The held-out reward against cumulative training NFEs, one line a run, a colour a recipe."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError("--out needs matplotlib: pip install 'stepgrpo[plots]'") from None
+    recipes = sorted({c["recipe"] for c in curves})
+    colours = {r: plt.get_cmap("tab10")(i % 10) for i, r in enumerate(recipes)}
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    seen = set()
+    for c in curves:
+        xs = [p["nfe"] for p in c["points"]]
+        ys = [p["reward_mean"] for p in c["points"]]
+        label = c["recipe"] if c["recipe"] not in seen else None
+        seen.add(c["recipe"])
+        ax.plot(xs, ys, marker="o", ms=3, color=colours[c["recipe"]], label=label, alpha=0.85)
+    ax.set_xlabel("transformer NFEs spent on training (cumulative)")
+    ax.set_ylabel(f"held-out reward ({reward})")
+    ax.set_title("held-out reward at equal compute")
+    ax.grid(alpha=0.3)
+    ax.legend(title="scheme @ completion", fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out

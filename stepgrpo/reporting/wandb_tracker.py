@@ -1,0 +1,103 @@
+"""Weights & Biases as the training run's tracker (`tracking.backend: wandb`), with the same calls
+as the MLflow `Tracker` (`stepgrpo.reporting.tracking`), so `TrainingLog` logs either.
+
+One W&B run per stepgrpo run, in project `tracking.project` (default: the MLflow experiment's
+name), named after the run id; its W&B id is derived from the run directory, so a resumed run
+goes on logging into the same W&B run (`resume="allow"`). W&B's local files go under the runs
+root (`<runs_root>/wandb/`), never into the run directory, which holds data only. Offline use is
+W&B's own: `WANDB_MODE=offline` (then `wandb sync` uploads), as the tests run it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+
+COMPUTE_AXIS = "heldout/nfe_total"  # the x-axis of the by-compute series (`log_by_compute`)
+
+
+class WandbTracker:
+    """The W&B run of one stepgrpo run; a context manager that finishes it (exit code 1 on failure)."""
+
+    def __init__(self, run: Any, resumed: bool) -> None:
+        self.run = run
+        self.resumed = resumed
+        self.uri = run.url or str(Path(run.dir).parent)  # offline: the run's local folder
+        # W&B's steps only go forward: a resumed run skips what it logged before (a cached stage
+        # reports the same numbers again), and nothing goes below the last step logged
+        self._next = int(run.step) if resumed else 0
+
+    @classmethod
+    def start(
+        cls, run_dir: str | Path, project: str, run_name: str, tags: Mapping[str, str] | None = None
+    ) -> WandbTracker:
+        try:
+            import wandb
+        except ImportError:
+            raise RuntimeError(
+                "tracking.backend wandb needs the wandb package: pip install 'stepgrpo[wandb]' (or set "
+                "tracking.backend: mlflow)"
+            ) from None
+        run_dir = Path(run_dir).resolve()
+        where = run_dir.parent / "wandb"
+        where.mkdir(parents=True, exist_ok=True)
+        run_id = f"{run_name[:40]}-{hashlib.sha256(str(run_dir).encode()).hexdigest()[:8]}"
+        # W&B tags are short labels (64 characters): the comparison tags; the rest goes to the config
+        labels = [
+            f"{k.removeprefix('stepgrpo.')}:{v}"[:64] for k, v in (tags or {}).items() if k.startswith("stepgrpo.")
+        ]
+        run = wandb.init(
+            project=project,
+            name=run_name,
+            id=run_id,
+            resume="allow",
+            dir=str(where.parent),  # W&B writes <dir>/wandb/
+            tags=labels,
+            config={k: str(v) for k, v in (tags or {}).items()} | {"run_dir": str(run_dir)},
+            settings=wandb.Settings(silent=True, console="off"),
+        )
+        run.define_metric(COMPUTE_AXIS)
+        return cls(run, resumed=bool(run.resumed))
+
+    def __enter__(self) -> WandbTracker:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.run.finish(exit_code=0 if exc_type is None else 1)
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        self.run.config.update(dict(params), allow_val_change=True)
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        self.run.config.update({k: str(v) for k, v in tags.items()}, allow_val_change=True)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        """Finite scalars at `step` (see `__init__` for the steps that are skipped)."""
+        rows = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and math.isfinite(float(v))}
+        if rows and step >= self._next:
+            self.run.log(rows, step=step)
+            self._next = step
+
+    def log_by_compute(self, key: str, value: float, compute: float, step: int) -> None:
+        """`key` plotted against `compute` (cumulative training NFEs) as its own x-axis."""
+        self.run.define_metric(key, step_metric=COMPUTE_AXIS)
+        self.log_metrics({key: value, COMPUTE_AXIS: compute}, step)
+
+    def log_image(self, image: Image.Image, key: str, step: int) -> None:
+        import wandb
+
+        if step >= self._next:
+            self.run.log({key: wandb.Image(image)}, step=step)
+            self._next = step
+
+    def log_dir(self, local_dir: str | Path, artifact_path: str) -> None:
+        import wandb
+
+        artifact = wandb.Artifact(f"{self.run.name}-{artifact_path}", type="model")
+        artifact.add_dir(str(local_dir))
+        self.run.log_artifact(artifact)
