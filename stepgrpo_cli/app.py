@@ -669,6 +669,55 @@ def _prune(run: str, keep: str | None, keep_last: int | None, every: int | None,
 
 
 @app.command()
+def compare(
+    runs: Annotated[list[str], typer.Argument(help="Run directories or run ids under runs/.")],
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Write the chart here (PNG; needs matplotlib: stepgrpo[plots]).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the curves as JSON.")] = False,
+) -> None:
+    """RUNS at equal compute: each evaluation's held-out reward against the training NFEs spent
+    before it, one row a run (scheme @ completion, NFEs, base and last reward, paired gain); with
+    --out, the chart, a colour a recipe."""
+    _run(_compare, runs, out, as_json)
+
+
+def _compare(runs: list[str], out: Path | None, as_json: bool) -> None:
+    import json
+
+    from rich.table import Table
+
+    from stepgrpo.reporting.compare import chart, compare
+    from stepgrpo.storage.run import Run, find_run
+
+    opened = [Run.open(find_run(r)) for r in runs]
+    curves = compare(opened)
+    if as_json:
+        console.print_json(json.dumps(curves))
+    else:
+        table = Table("run", "scheme @ completion", "NFEs", "held-out: base", "last", "paired gain [95 %]")
+        for c in curves:
+            first, last = c["points"][0], c["points"][-1]
+            gain = "" if c["gain"] is None else "{:+.4f} [{:+.4f}, {:+.4f}]".format(*c["gain"])
+            table.add_row(
+                c["run_id"],
+                c["recipe"],
+                str(last["nfe"]),
+                f"{first['reward_mean']:.4f}",
+                f"{last['reward_mean']:.4f}",
+                gain,
+            )
+        console.print(table)
+    if out is not None:
+        reward = (opened[0].config.get("reward") or {}).get("name", "reward")
+        try:
+            written = chart(curves, out, reward)
+        except RuntimeError as err:
+            raise ValueError(str(err)) from None
+        console.print(f"chart: {written}", highlight=False, soft_wrap=True)
+
+
+@app.command()
 def export(
     run: RunArg,
     push_to_hub: Annotated[

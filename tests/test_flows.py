@@ -1417,3 +1417,31 @@ def test_a_run_tracked_with_wandb_logs_its_metrics_by_compute_offline(harness, t
     assert {"credit.scheme", "optim.lr", "stepgrpo.torch_threads"} <= config
     assert not (root / "mlflow.db").exists()
     assert not [p for p in (root / "wb").rglob("*") if "wandb" in p.name]
+
+
+def test_compare_puts_runs_side_by_side_at_equal_compute(trained, tmp_path):
+    """`stepgrpo compare`: each evaluation at the cumulative training NFEs before it (the base at 0),
+    read from the stored runs; the table, the JSON and the chart."""
+    import json
+
+    from PIL import Image
+    from typer.testing import CliRunner
+
+    from stepgrpo.reporting.costs import iteration_costs
+    from stepgrpo.storage.run import Run
+    from stepgrpo_cli import app
+
+    run_dir = Path(trained["run_dir"])
+    result = CliRunner().invoke(app, ["compare", str(run_dir), "--json"])
+    assert result.exit_code == 0, result.output
+    (curve,) = json.loads(result.output)
+    spent = sum(row["nfe"] for row in iteration_costs(Run.open(run_dir)))
+    assert curve["recipe"] == "stepwise@remaining"
+    assert [(p["label"], p["nfe"]) for p in curve["points"]] == [("base", 0), ("iter_1", spent)]
+    assert [p["reward_mean"] for p in curve["points"]] == [e["reward_mean"] for e in trained["evaluations"]]
+    chart = tmp_path / "compare.png"
+    result = CliRunner().invoke(
+        app, ["compare", str(run_dir), str(run_dir), "--out", str(chart)], env={"COLUMNS": "200"}
+    )
+    assert result.exit_code == 0, result.output
+    assert "stepwise@remaining" in result.output and Image.open(chart).size[0] > 400
