@@ -86,6 +86,12 @@ def test_stepgrpo_deploy_fills_the_run_form_and_the_deployed_train_runs_like_the
     with api_client() as api:
         form = json.dumps(api.read_deployment_by_name("train/tiny").parameters)  # the run form's values
     assert '"scheme": "outcome"' in form and '"iterations": 1' in form, form[:3000]
+    # the form's notes give the recipe's value first, the code's default second
+    with api_client() as api:
+        schema = api.read_deployment_by_name("train/tiny").parameter_openapi_schema
+    notes = {k: p["description"] for k, p in schema["definitions"]["RunConfig"]["properties"].items()}
+    assert notes["iterations"].endswith("configs/demo.yaml: `1` (stepgrpo's default: `2`)."), notes["iterations"]
+    assert "Default:" not in json.dumps(schema["definitions"])
     start("train/tiny", run_id="deployed")
     worker = prefect(server, "worker", "start", "--pool", "stepgrpo", "--run-once", timeout=900)
     assert (tmp_path / "deployed" / "checkpoints" / "iter_0" / "_published.json").is_file(), worker[-3000:]
