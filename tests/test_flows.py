@@ -7,6 +7,7 @@ bodies (a cached task never calls its body).
 from __future__ import annotations
 
 import collections
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -1419,7 +1420,7 @@ def test_a_run_tracked_with_wandb_logs_its_metrics_by_compute_offline(harness, t
     assert not [p for p in (root / "wb").rglob("*") if "wandb" in p.name]
 
 
-def test_compare_puts_runs_side_by_side_at_equal_compute(trained, tmp_path):
+def test_compare_puts_runs_side_by_side_at_equal_compute(trained, tmp_path, monkeypatch):
     """`stepgrpo compare`: each evaluation at the cumulative training NFEs before it (the base at 0),
     read from the stored runs; the table, the JSON and the chart."""
     import json
@@ -1440,6 +1441,10 @@ def test_compare_puts_runs_side_by_side_at_equal_compute(trained, tmp_path):
     assert [(p["label"], p["nfe"]) for p in curve["points"]] == [("base", 0), ("iter_1", spent)]
     assert [p["reward_mean"] for p in curve["points"]] == [e["reward_mean"] for e in trained["evaluations"]]
     chart = tmp_path / "compare.png"
+    from rich.console import Console
+
+    cli = importlib.import_module("stepgrpo_cli.app")  # the module (the package's `app` is the typer app)
+    monkeypatch.setattr(cli, "console", Console(width=200))  # one line a run, whatever the terminal
     result = CliRunner().invoke(
         app, ["compare", str(run_dir), str(run_dir), "--out", str(chart)], env={"COLUMNS": "200"}
     )
