@@ -12,6 +12,7 @@ from typing import Any
 
 from stepgrpo.config import Config
 from stepgrpo.reporting import report
+from stepgrpo.reporting.card import run_note
 from stepgrpo.reporting.live import TrainingView
 from stepgrpo.reporting.metrics import BY_NFE, eval_metrics, iteration_cost, iteration_metrics, iteration_row
 from stepgrpo.reporting.tracking import comparison_tags, experiment_name, start_tracker
@@ -134,6 +135,7 @@ class TrainingLog:
         from stepgrpo.images import preview
 
         self.evaluations.append(evaluation_record(self.run, ev))
+        self.tracker.set_note(run_note(self.cfg, self.evaluations, self.cost[0]))
         self.view.evaluated(ev.reward_mean)
         # the training compute spent before this evaluation, at its step: plot eval/* against these
         cost = {"eval/nfe_total": self.cost[0], "eval/seconds_total": self.cost[1]}

@@ -177,6 +177,9 @@ def test_train_runs_every_stage_and_tracks_it(trained):
     by_nfe = sorted((m.step, m.value) for m in client.get_metric_history(mlrun.info.run_id, "heldout/reward_by_nfe"))
     assert by_nfe == [(0, evals[0]), (int(hist["cost/nfe_total"][-1]), evals[-1])]
     assert mlrun.data.tags["stepgrpo.recipe"].startswith("stepwise@")
+    # the run's description at the top of its page: the recipe and the held-out reward, not 84 params
+    note = mlrun.data.tags["mlflow.note.content"]
+    assert note.startswith("**stepwise @ remaining**") and "Paired gain" in note and "NFEs" in note
     artifacts = {a.path for a in client.list_artifacts(mlrun.info.run_id)}
     assert {"lora", "images"} <= artifacts
     # the evaluation grids are an image history (one per evaluation, at its step), captioned
@@ -1412,8 +1415,9 @@ def test_a_run_tracked_with_wandb_logs_its_metrics_by_compute_offline(harness, t
     by_nfe = [(row["heldout/nfe_total"], row["heldout/reward_by_nfe"]) for row in rows]
     assert [r for _, r in by_nfe] == pytest.approx(evals) and by_nfe[0][0] == 0 < by_nfe[1][0]
     assert "reward/mean" in rows[0] and "eval/mean" in rows[1]
-    (run,) = [r.run for r in records if r.HasField("run")]
-    assert {"scheme:stepwise", "reward:jpeg_compressibility", "completion:remaining"} <= set(run.tags)
+    runs = [r.run for r in records if r.HasField("run")]  # the run, then its updates (the notes)
+    assert {"scheme:stepwise", "reward:jpeg_compressibility", "completion:remaining"} <= set(runs[0].tags)
+    assert runs[-1].notes.startswith("**stepwise @ remaining**") and "Paired gain" in runs[-1].notes
     config = {u.key for r in records if r.HasField("config") for u in r.config.update}
     assert {"credit.scheme", "optim.lr", "stepgrpo.torch_threads"} <= config
     assert not (root / "mlflow.db").exists()

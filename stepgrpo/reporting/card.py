@@ -81,6 +81,23 @@ def model_card(cfg: Config, run_id: str, evaluations: list[Mapping[str, Any]], s
     return "\n".join(lines)
 
 
+def run_note(cfg: Config, evaluations: list[Mapping[str, Any]], nfe: float) -> str:
+    """The tracked run's description (MLflow's run note, W&B's notes), a few lines in place of the
+    parameter table: the recipe, the held-out reward so far and its paired gain, the compute."""
+    window = cfg.sampler.window()
+    lines = [
+        f"**{cfg.credit.scheme} @ {cfg.completion.method or 'final'}** · reward `{cfg.reward.name}` · "
+        f"{cfg.run.iterations} iterations x {cfg.run.prompts_per_iteration * cfg.run.group_size} samples · "
+        f"SDE window {window[1] - window[0]} of {cfg.sampler.steps} steps · lr {cfg.optim.lr:g} · "
+        f"base `{cfg.model.path}`",
+        "",
+        *held_out(evaluations),
+        "",
+        f"Training compute so far: {nfe:,.0f} transformer NFEs. Every field: the params, or `config.yaml` in the LoRA.",
+    ]
+    return "\n".join(lines)
+
+
 def held_out(evaluations: list[Mapping[str, Any]]) -> list[str]:
     """The base and final held-out reward, and the paired gain with its 95 % interval."""
     if not evaluations:

@@ -322,6 +322,10 @@ class Tracker:
         for k, v in tags.items():
             self.client.set_tag(self.run_id, k, str(v))
 
+    def set_note(self, text: str) -> None:
+        """The run's description (Markdown), shown at the top of its page in the MLflow UI."""
+        self.client.set_tag(self.run_id, "mlflow.note.content", text)
+
 
 def start_tracker(cfg: Any, run_dir: str | Path, run_name: str, tags: Mapping[str, str]) -> Any:
     """The training run's tracker for `cfg.tracking.backend`: MLflow's `Tracker`, or W&B's

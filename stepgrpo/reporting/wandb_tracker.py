@@ -76,6 +76,10 @@ class WandbTracker:
     def set_tags(self, tags: Mapping[str, str]) -> None:
         self.run.config.update({k: str(v) for k, v in tags.items()}, allow_val_change=True)
 
+    def set_note(self, text: str) -> None:
+        """The run's notes (Markdown), shown in its W&B overview."""
+        self.run.notes = text
+
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """Finite scalars at `step` (see `__init__` for the steps that are skipped)."""
         rows = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and math.isfinite(float(v))}
