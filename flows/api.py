@@ -1,21 +1,10 @@
-"""The Python entry: what the `stepgrpo` commands do, as functions that return typed results.
+"""The Python entry: what the `stepgrpo` commands do, as functions that return typed results
+(the README shows them in use; `stepgrpo` hands these names on from here).
 
-    import stepgrpo
-
-    result = stepgrpo.train("shapes_dense", overrides=["run.iterations=20"], run_id="nb-1")
-    result.evaluations[-1].reward_mean               # held-out reward of the last checkpoint
-    stepgrpo.rescore("nb-1", "jpeg_compressibility")  # [ScoreResult per iteration]
-    stepgrpo.credit("nb-1", "turning_point")          # [CreditResult per iteration]
-    stepgrpo.evaluate("nb-1", iteration=-1)           # EvaluateResult of the base model
-    run = stepgrpo.open_run("nb-1")                   # the stored run, as data
-    run.tables.read_rewards().to_pandas()
-
-`stepgrpo` hands these names on from here: they sit with the flows they run, below the CLI, which
-calls them; each imports its flow when called. Each
-checks its input before any flow or server starts (the same checks and errors as the CLI), holds
-the run's lock while its flow runs, and talks to Prefect the way the CLI does: the server of
-`PREFECT_API_URL` if set, else a kept one (`stepgrpo server start`), else a temporary one that
-lives as long as the Python process.
+They sit with the flows they run, below the CLI, which calls them; each imports its flow when
+called, checks its input before any flow or server starts (the CLI's checks and errors), holds the
+run's lock while its flow runs, and talks to Prefect as the CLI does: `PREFECT_API_URL`'s server,
+else a kept one (`stepgrpo server start`), else a temporary one for the Python process.
 """
 
 from __future__ import annotations
