@@ -38,6 +38,7 @@ TINY = [
     "sampler.sde_window_size=2",
 ]
 TRAINING = {"train", "demo", "calibrate"}  # the commands that take the tiny settings
+SMALL = {"credit-quality": ["--continuations", "2"]}  # and the tiny flags of the others
 
 
 @dataclass(frozen=True)
@@ -138,11 +139,14 @@ def test_a_yaml_or_toml_block_parses_and_a_config_fragment_validates(block, tmp_
 @pytest.mark.parametrize("block", [b for b in RUN if b.language == "python"], ids=lambda b: b.name)
 def test_a_python_block_runs(block, server, tmp_path):
     """In a fresh process, from an empty directory; `stepgrpo.train` and `calibrate` calls get the
-    tiny settings appended to their `overrides`."""
+    tiny settings appended to their `overrides`, `credit_quality` two continuations a state."""
     preamble = (
         "import stepgrpo.flows.session as _s\n"
         "_config_of = _s.config_of\n"
         f"_s.config_of = lambda config, overrides: _config_of(config, [*overrides, *{TINY!r}])\n"
+        "import stepgrpo as _g\n"
+        "_quality = _g.credit_quality\n"
+        "_g.credit_quality = lambda *a, **k: _quality(*a, **{'continuations': 2, **k})\n"
     )
     script = tmp_path / "block.py"
     script.write_text(preamble + block.text + "\n")
@@ -161,12 +165,15 @@ def test_a_python_block_runs(block, server, tmp_path):
 @pytest.mark.parametrize("block", [b for b in RUN if b.language in ("bash", "sh")], ids=lambda b: b.name)
 def test_a_shell_block_runs(block, server, tmp_path):
     """Its commands in order, in one empty directory (runs/ under it), through the installed
-    console script; a training command gets the tiny settings as `--set`s."""
+    console script; a training command gets the tiny settings as `--set`s, `credit-quality` two
+    continuations a state."""
     script = Path(sys.executable).with_name("stepgrpo")
     work = checkout_like(tmp_path)
     for argv in commands(block):
         args = stepgrpo_args(argv)
         if args and args[0] in TRAINING:
             args = [*args, *[a for s in TINY for a in ("--set", s)]]
+        elif args and args[0] in SMALL:
+            args = [*args, *SMALL[args[0]]]
         done = subprocess.run([str(script), *args], cwd=work, env=server, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, f"{block.name}: {shlex.join(argv)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
