@@ -58,10 +58,11 @@ def name_flow_run(name: str) -> None:
 def log_offline(
     run: Run, cfg: Config, kind: str, label: str, params: dict[str, Any], rows: list[dict[str, Any]], metrics: list[str]
 ) -> None:
-    """What an offline flow (`rescore`, `credit`, `evaluate`) computed on a stored run, as an MLflow
-    run of its own beside the training run's (`stepgrpo.reporting.offline.write`): tagged with its
-    parent, `metrics` of each row logged at its iteration, all rows as a table artifact
-    (`<kind>.json`). Logging again under the same `label` continues the same MLflow run."""
+    """What an offline flow (`rescore`, `credit`, `evaluate`) computed on a stored run, as a tracked
+    run of its own beside the training run's, in the run's backend (MLflow:
+    `stepgrpo.reporting.offline.write`; W&B: `wandb_tracker.log_offline_record`): tagged with its
+    parent, `metrics` of each row logged at its iteration, all rows as a table. Logging again under
+    the same `label` continues the same tracked run."""
     from stepgrpo.reporting import offline
 
     record = {
@@ -73,6 +74,11 @@ def log_offline(
         "rows": rows,
         "metrics": metrics,
     }
+    if cfg.tracking.backend == "wandb":  # the training run's backend takes its offline results too
+        from stepgrpo.reporting.wandb_tracker import log_offline_record
+
+        log_offline_record(run.path, cfg.tracking.project or record["experiment"], record)
+        return
     offline.log(run.path, run.run_id, record)
 
 

@@ -473,7 +473,7 @@ class TrackingConfig(_Section):
     """Where training runs are tracked: `mlflow` (a SQLite store under the runs root, or
     `MLFLOW_TRACKING_URI`'s) or `wandb` (Weights & Biases: `pip install 'stepgrpo[wandb]'`, log in
     with `wandb login`, or `WANDB_MODE=offline`). The offline commands (`rescore`, `credit`,
-    `evaluate`) log to MLflow either way."""
+    `evaluate`) on a run log where the run was tracked."""
     project: str | None = None
     """The W&B project; null: the MLflow experiment's name (`STEPGRPO_EXPERIMENT`, default stepgrpo)."""
 

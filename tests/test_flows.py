@@ -1422,6 +1422,22 @@ def test_a_run_tracked_with_wandb_logs_its_metrics_by_compute_offline(harness, t
     assert {"credit.scheme", "optim.lr", "stepgrpo.torch_threads"} <= config
     assert not (root / "mlflow.db").exists()
     assert not [p for p in (root / "wb").rglob("*") if "wandb" in p.name]
+    # an offline command on the run logs to the run's backend: a W&B run grouped with the training run's
+    from stepgrpo.flows.rescore import rescore
+
+    scores = rescore(str(root / "wb"), "shapes", {})["scores"]
+    (other,) = [f for f in (root / "wandb").glob("offline-run-*") if f != folder]
+    records = wandb_records(next(other.glob("run-*.wandb")))
+    runs = [r.run for r in records if r.HasField("run")]
+    assert runs[0].run_group == "wb" and runs[0].job_type == "rescore" and "kind:rescore" in runs[0].tags
+    rows = [
+        {i.key or "/".join(i.nested_key): i.value_json for i in r.history.item}
+        for r in records
+        if r.HasField("history")
+    ]
+    means = [json.loads(row["reward_mean"]) for row in rows if "reward_mean" in row]
+    assert means == pytest.approx([s["reward_mean"] for s in scores])
+    assert not (root / "mlflow.db").exists()
 
 
 def test_compare_puts_runs_side_by_side_at_equal_compute(trained, tmp_path, monkeypatch):

@@ -105,3 +105,43 @@ class WandbTracker:
         artifact = wandb.Artifact(f"{self.run.name}-{artifact_path}", type="model")
         artifact.add_dir(str(local_dir))
         self.run.log_artifact(artifact)
+
+
+def log_offline_record(run_dir: str | Path, project: str, record: Mapping[str, Any]) -> str:
+    """An offline command's record (`stepgrpo.flows.progress.log_offline`) as a W&B run of its own,
+    grouped with the training run (`group`: its run id): `record["metrics"]` of each row at its
+    iteration, all rows as a W&B table. The same name again continues the same W&B run (its id is
+    derived from the run directory and the name). Returns the run's URL or offline folder."""
+    import wandb
+
+    run_dir = Path(run_dir).resolve()
+    tags = dict(record.get("tags") or {})
+    run_id = hashlib.sha256(f"{run_dir}\n{record['name']}".encode()).hexdigest()[:16]
+    run = wandb.init(
+        project=project,
+        name=record["name"],
+        id=run_id,
+        group=tags.get("stepgrpo.parent_run_id"),
+        job_type=record["kind"],
+        resume="allow",
+        dir=str(run_dir.parent),
+        tags=[f"{k.removeprefix('stepgrpo.')}:{v}"[:64] for k, v in tags.items() if k.startswith("stepgrpo.")],
+        config={**record.get("params", {}), **tags},
+        settings=wandb.Settings(silent=True, console="off"),
+    )
+    try:
+        rows = list(record.get("rows") or [])
+        start = int(run.step) if run.resumed else 0
+        for row in sorted(rows, key=lambda r: int(r.get("iteration", 0))):
+            step = int(row.get("iteration", 0))
+            values = {m: row[m] for m in record.get("metrics", []) if isinstance(row.get(m), int | float)}
+            if values and step >= start:
+                run.log(values, step=step)
+        if rows:
+            columns = sorted({k for r in rows for k in r})
+            run.log(
+                {record["kind"]: wandb.Table(columns=columns, data=[[str(r.get(c)) for c in columns] for r in rows])}
+            )
+        return run.url or str(Path(run.dir).parent)
+    finally:
+        run.finish()
