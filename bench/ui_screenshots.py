@@ -1,7 +1,9 @@
 """Screenshots of the Prefect and MLflow UIs for docs/PIPELINE.md: the typed run form of a
 deployment made by `stepgrpo deploy`, the artifacts of a training run started from it through a
 worker (its summary with the base -> trained gain), and MLflow's chart of the four credit schemes'
-held-out reward against cumulative transformer NFEs, with an evaluation image at its default size.
+held-out reward against cumulative transformer NFEs (`heldout/reward_by_nfe`, no axis to set), an
+evaluation image at its default size, a run's page with its description on top, and the model
+card of an exported LoRA as the hub renders one.
 
     python bench/ui_screenshots.py [--out docs/images] [--chromium /usr/bin/chromium] [--only prefect|mlflow]
 
@@ -153,18 +155,8 @@ def mlflow_shots(args: argparse.Namespace) -> None:
             page.goto(f"{base}/#/experiments/{exp}/runs?workflowType=machine_learning&compareRunsMode=CHART")
             page.wait_for_timeout(6000)
             close_assistant(page)
-            page.get_by_placeholder("Search metric charts").fill("eval/mean")
-            page.wait_for_timeout(2000)
-            page.locator("[data-testid='experiment-view-compare-runs-card-menu']").first.click()
-            page.get_by_role("menuitem", name="Configure").first.click()
-            page.wait_for_timeout(1500)
-            page.get_by_role("radio", name="Metric").click()  # x axis: a metric, the compute before each evaluation
-            page.get_by_role("dialog").get_by_role("combobox").first.click()
-            page.keyboard.type("eval/nfe_total")
-            page.wait_for_timeout(1000)
-            page.keyboard.press("Enter")
-            page.wait_for_timeout(1500)
-            page.get_by_role("button", name="Save changes").click()
+            # the held-out reward logged at step = cumulative training NFEs: no axis to set
+            page.get_by_placeholder("Search metric charts").fill("heldout/reward_by_nfe")
             page.wait_for_timeout(2500)
             expand(page, 0)  # the chart, full size
             page.screenshot(path=str(args.out / "mlflow-schemes-vs-nfe.png"))
@@ -184,11 +176,44 @@ def mlflow_shots(args: argparse.Namespace) -> None:
             page.wait_for_timeout(5000)
             close_assistant(page)
             page.screenshot(path=str(args.out / "mlflow-eval-image.png"))
+            # the run's page: its description (recipe, held-out reward and gain, compute) on top
+            page.goto(f"{base}/#/experiments/{exp}/runs/{run_id}?workflowType=machine_learning")
+            page.wait_for_timeout(5000)
+            close_assistant(page)
+            page.screenshot(path=str(args.out / "mlflow-run-note.png"))
+            card_shot(b, root / f"ui-{SCHEMES[-1]}" / "lora", args.out / "model-card.png")
             b.close()
     finally:
         server.terminate()
         server.wait()
     print(f"MLflow screenshots in {args.out} (runs in {root})")
+
+
+def card_shot(b, lora: Path, out: Path) -> None:
+    """The exported LoRA's model card (`lora/README.md`), rendered as the hub shows one: its YAML
+    metadata as a header, then the Markdown with the sample grid."""
+    import shutil
+
+    import markdown
+    import yaml
+
+    _, meta, body = (lora / "README.md").read_text().split("---", 2)
+    page_dir = Path(tempfile.mkdtemp(prefix="stepgrpo-card-"))
+    shutil.copy(lora / "samples.png", page_dir / "samples.png")
+    tags = " ".join(f"<span class=tag>{t}</span>" for t in yaml.safe_load(meta).get("tags", []))
+    html = markdown.markdown(body, extensions=["tables", "fenced_code"])
+    style = (
+        "body{font-family:sans-serif;max-width:900px;margin:24px auto;color:#222}"
+        ".tag{background:#eef;border-radius:4px;padding:2px 6px;margin:2px;display:inline-block;font-size:13px}"
+        "table{border-collapse:collapse}td,th{border:1px solid #ddd;padding:4px 8px}"
+        "pre{background:#f6f6f6;padding:8px}img{width:640px;image-rendering:pixelated}"
+    )
+    (page_dir / "card.html").write_text(f"<html><style>{style}</style><body><div>{tags}</div>{html}</body></html>")
+    page = b.new_page(viewport={"width": 1000, "height": 1400})
+    page.goto((page_dir / "card.html").as_uri())
+    page.wait_for_timeout(1000)
+    page.screenshot(path=str(out), full_page=True)
+    page.close()
 
 
 def api_post(base: str, path: str, body: dict) -> dict:

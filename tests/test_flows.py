@@ -1345,6 +1345,12 @@ def test_the_exported_lora_is_readable_carries_a_model_card_and_pushes_to_the_hu
         assert text in card, text
     assert "stepgrpo train --config config.yaml --run-id tiny-a" in card
     assert yaml.safe_load((lora / "config.yaml").read_text())["credit"]["scheme"] == "stepwise"
+    # the card's "Use" block, as a colleague runs it: the base model, then this LoRA
+    use = card.split("```python\n", 1)[1].split("```", 1)[0].replace("path/to/this/folder", str(lora))
+    namespace: dict = {}
+    exec(use, namespace)
+    adapters = namespace["pipe"].get_list_adapters()
+    assert adapters and any(adapters.values()), adapters
 
     pushed: dict = {}
 

@@ -40,9 +40,9 @@ def model_card(cfg: Config, run_id: str, evaluations: list[Mapping[str, Any]], s
         "",
         f"# {run_id}: a GRPO LoRA for `{base}`",
         "",
-        f"Trained with [stepgrpo](https://pypi.org/project/stepgrpo/) GRPO, credit scheme **{scheme}**.",
+        f"Trained with stepgrpo's GRPO, credit scheme **{scheme}**.",
         "",
-        "| | |",
+        "| setting | value |",
         "|---|---|",
         f"| base model | `{base}` |",
         f"| reward | `{cfg.reward.name}`{' ' + str(dict(cfg.reward.options)) if cfg.reward.options else ''} |",
@@ -65,7 +65,7 @@ def model_card(cfg: Config, run_id: str, evaluations: list[Mapping[str, Any]], s
         "import torch",
         f"from diffusers import {'FluxPipeline' if flux else 'StableDiffusion3Pipeline'} as Pipeline",
         "",
-        f'pipe = Pipeline.from_pretrained("{base}", torch_dtype=torch.bfloat16)',
+        f'pipe = Pipeline.from_pretrained("{base}"{no_t5(base)}, torch_dtype=torch.{cfg.model.dtype})',
         'pipe.load_lora_weights("path/to/this/folder")  # or the hub repository it was pushed to',
         "```",
         "",
@@ -96,6 +96,18 @@ def run_note(cfg: Config, evaluations: list[Mapping[str, Any]], nfe: float) -> s
         f"Training compute so far: {nfe:,.0f} transformer NFEs. Every field: the params, or `config.yaml` in the LoRA.",
     ]
     return "\n".join(lines)
+
+
+def no_t5(base: str) -> str:
+    """The loading arguments of a local SD3 directory without a T5 encoder (the shipped shapes
+    model): diffusers wants the missing components named."""
+    from stepgrpo.paths import SHIPPED_ROOT
+
+    folder = Path(base) if Path(base).is_dir() else SHIPPED_ROOT / base
+    index = folder / "model_index.json"
+    if index.is_file() and yaml.safe_load(index.read_text()).get("text_encoder_3", [None])[0] is None:
+        return ", text_encoder_3=None, tokenizer_3=None"
+    return ""
 
 
 def held_out(evaluations: list[Mapping[str, Any]]) -> list[str]:
