@@ -710,11 +710,7 @@ def _compare(runs: list[str], out: Path | None, as_json: bool) -> None:
         console.print(table)
     if out is not None:
         reward = (opened[0].config.get("reward") or {}).get("name", "reward")
-        try:
-            written = chart(curves, out, reward)
-        except RuntimeError as err:
-            raise ValueError(str(err)) from None
-        console.print(f"chart: {written}", highlight=False, soft_wrap=True)
+        console.print(f"chart: {chart(curves, out, reward)}", highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -739,10 +735,7 @@ def _export(run: str, repo: str | None, private: bool) -> None:
         folder = refresh_export(stored, cfg)
     console.print(f"export: {folder} (model card {folder / 'README.md'})", highlight=False, soft_wrap=True)
     if repo is not None:
-        try:
-            url = push_to_hub(folder, repo, private, f"stepgrpo export of run {stored.run_id}")
-        except RuntimeError as err:
-            raise ValueError(str(err)) from None
+        url = push_to_hub(folder, repo, private, f"stepgrpo export of run {stored.run_id}")
         console.print(f"pushed to {url}", highlight=False, soft_wrap=True)
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from stepgrpo.config import Config
-from stepgrpo.reporting.report import paired_gain
+from stepgrpo.reporting.report import paired_gain, stored_evaluations
 
 CARD = "README.md"
 SAMPLES = "samples.png"  # the last held-out evaluation's grid
@@ -138,8 +138,6 @@ def write_card(folder: Path, cfg: Config, run_id: str, evaluations: list[Mapping
 def refresh_export(run: Any, stored_cfg: Config) -> Path:
     """Write the card, samples and config of a finished run's export again from what the run stored
     (its evaluations under `eval/`), and seal the folder again; returns the folder."""
-    from stepgrpo.storage.publish import read_json
-
     name = next((n for n in run.EXPORTS if (Path(run.path) / n).is_dir()), None)
     if name is None:
         raise FileNotFoundError(
@@ -147,9 +145,7 @@ def refresh_export(run: Any, stored_cfg: Config) -> Path:
             "last iteration finishes; resume it with `stepgrpo train ... --run-id` to finish it"
         )
     folder = run.inside(Path(run.path) / name)
-    evals = Path(run.path) / run.EVAL_DIR
-    order = sorted(evals.glob("iter_*.json"), key=lambda p: int(p.stem.removeprefix("iter_")))
-    records = [read_json(p, "evaluation record") for p in [evals / "base.json", *order] if p.is_file()]
+    records = stored_evaluations(run)
     grid = Path(run.path) / records[-1]["grid"] if records else None
     write_card(folder, stored_cfg, run.run_id, records, grid)
     run.seal_export(name)
@@ -162,7 +158,7 @@ def push_to_hub(folder: Path, repo_id: str, private: bool, message: str) -> str:
     from huggingface_hub import HfApi, is_offline_mode
 
     if is_offline_mode():
-        raise RuntimeError("--push-to-hub: HF_HUB_OFFLINE is set; unset it to reach the hub")
+        raise ValueError("--push-to-hub: HF_HUB_OFFLINE is set; unset it to reach the hub")
     api = HfApi()
     try:
         url = api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
@@ -170,7 +166,7 @@ def push_to_hub(folder: Path, repo_id: str, private: bool, message: str) -> str:
             repo_id=repo_id, folder_path=str(folder), ignore_patterns=["_export.json", ".*"], commit_message=message
         )
     except Exception as err:
-        raise RuntimeError(
+        raise ValueError(
             f"--push-to-hub {repo_id}: {type(err).__name__}: {err} (log in with `hf auth login` or set HF_TOKEN "
             "with write access; the repository id is owner/name)"
         ) from None

@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from stepgrpo.reporting.costs import iteration_costs
-from stepgrpo.reporting.report import paired_gain
-from stepgrpo.storage.publish import read_json
+from stepgrpo.reporting.report import paired_gain, stored_evaluations
 from stepgrpo.storage.run import Run
 
 
@@ -25,14 +24,11 @@ def curve(run: Run) -> dict[str, Any]:
     for row in iteration_costs(run):
         nfe, seconds = nfe + row["nfe"], seconds + row["seconds"]
         spent[row["iteration"]] = (nfe, seconds)
-    evals = Path(run.path) / run.EVAL_DIR
     records = []
-    if (evals / "base.json").is_file():
-        records.append((read_json(evals / "base.json", "evaluation record"), (0, 0.0)))
-    for path in sorted(evals.glob("iter_*.json"), key=lambda p: int(p.stem.removeprefix("iter_"))):
-        i = int(path.stem.removeprefix("iter_"))
-        if i in spent:
-            records.append((read_json(path, "evaluation record"), spent[i]))
+    for record in stored_evaluations(run):
+        i = None if record["label"] == "base" else int(record["label"].removeprefix("iter_"))
+        if i is None or i in spent:
+            records.append((record, (0, 0.0) if i is None else spent[i]))
     points = [
         {"label": r["label"], "nfe": n, "seconds": round(s, 3), "reward_mean": r["reward_mean"]}
         for r, (n, s) in records
@@ -53,7 +49,7 @@ def chart(curves: list[dict[str, Any]], out: Path, reward: str) -> Path:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise RuntimeError("--out needs matplotlib: pip install 'stepgrpo[plots]'") from None
+        raise ValueError("--out needs matplotlib: pip install 'stepgrpo[plots]'") from None
     recipes = sorted({c["recipe"] for c in curves})
     colours = {r: plt.get_cmap("tab10")(i % 10) for i, r in enumerate(recipes)}
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)

@@ -57,6 +57,16 @@ class SignalWatch:
         )
 
 
+def stored_evaluations(run: Any) -> list[dict[str, Any]]:
+    """A stored run's held-out evaluation records in order: the base model's first, then each
+    checkpoint's by iteration (`eval/base.json`, `eval/iter_<k>.json`; their seals checked)."""
+    from stepgrpo.storage.publish import read_json
+
+    folder = Path(run.path) / run.EVAL_DIR
+    later = sorted(folder.glob("iter_*.json"), key=lambda p: int(p.stem.removeprefix("iter_")))
+    return [read_json(p, "evaluation record") for p in [folder / "base.json", *later] if p.is_file()]
+
+
 def paired_gain(
     before: Mapping[str, Any], after: Mapping[str, Any], key: str = "scores"
 ) -> tuple[float, float, float] | None:

@@ -21,6 +21,12 @@ from PIL import Image
 COMPUTE_AXIS = "heldout/nfe_total"  # the x-axis of the by-compute series (`log_by_compute`)
 
 
+def labels(tags: Mapping[str, str]) -> list[str]:
+    """W&B tags, short labels (64 characters): the comparison tags (`scheme:stepwise`); a run's
+    other tags go to its config."""
+    return [f"{k.removeprefix('stepgrpo.')}:{v}"[:64] for k, v in tags.items() if k.startswith("stepgrpo.")]
+
+
 class WandbTracker:
     """The W&B run of one stepgrpo run; a context manager that finishes it (exit code 1 on failure)."""
 
@@ -47,17 +53,13 @@ class WandbTracker:
         where = run_dir.parent / "wandb"
         where.mkdir(parents=True, exist_ok=True)
         run_id = f"{run_name[:40]}-{hashlib.sha256(str(run_dir).encode()).hexdigest()[:8]}"
-        # W&B tags are short labels (64 characters): the comparison tags; the rest goes to the config
-        labels = [
-            f"{k.removeprefix('stepgrpo.')}:{v}"[:64] for k, v in (tags or {}).items() if k.startswith("stepgrpo.")
-        ]
         run = wandb.init(
             project=project,
             name=run_name,
             id=run_id,
             resume="allow",
             dir=str(where.parent),  # W&B writes <dir>/wandb/
-            tags=labels,
+            tags=labels(tags or {}),
             config={k: str(v) for k, v in (tags or {}).items()} | {"run_dir": str(run_dir)},
             settings=wandb.Settings(silent=True, console="off"),
         )
@@ -125,7 +127,7 @@ def log_offline_record(run_dir: str | Path, project: str, record: Mapping[str, A
         job_type=record["kind"],
         resume="allow",
         dir=str(run_dir.parent),
-        tags=[f"{k.removeprefix('stepgrpo.')}:{v}"[:64] for k, v in tags.items() if k.startswith("stepgrpo.")],
+        tags=labels(tags),
         config={**record.get("params", {}), **tags},
         settings=wandb.Settings(silent=True, console="off"),
     )
