@@ -238,7 +238,7 @@ def update(
                         # the mean over the part's trajectories and the trained steps, whatever the
                         # micro-batches (each step's loss times its weight, mean weight 1)
                         (loss.loss * (weight[k] * len(idx) / (len(part) * len(steps)))).backward()
-                        diag.add_loss(k, first, len(idx), loss)
+                        diag.add_loss(k, first, len(idx), loss, part=len(diag.grad_norms))
                     if first and o.diagnostics:
                         accumulated.append(_flat(trained, grad=True))
                 if accumulated and parallel:  # one sum a step, after both halves: the ranks wait once, for equal work
@@ -358,7 +358,8 @@ class Diagnostics:
     """What one update says about learning (METHODS.md, "Learning diagnostics").
 
     Per trained step `k` and phase (`first`: the first optimizer step, on-policy; `later`: the
-    rest): the clip fraction and the fraction of trajectories the clip gives zero gradient. From
+    rest): the clip fraction and the fraction of trajectories the clip gives zero gradient; the same
+    two per optimizer step of the iteration (`*_by_part`: part 0 is on-policy, so 0 there). From
     the first optimizer step: each step's share of the gradient energy `|g_k|^2 / sum_j |g_j|^2`
     and the signal check, the cosine between the gradients of two disjoint halves (whole groups)
     of its trajectories: near 0 means the batch gradient is noise (`accumulate_signal` sums the
@@ -370,6 +371,8 @@ class Diagnostics:
         self.steps = list(steps)
         self.rows: dict[tuple[int, bool], float] = {}
         self.sums: dict[str, dict[tuple[int, bool], float]] = {"clip_frac": {}, "zero_grad_frac": {}}
+        self.part_rows: dict[int, float] = {}  # optimizer step of the iteration -> rows
+        self.part_sums: dict[str, dict[int, float]] = {name: {} for name in self.sums}
         self.totals: dict[str, float] = {
             n: 0.0 for n in ("loss", "policy_loss", "kl", "approx_kl", "ratio_mean", "ratio_sq")
         }
@@ -384,11 +387,13 @@ class Diagnostics:
         self.lora_distance = float("nan")
         self.trained_trajectories = 0
 
-    def add_loss(self, k: int, first: bool, n: int, loss: Any) -> None:
+    def add_loss(self, k: int, first: bool, n: int, loss: Any, part: int = 0) -> None:
         key = (k, first)
         self.rows[key] = self.rows.get(key, 0.0) + n
+        self.part_rows[part] = self.part_rows.get(part, 0.0) + n
         for name in self.sums:
             self.sums[name][key] = self.sums[name].get(key, 0.0) + n * getattr(loss, name)
+            self.part_sums[name][part] = self.part_sums[name].get(part, 0.0) + n * getattr(loss, name)
         for name in ("policy_loss", "kl"):
             self.totals[name] += n * float(getattr(loss, name))
         self.totals["loss"] += n * float(loss.loss.detach())
@@ -415,10 +420,13 @@ class Diagnostics:
         """Sum the per-row statistics of every rank of a data-parallel update (the gradient-based
         ones are computed from summed gradients already)."""
         keys = [(k, f) for k in self.steps for f in (True, False)]
+        parts = list(range(len(self.grad_norms)))  # every rank takes the same optimizer steps
         names = sorted(self.sums)
         totals = sorted(self.totals)
         local = [self.rows.get(key, 0.0) for key in keys]
         local += [self.sums[n].get(key, 0.0) for n in names for key in keys]
+        local += [self.part_rows.get(p, 0.0) for p in parts]
+        local += [self.part_sums[n].get(p, 0.0) for n in names for p in parts]
         local += [self.totals[n] for n in totals]
         summed = parallel.sum(torch.tensor(local, dtype=torch.float64)).tolist()
         rows, rest = summed[: len(keys)], summed[len(keys) :]
@@ -426,7 +434,13 @@ class Diagnostics:
         for i, n in enumerate(names):
             values = rest[i * len(keys) : (i + 1) * len(keys)]
             self.sums[n] = {key: v for key, v, r in zip(keys, values, rows) if r > 0}
-        self.totals = dict(zip(totals, rest[len(names) * len(keys) :]))
+        rest = rest[len(names) * len(keys) :]
+        part_rows, rest = rest[: len(parts)], rest[len(parts) :]
+        self.part_rows = {p: r for p, r in zip(parts, part_rows) if r > 0}
+        for i, n in enumerate(names):
+            values = rest[i * len(parts) : (i + 1) * len(parts)]
+            self.part_sums[n] = {p: v for p, v, r in zip(parts, values, part_rows) if r > 0}
+        self.totals = dict(zip(totals, rest[len(names) * len(parts) :]))
         self.ratio_min = parallel.extreme(self.ratio_min, "min")
         self.ratio_max = parallel.extreme(self.ratio_max, "max")
 
@@ -448,6 +462,11 @@ class Diagnostics:
                     sums[(k, first)] / self.rows[(k, first)] if (k, first) in self.rows else float("nan")
                     for k in self.steps
                 ]
+            # per optimizer step of the iteration (all trained steps' rows of its part)
+            out[f"{name}_by_part"] = [
+                self.part_sums[name].get(p, 0.0) / self.part_rows[p] if self.part_rows.get(p) else float("nan")
+                for p in range(len(self.grad_norms))
+            ]
         total = sum(self.energy.values())
         out["grad_energy_share"] = [
             self.energy[k] / total if total > 0 and k in self.energy else float("nan") for k in self.steps

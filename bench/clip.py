@@ -1,0 +1,409 @@
+"""Step-level credit where the PPO clip binds: the papers' optimizer (several AdamW steps on one
+sampled batch, clip 1e-4) against the shipped one (one step, so the ratio is 1 and the clip idle).
+
+Every arm is a shipped recipe plus optimizer overrides, run as a user runs it (`stepgrpo train`,
+one torch thread, `run.eval_seeds=8`: 126 held-out prompts x 8 noise seeds every 25 iterations).
+Seed S of an arm sees the prompts, initial noise and held-out noise of seed S of every other arm
+and of the one-step records already kept (docs/bench/credit_schemes_w9, credit_schemes_cheap), so
+arms pair sample by sample with those records, which need no rerun.
+
+Arms (`ARMS`; K = optimizer steps an iteration, c = clip range):
+  outcome_w9_k4 / outcome_w9_k2      outcome credit, W = 9, K = 4 / 2, c = 1e-4 (Flow-GRPO's clip)
+  dense|stepwise|turning_point_rollout_w9_k4   the step-level schemes on the rollout's own x0
+                                     predictions (no extra NFEs), K = 4, c = 1e-4
+  outcome_w9_k4_c01                  K = 4 at the shipped clip 0.01 (where the clip never acts)
+  outcome_w3_k2 / outcome_w3_k4      the shipped window (W = 3), c = 1e-4
+The step-level arms run at K = 4, the setting chosen before this screen by its one-seed probe
+(+0.014 [+0.001, +0.027] over K = 1 after 50 iterations); the K = 2 outcome arm says whether that
+choice was the better one (the summary prints both).
+
+The decision, fixed before the runs (this file's commit is the pre-registration): for a scheme s,
+    DiD = (s - outcome at K = 4, c = 1e-4) - (s - outcome at K = 1, the records)
+on the held-out reward after 100 iterations, paired sample by sample within a training seed (the
+base cancels). Credit "matters where the clip binds" if the t-interval of DiD over training seeds
+lies above 0; the prompt-clustered interval (each prompt's DiD averaged over its noise seeds and
+the training seeds, the interval over the 126 prompts) is printed beside it.
+
+Durable state: one record per finished run (`RECORDS/<arm>/seed_<S>.json`: argv, NFEs, seconds,
+training rewards, every held-out evaluation's per-sample scores, and the update's clip diagnostics
+per iteration). Run directories (`--out`) are scratch. Resumable: a recorded run is skipped.
+
+    .venv/bin/python bench/clip.py --jobs 2            # the screen (background it; ~10 core-hours)
+    .venv/bin/python bench/clip.py --report-only        # the tables from the records so far
+    .venv/bin/python bench/clip.py --quick --out DIR    # every path at tiny settings
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import _common  # noqa: F401  (sets sys.path to the repository root)
+from _common import OUT_DIR, ROOT, mean_ci, relative, write_json
+
+DOCS = ROOT / "docs" / "bench"
+RECORDS = DOCS / "credit_schemes_clip" / "runs"
+W9 = "configs/shapes_outcome_w9.yaml"
+ROLLOUT = ["completion.method=rollout"]
+BIND = ["optim.clip_range=0.0001"]
+
+# arm -> (config, overrides, the one-step arm it pairs with)
+ARMS: dict[str, tuple[str, list[str], str]] = {
+    "outcome_w9_k4": (W9, ["optim.optimizer_steps=4", *BIND], "outcome_w9"),
+    "dense_rollout_w9_k4": (
+        "configs/shapes_dense_w9.yaml",
+        [*ROLLOUT, "optim.optimizer_steps=4", *BIND],
+        "dense_rollout_w9",
+    ),
+    "outcome_w9_k2": (W9, ["optim.optimizer_steps=2", *BIND], "outcome_w9"),
+    "stepwise_rollout_w9_k4": (
+        "configs/shapes_stepwise_w9.yaml",
+        [*ROLLOUT, "optim.optimizer_steps=4", *BIND],
+        "stepwise_rollout_w9",
+    ),
+    "turning_point_rollout_w9_k4": (
+        "configs/shapes_turning_point_w9.yaml",
+        [*ROLLOUT, "optim.optimizer_steps=4", *BIND],
+        "turning_point_rollout_w9",
+    ),
+    "outcome_w9_k4_c01": (W9, ["optim.optimizer_steps=4"], "outcome_w9"),
+    "outcome_w3_k2": ("configs/shapes_outcome.yaml", ["optim.optimizer_steps=2", *BIND], "outcome_w3"),
+    "outcome_w3_k4": ("configs/shapes_outcome.yaml", ["optim.optimizer_steps=4", *BIND], "outcome_w3"),
+}
+# the one-step arms: (config, overrides), where their records are kept (the first that has the seed)
+ONE_STEP: dict[str, tuple[str, list[str], list[Path]]] = {
+    "outcome_w9": (W9, [], [DOCS / "credit_schemes_w9" / "runs"]),
+    "dense_rollout_w9": ("configs/shapes_dense_w9.yaml", ROLLOUT, [DOCS / "credit_schemes_cheap" / "runs"]),
+    "outcome_w3": (
+        "configs/shapes_outcome.yaml",
+        [],
+        [DOCS / "credit_schemes_w9" / "runs", DOCS / "credit_schemes_cheap" / "runs"],
+    ),
+    # not run at one step yet: the DiD of these schemes waits for them (run with --one-step)
+    "stepwise_rollout_w9": ("configs/shapes_stepwise_w9.yaml", ROLLOUT, [RECORDS]),
+    "turning_point_rollout_w9": ("configs/shapes_turning_point_w9.yaml", ROLLOUT, [RECORDS]),
+}
+SCHEMES = ("dense_rollout_w9", "stepwise_rollout_w9", "turning_point_rollout_w9")
+# the order runs are taken in: the decision's pairs first, seed by seed; then the optimizer's K = 2
+# check; then the other schemes; then the rest
+PHASES: list[tuple[tuple[str, ...], int]] = [
+    (("outcome_w9", "dense_rollout_w9", "outcome_w3"), 6),  # kept records: found, not rerun
+    (("outcome_w9_k4", "dense_rollout_w9_k4"), 6),
+    (("outcome_w9_k2",), 6),
+    (("stepwise_rollout_w9_k4", "turning_point_rollout_w9_k4", "stepwise_rollout_w9", "turning_point_rollout_w9"), 6),
+    (("outcome_w9_k4_c01", "outcome_w3_k2", "outcome_w3_k4"), 6),
+]
+FULL = {"iterations": 100, "eval_every": 25, "set": ["run.eval_seeds=8"]}
+QUICK = {
+    "iterations": 2,
+    "eval_every": 1,
+    "set": ["run.prompts_per_iteration=2", "run.group_size=4", "run.eval_prompts=8", "run.eval_seeds=1"],
+}
+
+
+@dataclass
+class Screen:
+    iterations: int
+    eval_every: int
+    overrides: list[str]
+    out: Path
+    records: Path
+    quick: bool = False
+    one_step_dirs: dict[str, list[Path]] = field(default_factory=dict)
+
+    def argv(self, arm: str) -> list[str]:
+        config, sets = (ARMS[arm][0], ARMS[arm][1]) if arm in ARMS else ONE_STEP[arm][:2]
+        return [
+            config,
+            *self.overrides,
+            *sets,
+            f"run.iterations={self.iterations}",
+            f"run.eval_every={self.eval_every}",
+        ]
+
+    def record_path(self, arm: str, seed: int) -> Path:
+        """The arm's record of `seed`: this screen's own, or (a one-step arm) a kept record that covers it."""
+        from bench._w9 import covers
+
+        for d in [self.records, *self.one_step_dirs.get(arm, [])]:
+            p = d / arm / f"seed_{seed}.json"
+            if p.is_file() and covers(json.loads(p.read_text())["argv"], self.argv(arm)):
+                return p
+        return self.records / arm / f"seed_{seed}.json"
+
+
+def settings(a: argparse.Namespace) -> Screen:
+    p = QUICK if a.quick else FULL
+    out = (a.out or OUT_DIR / ("clip_quick" if a.quick else "clip")).resolve()
+    return Screen(
+        iterations=a.iterations or p["iterations"],
+        eval_every=p["eval_every"],
+        overrides=list(p["set"]) + a.overrides,
+        out=out,
+        records=(a.records or (out / "records" if a.quick else RECORDS)).resolve(),
+        quick=a.quick,
+        one_step_dirs={} if a.quick else {k: v[2] for k, v in ONE_STEP.items()},
+    )
+
+
+def queue(s: Screen, seeds: int | None = None) -> list[tuple[str, int]]:
+    jobs = []
+    for arms, n in PHASES:
+        n = min(n, seeds) if seeds else n
+        jobs += [(arm, seed) for seed in range(n) for arm in arms]
+    return jobs
+
+
+def update_diagnostics(run_dir: Path) -> list[dict[str, Any]]:
+    """The update's clip diagnostics of every iteration (its checkpoint's state)."""
+    from _common import open_run_once
+
+    run = open_run_once(run_dir)
+    keep = ("clip_frac", "zero_grad_frac", "clip_frac_later", "zero_grad_frac_later", "approx_kl", "ratio_std")
+    rows = []
+    for i in range(len(run.iterations("checkpoint"))):
+        u = json.loads((run.stage_path(i, "checkpoint") / "state.json").read_text()).get("update", {})
+        row = {k: u.get(k) for k in keep}
+        for k in ("clip_frac_by_part", "zero_grad_frac_by_part", "clip_frac_later_by_step"):
+            row[k] = u.get(k)
+        rows.append(row)
+    return rows
+
+
+def train_one(s: Screen, arm: str, seed: int, stepgrpo: Any) -> None:
+    from bench._w9 import covers, record_of
+    from bench.learning import run_seed
+
+    path = s.record_path(arm, seed)
+    if path.is_file() and covers(json.loads(path.read_text())["argv"], s.argv(arm)):
+        return
+    out = s.out / arm
+    out.mkdir(parents=True, exist_ok=True)
+    argv = s.argv(arm)
+    t0 = time.perf_counter()
+    done = run_seed(argv[0], seed, argv[1:], out, stepgrpo)
+    rec = record_of(done["run_dir"], argv) | {"update": update_diagnostics(done["run_dir"])}
+    write_json(path, rec)
+    print(f"{arm} seed {seed}: recorded after {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+# --------------------------------------------------------------------------------- analysis
+
+
+def load(s: Screen, arm: str, seed: int) -> dict[str, Any] | None:
+    from bench._w9 import covers
+
+    p = s.record_path(arm, seed)
+    if not p.is_file():
+        return None
+    r = json.loads(p.read_text())
+    return r if covers(r["argv"], s.argv(arm)) else None
+
+
+def scores(r: dict[str, Any], it: int) -> tuple[list[float], int]:
+    e = r["evals"][str(it)]
+    return e["scores"], int(e["prompts"])
+
+
+def by_prompt(values: list[float], prompts: int) -> list[float]:
+    """Per-sample values (seed-major) averaged over each prompt's noise seeds."""
+    seeds = len(values) // prompts
+    return [sum(values[j * prompts + p] for j in range(seeds)) / seeds for p in range(prompts)]
+
+
+def contrast(runs: list[tuple[dict[str, Any], float]], it: int) -> dict[str, Any] | None:
+    """`sum_i w_i * held-out(run_i at it)` per training seed's sample, for runs of one seed: the
+    per-seed mean, and the per-prompt values (for clustering across seeds)."""
+    (first, _), *_ = runs
+    _, prompts = scores(first, it)
+    total = None
+    for r, w in runs:
+        if str(it) not in r["evals"]:
+            return None
+        v, p = scores(r, it)
+        if p != prompts or (total is not None and len(v) != len(total)):
+            return None
+        total = [w * x for x in v] if total is None else [t + w * x for t, x in zip(total, v)]
+    assert total is not None
+    per_prompt = by_prompt(total, prompts)
+    return {"mean": sum(per_prompt) / len(per_prompt), "prompts": per_prompt}
+
+
+def pooled(rows: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Per seed, over seeds (t-interval), and clustered by prompt (each prompt averaged over seeds)."""
+    from stepgrpo.reporting.report import mean_interval
+
+    seeds = sorted(rows)
+    out: dict[str, Any] = {"per_seed": {str(k): rows[k]["mean"] for k in seeds}, "n": len(seeds)}
+    m, lo, hi = mean_ci([rows[k]["mean"] for k in seeds])
+    out["seeds"] = {"mean": m, "lo": lo, "hi": hi}
+    if seeds:
+        P = len(rows[seeds[0]]["prompts"])
+        per_prompt = [sum(rows[k]["prompts"][p] for k in seeds) / len(seeds) for p in range(P)]
+        m, lo, hi = mean_interval(per_prompt)
+        out["prompts"] = {"mean": m, "lo": lo, "hi": hi}
+    return out
+
+
+def analyse(s: Screen, seeds: int = 6) -> dict[str, Any]:
+    N = s.iterations
+    rec = {(arm, k): r for arm in [*ARMS, *ONE_STEP] for k in range(seeds) if (r := load(s, arm, k))}
+    out: dict[str, Any] = {"iterations": N, "arms": {}, "vs_one_step": {}, "credit": {}, "k2_vs_k4": {}}
+    for arm in [*ARMS, *ONE_STEP]:
+        mine = {k: r for (a, k), r in rec.items() if a == arm}
+        if not mine:
+            continue
+        gains = {k: contrast([(r, 1.0)], N) for k, r in mine.items()}
+        base = {k: contrast([(r, 1.0)], 0) for k, r in mine.items()}
+        g = {k: {"mean": gains[k]["mean"] - base[k]["mean"]} for k in mine if gains[k] and base[k]}
+        clip = [u for r in mine.values() for u in r.get("update", [])]
+        out["arms"][arm] = {
+            "seeds": sorted(mine),
+            "gain": {str(k): v["mean"] for k, v in g.items()},
+            "nfe_per_iteration": statistics.mean(sum(r["nfe"][:N]) / N for r in mine.values()),
+            "seconds_per_iteration": statistics.mean(statistics.median(r["seconds"][:N]) for r in mine.values()),
+            "clip": clip_summary(clip),
+        }
+    for arm, (_, _, ref) in ARMS.items():
+        rows = {}
+        for k in range(seeds):
+            if (arm, k) in rec and (ref, k) in rec:
+                c = contrast([(rec[arm, k], 1), (rec[ref, k], -1)], N)
+                if c:
+                    rows[k] = c
+        if rows:
+            out["vs_one_step"][f"{arm} - {ref}"] = pooled(rows)
+    for scheme in SCHEMES:
+        arm = scheme + "_k4"
+        rows = {}
+        for k in range(seeds):
+            need = [(arm, k), ("outcome_w9_k4", k), (scheme, k), ("outcome_w9", k)]
+            if all(x in rec for x in need):
+                runs = list(zip((rec[x] for x in need), (1, -1, -1, 1)))
+                if c := contrast(runs, N):
+                    rows[k] = c
+        if rows:
+            out["credit"][scheme] = pooled(rows) | {"matters": bool(pooled(rows)["seeds"]["lo"] > 0)}
+        at_k4 = {
+            k: c
+            for k in range(seeds)
+            if (arm, k) in rec
+            and ("outcome_w9_k4", k) in rec
+            and (c := contrast([(rec[arm, k], 1), (rec["outcome_w9_k4", k], -1)], N))
+        }
+        if at_k4:
+            out["credit"].setdefault(scheme, {})["at_k4"] = pooled(at_k4)
+    rows = {
+        k: c
+        for k in range(seeds)
+        if ("outcome_w9_k2", k) in rec
+        and ("outcome_w9_k4", k) in rec
+        and (c := contrast([(rec["outcome_w9_k2", k], 1), (rec["outcome_w9_k4", k], -1)], N))
+    }
+    if rows:
+        out["k2_vs_k4"] = pooled(rows)
+    return out
+
+
+def clip_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean over iterations: the clip fraction of each optimizer step of an iteration, the share of
+    rows with no gradient after the first step, and per trained step after the first."""
+
+    def mean_list(key: str) -> list[float]:
+        lists = [r[key] for r in rows if r.get(key)]
+        if not lists:
+            return []
+        n = max(len(x) for x in lists)
+        cols = [[x[i] for x in lists if i < len(x) and x[i] is not None] for i in range(n)]
+        return [sum(c) / len(c) if c else float("nan") for c in cols]
+
+    later = [r["zero_grad_frac_later"] for r in rows if r.get("zero_grad_frac_later") is not None]
+    return {
+        "clip_frac_by_part": mean_list("clip_frac_by_part"),
+        "zero_grad_frac_by_part": mean_list("zero_grad_frac_by_part"),
+        "clip_frac_later_by_step": mean_list("clip_frac_later_by_step"),
+        "zero_grad_frac_later": sum(later) / len(later) if later else float("nan"),
+    }
+
+
+def summary_md(a: dict[str, Any]) -> str:
+    from bench._schemes import ci, fmt
+
+    def iv(v: dict[str, float]) -> str:
+        return ci(v) if v.get("lo") == v.get("lo") else fmt(v["mean"]) + " (one seed)"
+
+    N = a["iterations"]
+    L = [f"# Credit where the PPO clip binds: {N} iterations, W = 9 unless named", ""]
+    L += [
+        "## Arms",
+        "",
+        "| arm | seeds | held-out gain per seed | NFEs / it | s / it | clip fraction by optimizer step | no gradient, later steps |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for arm, v in a["arms"].items():
+        gains = ", ".join(f"{fmt(x)} (s{k})" for k, x in v["gain"].items())
+        c = v["clip"]
+        parts = " / ".join(fmt(x, 2, sign=False) for x in c["clip_frac_by_part"]) or "n/a"
+        L.append(
+            f"| {arm} | {len(v['seeds'])} | {gains} | {v['nfe_per_iteration']:.0f} | {v['seconds_per_iteration']:.1f} | {parts} | {fmt(c['zero_grad_frac_later'], 2, sign=False)} |"
+        )
+    L += ["", "## Each optimizer setting minus the one-step recipe (same seed, equal trajectories and NFEs)", ""]
+    L += ["| contrast | seeds | over seeds (t) | clustered by prompt |", "|---|---|---|---|"]
+    for name, v in a["vs_one_step"].items():
+        L.append(f"| {name} | {v['n']} | {iv(v['seeds'])} | {ci(v['prompts'])} |")
+    if a["k2_vs_k4"]:
+        v = a["k2_vs_k4"]
+        L += [
+            "",
+            f"Outcome K = 2 minus K = 4 (clip 1e-4): {iv(v['seeds'])} over {v['n']} seeds, {ci(v['prompts'])} by prompt.",
+        ]
+    L += ["", "## The decision: (scheme - outcome) at K = 4, clip 1e-4, minus the same at K = 1", ""]
+    L += [
+        "| scheme | seeds | scheme - outcome at K = 4 | DiD over seeds (t) | DiD by prompt | credit matters where the clip binds |",
+        "|---|---|---|---|---|---|",
+    ]
+    for scheme, v in a["credit"].items():
+        k4 = v.get("at_k4")
+        k4s = f"{iv(k4['seeds'])} ({k4['n']} seeds)" if k4 else "n/a"
+        if "seeds" in v:
+            verdict = "yes" if v["matters"] else ("no (interval below 0)" if v["seeds"]["hi"] < 0 else "not shown")
+            L.append(f"| {scheme} | {v['n']} | {k4s} | {iv(v['seeds'])} | {ci(v['prompts'])} | {verdict} |")
+        else:
+            L.append(f"| {scheme} | 0 | {k4s} | waits for its one-step runs | | |")
+    return "\n".join(L) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="every path at tiny settings")
+    ap.add_argument("--iterations", type=int)
+    ap.add_argument("--seeds", type=int, help="at most this many seeds an arm")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once (one torch thread each)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], help="key=value on every run")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--records", type=Path)
+    ap.add_argument("--report-only", action="store_true")
+    a = ap.parse_args()
+    s = settings(a)
+    seeds = a.seeds or (1 if a.quick else 6)
+    if not a.report_only:
+        from bench._warm import Stepgrpo
+
+        with Stepgrpo(a.jobs, s.out) as stepgrpo, ThreadPoolExecutor(a.jobs) as pool:
+            list(pool.map(lambda job: train_one(s, *job, stepgrpo), queue(s, seeds)))
+    analysis = analyse(s, seeds)
+    dest = s.out if a.quick else RECORDS.parent
+    write_json(dest / "analysis.json", analysis)
+    (dest / "summary.md").write_text(summary_md(analysis))
+    print((dest / "summary.md").read_text())
+    print(f"wrote {relative(dest)}/summary.md and analysis.json")
+
+
+if __name__ == "__main__":
+    main()
