@@ -343,16 +343,17 @@ def summary_md(a: dict[str, Any]) -> str:
     L += [
         "## Arms",
         "",
-        "| arm | seeds | held-out gain per seed | NFEs / it | s / it | clip fraction by optimizer step | no gradient, later steps |",
+        "| arm | seeds | held-out gain per seed | NFEs / it | s / it | clip fraction by optimizer step "
+        "| no gradient, later steps |",
         "|---|---|---|---|---|---|---|",
     ]
     for arm, v in a["arms"].items():
         gains = ", ".join(f"{fmt(x)} (s{k})" for k, x in v["gain"].items())
         c = v["clip"]
         parts = " / ".join(fmt(x, 2, sign=False) for x in c["clip_frac_by_part"]) or "n/a"
-        L.append(
-            f"| {arm} | {len(v['seeds'])} | {gains} | {v['nfe_per_iteration']:.0f} | {v['seconds_per_iteration']:.1f} | {parts} | {fmt(c['zero_grad_frac_later'], 2, sign=False)} |"
-        )
+        cost = f"{v['nfe_per_iteration']:.0f} | {v['seconds_per_iteration']:.1f}"
+        zero = fmt(c["zero_grad_frac_later"], 2, sign=False)
+        L.append(f"| {arm} | {len(v['seeds'])} | {gains} | {cost} | {parts} | {zero} |")
     L += ["", "## Each optimizer setting minus the one-step recipe (same seed, equal trajectories and NFEs)", ""]
     L += ["| contrast | seeds | over seeds (t) | clustered by prompt |", "|---|---|---|---|"]
     for name, v in a["vs_one_step"].items():
@@ -361,11 +362,13 @@ def summary_md(a: dict[str, Any]) -> str:
         v = a["k2_vs_k4"]
         L += [
             "",
-            f"Outcome K = 2 minus K = 4 (clip 1e-4): {iv(v['seeds'])} over {v['n']} seeds, {ci(v['prompts'])} by prompt.",
+            f"Outcome K = 2 minus K = 4 (clip 1e-4): {iv(v['seeds'])} over {v['n']} seeds, "
+            f"{ci(v['prompts'])} by prompt.",
         ]
     L += ["", "## The decision: (scheme - outcome) at K = 4, clip 1e-4, minus the same at K = 1", ""]
     L += [
-        "| scheme | seeds | scheme - outcome at K = 4 | DiD over seeds (t) | DiD by prompt | credit matters where the clip binds |",
+        "| scheme | seeds | scheme - outcome at K = 4 | DiD over seeds (t) | DiD by prompt "
+        "| credit matters where the clip binds |",
         "|---|---|---|---|---|---|",
     ]
     for scheme, v in a["credit"].items():

@@ -184,6 +184,8 @@ def check_train(cfg: Config, run_dir: str | None, run_id: str | None, calibrated
     check_config(cfg, calibrated=calibrated)
     path = resolve_run_dir(cfg, run_dir, run_id)
     check_resumable(cfg, path)
+    for line in cfg.notes():
+        print(f"note: {line}")
     return path
 
 

@@ -241,7 +241,57 @@ class CreditConfig(_Section):
         return self
 
 
+# The papers' optimizers, as their authors' code sets them; `optim.preset: NAME` writes these fields
+# where it stands (a config file's own optim keys and later `--set`s win). Each value with its source.
+OPTIMIZER_PRESETS: dict[str, tuple[dict[str, Any], str]] = {
+    "flow_grpo": (
+        {"clip_range": 1e-4, "optimizer_steps": 2, "inner_epochs": 1, "adv_clip": 5.0, "kl_beta": 0.04},
+        "Flow-GRPO's code (yifan123/flow_grpo, config/base.py and config/grpo.py, its GenEval and OCR configs): "
+        "train.clip_range 1e-4; gradient_accumulation_steps = num_batches_per_epoch // 2, i.e. 2 AdamW steps a "
+        "sampled batch; num_inner_epochs 1; adv_clip_max 5; train.beta 0.04 (0.01 in its PickScore configs), "
+        "the KL form of kl_form flow_grpo",
+    ),
+    "flow_grpo_fast": (
+        {"clip_range": 1e-5, "optimizer_steps": 2, "inner_epochs": 1, "adv_clip": 5.0, "kl_beta": 0.0},
+        "Flow-GRPO's code, its `*_fast_nocfg` configs (config/grpo.py: an SDE window of 3 steps): "
+        "train.clip_range 1e-5, 2 AdamW steps a sampled batch, train.beta 0",
+    ),
+    "tp_grpo": (
+        {"clip_range": 1e-5, "optimizer_steps": 2, "inner_epochs": 1, "adv_clip": 5.0, "kl_beta": 1e-4},
+        "TP-GRPO's code (YunzeTong/TurningPoint-GRPO, config/my_grpo.py on config/base.py and the launch flags of "
+        "scripts/multi_node/common_op3.sh): train.clip_range 1e-5; 2 AdamW steps a sampled batch; "
+        "--config.train.beta=0.0001",
+    ),
+}
+
+
+def expand_preset(optim: Mapping[str, Any], name: Any, where: str) -> dict[str, Any]:
+    """`optim` with preset `name`'s fields written under its own (its explicit fields win)."""
+    if name is None:
+        return dict(optim)
+    if name not in OPTIMIZER_PRESETS:
+        raise ConfigError(
+            f"{where}: optim.preset {name!r} is not one of {', '.join(map(repr, OPTIMIZER_PRESETS))} "
+            "(or leave it out and set optim.clip_range / optimizer_steps / kl_beta yourself)"
+        )
+    return {**OPTIMIZER_PRESETS[name][0], **optim}
+
+
 class OptimConfig(_Section):
+    preset: str | None = None
+    """Which paper's optimizer the clip, steps a sampled batch, inner epochs, advantage clip and KL
+    weight came from (`flow_grpo`, `flow_grpo_fast`, `tp_grpo`: `OPTIMIZER_PRESETS`, each value
+    with its source): written where the preset is named; fields set beside it or later win. Those
+    papers' log-probs drop a `1 / (2 std^2)` factor that stepgrpo's exact density keeps, so the same
+    clip range is tighter here (METHODS.md)."""
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, v: str | None) -> str | None:
+        if v is not None and v not in OPTIMIZER_PRESETS:
+            raise ValueError(f"{v!r} is not one of {', '.join(map(repr, OPTIMIZER_PRESETS))}")
+        return v
+
     lr: float = Field(3e-4, gt=0)
     """AdamW learning rate (Flow-GRPO: 3e-4)."""
     weight_decay: float = Field(1e-4, ge=0)
@@ -537,6 +587,17 @@ class Config(_Section):
             )
         return self
 
+    def notes(self) -> list[str]:
+        """What a run of this config should be told once before it starts (not errors)."""
+        o = self.optim
+        if o.optimizer_steps == 1 and o.inner_epochs == 1:
+            return [
+                f"optim.clip_range={o.clip_range:g} never acts: one optimizer step on freshly sampled trajectories "
+                "sees every PPO ratio at exactly 1; the clip binds from a batch's second step on "
+                "(optim.optimizer_steps >= 2, e.g. optim.preset=flow_grpo)"
+            ]
+        return []
+
     def trained_steps(self) -> list[int]:
         """Indices k of the steps whose log-probs enter the loss: `optim.train_steps`, or the SDE
         window without the final step `T-1` (unless `optim.train_final_step`)."""
@@ -715,6 +776,9 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
         value = yaml.safe_load(raw) if raw.strip() else None
         if key.strip().split(".")[0] in PLUGIN_SECTIONS:
             allow_plugins({key.strip().split(".")[0]: value})  # an override is the user's own input
+        if key.strip() == "optim.preset" and value is not None:  # the preset's fields, then later --sets
+            optim = out.get("optim") if isinstance(out.get("optim"), dict) else {}
+            out["optim"] = {**optim, **expand_preset({}, value, f"--set {item}")}
         _set_dotted(out, key.strip(), value)
     return out
 
@@ -751,6 +815,8 @@ def _read_config_file(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]
         ) from None
     if not isinstance(loaded, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
+    if isinstance(loaded.get("optim"), Mapping):
+        loaded["optim"] = expand_preset(loaded["optim"], loaded["optim"].get("preset"), str(path))
     base = loaded.pop(BASE_KEY, None)
     if base is None:
         return loaded

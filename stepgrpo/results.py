@@ -161,6 +161,8 @@ class UpdateStats(BaseModel):
     zero_grad_frac_later: float | None = None
     zero_grad_frac_first_by_step: Steps = []
     zero_grad_frac_later_by_step: Steps = []
+    clip_frac_by_part: Steps = []  # per optimizer step of the iteration (part 0 on-policy)
+    zero_grad_frac_by_part: Steps = []
     grad_energy_share: Steps = []
     grad_norm: float | None = None
     signal_cosine: float | None = None  # the two halves of this update's batches

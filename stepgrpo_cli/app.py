@@ -899,7 +899,8 @@ def _diagnostics(r: Any, iters: list[int]) -> None:
         "R ODE",
         "grp std",
         "0-std",
-        "clip 1st/later",
+        "clip by opt. step",
+        "clip later k:frac",
         "0-grad",
         "ratio sd",
         "signal",
@@ -935,7 +936,10 @@ def _diagnostics(r: Any, iters: list[int]) -> None:
             _fmt(score.get("ode_reward_mean")),
             _fmt(score.get("group_reward_std")),
             _fmt(score.get("zero_std_groups"), 2),
-            f"{_fmt(u.clip_frac_first, 3)}/{_fmt(u.clip_frac_later, 3)}",
+            "/".join(_fmt(v, 2) for v in u.clip_frac_by_part)
+            or f"{_fmt(u.clip_frac_first, 3)}/{_fmt(u.clip_frac_later, 3)}",
+            " ".join(f"{k}:{v:.2f}" for k, v in zip(u.trained_step_ids, u.clip_frac_later_by_step) if v is not None)
+            or "-",
             _fmt(u.zero_grad_frac_later, 3),
             _fmt(u.ratio_std, 5),
             _fmt(u.signal_cosine, 3),
@@ -950,9 +954,11 @@ def _diagnostics(r: Any, iters: list[int]) -> None:
         (console if console.is_terminal else Console(width=160)).print(table)
         console.print(
             "R SDE / R ODE: training reward of the SDE samples / of the ODE sample from the same prompt and noise; "
-            "grp std: within-group std of R_T (0-std: groups with none); clip, 0-grad (later steps), ratio sd: "
-            "the PPO ratio; signal: cosine between the gradients of two halves of the batch, this iteration "
-            "and summed over ~20 iterations (~0: noise); "
+            "grp std: within-group std of R_T (0-std: groups with none); clip by opt. step: the share of rows whose "
+            "PPO ratio left the clip range, at each optimizer step of the sampled batch (the first is on-policy: 0), "
+            "and after the first per trained step k; 0-grad: the share of later rows the clip gives no gradient; "
+            "ratio sd: the PPO ratio's spread; signal: cosine between the gradients of two halves of the batch, "
+            "this iteration and summed over ~20 iterations (~0: noise); "
             "|step|: the update's size; |LoRA-init|: distance from the initial LoRA",
             soft_wrap=True,
         )

@@ -147,6 +147,9 @@ def test_train_runs_every_stage_and_tracks_it(trained):
         "reward/zero_std_groups",
         "clip_frac/first",
         "zero_grad_frac/first",
+        "clip_frac/part_1",  # the recipe's second optimizer step of a batch
+        "zero_grad_frac/part_1",
+        "clip_frac_later/step_0",
         "ratio/std",
         "signal_cosine",
         "lora/distance",
@@ -231,9 +234,16 @@ def test_inspect_shows_the_learning_diagnostics(trained):
     result = CliRunner().invoke(app, ["inspect", trained["run_dir"]])
     assert result.exit_code == 0, result.output
     assert "learning diagnostics" in result.output
-    for column in ("R SDE", "R ODE", "grp std", "clip 1st/later", "signal", "grad energy k:share", "|LoRA-init|"):
+    columns = ("R SDE", "R ODE", "grp std", "clip by opt. step", "clip later k:frac", "0-grad", "signal")
+    for column in (*columns, "grad energy k:share", "|LoRA-init|"):
         assert column in result.output, column
     assert "0:" in result.output and "2:" in result.output  # the energy share of trained steps 0..2
+    # stored with the checkpoint: the clip per optimizer step of the batch (2 here; the first on-policy)
+    import json
+
+    state = json.loads((Path(trained["run_dir"]) / "checkpoints" / "iter_0" / "state.json").read_text())
+    assert len(state["update"]["clip_frac_by_part"]) == 2 and state["update"]["clip_frac_by_part"][0] == 0.0
+    assert len(state["update"]["zero_grad_frac_by_part"]) == 2
 
 
 def test_the_python_entry_returns_typed_results_and_reuses_what_the_run_stored(trained, tiny, calls, tmp_path):

@@ -192,6 +192,8 @@ def test_a_run_scored_on_final_samples_logs_no_all_zero_step_series():
         grad_energy_share=[0.5, 0.5],
         clip_frac_later_by_step=[0.0, 0.0],
         zero_grad_frac_later_by_step=[0.0, 0.0],
+        clip_frac_by_part=[0.0, 0.25],
+        zero_grad_frac_by_part=[0.0, 0.125],
         trained_step_ids=[0, 1],
     )
     done = dict(seconds=1.0, peak_memory_gib=None)
@@ -206,3 +208,6 @@ def test_a_run_scored_on_final_samples_logs_no_all_zero_step_series():
     assert "nfe/ode_reference" not in outcome and outcome["nfe/rollout"] == 8
     stepwise = iteration_metrics(rollout, rollout, rewards, credit, update, step_rewards=True)
     assert [f"gain/step_{k}" for k in range(4)] == [k for k in stepwise if k.startswith("gain/")]
+    # each optimizer step of the sampled batch: its clip fraction and the share of rows with no gradient
+    assert (outcome["clip_frac/part_0"], outcome["clip_frac/part_1"]) == (0.0, 0.25)
+    assert outcome["zero_grad_frac/part_1"] == 0.125

@@ -163,6 +163,76 @@ def test_diagnostics_of_an_on_policy_first_step():
     assert s["update_norm"] > 0 and s["ratio_std"] >= 0
 
 
+def test_one_optimizer_step_never_clips_and_its_bytes_ignore_the_clip():
+    """One step on fresh trajectories: every ratio is 1, so the clip range changes nothing."""
+    a, _, sa = run_update(["optim.optimizer_steps=1", "optim.clip_range=1e-4"])
+    b, _, sb = run_update(["optim.optimizer_steps=1", "optim.clip_range=0.5"])
+    for s in (sa, sb):
+        assert s["clip_frac"] == 0.0 and s["clip_frac_by_part"] == [0.0] and s["zero_grad_frac_by_part"] == [0.0]
+    for pa, pb in zip(a.trainable_parameters(), b.trainable_parameters()):
+        assert torch.equal(pa, pb)
+
+
+def test_a_tight_clip_binds_from_the_second_optimizer_step():
+    _, _, s = run_update(["optim.optimizer_steps=4", "optim.clip_range=1e-4", "optim.micro_batch=4"])
+    parts, zero = s["clip_frac_by_part"], s["zero_grad_frac_by_part"]
+    assert len(parts) == len(zero) == 4
+    assert parts[0] == 0.0 and min(parts[1:]) > 0  # on-policy first, then rows leave the range
+    assert all(0.0 <= z <= c for z, c in zip(zero, parts))
+    # parts of equal size: the iteration's fractions are their means
+    assert s["clip_frac"] == pytest.approx(sum(parts) / 4)
+    assert s["zero_grad_frac"] == pytest.approx(sum(zero) / 4)
+    assert s["clip_frac_later"] == pytest.approx(sum(parts[1:]) / 3)
+
+
+def _first_gradient(old_shift: torch.Tensor, adv: torch.Tensor) -> tuple[list[torch.Tensor], dict]:
+    """The gradient the update's one optimizer step takes (clip 0.2), with the stored log-probs
+    shifted by `old_shift [rows]` and the advantages `adv`."""
+    cfg = load_config(
+        None,
+        [
+            f"sampler.steps={T}",
+            f"run.prompts_per_iteration={GROUPS}",
+            f"run.group_size={G}",
+            "optim.kl_beta=0",
+            "optim.clip_range=0.2",
+            "optim.optimizer_steps=1",
+            "optim.max_grad_norm=1e9",
+        ],
+    )
+    out, _, groups = batch(0)
+    pol = Policy()
+    opt = training.make_optimizer(pol.trainable_parameters(), cfg)
+    grads: list[torch.Tensor] = []
+    step = opt.step
+    opt.step = lambda *a, **k: (grads.extend(p.grad.clone() for p in pol.trainable_parameters()), step(*a, **k))[1]
+    old = out.log_probs + old_shift[:, None]
+    summary = training.update(
+        pol,
+        opt,
+        cfg,
+        training.Batch(out.states, old, adv, groups, None, SIGMAS, "flow", 0.7),
+        torch.Generator().manual_seed(1),
+    )
+    return grads, summary
+
+
+def test_rows_the_clip_holds_contribute_no_gradient():
+    """Hand-checked: rows whose stored log-prob makes the ratio e^1 (past 1 + 0.2) with a positive
+    advantage are held by the clip; the step's gradient is the one in which those rows carry a
+    negligible advantage (same rows, same mean), and the update reports them as its no-gradient share."""
+    _, adv, _ = batch(0)
+    adv = adv.abs()  # every row pushes its ratio up
+    held = torch.zeros(GROUPS * G, dtype=torch.bool)
+    held[::3] = True  # 6 of 16 rows
+    clipped, s = _first_gradient(held.float() * -1.0, adv)
+    free, s_free = _first_gradient(torch.zeros(GROUPS * G), torch.where(held[:, None], adv * 1e-30, adv))
+    for a, b in zip(clipped, free):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-12)
+    assert s["zero_grad_frac"] == pytest.approx(6 / 16) and s["clip_frac"] == pytest.approx(6 / 16)
+    assert s_free["zero_grad_frac"] == 0.0 and s["zero_grad_frac_by_part"] == [pytest.approx(6 / 16)]
+
+
 def test_signal_cosine_is_the_cosine_of_the_two_halves_gradients():
     # One optimizer step, diagnostics on: recompute the two halves' gradients by hand.
     cfg_over = ["optim.optimizer_steps=1", "optim.micro_batch=16"]

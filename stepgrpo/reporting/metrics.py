@@ -81,6 +81,8 @@ def iteration_metrics(
         ("zero_grad_frac_later", u.zero_grad_frac_later_by_step),
     ):
         out |= {f"{name}/step_{k}": v for k, v in zip(u.trained_step_ids, values)}
+    for name, values in (("clip_frac", u.clip_frac_by_part), ("zero_grad_frac", u.zero_grad_frac_by_part)):
+        out |= {f"{name}/part_{p}": v for p, v in enumerate(values)}  # each optimizer step of the batch
     if step_rewards:
         out |= {f"gain/step_{k}": g for k, g in enumerate(c.gain_mean)}
     else:
