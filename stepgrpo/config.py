@@ -670,7 +670,7 @@ STAGE_FIELDS: dict[str, tuple[str, ...]] = {
 
 # Fields added after runs were stored, at the value that computes what the code did before them:
 # left out of a key at that value, so a stored run keeps its keys (and its stages) under new code.
-KEY_NEUTRAL: dict[str, Any] = {"sampler.shared_x0": True, "optim.step_weighting": "uniform"}
+KEY_NEUTRAL: dict[str, Any] = {"sampler.shared_x0": True, "optim.step_weighting": "uniform", "optim.preset": None}
 
 
 def stage_fields(config: Config, stage: str) -> dict[str, Any]:

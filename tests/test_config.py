@@ -264,3 +264,35 @@ def test_the_run_form_marks_the_fields_that_take_no_null_required_and_shows_each
     assert model["properties"]["resolution"]["description"].endswith("Default: `null`.")
     assert forms["Config"]["required"] == list(Config.model_fields)  # every section
     assert forms["CompletionConfig"]["required"] == []  # method: null is outcome credit's "no completion"
+
+
+def test_a_papers_optimizer_preset_is_written_where_it_is_named(tmp_path):
+    from stepgrpo.config import OPTIMIZER_PRESETS, stage_fields
+
+    fields, source = OPTIMIZER_PRESETS["flow_grpo"]
+    assert "flow_grpo" in source and "clip_range" in source  # every value with where it came from
+    cfg = load_config(None, ["optim.preset=flow_grpo"])
+    assert {k: getattr(cfg.optim, k) for k in fields} == fields
+    # later --sets win; a preset named after a field replaces it
+    cfg = load_config(None, ["optim.clip_range=0.3", "optim.preset=tp_grpo", "optim.kl_beta=0"])
+    assert (cfg.optim.clip_range, cfg.optim.kl_beta, cfg.optim.preset) == (1e-5, 0.0, "tp_grpo")
+    # in a file: the file's own optim keys win over its preset, and a file on top wins over both
+    (tmp_path / "base.yaml").write_text("optim:\n  preset: flow_grpo\n  optimizer_steps: 4\n")
+    (tmp_path / "top.yaml").write_text("base: base.yaml\noptim:\n  kl_beta: 0.0\n")
+    cfg = load_config(tmp_path / "top.yaml")
+    assert (cfg.optim.clip_range, cfg.optim.optimizer_steps, cfg.optim.kl_beta) == (1e-4, 4, 0.0)
+    with pytest.raises(ConfigError, match="optim.preset 'ppo' is not one of 'flow_grpo'"):
+        load_config(None, ["optim.preset=ppo"])
+    (tmp_path / "bad.yaml").write_text("optim:\n  preset: ppo\n")
+    with pytest.raises(ConfigError, match="bad.yaml: optim.preset 'ppo'"):
+        load_config(tmp_path / "bad.yaml")
+    # no preset: the update's cache key is what it was before presets existed
+    assert not [k for k in stage_fields(load_config(None), "update") if "preset" in k]
+
+
+def test_a_clip_that_cannot_act_says_so():
+    one = load_config(None, ["optim.optimizer_steps=1", "optim.clip_range=0.01"])
+    (note,) = one.notes()
+    assert "optim.clip_range=0.01 never acts" in note and "optimizer_steps" in note
+    assert load_config(None, ["optim.optimizer_steps=2"]).notes() == []
+    assert load_config(None, ["optim.optimizer_steps=1", "optim.inner_epochs=2"]).notes() == []
