@@ -172,7 +172,7 @@ def resume_point(run: Run, iterations: int) -> tuple[int, int] | None:
     published) and the stages stored so far (every published stage store and checkpoint); None
     for a run with nothing stored yet."""
     stages = ["rollout", "draw", "checkpoint"]
-    stages += sorted({f"completions/{d.stem}" for d in run.path.glob("iter_*/completions/*.zarr")})
+    stages += run.completion_stages()
     stored = sum(len(run.iterations(stage)) for stage in stages)
     if stored == 0:
         return None
@@ -219,7 +219,7 @@ def retention_plan(run: Run, storage: Any) -> list[tuple[int, str]]:
     (`stepgrpo.storage.retention.plan`); a checkpoint that was evaluated keeps its weights."""
     from stepgrpo.storage import retention
 
-    evaluated = {int(p.stem.removeprefix("iter_")) for p in (run.path / run.EVAL_DIR).glob("iter_*.json")}
+    evaluated = {int(p.stem.removeprefix("iter_")) for p in run.record_paths(run.EVAL_DIR, "iter_*")}
     return retention.plan(run, storage.keep, storage.keep_last, storage.checkpoint_every, evaluated)
 
 

@@ -429,6 +429,42 @@ class Run:
     QUALITY_DIR = "credit_quality"  # credit-quality checks (`stepgrpo.tasks.quality`)
     RECORDS = (EVAL_DIR, QUALITY_DIR)  # folders of sealed JSON records (`stepgrpo.storage.publish.seal`)
 
+    # --- the readers callers would otherwise compose paths for ----------------------------------
+
+    def completion_stages(self, iteration: int | None = None) -> list[str]:
+        """The completion stages stored (`completions/<method>`, published or not) for `iteration`,
+        or for any iteration when None."""
+        where = f"iter_{iteration}" if iteration is not None else "iter_*"
+        return sorted({f"completions/{d.stem}" for d in self.path.glob(f"{where}/completions/*.zarr")})
+
+    def published_completions(self, iteration: int) -> list[str]:
+        """The completion methods (their stored names, `substeps-5`) published for `iteration`."""
+        return [
+            stage.split("/", 1)[1]
+            for stage in self.completion_stages(iteration)
+            if (self.stage_path(iteration, stage) / PUBLISHED_FILE).is_file()
+        ]
+
+    def checkpoint_state(self, iteration: int) -> dict[str, Any]:
+        """The JSON part of `iteration`'s checkpoint (`state.json`: its update's statistics);
+        `FileNotFoundError` when there is none, `CorruptChunkError` when it does not parse."""
+        state = read_json(self.stage_path(iteration, "checkpoint") / "state.json", "checkpoint state")
+        if not isinstance(state, dict):
+            raise CorruptChunkError(f"run {self.run_id} iteration {iteration}: its checkpoint state is not a mapping")
+        return state
+
+    def record_path(self, folder: str, name: str) -> Path:
+        """Where record `name` of `folder` (`EVAL_DIR`, `QUALITY_DIR`) is kept."""
+        if folder not in self.RECORDS:
+            raise ValueError(f"unknown record folder {folder!r}; one of {', '.join(self.RECORDS)}")
+        return self.path / folder / f"{check_name(name, 'record')}.json"
+
+    def record_paths(self, folder: str, pattern: str = "*") -> list[Path]:
+        """The records of `folder` (`EVAL_DIR`, `QUALITY_DIR`) whose names match `pattern`, by name."""
+        if folder not in self.RECORDS:
+            raise ValueError(f"unknown record folder {folder!r}; one of {', '.join(self.RECORDS)}")
+        return sorted((self.path / folder).glob(f"{pattern}.json"))
+
     def seal_export(self, name: str) -> dict[str, Any]:
         """Record the digest of the export folder `name` (in it, as `_export.json`), so that a
         damaged or truncated export is found by `verify_all`."""

@@ -52,7 +52,7 @@ def label(iteration: int | None) -> str:
 
 def read(run: Run, name: str) -> EvaluateResult | None:
     """The stored evaluation `eval/<name>.json`, or None; one that does not parse is set aside."""
-    path = Path(run.path) / EVAL_DIR / f"{name}.json"
+    path = run.record_path(EVAL_DIR, name)
     if not path.is_file():
         return None
     try:
@@ -79,7 +79,7 @@ def execute(run: Run, cfg: Config, iteration: int | None, key: Key) -> EvaluateR
     stored = read(run, name)
     if stored is not None and key.accepts(stored.key):
         return stored
-    run.inside(Path(run.path) / EVAL_DIR / f"{name}.json")  # refused before sampling: no write through a link
+    run.inside(run.record_path(EVAL_DIR, name))  # refused before sampling: no write through a link
     return compute(run, cfg, iteration, name, key.value)
 
 
@@ -132,9 +132,7 @@ def compute(run: Run, cfg: Config, iteration: int | None, name: str, key: str) -
         sub=sub,
     )
     record = seal(result.model_dump(mode="json", exclude_none=True))
-    write_file_atomic(
-        run.inside(Path(run.path) / EVAL_DIR / f"{name}.json"), (json.dumps(record, indent=1) + "\n").encode()
-    )
+    write_file_atomic(run.inside(run.record_path(EVAL_DIR, name)), (json.dumps(record, indent=1) + "\n").encode())
     close_ledger(ledger)
     return result
 

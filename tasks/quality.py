@@ -95,7 +95,7 @@ def key_of(
 
 
 def record_path(run: Run, iteration: int, key: str) -> Path:
-    return Path(run.path) / QUALITY_DIR / f"iter_{iteration}-{key[:16]}.json"
+    return run.record_path(QUALITY_DIR, f"iter_{iteration}-{key[:16]}")
 
 
 def read(run: Run, path: Path, key: str) -> QualityResult | None:

@@ -6,8 +6,6 @@ over data-parallel ranks, is `stepgrpo.loops.update`.
 
 from __future__ import annotations
 
-import json
-
 from stepgrpo.config import Config
 from stepgrpo.loops import update as body
 from stepgrpo.results import CreditResult, RolloutResult, UpdateResult
@@ -49,7 +47,7 @@ def compute(run: Run, cfg: Config, iteration: int, scheme: str, options_digest: 
 def stored(run: Run, iteration: int, verify: bool = False) -> UpdateResult:
     """The result of the published checkpoint of `iteration` (`verify`: check its files first)."""
     m = manifest(run, iteration, "checkpoint", f"checkpoint {iteration}", verify)
-    state = json.loads((run.stage_path(iteration, "checkpoint") / "state.json").read_text())
+    state = run.checkpoint_state(iteration)
     seconds = m["inputs"].get("seconds", state.get("seconds", 0.0))  # older checkpoints kept it in state.json
     nfe = int(m["inputs"].get("nfe", 0))
     return UpdateResult(digest=m["digest"], iteration=iteration, seconds=seconds, stats=state["update"], nfe=nfe)

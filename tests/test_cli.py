@@ -118,7 +118,7 @@ def test_runs_lists_scheme_and_status_and_refuses_a_missing_root(tmp_path, monke
     assert not (tmp_path / "nowhere").exists()
     cfg = load_config(None, ["credit.scheme=dense", "completion.method=rollout", "run.iterations=3"])
     path = Run.create(tmp_path / "runs", "r", cfg.model_dump(mode="json")).path
-    cli = importlib.import_module("stepgrpo_cli.app")  # the module (the package's `app` is the typer app)
+    cli = importlib.import_module("stepgrpo_cli.shell")  # the consoles every command prints on
     monkeypatch.setattr(cli, "console", Console(width=200))  # one line a run, whatever the terminal
     listed = runner.invoke(app, ["runs", "--root", str(tmp_path / "runs")])
     assert listed.exit_code == 0 and "dense @ rollout" in listed.output and "stopped at 0/3" in listed.output

@@ -88,13 +88,13 @@ def test_a_resumed_runs_reused_iterations_do_not_move_the_bar_back_and_ctrl_c_cr
 
 
 def test_the_resume_command_names_the_run(monkeypatch):
-    from stepgrpo_cli.app import _resume_command
+    from stepgrpo_cli.shell import resume_command
 
     monkeypatch.setattr(sys, "argv", ["/x/.venv/bin/stepgrpo", "train", "--config", "my config.yaml"])
     expected = "/x/.venv/bin/stepgrpo train --config 'my config.yaml' --run-id demo-1"
-    assert _resume_command(Path("runs/demo-1")) == expected
+    assert resume_command(Path("runs/demo-1")) == expected
     monkeypatch.setattr(sys, "argv", ["stepgrpo", "train", "--run-dir=/data/r1"])
-    assert _resume_command(Path("/data/r1")) == "stepgrpo train --run-dir=/data/r1"
+    assert resume_command(Path("/data/r1")) == "stepgrpo train --run-dir=/data/r1"
 
 
 def _sigint_as_at_a_terminal() -> None:

@@ -1479,7 +1479,7 @@ def test_compare_puts_runs_side_by_side_at_equal_compute(trained, tmp_path, monk
     chart = tmp_path / "compare.png"
     from rich.console import Console
 
-    cli = importlib.import_module("stepgrpo_cli.app")  # the module (the package's `app` is the typer app)
+    cli = importlib.import_module("stepgrpo_cli.shell")  # the consoles every command prints on
     monkeypatch.setattr(cli, "console", Console(width=200))  # one line a run, whatever the terminal
     result = CliRunner().invoke(
         app, ["compare", str(run_dir), str(run_dir), "--out", str(chart)], env={"COLUMNS": "200"}

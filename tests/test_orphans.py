@@ -19,7 +19,7 @@ COMMAND = textwrap.dedent(
     """
     import os, subprocess, sys, time
     from stepgrpo.flows import session
-    from stepgrpo_cli.app import _command
+    from stepgrpo_cli.shell import call_flow
 
     def hold() -> None:
         helper = subprocess.Popen(["sleep", "600"], start_new_session=True)  # out of the command's group
@@ -32,7 +32,7 @@ COMMAND = textwrap.dedent(
 
             session.owned_run(path, flow(hold))
 
-    _command(command, sys.argv[1])
+    call_flow(command, sys.argv[1])
     """
 )
 

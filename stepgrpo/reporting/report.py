@@ -62,9 +62,9 @@ def stored_evaluations(run: Any) -> list[dict[str, Any]]:
     checkpoint's by iteration (`eval/base.json`, `eval/iter_<k>.json`; their seals checked)."""
     from stepgrpo.storage.publish import read_json
 
-    folder = Path(run.path) / run.EVAL_DIR
-    later = sorted(folder.glob("iter_*.json"), key=lambda p: int(p.stem.removeprefix("iter_")))
-    return [read_json(p, "evaluation record") for p in [folder / "base.json", *later] if p.is_file()]
+    later = sorted(run.record_paths(run.EVAL_DIR, "iter_*"), key=lambda p: int(p.stem.removeprefix("iter_")))
+    base = run.record_path(run.EVAL_DIR, "base")
+    return [read_json(p, "evaluation record") for p in [base, *later] if p.is_file()]
 
 
 def paired_gain(

@@ -1,0 +1,162 @@
+"""`stepgrpo runs`, `compare`, `prune`, `export`: commands over stored runs (listing, comparing,
+thinning, handing on). What `runs` prints is read by `stepgrpo.inspection`; this module only prints it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from stepgrpo_cli import shell
+from stepgrpo_cli.shell import RunArg, damaged
+
+
+def runs(root: Annotated[Path, typer.Option(help="Directory holding run directories.")] = Path("runs")) -> None:
+    """List the runs under ROOT: each one's recipe, scheme, status and held-out reward."""
+    from stepgrpo.inspection import list_runs
+
+    if not root.is_dir():
+        shell.err_console.print(
+            f"[bold red]error:[/] --root {escape(str(root))} is not a directory; name the directory that holds "
+            "your run directories (the `run.runs_root` of your config, `runs` by default)",
+            soft_wrap=True,
+        )
+        raise typer.Exit(2)
+    table = Table(
+        "run id",
+        "config",
+        "scheme",
+        "status",
+        "created",
+        "checkpoints",
+        "held-out reward (base -> last)",
+        title=str(root),
+    )
+    for row in list_runs(root):
+        damaged(row.damaged)
+        if row.error is not None:  # one broken run hides no other
+            table.add_row(row.run_id, f"[red]unreadable: {escape(row.error)[:80]}[/]", "", "", "", "", "")
+            continue
+        r = row.rewards
+        reward = (
+            f"{r[0].reward_mean:.4f} -> {r[-1].reward_mean:.4f}"
+            if len(r) > 1
+            else (f"{r[0].reward_mean:.4f}" if r else "")
+        )
+        table.add_row(
+            row.run_id,
+            row.config_name,
+            escape(row.scheme),
+            row.status,
+            row.created,
+            f"{row.checkpoints}/{row.iterations}",
+            reward,
+        )
+    shell.console.print(table)
+
+
+def prune(
+    run: RunArg,
+    keep: Annotated[str | None, typer.Option(help="all, last or tables (default: the run's storage.keep).")] = None,
+    keep_last: Annotated[int | None, typer.Option(help="With --keep last: iterations that keep their latents.")] = None,
+    checkpoint_every: Annotated[
+        int | None, typer.Option(help="Keep every N-th checkpoint's weights (0: all; default: the run's).")
+    ] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would go, remove nothing.")] = False,
+) -> None:
+    """Remove the latents (and thinned checkpoints' weights) RUN's retention settings do not keep; say what it freed."""
+    shell.call(_prune, run, keep, keep_last, checkpoint_every, dry_run)
+
+
+def _prune(run: str, keep: str | None, keep_last: int | None, every: int | None, dry_run: bool) -> None:
+    from stepgrpo.config import validate_config
+    from stepgrpo.runs import apply_retention, owned, retention_plan, stored_config
+    from stepgrpo.storage.run import Run, find_run
+
+    path = find_run(run)
+    with owned(path):
+        r = Run.open(path)
+        stored = stored_config(r).storage.model_dump()
+        given = {"keep": keep, "keep_last": keep_last, "checkpoint_every": every}
+        settings = validate_config({"storage": stored | {k: v for k, v in given.items() if v is not None}}).storage
+        if dry_run:
+            items = retention_plan(r, settings)
+            for i, stage in items:
+                shell.console.print(f"would prune iteration {i} {stage}")
+            shell.console.print(f"{len(items)} stage(s) would be pruned")
+            return
+        why = (
+            f"stepgrpo prune: keep={settings.keep}, keep_last={settings.keep_last}, "
+            f"checkpoint_every={settings.checkpoint_every}"
+        )
+        report = apply_retention(r, settings, why)
+    shell.console.print(f"run {r.run_id}: {report.describe()}")
+
+
+def compare(
+    runs: Annotated[list[str], typer.Argument(help="Run directories or run ids under runs/.")],
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Write the chart here (PNG; needs matplotlib: stepgrpo[plots]).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the curves as JSON.")] = False,
+) -> None:
+    """RUNS at equal compute: each evaluation's held-out reward against the training NFEs spent
+    before it, one row a run (scheme @ completion, NFEs, base and last reward, paired gain); with
+    --out, the chart, a colour a recipe."""
+    shell.call(_compare, runs, out, as_json)
+
+
+def _compare(runs: list[str], out: Path | None, as_json: bool) -> None:
+    from stepgrpo.reporting.compare import chart, compare
+    from stepgrpo.storage.run import Run, find_run
+
+    opened = [Run.open(find_run(r)) for r in runs]
+    curves = compare(opened)
+    if as_json:
+        shell.console.print_json(json.dumps(curves))
+    else:
+        table = Table("run", "scheme @ completion", "NFEs", "held-out: base", "last", "paired gain [95 %]")
+        for c in curves:
+            first, last = c["points"][0], c["points"][-1]
+            gain = "" if c["gain"] is None else "{:+.4f} [{:+.4f}, {:+.4f}]".format(*c["gain"])
+            table.add_row(
+                c["run_id"],
+                c["recipe"],
+                str(last["nfe"]),
+                f"{first['reward_mean']:.4f}",
+                f"{last['reward_mean']:.4f}",
+                gain,
+            )
+        shell.console.print(table)
+    if out is not None:
+        reward = (opened[0].config.get("reward") or {}).get("name", "reward")
+        shell.console.print(f"chart: {chart(curves, out, reward)}", highlight=False, soft_wrap=True)
+
+
+def export(
+    run: RunArg,
+    push_to_hub: Annotated[
+        str | None, typer.Option("--push-to-hub", help="Upload the export to this hub model repository (owner/name).")
+    ] = None,
+    private: Annotated[bool, typer.Option("--private", help="Make the hub repository private.")] = False,
+) -> None:
+    """Write RUN's export again (lora/: weights, model card README.md, samples.png, config.yaml), and
+    with --push-to-hub upload it (`huggingface_hub`; log in first with `hf auth login`)."""
+    shell.call(_export, run, push_to_hub, private)
+
+
+def _export(run: str, repo: str | None, private: bool) -> None:
+    from stepgrpo.reporting.card import push_to_hub, refresh_export
+    from stepgrpo.runs import open_stored, owned
+
+    stored, cfg = open_stored(run)
+    with owned(stored.path):
+        folder = refresh_export(stored, cfg)
+    shell.console.print(f"export: {folder} (model card {folder / 'README.md'})", highlight=False, soft_wrap=True)
+    if repo is not None:
+        url = push_to_hub(folder, repo, private, f"stepgrpo export of run {stored.run_id}")
+        shell.console.print(f"pushed to {url}", highlight=False, soft_wrap=True)

@@ -1,0 +1,108 @@
+"""`stepgrpo train`, `demo`, `config show`, `deploy`, `calibrate`, `pretrain`: the commands that start
+training or set it up."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from stepgrpo_cli import shell
+from stepgrpo_cli.shell import ConfigOpt, RunDirOpt, RunIdOpt, SetOpt, VerboseOpt
+
+
+def train(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    run_dir: RunDirOpt = None,
+    run_id: RunIdOpt = None,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Train: iterations of rollout -> complete -> score -> credit -> update, evaluated before and after."""
+    from stepgrpo.flows import api
+    from stepgrpo.reporting.live import VERBOSE_ENV, interactive
+    from stepgrpo.reporting.report import print_summary
+
+    if verbose:
+        os.environ[VERBOSE_ENV] = "1"
+    elif interactive():  # the live bar: Prefect's run lines stay in its UI (set before Prefect is imported)
+        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
+    try:
+        out = shell.call_flow(api.train, config, overrides=set_ or [], run_dir=run_dir, run_id=run_id)
+    except api.Interrupted as stopped:
+        shell.err_console.print(
+            "interrupted; the run keeps every stage it finished. Resume it with:\n  "
+            + shell.resume_command(stopped.run_dir),
+            highlight=False,
+            soft_wrap=True,
+        )
+        raise typer.Exit(130) from None
+    print_summary(out.run_dir, out.tracking_uri, [e.record() for e in out.evaluations])
+
+
+def demo(
+    set_: SetOpt = None,
+    run_id: RunIdOpt = None,
+    verbose: VerboseOpt = False,
+) -> None:
+    """The CPU demo: the shipped shapes model learns its reward with Flow-GRPO (the shipped `demo`
+    config: 100 iterations, a few minutes), then the base and trained held-out rewards."""
+    from stepgrpo.paths import SHIPPED_CONFIGS
+
+    train(config=SHIPPED_CONFIGS / "demo.yaml", set_=set_, run_dir=None, run_id=run_id, verbose=verbose)
+
+
+config_app = typer.Typer(help="The config: every field, its value and description.", no_args_is_help=True)
+
+
+@config_app.command("show")
+def config_show(config: ConfigOpt = None, set_: SetOpt = None) -> None:
+    """Print the resolved config (--config, then --set) as YAML, each field under its description."""
+    from stepgrpo.config import describe, load_config
+
+    cfg = shell.call(load_config, config, set_ or [])
+    print(describe(cfg))
+
+
+def deploy(
+    config: Annotated[Path, typer.Option("--config", "-c", help="YAML config: the run form's defaults.")],
+    set_: SetOpt = None,
+    name: Annotated[str | None, typer.Option(help="Deployment name (default: the config file's stem).")] = None,
+    pool: Annotated[str, typer.Option(help="Prefect work pool (a process pool).")] = "stepgrpo",
+    flow: Annotated[str, typer.Option(help="The flow: train or calibrate.")] = "train",
+) -> None:
+    """Register a train (or calibrate) deployment whose run form holds CONFIG's values (needs PREFECT_API_URL)."""
+    from stepgrpo.config import load_config
+
+    cfg = shell.call(load_config, config, set_ or [])
+    if not os.environ.get("PREFECT_API_URL"):
+        shell.err_console.print(
+            "[bold red]error:[/] a deployment lives on a Prefect server: start one (`stepgrpo server start`, or "
+            "`prefect server start` and set PREFECT_API_URL; docs/PIPELINE.md)"
+        )
+        raise typer.Exit(1)
+    from stepgrpo_cli.deployments import deploy_flow
+
+    deployment = shell.call(deploy_flow, cfg, name or config.stem, pool, str(config), flow)
+    shell.console.print(
+        f"deployment {flow}/{name or config.stem} ({deployment}) on pool {pool}: its run form holds {config}"
+    )
+
+
+def calibrate(
+    config: ConfigOpt = None, set_: SetOpt = None, run_dir: RunDirOpt = None, run_id: RunIdOpt = None
+) -> None:
+    """DenseGRPO psi calibration into a run (then `train` with the same config and run id)."""
+    from stepgrpo.flows import api
+
+    psi, path = shell.call_flow(api.calibrate, config, overrides=set_ or [], run_dir=run_dir, run_id=run_id)
+    shell.console.print(f"psi: {[round(p, 4) for p in psi]}\nrun directory: {path}")
+
+
+def pretrain(ctx: typer.Context) -> None:
+    """Pretrain the shipped `shapes` model into a new directory (`stepgrpo pretrain --help`: the options)."""
+    from stepgrpo.pretraining.pretrain import main
+
+    shell.call(main, list(ctx.args))
