@@ -16,7 +16,7 @@ images, rewards, advantages, checkpoints, evaluations, the MLflow store, the exp
    is reported as such (`-`), not counted.
 3. Two writers: two `train` processes on one new run id at once, and a `rescore` while a `train`
    owns the run. One is refused naming the holder; the other finishes; the run verifies.
-4. A run directory that attacks (DESIGN.md, "A stored config is data too"): a manifest naming a
+4. A run directory that attacks (docs/RELIABILITY.md, "A stored config is data too"): a manifest naming a
    module that writes a file when imported (every command), `venv.__main__` / `tqdm.__main__`, a
    stored Ray address with a listener, links `lora/` and `eval/` out of the run, `B = 10^12` in a
    stage's metadata; and a 2-process update killed by a kill -9 of the process group, of the

@@ -7,7 +7,7 @@ registries, so a typo fails here with an error that names the field and the allo
 never half-way through a run.
 
 `STAGE_FIELDS` says which fields each pipeline stage reads: the cache key of a stage is built
-from exactly these (DESIGN.md, "Caching and restart"), so changing the reward never invalidates
+from exactly these (docs/PIPELINE.md, "Caching and restart"), so changing the reward never invalidates
 a rollout and changing the credit scheme never invalidates a score.
 """
 

@@ -266,7 +266,7 @@ def open_stored(
     run: str | Path, overrides: Sequence[str] = (), replace: Mapping[str, Any] | None = None
 ) -> tuple[Run, Config]:
     """The run named by `run` (a directory or a run id under runs/) and its stored config, read as
-    data (DESIGN.md, "A stored config is data too"):
+    data (docs/RELIABILITY.md, "A stored config is data too"):
 
     - `replace`: whole sections this command gives (its reward, its scheme), put in before the
       stored config is validated, so a stored name the command replaces is never resolved;

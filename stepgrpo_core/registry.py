@@ -20,7 +20,8 @@ plug-in of this family; the family's `check` then validates it (its signature). 
 registered under the name it was asked by, so every process that meets the name (a Ray worker,
 an update process) resolves it the same way.
 
-A stored config is data (DESIGN.md): a reference is imported only when the user's own input
+A stored config is data (docs/RELIABILITY.md, "What is guaranteed"): a reference is imported only
+when the user's own input
 named it, this command's arguments or their own config file (`allow`), never because a run's
 `manifest.json` names it. The allowed references live in the `STEPGRPO_PLUGINS` environment
 variable, so the processes a command starts (update ranks, local Ray workers) inherit them. A

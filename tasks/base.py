@@ -1,6 +1,7 @@
 """What every stage task shares: the Prefect task it is, and when a published stage may be reused.
 
-The run directory is the truth (DESIGN.md): a stage task keeps no result of its own (Prefect
+The run directory is the truth (docs/PIPELINE.md, "Caching and restart"): a stage task keeps no
+result of its own (Prefect
 caches and persists nothing), so nothing in or out of a run directory is ever decoded by a format
 that can run code. Its body asks `reuse` whether the stage is published under its key and its data
 still verify against the stage's manifest; if so it reads the result back (cheap), else it

@@ -1,4 +1,4 @@
-"""Cache keys of the stage tasks (DESIGN.md, "Caching and restart: the contract"), derived here only.
+"""Cache keys of the stage tasks (docs/PIPELINE.md, "Caching and restart"), derived here only.
 
 A stage's key is the digest of exactly: the stage name, the config fields the
 stage reads (`stepgrpo.config.STAGE_FIELDS`), what it records of its upstream results

@@ -1,6 +1,6 @@
 """A run directory is data: opening, inspecting, resuming, re-scoring or re-crediting a run someone
 sent imports no module it names, connects nowhere it names, writes nowhere its links point, and
-allocates nothing its metadata sizes beyond the run's config (DESIGN.md, "A stored config is data
+allocates nothing its metadata sizes beyond the run's config (docs/RELIABILITY.md, "A stored config is data
 too"). Each attack is built here, in a temporary directory; none starts a flow."""
 
 from __future__ import annotations
