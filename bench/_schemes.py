@@ -31,6 +31,28 @@ def paired(before: dict[str, Any], after: dict[str, Any]) -> tuple[float, float,
     return g
 
 
+def two_level(per_seed: dict[int, list[float]], draws: int = 10_000, seed: int = 0) -> tuple[float, float, float]:
+    """A paired difference over training seeds, each with one value per held-out prompt: the mean of
+    the seeds' means and a two-level bootstrap 95 % interval (seeds resampled, then prompts within
+    each; percentile), which carries both the training seeds' and the prompts' spread."""
+    import random
+
+    rng = random.Random(seed)
+    seeds = sorted(per_seed)
+    means = [sum(per_seed[k]) / len(per_seed[k]) for k in seeds]
+    if len(seeds) < 2:
+        return means[0], float("nan"), float("nan")
+    out = []
+    for _ in range(draws):
+        total = 0.0
+        for k in rng.choices(seeds, k=len(seeds)):
+            rows = per_seed[k]
+            total += sum(rng.choices(rows, k=len(rows))) / len(rows)
+        out.append(total / len(seeds))
+    out.sort()
+    return sum(means) / len(means), out[int(0.025 * draws)], out[int(0.975 * draws) - 1]
+
+
 def crossing(points: list[tuple[float, float]], target: float) -> float | None:
     """First x where the piecewise-linear curve through `points` (x, reward) reaches `target`."""
     for (x0, y0), (x1, y1) in zip(points, points[1:]):
