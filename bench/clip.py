@@ -311,7 +311,33 @@ def analyse(s: Screen, seeds: int = 6) -> dict[str, Any]:
     }
     if rows:
         out["k2_vs_k4"] = pooled(rows)
+    out["vs_shipped"] = vs_shipped(s, rec, seeds)
     out["claims"] = claims(s, rec, seeds) if not s.quick else []
+    return out
+
+
+def vs_shipped(s: Screen, rec: dict[tuple[str, int], dict[str, Any]], seeds: int) -> dict[str, Any]:
+    """Each W9 arm after N minus the shipped recipe (`outcome_w3`, one step) at equal transformer
+    NFEs: outcome_w3 read at its evaluation nearest the arm's cumulative NFEs (the ratio is kept)."""
+    N, out = s.iterations, {}
+    for arm in ("outcome_w9_k4", "outcome_w9_k2", "dense_rollout_w9_k4", "outcome_w9"):
+        rows, ratios = {}, []
+        for k in range(seeds):
+            if (arm, k) not in rec or ("outcome_w3", k) not in rec:
+                continue
+            a, o = rec[arm, k], rec["outcome_w3", k]
+            cost = sum(a["nfe"][:N])
+            its = [int(i) for i in o["evals"] if int(i) > 0]
+            near = min(its, key=lambda i: abs(sum(o["nfe"][:i]) - cost))
+            ea, eo = a["evals"][str(N)], o["evals"][str(near)]
+            if (ea["prompts"], len(ea["scores"])) != (eo["prompts"], len(eo["scores"])):
+                continue
+            diff = [x - y for x, y in zip(ea["scores"], eo["scores"])]
+            per_prompt = by_prompt(diff, int(ea["prompts"]))
+            rows[k] = {"mean": sum(per_prompt) / len(per_prompt), "prompts": per_prompt}
+            ratios.append((near, sum(o["nfe"][:near]) / cost))
+        if rows:
+            out[f"{arm} - outcome_w3"] = pooled(rows) | {"read_at": ratios}
     return out
 
 
@@ -467,6 +493,14 @@ def summary_md(a: dict[str, Any]) -> str:
             L.append(f"| {scheme} | {v['n']} | {k4s} | {iv(v['seeds'])} | {ci(v['prompts'])} | {verdict} |")
         else:
             L.append(f"| {scheme} | 0 | {k4s} | waits for its one-step runs | | |")
+    if a.get("vs_shipped"):
+        L += ["", "## Against the shipped recipe (outcome_w3, one step) at equal transformer NFEs", ""]
+        L += ["| contrast | seeds | outcome_w3 read at (its NFEs / the arm's) | two-level bootstrap | over seeds (t) |"]
+        L += ["|---|---|---|---|---|"]
+        for name, v in a["vs_shipped"].items():
+            at = ", ".join(f"{i} ({r:.2f}x)" for i, r in v["read_at"])
+            boot = ci(v["bootstrap"]) if v["bootstrap"]["lo"] == v["bootstrap"]["lo"] else "n/a"
+            L.append(f"| {name} | {v['n']} | {at} | {boot} | {iv(v['seeds'])} |")
     if a.get("claims"):
         L += ["", "## Claims v4", "", claims_md(a["claims"])]
     L += [
