@@ -52,6 +52,13 @@ def _run_form(schema: dict[str, Any], cls: type[BaseModel]) -> None:
     schema["required"] = [n for n in props if n not in nullable]
 
 
+# Absolute bounds, checked before anything is allocated: far beyond any recipe (Flow-GRPO samples
+# 10 steps and evaluates 40; its batch is 48 x 24), small enough that a typo fails at once instead of
+# allocating gigabytes mid-run.
+MAX_STEPS = 1000
+MAX_TRAJECTORIES = 1 << 20  # run.prompts_per_iteration x run.group_size
+
+
 class _Section(BaseModel):
     # The docstring under each field is its description: `stepgrpo config show` prints it, and the
     # JSON schema (the Prefect run form) shows it beside the field, with its default (`_run_form`).
@@ -111,7 +118,7 @@ class ModelConfig(_Section):
     guidance_scale: float = Field(4.5, ge=1.0)
     """Classifier-free guidance scale while sampling; 1.0 turns CFG off (one forward per step). With a
     Flux model: the value of its guidance embedding (FLUX.1-dev: 3.5), never a second pass."""
-    lora_rank: int = Field(32, ge=1)
+    lora_rank: int = Field(32, ge=1, le=4096)
     """LoRA rank r (Flow-GRPO: 32)."""
     lora_alpha: float = Field(64.0, gt=0)
     """LoRA alpha (Flow-GRPO: 64)."""
@@ -126,9 +133,9 @@ class ModelConfig(_Section):
         "to_add_out",
     )
     """Transformer modules that get a LoRA adapter (Flow-GRPO: every attention projection of both streams)."""
-    resolution: int | None = Field(None, ge=8)
+    resolution: int | None = Field(None, ge=8, le=16384)
     """Image side in pixels; None uses the model's own sample size (Flow-GRPO trains SD3.5-M at 512)."""
-    max_batch: int = Field(64, ge=1)
+    max_batch: int = Field(64, ge=1, le=1 << 20)
     """Largest number of rows sent through the transformer at once (memory bound, not math)."""
     finetune: Literal["lora", "full"] = "lora"
     """What the update trains: `lora` an adapter (the `lora_*` fields); `full` every transformer
@@ -150,7 +157,7 @@ class ModelConfig(_Section):
 
 
 class SamplerConfig(_Section):
-    steps: int = Field(10, ge=1)
+    steps: int = Field(10, ge=1, le=MAX_STEPS)
     """T, the number of denoising steps of a training rollout (Flow-GRPO: 10)."""
     kernel: str = Field("flow", json_schema_extra=_registered("kernels"))
     """Transition kernel of the stochastic steps: a name in `stepgrpo_core.kernels.KERNELS`."""
@@ -160,7 +167,7 @@ class SamplerConfig(_Section):
     """First stochastic step of the SDE window (MixGRPO / Flow-GRPO-Fast); steps outside are ODE."""
     sde_window_size: int | None = Field(None, ge=1)
     """Number of stochastic steps from `sde_window_start`; None means every step."""
-    eval_steps: int = Field(40, ge=1)
+    eval_steps: int = Field(40, ge=1, le=MAX_STEPS)
     """ODE steps of evaluation sampling (Flow-GRPO evaluates with 40)."""
     shared_x0: bool = True
     """A group's members start from one initial noise `x_0` (GRPO's group shares prompt and noise);
@@ -292,13 +299,13 @@ class OptimConfig(_Section):
             raise ValueError(f"{v!r} is not one of {', '.join(map(repr, OPTIMIZER_PRESETS))}")
         return v
 
-    lr: float = Field(3e-4, gt=0)
+    lr: float = Field(3e-4, gt=0, le=1.0)
     """AdamW learning rate (Flow-GRPO: 3e-4)."""
     weight_decay: float = Field(1e-4, ge=0)
     """AdamW weight decay (Flow-GRPO: 1e-4)."""
     betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas."""
-    clip_range: float = Field(1e-4, gt=0)
+    clip_range: float = Field(1e-4, gt=0, le=1.0)
     """PPO ratio clip epsilon (Flow-GRPO: 1e-4; our log-prob is the exact density, see METHODS.md)."""
     adv_clip: float = Field(5.0, gt=0)
     """Advantages are clipped to [-adv_clip, adv_clip] (Flow-GRPO: 5)."""
@@ -312,13 +319,13 @@ class OptimConfig(_Section):
     gives the same penalty on the flow / psi kernels (METHODS.md)."""
     max_grad_norm: float = Field(1.0, gt=0)
     """Gradient norm clip."""
-    inner_epochs: int = Field(1, ge=1)
+    inner_epochs: int = Field(1, ge=1, le=1000)
     """Passes over one iteration's trajectories."""
     optimizer_steps: int = Field(2, ge=1)
     """AdamW steps per inner epoch: the trajectories are shuffled and split into this many equal
     parts, each step taking the gradient of one part accumulated over every trained step (Flow-GRPO:
     2, each from half the batch)."""
-    micro_batch: int = Field(8, ge=1)
+    micro_batch: int = Field(8, ge=1, le=1 << 20)
     """Trajectories per forward/backward: a memory bound only, it does not change the gradient."""
     train_steps: tuple[int, ...] | None = None
     """Which denoising steps are trained (indices k in [0, T)); None trains every step of the SDE
@@ -384,9 +391,9 @@ class OptimConfig(_Section):
 
 
 class CalibrationConfig(_Section):
-    rounds: int = Field(8, ge=1)
+    rounds: int = Field(8, ge=1, le=10_000)
     """DenseGRPO `psi` calibration rounds (each samples with the run's SDE window)."""
-    prompts: int = Field(4, ge=1)
+    prompts: int = Field(4, ge=1, le=1 << 16)
     """Prompts sampled per round (each with the run's group size)."""
     eps1: float = Field(2.0, ge=0)
     """Balance threshold on |#(g_k > 0) - #(g_k < 0)| (DenseGRPO: 2)."""
@@ -411,17 +418,17 @@ class RunConfig(_Section):
     `prompts` is a file or a hub dataset."""
     iterations: int = Field(2, ge=1)
     """Training iterations (rollout -> complete -> score -> credit -> update)."""
-    prompts_per_iteration: int = Field(4, ge=1)
+    prompts_per_iteration: int = Field(4, ge=1, le=1 << 16)
     """Distinct prompts per iteration; B = prompts_per_iteration x group_size trajectories."""
-    group_size: int = Field(4, ge=2)
+    group_size: int = Field(4, ge=2, le=4096)
     """G, trajectories per prompt sharing the initial noise x_0 (Flow-GRPO: 24)."""
     seed: int = Field(0, ge=0, lt=2**63)
     """Master seed: prompts, noise and update shuffling of iteration i derive from (seed, i)."""
     eval_every: int = Field(0, ge=0)
     """Evaluate every N iterations (0: only before and after training)."""
-    eval_prompts: int = Field(16, ge=1)
+    eval_prompts: int = Field(16, ge=1, le=1 << 20)
     """Held-out prompts per evaluation."""
-    eval_seeds: int = Field(1, ge=1)
+    eval_seeds: int = Field(1, ge=1, le=1024)
     """Sampling seeds per held-out prompt."""
     runs_root: str = "runs"
     """Directory that holds run directories `<runs_root>/<run_id>/`."""
@@ -476,7 +483,7 @@ class ScaleConfig(_Section):
     (`pip install -e .[ray]`)."""
     address: str | None = None
     """With `ray`: an existing cluster (`ray://head:10001`, `auto`); None starts a local one for the run."""
-    num_workers: int = Field(2, ge=1)
+    num_workers: int = Field(2, ge=1, le=4096)
     """With `ray` and no `address`: the local cluster's CPUs; also how many shards a stage is split
     into when `groups_per_shard` is 0."""
     groups_per_shard: int = Field(0, ge=0)
@@ -500,7 +507,7 @@ class ScaleConfig(_Section):
     resume too: a CPU kernel's last bits depend on it (docs/RELIABILITY.md, "Same bytes"). The
     shipped shapes configs set 1: the tiny model gains little from two, and loses a lot when a
     second process shares the cores."""
-    update_processes: int = Field(1, ge=1)
+    update_processes: int = Field(1, ge=1, le=4096)
     """Data-parallel processes of the policy update (torch.distributed: gloo on CPU, NCCL on GPUs),
     each with a disjoint part of every optimizer step's trajectories; 1: the update in this process.
     They live for the run. With `workers: process` they run on this node; with `ray` they are Ray
@@ -580,6 +587,11 @@ class Config(_Section):
                 "optim.ema_decay (a LoRA's reference is the base model, its adapter disabled)"
             )
         B = self.run.prompts_per_iteration * self.run.group_size
+        if B > MAX_TRAJECTORIES:
+            raise ValueError(
+                f"run.prompts_per_iteration x run.group_size = {B} trajectories an iteration exceeds {MAX_TRAJECTORIES}: "
+                "lower one of them (Flow-GRPO's recipes use 48 x 24)"
+            )
         if self.optim.optimizer_steps > B:
             raise ValueError(
                 f"optim.optimizer_steps={self.optim.optimizer_steps} exceeds the {B} trajectories of an iteration "
@@ -773,7 +785,7 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"--set {item!r}: expected key=value, e.g. optim.lr=1e-4")
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = load_yaml(raw, f"--set {key.strip()}") if raw.strip() else None
         if key.strip().split(".")[0] in PLUGIN_SECTIONS:
             allow_plugins({key.strip().split(".")[0]: value})  # an override is the user's own input
         if key.strip() == "optim.preset" and value is not None:  # the preset's fields, then later --sets
@@ -781,6 +793,42 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
             out["optim"] = {**optim, **expand_preset({}, value, f"--set {item}")}
         _set_dotted(out, key.strip(), value)
     return out
+
+
+MAX_YAML_VALUES = 100_000  # values a config may expand to, its aliases followed
+
+
+def load_yaml(text: str, where: str) -> Any:
+    """YAML text as data (safe types only), refused when its aliases expand beyond
+    `MAX_YAML_VALUES` values or refer to themselves: a few hundred bytes of nested aliases (a
+    "billion laughs") would otherwise expand to billions of values in every walk of the config."""
+    node = yaml.compose(text, Loader=yaml.SafeLoader)
+    if node is not None:
+        sizes: dict[int, int] = {}
+        open_: set[int] = set()
+
+        def size(n: yaml.Node) -> int:
+            if id(n) in sizes:
+                return sizes[id(n)]
+            if id(n) in open_:
+                raise ConfigError(f"{where}: a YAML alias refers to the value it is part of; write the values out")
+            open_.add(id(n))
+            if isinstance(n, yaml.MappingNode):
+                total = 1 + sum(size(k) + size(v) for k, v in n.value)
+            elif isinstance(n, yaml.SequenceNode):
+                total = 1 + sum(size(v) for v in n.value)
+            else:
+                total = 1
+            open_.discard(id(n))
+            sizes[id(n)] = min(total, MAX_YAML_VALUES + 1)
+            return sizes[id(n)]
+
+        if size(node) > MAX_YAML_VALUES:
+            raise ConfigError(
+                f"{where}: its YAML aliases expand to more than {MAX_YAML_VALUES} values (nested anchors, a "
+                "\"billion laughs\"); a config needs no such thing: write the values out"
+            )
+    return yaml.safe_load(text)
 
 
 BASE_KEY = "base"  # a config file may start from another one: `base: shapes_outcome.yaml`
@@ -806,7 +854,7 @@ def _read_config_file(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]
     if path.resolve() in seen:
         raise ConfigError(f"config file {str(path)!r} is its own base (through {' -> '.join(p.name for p in seen)})")
     try:
-        loaded = yaml.safe_load(path.read_text()) or {}
+        loaded = load_yaml(path.read_text(), f"config file {str(path)!r}") or {}
     except yaml.YAMLError as err:
         where = getattr(err, "problem_mark", None)
         line = f", line {where.line + 1}" if where is not None else ""

@@ -108,7 +108,11 @@ def resolve_run_dir(cfg: Config, run_dir: str | None = None, run_id: str | None 
     """`--run-dir` as given; else `<runs_root>/<run_id>`; else a new id `<name>-<UTC time>`.
     A run id is one name: it never leaves `run.runs_root`."""
     if run_dir:
-        return Path(run_dir).resolve()
+        path = Path(run_dir).resolve()
+        _not_a_file(path, "--run-dir", "a run directory (it is made if it does not exist)")
+        _not_a_file(path.parent, "--run-dir's parent", "the directory the run directory is made in")
+        return path
+    _not_a_file(Path(cfg.run.runs_root).resolve(), "run.runs_root", "the directory that holds run directories")
     if not run_id:
         run_id = f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
     if not NAME_RE.match(run_id):
@@ -117,6 +121,12 @@ def resolve_run_dir(cfg: Config, run_dir: str | None = None, run_id: str | None 
             f"a directory inside run.runs_root ({cfg.run.runs_root}); give a path with --run-dir instead"
         )
     return (Path(cfg.run.runs_root) / run_id).resolve()
+
+
+def _not_a_file(path: Path, what: str, wanted: str) -> None:
+    """Refuse a path that exists and is not a directory, before anything starts."""
+    if path.exists() and not path.is_dir():
+        raise StageError(f"{what} {str(path)!r} is a file, not a directory; name {wanted}")
 
 
 def open_run(cfg: Config, run_dir: str | Path) -> Run:

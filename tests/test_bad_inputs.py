@@ -48,6 +48,13 @@ SURROGATE_LINE = '{"prompt": "a \\ud800 circle"}'  # valid JSON, a lone surrogat
 NOT_UTF8 = b"a red circle\n\xff\xfe"
 
 
+def _bomb(tmp: Path) -> Path:
+    """Nine levels of ten aliases each under `reward.options`: 581 bytes that expand to 10^9 values."""
+    lines = ["reward:", "  name: shapes", "  options:", "    a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"    a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 9)]
+    return _write(tmp, "bomb.yaml", "\n".join(lines) + "\n")
+
+
 def _write_bytes(tmp: Path, name: str, data: bytes) -> Path:
     path = tmp / name
     path.write_bytes(data)
@@ -160,6 +167,37 @@ TRAIN_CASES = {
     "a run id that climbs out": (lambda t: ["--run-id", "../x"], ["not one name", "--run-dir"]),
     "an absolute run id": (lambda t: ["--run-id", "/tmp/x"], ["not one name"]),
     "a run id with a folder": (lambda t: ["--run-id", "a/b"], ["not one name"]),
+    # absolute bounds, before anything is allocated
+    "a group size of a billion": (lambda t: ["--set", "run.group_size=1000000000"], ["run.group_size", "4096"]),
+    "ten million sampling steps": (lambda t: ["--set", "sampler.steps=10000000"], ["sampler.steps", "1000"]),
+    "a learning rate of 1e300": (lambda t: ["--set", "optim.lr=1e300"], ["optim.lr"]),
+    "a million trajectories an iteration": (
+        lambda t: ["--set", "run.prompts_per_iteration=60000", "--set", "run.group_size=4000"],
+        ["trajectories an iteration exceeds"],
+    ),
+    "a YAML alias bomb": (lambda t: ["--config", str(_bomb(t))], ["aliases expand to more than"]),
+    "a YAML alias bomb in --set": (
+        lambda t: [
+            "--set",
+            "reward.options={a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1], b: &b ["
+            + ", ".join(["*a"] * 10)
+            + "], c: &c ["
+            + ", ".join(["*b"] * 10)
+            + "], d: &d ["
+            + ", ".join(["*c"] * 10)
+            + "], e: ["
+            + ", ".join(["*d"] * 10)
+            + "], f: ["
+            + ", ".join(["*d"] * 10)
+            + "]}",
+        ],
+        ["--set reward.options", "aliases expand"],
+    ),
+    "a runs root that is a file": (lambda t: ["--set", f"run.runs_root={_write(t, 'f', '')}"], ["is a file"]),
+    "a run directory inside a file": (
+        lambda t: ["--run-dir", str(_write(t, "g", "") / "r"), "--run-id", "x"],
+        ["is a file", "--run-dir"],
+    ),
 }
 
 

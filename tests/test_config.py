@@ -296,3 +296,11 @@ def test_a_clip_that_cannot_act_says_so():
     assert "optim.clip_range=0.01 never acts" in note and "optimizer_steps" in note
     assert load_config(None, ["optim.optimizer_steps=2"]).notes() == []
     assert load_config(None, ["optim.optimizer_steps=1", "optim.inner_epochs=2"]).notes() == []
+
+
+def test_yaml_aliases_are_followed_within_a_bound():
+    from stepgrpo.config import load_yaml
+
+    assert load_yaml("a: &x {b: 1}\nc: *x", "here") == {"a": {"b": 1}, "c": {"b": 1}}  # plain reuse reads
+    with pytest.raises(ConfigError, match="here: a YAML alias refers to the value it is part of"):
+        load_yaml("a: &a [1, *a]", "here")
