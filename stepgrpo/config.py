@@ -589,8 +589,8 @@ class Config(_Section):
         B = self.run.prompts_per_iteration * self.run.group_size
         if B > MAX_TRAJECTORIES:
             raise ValueError(
-                f"run.prompts_per_iteration x run.group_size = {B} trajectories an iteration exceeds {MAX_TRAJECTORIES}: "
-                "lower one of them (Flow-GRPO's recipes use 48 x 24)"
+                f"run.prompts_per_iteration x run.group_size = {B} trajectories an iteration exceeds "
+                f"{MAX_TRAJECTORIES}: lower one of them (Flow-GRPO's recipes use 48 x 24)"
             )
         if self.optim.optimizer_steps > B:
             raise ValueError(
@@ -826,7 +826,7 @@ def load_yaml(text: str, where: str) -> Any:
         if size(node) > MAX_YAML_VALUES:
             raise ConfigError(
                 f"{where}: its YAML aliases expand to more than {MAX_YAML_VALUES} values (nested anchors, a "
-                "\"billion laughs\"); a config needs no such thing: write the values out"
+                '"billion laughs"); a config needs no such thing: write the values out'
             )
     return yaml.safe_load(text)
 
