@@ -97,6 +97,7 @@ def check_reward_server(reward: str, options: dict[str, Any]) -> None:
     from stepgrpo.rewards.remote import HttpReward
 
     try:
+        HttpReward.check_options(options)
         server = HttpReward(
             str(options.get("url", "")),
             str(options.get("name", "")),
@@ -134,11 +135,11 @@ def check_config(cfg: Config, calibrated: bool = False) -> None:
         )
     if cfg.run.heldout_prompts is not None and not prompts.ids("test"):
         raise StageError(f"run.heldout_prompts {cfg.run.heldout_prompts!r} holds no prompt")
+    check_reward_server(cfg.reward.name, dict(cfg.reward.options))  # every missing option at once
     try:
         reward_identity(cfg.reward)
     except TypeError as err:
         raise StageError(f"reward.options: {err}") from None
-    check_reward_server(cfg.reward.name, dict(cfg.reward.options))
     check_scale(cfg)
     if calibrated:
         check_calibrated(cfg)
@@ -212,11 +213,11 @@ def check_run(
         from stepgrpo.rewards import REWARDS, reward_identity
 
         REWARDS.validate(reward)
+        check_reward_server(reward, reward_options or {})  # every missing option at once
         try:
             reward_identity({"name": reward, "options": reward_options or {}})
         except TypeError as err:
             raise StageError(f"--options: {err}") from None
-        check_reward_server(reward, reward_options or {})
         replace["reward"] = {"name": reward, "options": reward_options or {}}
     if scheme is not None:
         from stepgrpo_core.credit import SCHEMES, check_options

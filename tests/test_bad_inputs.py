@@ -198,6 +198,14 @@ TRAIN_CASES = {
         lambda t: ["--run-dir", str(_write(t, "g", "") / "r"), "--run-id", "x"],
         ["is a file", "--run-dir"],
     ),
+    "an http reward without its name and version": (
+        lambda t: ["--set", "reward.name=http", "--set", "reward.options={url: 'http://127.0.0.1:9'}"],
+        ["`name`, `version` missing"],
+    ),
+    "an http reward with every option wrong": (
+        lambda t: ["--set", "reward.name=http", "--set", "reward.options={url: 'ftp://x'}"],
+        ["`name`, `version` missing", "url 'ftp://x' must start with http://"],
+    ),
 }
 
 
@@ -350,3 +358,12 @@ def test_a_hub_model_that_cannot_be_read_fails_before_anything_starts(here, monk
     assert all(text in result.output for text in says), result.output
     assert "Traceback" not in result.output
     assert not (here / "runs").exists()
+
+
+def test_a_reward_token_with_a_newline_is_refused_and_never_shown(here, monkeypatch):
+    secret = "s3cr3t-value"
+    monkeypatch.setenv("STEPGRPO_REWARD_TOKEN", secret + "\n")
+    args = ["--set", "reward.name=http", "--set", "reward.options={url: 'http://127.0.0.1:9', name: r, version: '1'}"]
+    result = invoke("train", "--set", "run.runs_root=runs", *args, "--run-id", "x")
+    assert result.exit_code == 1 and "STEPGRPO_REWARD_TOKEN holds whitespace" in result.output
+    assert secret not in result.output and not (here / "runs").exists()

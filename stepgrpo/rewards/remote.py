@@ -99,6 +99,18 @@ def decode_images(encoded: Sequence[str], resolution: int | None = None) -> torc
 TRANSIENT_STATUS = (429, 502, 503, 504)  # answers worth another try: the server is busy or restarting
 
 
+def _token() -> str | None:
+    """The shared secret from `STEPGRPO_REWARD_TOKEN`; one with whitespace or a control character
+    (a newline read from a file) is refused naming the variable, never showing the value."""
+    token = os.environ.get(TOKEN_ENV)
+    if token and (token != token.strip() or not token.isprintable() or " " in token):
+        raise ValueError(
+            f"{TOKEN_ENV} holds whitespace or a control character (a trailing newline, if it was read from a "
+            f'file: export {TOKEN_ENV}="$(tr -d \'\\n\' < FILE)"); its value is not shown'
+        )
+    return token
+
+
 class HttpReward:
     """A reward scored by a `stepgrpo reward-server` (or any server speaking its protocol), on httpx.
 
@@ -127,8 +139,24 @@ class HttpReward:
         self.connect_timeout, self.retries, self.backoff = min(connect_timeout, timeout), retries, backoff
         self._checked = False
 
+    @staticmethod
+    def check_options(options: dict[str, Any]) -> None:
+        """Every problem of an `http` reward's options at once (ValueError), and of the token it
+        would send (never shown): `url` (http:// or https://), `name` and `version` are required."""
+        problems = [f"`{key}`" for key in ("url", "name", "version") if options.get(key) in (None, "")]
+        problems = [f"{', '.join(problems)} missing"] if problems else []
+        url = options.get("url")
+        if url not in (None, "") and not str(url).startswith(("http://", "https://")):
+            problems.append(f"url {url!r} must start with http:// or https://")
+        if problems:
+            raise ValueError(
+                f"reward http: {'; '.join(problems)} (reward.options: url of the `stepgrpo reward-server`, "
+                "and the name and version it serves)"
+            )
+        _token()
+
     def _headers(self) -> dict[str, str]:
-        token = os.environ.get(TOKEN_ENV)
+        token = _token()
         return {"Authorization": f"Bearer {token}"} if token else {}
 
     def _request(self, path: str, body: dict[str, Any] | None = None) -> Any:
