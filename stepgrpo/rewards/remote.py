@@ -106,7 +106,7 @@ def _token() -> str | None:
     if token and (token != token.strip() or not token.isprintable() or " " in token):
         raise ValueError(
             f"{TOKEN_ENV} holds whitespace or a control character (a trailing newline, if it was read from a "
-            f'file: export {TOKEN_ENV}="$(tr -d \'\\n\' < FILE)"); its value is not shown'
+            f"file: export {TOKEN_ENV}=\"$(tr -d '\\n' < FILE)\"); its value is not shown"
         )
     return token
 
