@@ -45,6 +45,8 @@ def call(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
         environment.apply()  # the flows apply it again with their config's `scale.threads`
         return fn(*args, **kwargs)
+    except typer.Exit:  # a command's own exit, after its own message
+        raise
     except expected_errors() as err:
         failed("error", err)
     except Exception as err:  # an unexpected failure: still a message and a non-zero exit

@@ -88,4 +88,5 @@ class Checkpoints:
                 "digest (damaged or edited); restore it or resume from an earlier checkpoint"
             )
         tensors = {p.stem: load_file(str(p)) for p in sorted(path.glob("*.safetensors"))}
+        self.run.check_checkpoint_number(iteration)
         return Checkpoint(iteration, tensors, read_json(path / STATE_FILE, "checkpoint state"), manifest)

@@ -379,6 +379,20 @@ class Run:
             found = store.verify_and_digest(digest_format)[0]  # a bad chunk raises, naming the array and chunk
         if found != manifest.get("digest"):
             raise CorruptChunkError(f"{what}: its content no longer matches its published digest (damaged or edited)")
+        if stage == "checkpoint":
+            self.check_checkpoint_number(iteration)
+
+    def check_checkpoint_number(self, iteration: int) -> None:
+        """A checkpoint's sealed state names the iteration it was written for: one copied under another
+        number (`cp -a checkpoints/iter_1 checkpoints/iter_7`) verifies byte for byte, and is still not
+        iteration 7's."""
+        state = read_json(self.stage_path(iteration, "checkpoint") / "state.json", "checkpoint state")
+        written = state.get("iteration") if isinstance(state, dict) else None
+        if written is not None and written != iteration:
+            raise CorruptChunkError(
+                f"run {self.run_id} checkpoints/iter_{iteration} holds the checkpoint of iteration {written} "
+                "(copied or renamed); move it aside: it is not this iteration's"
+            )
 
     def _verify_pruned(self, iteration: int, stage: str, manifest: dict[str, Any]) -> None:
         """A pruned stage (`stepgrpo.storage.retention`): what it kept still passes its checks (the attrs,
@@ -390,6 +404,7 @@ class Run:
                 read_json(path / "state.json", "checkpoint state")
             except (OSError, StorageError) as err:
                 raise CorruptChunkError(f"{what}: its state.json cannot be read ({err})") from None
+            self.check_checkpoint_number(iteration)
             return
         try:
             store = StageStore.open(path, spec_of(stage), self.dim_limits())

@@ -186,3 +186,19 @@ def test_offline_commands_skip_flow_heartbeats_unless_the_user_asks_for_them(mon
     monkeypatch.setenv("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "60")  # as a user's process starts with it
     with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: 60}), session.prefect_server(heartbeats=False):
         assert get_current_settings().flows.heartbeat_frequency == 60
+
+
+def test_verify_names_a_copied_checkpoint_and_ends_with_its_own_summary(tmp_path):
+    import shutil
+
+    import torch
+
+    from stepgrpo.storage.run import Run
+
+    run = Run.create(tmp_path, "r", {})
+    run.checkpoints.save_checkpoint(1, {"lora": {"a.weight": torch.ones(2)}}, {"iteration": 1})
+    shutil.copytree(run.stage_path(1, "checkpoint"), run.stage_path(7, "checkpoint"))
+    result = runner.invoke(app, ["inspect", str(run.path), "--verify"])
+    assert result.exit_code == 1
+    assert "iter_7 holds the checkpoint of iteration 1" in result.output and "do not verify" in result.output
+    assert "Exit" not in result.output and "failed" not in result.output

@@ -365,6 +365,23 @@ def test_checkpoint_round_trip(tmp_path):
         run.checkpoints.load_checkpoint(1)
 
 
+def test_a_checkpoint_copied_under_another_number_is_not_that_iteration(tmp_path):
+    """`cp -a checkpoints/iter_1 checkpoints/iter_7`: every byte verifies, and its sealed state says 1."""
+    import shutil
+
+    from stepgrpo.storage.errors import CorruptChunkError
+
+    run = Run.create(tmp_path, "r", {})
+    run.checkpoints.save_checkpoint(1, {"lora": {"a.weight": torch.ones(2)}}, {"iteration": 1})
+    shutil.copytree(run.stage_path(1, "checkpoint"), run.stage_path(7, "checkpoint"))
+    run.verify(1, "checkpoint")
+    with pytest.raises(CorruptChunkError, match="iter_7 holds the checkpoint of iteration 1"):
+        run.verify(7, "checkpoint")
+    with pytest.raises(CorruptChunkError, match="iter_7 holds the checkpoint of iteration 1"):
+        run.checkpoints.load_checkpoint(7)
+    assert [what for what, _ in run.verify_all()] == ["iteration 7 checkpoint"]
+
+
 def test_run_directory_holds_data_only(tmp_path):
     run = Run.create(tmp_path, "r", {})
     with run.checkpoints.begin_checkpoint(0) as w:
