@@ -135,6 +135,13 @@ def check_config(cfg: Config, calibrated: bool = False) -> None:
         )
     if cfg.run.heldout_prompts is not None and not prompts.ids("test"):
         raise StageError(f"run.heldout_prompts {cfg.run.heldout_prompts!r} holds no prompt")
+    if cfg.run.heldout_prompts is not None and set(prompts.texts_of(prompts.ids("test"))) <= set(
+        prompts.texts_of(prompts.ids("train"))
+    ):
+        print(
+            f"warning: every held-out prompt of run.heldout_prompts {cfg.run.heldout_prompts!r} is also a training "
+            "prompt: the held-out gain will be measured on prompts the run trains on"
+        )
     check_reward_server(cfg.reward.name, dict(cfg.reward.options))  # every missing option at once
     try:
         reward_identity(cfg.reward)

@@ -206,6 +206,10 @@ TRAIN_CASES = {
         lambda t: ["--set", "reward.name=http", "--set", "reward.options={url: 'ftp://x'}"],
         ["`name`, `version` missing", "url 'ftp://x' must start with http://"],
     ),
+    "a prompt of a megabyte": (
+        lambda t: ["--set", f"run.prompts={_write(t, 'big.txt', 'a red circle' + chr(10) + 'x' * 1_000_000)}"],
+        ["big.txt:2", "1000000 characters"],
+    ),
 }
 
 
@@ -367,3 +371,12 @@ def test_a_reward_token_with_a_newline_is_refused_and_never_shown(here, monkeypa
     result = invoke("train", "--set", "run.runs_root=runs", *args, "--run-id", "x")
     assert result.exit_code == 1 and "STEPGRPO_REWARD_TOKEN holds whitespace" in result.output
     assert secret not in result.output and not (here / "runs").exists()
+
+
+def test_held_out_prompts_that_are_training_prompts_are_named(here):
+    p = _write(here, "p.txt", "a red circle\na blue square\n")
+    args = ["--set", f"run.prompts={p}", "--set", f"run.heldout_prompts={p}", "--set", "run.prompts_per_iteration=1"]
+    args += ["--set", "reward.name=http"]  # then stopped by the reward check that follows: nothing runs
+    result = invoke("train", "--set", "run.runs_root=runs", *args, "--run-id", "x")
+    assert "every held-out prompt" in result.output and "also a training prompt" in result.output
+    assert result.exit_code == 1 and "`url`" in result.output and not (here / "runs").exists()

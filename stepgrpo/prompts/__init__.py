@@ -128,6 +128,11 @@ def find_prompt_file(path: str) -> Path:
     return p
 
 
+# Longer than any text encoder reads (CLIP 77 tokens, T5 at most 512, ~4 characters a token): a
+# prompt beyond it is a pasted file, not a prompt (a 1 MB one tokenises for minutes, then fails).
+MAX_PROMPT_CHARS = 4096
+
+
 def read_prompt_file(path: Path) -> tuple[list[str], list[dict[str, Any]]]:
     """Prompts and metadata of a `.txt` or `.jsonl` file (module doc)."""
     try:
@@ -135,6 +140,8 @@ def read_prompt_file(path: Path) -> tuple[list[str], list[dict[str, Any]]]:
     except UnicodeDecodeError as err:
         raise StageError(f"{path} is not UTF-8 text (byte {err.start}: {err.reason}); save it as UTF-8") from None
     if path.suffix != ".jsonl":
+        for number, line in enumerate(lines, 1):
+            _check_length(line, path, number)
         return lines, [{} for _ in lines]
     texts, metadata = [], []
     for number, line in enumerate(lines, 1):
@@ -156,9 +163,18 @@ def read_prompt_file(path: Path) -> tuple[list[str], list[dict[str, Any]]]:
                 f"{path}:{number} holds a character that is not valid Unicode ({err.reason}, e.g. a lone surrogate "
                 "escape like \\ud800); fix that line"
             ) from None
+        _check_length(row["prompt"], path, number)
         texts.append(row["prompt"])
         metadata.append(row)
     return texts, metadata
+
+
+def _check_length(prompt: str, path: Path, number: int) -> None:
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise StageError(
+            f"{path}:{number} is a prompt of {len(prompt)} characters, more than any text encoder reads "
+            f"({MAX_PROMPT_CHARS} at most); one prompt a line"
+        )
 
 
 def stored_prompts(run: Run) -> Prompts:
