@@ -33,7 +33,10 @@ def reward_server(
         int | None,
         typer.Option(help="The image side the clients' model makes: other sizes are refused before decoding."),
     ] = None,
-    max_body_mib: Annotated[int, typer.Option(help="Largest request body, MiB.")] = 1024,
+    max_body_mib: Annotated[
+        int | None,
+        typer.Option(help="Largest request body, MiB (default: --max-batch images of --resolution, 1024 px if unset)."),
+    ] = None,
 ) -> None:
     """Serve REWARD over HTTP for the `http` reward of runs elsewhere (FastAPI on uvicorn; /docs has
     its OpenAPI page; one log line per request and per reward call)."""
@@ -54,7 +57,7 @@ def reward_server(
             max_batch=max_batch,
             token=token,
             resolution=resolution,
-            max_body=max_body_mib << 20,
+            max_body=None if max_body_mib is None else max_body_mib << 20,
             access_log=True,
         )
     except (ServiceError, ValueError, TypeError, KeyError, OSError) as err:

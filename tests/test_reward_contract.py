@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import base64
 import io
+import json
+import re
 import socket
 import threading
 import time
@@ -18,6 +20,7 @@ import torch
 from PIL import Image
 
 from stepgrpo.config import RewardConfig
+from stepgrpo.errors import StageError
 from stepgrpo.loops.scoring import score_images
 from stepgrpo.rewards import build_reward
 from stepgrpo.rewards.base import RewardOutput, checked
@@ -181,19 +184,54 @@ def test_the_reward_server_refuses_huge_images_before_decoding_them(jpeg_server)
     assert err.value.code == 400 and "9000x9000" in err.value.read().decode()
 
 
-def test_the_http_reward_checks_the_answers_length(jpeg_server):
-    """An answer for fewer images than sent is named, not stored shifted."""
+def _reversed(a):
+    return {**a, "ids": a["ids"][::-1], "scores": a["scores"][::-1]}
 
-    class Short(HttpReward):
-        def _request(self, path, body=None):
-            answer = super()._request(path, body)
-            if path == "/score":
-                answer["scores"] = answer["scores"][:-1]
-            return answer
+
+TAMPERED = {  # what a faulty or hostile server could answer, and what the client says
+    "short": (lambda a: {**a, "ids": a["ids"][:-1], "scores": a["scores"][:-1]}, "not the 2 images it was sent"),
+    "padded": (lambda a: {**a, "ids": [*a["ids"], "0" * 16], "scores": [*a["scores"], 0.5]}, "3 ids"),
+    "permuted": (_reversed, "in order"),
+    "another request's": (lambda a: {**a, "ids": ["f" * 16, "e" * 16]}, "another request's answer"),
+    "without ids (an older server)": (lambda a: {k: v for k, v in a.items() if k != "ids"}, "must echo"),
+    "a score short": (lambda a: {**a, "scores": a["scores"][:-1]}, "scores that holds 1 values for 2 images"),
+    "a boolean score": (lambda a: {**a, "scores": [True, a["scores"][1]]}, "value 0 is bool"),
+    "a string score": (lambda a: {**a, "scores": ["0.5", a["scores"][1]]}, "value 0 is str"),
+    "a null score": (lambda a: {**a, "scores": [None, a["scores"][1]]}, "value 0 is NoneType"),
+    "a NaN score": (lambda a: {**a, "scores": [float("nan"), a["scores"][1]]}, "not a finite number"),
+    "a string sub-score": (lambda a: {**a, "sub": {"x": ["a", "b"]}}, "sub-score 'x'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TAMPERED))
+def test_the_http_reward_refuses_an_answer_that_is_not_for_its_images(jpeg_server, case):
+    """Each image's id comes back with its score, in order: a misaligned or malformed answer is named
+    (the server's address in the message), never stored shifted or coerced."""
+    tamper, says = TAMPERED[case]
+
+    class Tampered(HttpReward):
+        def _request(self, path, body=None, limit=1 << 20):
+            answer = super()._request(path, body, limit)
+            return tamper(answer) if path == "/score" else answer
 
     version = build_reward("jpeg_compressibility").version
-    with pytest.raises(ValueError, match="returned 1 scores for 2 images"):
-        Short(jpeg_server, "jpeg_compressibility", version)(torch.rand(2, 3, 8, 8), ["a", "b"], [{}, {}])
+    with pytest.raises(StageError, match=re.escape(says)) as err:
+        Tampered(jpeg_server, "jpeg_compressibility", version)(torch.rand(2, 3, 8, 8), ["a", "b"], [{}, {}])
+    assert jpeg_server in str(err.value)
+
+
+def test_the_http_reward_reads_at_most_a_bound_of_an_answer():
+    """A 3 MB answer for 2 images is refused as it arrives (the bound is derived from the batch)."""
+    from stepgrpo.rewards.remote import answer_limit
+
+    huge = json.dumps({"name": "r", "version": "1", "pad": "x" * (3 << 20)})
+    url, sock, _ = _answering([(200, huge)])
+    try:
+        with pytest.raises((StageError, RuntimeError), match=f"more than {1 << 20} bytes"):
+            HttpReward(url, "r", "1", retries=0).check()
+        assert answer_limit(2) < 3 << 20
+    finally:
+        sock.close()
 
 
 def _answering(answers: list[tuple[int, str]]):
@@ -356,3 +394,21 @@ def test_train_checks_the_reward_server_before_anything_starts(jpeg_server, tmp_
         assert all(text in result.output for text in says), result.output
         assert "Traceback" not in result.output and "--verbose" in result.output
         assert not (tmp_path / "runs").exists()
+
+
+def test_a_servers_default_body_limit_fits_its_largest_batch():
+    """Not 1 GiB whatever it serves: `--max-batch` images at `--resolution` (1024 px when unset)."""
+    from stepgrpo.rewards.remote import MAX_BODY, body_limit
+
+    assert body_limit(4, 16) < 1 << 21 and body_limit(64, None) < MAX_BODY // 3
+    server, url = _serving(build_reward("jpeg_compressibility"), max_batch=2, resolution=16)
+    version = build_reward("jpeg_compressibility").version
+    try:
+        client = HttpReward(url, "jpeg_compressibility", version, timeout=30, batch=4096)
+        assert client(torch.rand(2, 3, 16, 16), ["a", "b"], [{}, {}]).scores.shape == (2,)
+        limit = body_limit(2, 16)
+        with pytest.raises(RuntimeError, match=f"answered 413: a request body of .* at most {limit}"):
+            client(torch.rand(2048, 3, 16, 16), ["a"] * 2048, [{}] * 2048)  # ~2.5 MB of PNGs in one request
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -6,9 +6,15 @@ pattern), or one big reward model shared by many workers. The wire format is dat
 pickle: JSON with the 8-bit images as base64 PNG (lossless, so the server scores exactly the
 bytes a local reward would see), the prompts and their metadata.
 
-    GET  /info   -> {"name": ..., "version": ...}
+    GET  /info   -> {"name": ..., "version": ..., "protocol": 2}
     POST /score  {"images": [png base64], "prompts": [...], "metadata": [...]}
-                 -> {"scores": [...], "strict": [...] | null, "sub": {name: [...]}}
+                 -> {"ids": [...], "scores": [...], "strict": [...] | null, "sub": {name: [...]}}
+
+`ids` are the digests of the images the server scored (`image_id`: sha256 of each base64 string,
+16 hex digits), in the order it scored them: the client refuses an answer whose ids are not its
+own images' in its order (permuted, short, padded or another request's), and one whose scores are
+not finite JSON numbers (`strict` and `sub` may hold NaN for "not applicable"; never a boolean,
+a string or null). It reads at most `answer_limit(n)` bytes of an answer for n images.
 
 The client's identity (`name`, `version`) is declared in its options, so cache keys and stored
 rows name the served reward without a network call; on first use the client checks the server
@@ -27,6 +33,7 @@ import base64
 import binascii
 import io
 import json
+import math
 import os
 import threading
 import time
@@ -41,7 +48,31 @@ from stepgrpo.errors import StageError
 from stepgrpo.images import dequantize, quantize
 from stepgrpo.rewards.base import REWARDS, RewardOutput
 
-MAX_BODY = 1 << 30  # bytes a server reads from one request
+MAX_BODY = 1 << 30  # bytes a server reads from one request, at most (`body_limit` sizes the default)
+PROTOCOL = 2  # the wire format's version (2: the answer echoes the scored images' ids)
+
+
+def image_id(encoded: str) -> str:
+    """An image's id on the wire: the first 16 hex digits of the sha256 of its base64 string."""
+    import hashlib
+
+    return hashlib.sha256(encoded.encode("ascii", "replace")).hexdigest()[:16]
+
+
+def answer_limit(n: int) -> int:
+    """The most bytes a client reads of the answer for `n` images: ids, three numbers a score's
+    fields and sub-scores, generously (a score is ~25 bytes of JSON)."""
+    return (1 << 20) + n * (16 << 10)
+
+
+def body_limit(max_batch: int, resolution: int | None) -> int:
+    """A server's default request limit: its largest batch of the largest images it scores (a
+    base64 PNG of an RGB image is at most ~1.4x its raw bytes; 1024 x 1024 when `--resolution` does
+    not say), capped at `MAX_BODY`."""
+    side = resolution or 1024
+    return min(MAX_BODY, (1 << 20) + max_batch * (3 * side * side * 14 // 10 + (4 << 10)))
+
+
 MAX_IMAGE_PIXELS = 1 << 24  # one image's pixels a server decodes (4096 x 4096): checked from the PNG header
 MAX_REQUEST_PIXELS = 1 << 26  # all images' pixels of one request (~0.8 GB as float32 RGB)
 TOKEN_ENV = "STEPGRPO_REWARD_TOKEN"  # the shared secret, for the client and the server (`--token`'s default)
@@ -159,18 +190,19 @@ class HttpReward:
         token = _token()
         return {"Authorization": f"Bearer {token}"} if token else {}
 
-    def _request(self, path: str, body: dict[str, Any] | None = None) -> Any:
-        """The JSON answer of the server (see the class's docstring for deadlines and retries)."""
+    def _request(self, path: str, body: dict[str, Any] | None = None, limit: int = 1 << 20) -> Any:
+        """The JSON answer of the server, at most `limit` bytes of it (see the class's docstring for
+        deadlines and retries)."""
         for attempt in range(self.retries + 1):
             try:
-                return self._once(path, body)
+                return self._once(path, body, limit)
             except _Transient as err:
                 if attempt == self.retries:
                     raise RuntimeError(str(err)) from None
                 time.sleep(self.backoff * 2**attempt)
         raise AssertionError("unreachable")
 
-    def _once(self, path: str, body: dict[str, Any] | None) -> Any:
+    def _once(self, path: str, body: dict[str, Any] | None, limit: int) -> Any:
         """One try: the exchange runs in a thread given `timeout` seconds in all (httpx's own
         timeouts bound each read, so a server that drips its answer would outlast them)."""
         where = f"reward server {self.url}{path}"
@@ -178,7 +210,7 @@ class HttpReward:
 
         def call() -> None:
             try:
-                answer["value"] = self._exchange(path, body)
+                answer["value"] = self._exchange(path, body, limit)
             except BaseException as err:  # handed to the caller's thread
                 answer["error"] = err
 
@@ -203,15 +235,26 @@ class HttpReward:
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise RuntimeError(f"{where} answered something that is not JSON ({err})") from None
 
-    def _exchange(self, path: str, body: dict[str, Any] | None) -> tuple[int, bytes]:
-        """The request on httpx: the answer's status and bytes; failures as the user reads them."""
+    def _exchange(self, path: str, body: dict[str, Any] | None, limit: int) -> tuple[int, bytes]:
+        """The request on httpx: the answer's status and at most `limit` of its bytes (a longer
+        answer is refused as it arrives, never held); failures as the user reads them."""
         import httpx
 
         limits = httpx.Timeout(self.timeout, connect=self.connect_timeout)
         try:
-            with httpx.Client(timeout=limits, headers=self._headers()) as client:
-                response = client.request("GET" if body is None else "POST", self.url + path, json=body)
-                return response.status_code, response.content
+            with (
+                httpx.Client(timeout=limits, headers=self._headers()) as client,
+                client.stream("GET" if body is None else "POST", self.url + path, json=body) as response,
+            ):
+                data = bytearray()
+                for chunk in response.iter_bytes():
+                    data += chunk
+                    if len(data) > limit:
+                        raise StageError(
+                            f"reward server {self.url}{path} answered more than {limit} bytes for this request; "
+                            "a reward answer is a few numbers an image: its answer is refused"
+                        )
+                return response.status_code, bytes(data)
         except httpx.ConnectTimeout as err:
             raise _Transient(f"reward server {self.url} did not accept a connection ({err})") from None
         except httpx.ConnectError as err:
@@ -226,6 +269,33 @@ class HttpReward:
                 f"reward server {self.url}{path} failed while answering ({type(err).__name__}: {err}): it may have "
                 "crashed; see its log"
             ) from None
+
+    def _checked_answer(self, answer: Any, ids: list[str]) -> dict[str, Any]:
+        """One /score answer, refused unless it scores exactly these images in this order with
+        numbers: a misaligned answer would store one image's score under another's row."""
+        where = f"reward {self.name!r} (server {self.url})"
+        if not isinstance(answer, dict):
+            raise StageError(f"{where} answered {type(answer).__name__}, not an object with ids and scores")
+        if answer.get("ids") != ids:
+            got = answer.get("ids")
+            shown = f"{len(got)} ids" if isinstance(got, list) else f"ids {str(got)[:40]!r}"
+            raise StageError(
+                f"{where} answered with {shown} that are not the {len(ids)} images it was sent, in order "
+                "(permuted, short, padded or another request's answer); its scores are not stored. A server "
+                f"must echo each image's id (protocol {PROTOCOL}: `stepgrpo reward-server` of this version)"
+            )
+        n = len(ids)
+        checks = [("scores", answer.get("scores"), True)]
+        if answer.get("strict") is not None:
+            checks.append(("strict", answer["strict"], False))
+        sub = answer.get("sub") or {}
+        if not isinstance(sub, dict):
+            raise StageError(f"{where} answered sub-scores that are {type(sub).__name__}, not an object")
+        checks += [(f"sub-score {k!r}", v, False) for k, v in sub.items()]
+        for field, values, finite in checks:
+            if (why := _numbers(values, n, finite)) is not None:
+                raise StageError(f"{where} answered {field} that {why}; its scores are not stored")
+        return answer
 
     def check(self) -> None:
         """The server must serve the identity this reward declares."""
@@ -246,26 +316,13 @@ class HttpReward:
         parts = []
         for c0 in range(0, len(images), self.batch):
             rows = slice(c0, c0 + self.batch)
+            encoded = encode_images(images[rows])
             answer = self._request(
                 "/score",
-                {
-                    "images": encode_images(images[rows]),
-                    "prompts": list(prompts[rows]),
-                    "metadata": [dict(m) for m in metadata[rows]],
-                },
+                {"images": encoded, "prompts": list(prompts[rows]), "metadata": [dict(m) for m in metadata[rows]]},
+                limit=answer_limit(len(encoded)),
             )
-            if not isinstance(answer, dict) or not isinstance(answer.get("scores"), list):
-                raise ValueError(
-                    f"reward {self.name!r} (server {self.url}) answered {type(answer).__name__} without a list of "
-                    "scores"
-                )
-            n = len(images[rows])
-            for field in ("scores", "strict"):
-                if answer.get(field) is not None and len(answer[field]) != n:
-                    raise ValueError(
-                        f"reward {self.name!r} (server {self.url}) returned {len(answer[field])} {field} for {n} images"
-                    )
-            parts.append(answer)
+            parts.append(self._checked_answer(answer, [image_id(e) for e in encoded]))
         return RewardOutput(
             scores=torch.tensor([v for p in parts for v in p["scores"]], dtype=torch.float32),
             strict=None
@@ -276,6 +333,20 @@ class HttpReward:
                 for n in (parts[0].get("sub") or {} if parts else {})
             },
         )
+
+
+def _numbers(values: Any, n: int, finite: bool) -> str | None:
+    """Why `values` is not a list of `n` JSON numbers (finite ones when `finite`), or None."""
+    if not isinstance(values, list):
+        return f"is {type(values).__name__}, not a list"
+    if len(values) != n:
+        return f"holds {len(values)} values for {n} images"
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            return f"value {i} is {type(v).__name__} {str(v)[:40]!r}, not a number"
+        if finite and not math.isfinite(v):
+            return f"value {i} is {v}, not a finite number"
+    return None
 
 
 class _Transient(Exception):

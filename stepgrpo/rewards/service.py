@@ -37,7 +37,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from stepgrpo.rewards.base import Reward, RewardOutput, checked
-from stepgrpo.rewards.remote import MAX_BODY, TOKEN_ENV, decode_images
+from stepgrpo.rewards.remote import PROTOCOL, TOKEN_ENV, body_limit, decode_images, image_id
 
 LISTEN_BACKLOG = 1024  # connections the socket queues while the server accepts (100 clients at once must not reset)
 log = logging.getLogger("stepgrpo.reward_server")
@@ -168,8 +168,10 @@ class ScoreRequest(BaseModel):
 
 
 class ScoreAnswer(BaseModel):
-    """POST /score's answer: one score per image, in order (`strict` and `sub` when the reward has them)."""
+    """POST /score's answer: the scored images' ids (`image_id` of each base64 string, in order) and
+    one score per image (`strict` and `sub` when the reward has them)."""
 
+    ids: list[str]
     scores: list[float]
     strict: list[float] | None
     sub: dict[str, list[float]]
@@ -180,6 +182,7 @@ class Info(BaseModel):
 
     name: str
     version: str
+    protocol: int = PROTOCOL
 
 
 def build_app(
@@ -188,9 +191,10 @@ def build_app(
     max_batch: int = 64,
     token: str | None = None,
     resolution: int | None = None,
-    max_body: int = MAX_BODY,
+    max_body: int | None = None,
 ) -> Any:
-    """The FastAPI application serving `reward` (its `batcher` is on `app.state`)."""
+    """The FastAPI application serving `reward` (its `batcher` is on `app.state`); `max_body`
+    None: its largest batch of the largest images it scores (`body_limit`)."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
@@ -198,6 +202,7 @@ def build_app(
     from fastapi.responses import JSONResponse, Response
 
     batcher = Batcher(reward, max_batch)
+    max_body = body_limit(max_batch, resolution) if max_body is None else max_body
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202 - FastAPI's contract
@@ -239,7 +244,7 @@ def build_app(
     @app.get("/info", response_model=Info)
     async def info() -> Info:
         """The reward served: what a client's config must declare."""
-        return Info(name=str(reward.name), version=str(reward.version))
+        return Info(name=str(reward.name), version=str(reward.version), protocol=PROTOCOL)
 
     @app.post("/score", response_model=ScoreAnswer, responses={400: {"description": "bad images or lengths"}})
     async def score(body: ScoreRequest) -> Any:
@@ -258,6 +263,7 @@ def build_app(
         except (ValueError, KeyError, TypeError) as err:
             return refuse(400, f"reward {reward.name!r} refused the request: {type(err).__name__}: {err}")
         answer = {
+            "ids": [image_id(e) for e in body.images],
             "scores": out.scores.float().tolist(),
             "strict": None if out.strict is None else out.strict.float().tolist(),
             "sub": {k: v.float().tolist() for k, v in out.sub.items()},
@@ -281,7 +287,7 @@ class RewardServer:
         max_batch: int = 64,
         token: str | None = None,
         resolution: int | None = None,
-        max_body: int = MAX_BODY,
+        max_body: int | None = None,
         access_log: bool = False,
     ) -> None:
         import uvicorn
