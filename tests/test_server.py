@@ -92,6 +92,11 @@ def test_start_status_use_and_stop(home, tmp_path):
     try:
         assert record["url"] == url and "started:" in started.stdout
         assert server.healthy(url)
+        # its UI talks to this server, not to Prefect's default port
+        import httpx
+
+        settings = httpx.get(f"http://127.0.0.1:{port}/ui-settings", timeout=30).json()
+        assert settings["api_url"] == url
         status = cli("server", "status")
         assert status.returncode == 0 and url in status.stdout
         again = cli("server", "start", "--port", str(port))

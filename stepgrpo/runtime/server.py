@@ -117,6 +117,8 @@ def start(host: str = "127.0.0.1", port: int = 4200) -> tuple[dict[str, Any], bo
     command = prefect_command()
     env = dict(os.environ)
     env.pop("PREFECT_API_URL", None)
+    # the UI asks /ui-settings where the API is: this server's own address, not Prefect's default :4200
+    env.update(PREFECT_UI_API_URL=url, PREFECT_SERVER_API_HOST=host, PREFECT_SERVER_API_PORT=str(port))
     with (home / LOG).open("ab") as log:
         proc = subprocess.Popen(
             [*command, "server", "start", "--host", host, "--port", str(port)],
