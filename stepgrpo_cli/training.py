@@ -67,16 +67,25 @@ def config_show(config: ConfigOpt = None, set_: SetOpt = None) -> None:
 
 
 def deploy(
-    config: Annotated[Path, typer.Option("--config", "-c", help="YAML config: the run form's defaults.")],
+    config: Annotated[
+        Path | None, typer.Option("--config", "-c", help="YAML config: the run form's defaults (train, calibrate).")
+    ] = None,
     set_: SetOpt = None,
     name: Annotated[str | None, typer.Option(help="Deployment name (default: the config file's stem).")] = None,
     pool: Annotated[str, typer.Option(help="Prefect work pool (a process pool).")] = "stepgrpo",
-    flow: Annotated[str, typer.Option(help="The flow: train or calibrate.")] = "train",
+    flow: Annotated[
+        str, typer.Option(help="The flow: train, calibrate, evaluate, rescore, credit or credit-quality.")
+    ] = "train",
 ) -> None:
-    """Register a train (or calibrate) deployment whose run form holds CONFIG's values (needs PREFECT_API_URL)."""
+    """Register a deployment that runs in this directory: train (or calibrate) with CONFIG's values in
+    its run form, or an offline flow (needs PREFECT_API_URL)."""
     from stepgrpo.config import load_config
+    from stepgrpo_cli.deployments import FLOWS
 
-    cfg = shell.call(load_config, config, set_ or [])
+    if flow in FLOWS and config is None:
+        shell.err_console.print(f"[bold red]error:[/] --flow {flow} needs --config: its run form holds that recipe")
+        raise typer.Exit(1)
+    cfg = shell.call(load_config, config, set_ or []) if config is not None else None
     if not os.environ.get("PREFECT_API_URL"):
         shell.err_console.print(
             "[bold red]error:[/] a deployment lives on a Prefect server: start one (`stepgrpo server start`, or "
@@ -85,10 +94,10 @@ def deploy(
         raise typer.Exit(1)
     from stepgrpo_cli.deployments import deploy_flow
 
-    deployment = shell.call(deploy_flow, cfg, name or config.stem, pool, str(config), flow)
-    shell.console.print(
-        f"deployment {flow}/{name or config.stem} ({deployment}) on pool {pool}: its run form holds {config}"
-    )
+    label = name or (config.stem if config is not None else flow)
+    deployment = shell.call(deploy_flow, cfg, label, pool, str(config) if config else None, flow)
+    holds = f"its run form holds {config}" if config is not None else "its run form asks for the run"
+    shell.console.print(f"deployment {flow}/{label} ({deployment}) on pool {pool}, runs in {Path.cwd()}: {holds}")
 
 
 def calibrate(

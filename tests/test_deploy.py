@@ -107,3 +107,38 @@ def test_stepgrpo_deploy_fills_the_run_form_and_the_deployed_train_runs_like_the
     (mlrun,) = client.search_runs([client.get_experiment_by_name("stepgrpo").experiment_id])
     assert mlrun.data.tags["stepgrpo.run_id"] == "deployed" and mlrun.data.tags["stepgrpo.torch_threads"] == "2"
     assert mlrun.data.tags["stepgrpo.config"] == "demo"  # the config tells runs of the runs root's experiment apart
+
+
+def test_a_deployment_runs_where_it_was_made_and_offline_flows_deploy_too(server, harness, tmp_path):
+    """From a user's own directory: the run form's relative paths are anchored there, the worker runs
+    there (the deployment's source), the offline flows deploy by name, and a missing pool is named
+    with the command that creates it."""
+
+    def deploy(*args: str):
+        return subprocess.run(
+            [sys.executable, "-m", "stepgrpo_cli", "deploy", *args],
+            env=server, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+
+    (tmp_path / "prompts.txt").write_text("a red circle\na blue square\n")
+    sets = ["--set", "run.runs_root=runs", "--set", "run.prompts=prompts.txt", "--set", "run.prompts_per_iteration=1"]
+    missing = deploy("--config", "shapes_outcome", "--pool", "nobody-made-this", *sets)
+    assert missing.returncode == 1 and "prefect work-pool create nobody-made-this --type process" in missing.stderr
+    prefect(server, "work-pool", "create", "stepgrpo", "--type", "process", "--overwrite")
+    made = deploy("--config", "shapes_outcome", "--name", "here", *sets)
+    assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-2000:]
+    with api_client() as api:
+        deployment = api.read_deployment_by_name("train/here")
+    run = deployment.parameters["config"]["run"]
+    assert run["runs_root"] == str(tmp_path.resolve() / "runs")
+    assert run["prompts"] == str(tmp_path.resolve() / "prompts.txt")
+    assert deployment.parameters["config"]["model"]["path"] == "models/shapes"  # a name here: left as it is
+    assert str(tmp_path.resolve()) in json.dumps(deployment.pull_steps)  # the worker's working directory
+    for flow in ("rescore", "credit-quality"):
+        done = deploy("--flow", flow)
+        assert done.returncode == 0, done.stderr[-2000:]
+    with api_client() as api:
+        api.read_deployment_by_name("rescore/rescore")
+        api.read_deployment_by_name("credit-quality/credit-quality")
+    needs = deploy("--flow", "train")
+    assert needs.returncode == 1 and "needs --config" in needs.stderr
