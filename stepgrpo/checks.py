@@ -54,20 +54,31 @@ def check_model(path: str) -> None:
 def check_hub_model(repo_id: str) -> None:
     """A model named by its hub id, readable before any server starts or weight loads: in the local
     cache (then it loads offline too), else, with the hub on, there and open to this login."""
-    from huggingface_hub import auth_check, is_offline_mode, try_to_load_from_cache
-    from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
+    check_hub_repo(repo_id, f"model.path {repo_id!r}", "model_index.json")
 
-    where = f"model.path {repo_id!r}"
+
+def check_hub_repo(repo_id: str, where: str, marker: str | None = None) -> None:
+    """`repo_id` readable from the hub or the local cache (`marker`: a file whose cached copy says
+    it is there; None: any cached snapshot), else one line naming `where`, the problem and its fix."""
+    from huggingface_hub import auth_check, constants, is_offline_mode, try_to_load_from_cache
+    from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
+    from huggingface_hub.file_download import repo_folder_name
+
     try:
-        if isinstance(try_to_load_from_cache(repo_id, "model_index.json"), str):
-            return
+        if marker is not None:
+            if isinstance(try_to_load_from_cache(repo_id, marker), str):
+                return
+        else:
+            snapshots = (
+                Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model") / "snapshots"
+            )
+            if snapshots.is_dir() and any(snapshots.iterdir()):
+                return
     except HFValidationError:
-        raise StageError(
-            f"{where} is neither a local directory nor a hub model id (owner/name): check the path"
-        ) from None
+        raise StageError(f"{where} is neither a local path nor a hub model id (owner/name): check it") from None
     if is_offline_mode():
         raise StageError(
-            f"{where} is not a local directory nor in the Hugging Face cache, and HF_HUB_OFFLINE is set: download it "
+            f"{where} is not a local path nor in the Hugging Face cache, and HF_HUB_OFFLINE is set: download it "
             f"once with the network on (`hf download {repo_id}`), or unset HF_HUB_OFFLINE"
         )
     try:
@@ -79,14 +90,36 @@ def check_hub_model(repo_id: str) -> None:
         ) from None
     except RepositoryNotFoundError:
         raise StageError(
-            f"{where}: no such local directory, and no hub model this login can read (a typo, or a private "
+            f"{where}: no such local path, and no hub model this login can read (a typo, or a private "
             "model: log in with `hf auth login` or set HF_TOKEN)"
         ) from None
+    except HFValidationError:
+        raise StageError(f"{where} is neither a local path nor a hub model id (owner/name): check it") from None
     except Exception as err:  # the hub cannot be reached: no network, a proxy, a wrong HF_ENDPOINT
         raise StageError(
             f"{where}: the Hugging Face hub cannot be reached ({type(err).__name__}: {err}); check the network "
-            "or HF_ENDPOINT, or, with the model in the cache, set HF_HUB_OFFLINE=1"
+            "or HF_ENDPOINT, or, with the weights in the cache, set HF_HUB_OFFLINE=1"
         ) from None
+
+
+def check_reward_weights(reward: str, options: dict[str, Any], where: str = "reward") -> None:
+    """The hub weights a reward loads (its registered `hub` options: their values, or the
+    factory's defaults), checked as the policy model's are: cached, or on the hub and readable."""
+    import inspect
+
+    from stepgrpo.rewards import REWARDS
+
+    if ":" in reward or reward not in REWARDS.names():
+        return  # a plug-in or a weighted spec: its parts are checked where they are built
+    names = REWARDS.facts(reward).get("hub", ())
+    if not names:
+        return
+    defaults = {k: p.default for k, p in inspect.signature(REWARDS.get(reward)).parameters.items()}
+    for name in names:
+        value = options.get(name, defaults.get(name))
+        if not isinstance(value, str) or not value or Path(value).expanduser().exists():
+            continue  # not set (the reward uses another option), or a local file or directory
+        check_hub_repo(value, f"{where} {reward}: {name} {value!r}")
 
 
 def check_reward_server(reward: str, options: dict[str, Any]) -> None:
@@ -143,6 +176,7 @@ def check_config(cfg: Config, calibrated: bool = False) -> None:
             "prompt: the held-out gain will be measured on prompts the run trains on"
         )
     check_reward_server(cfg.reward.name, dict(cfg.reward.options))  # every missing option at once
+    check_reward_weights(cfg.reward.name, dict(cfg.reward.options), "reward")
     try:
         reward_identity(cfg.reward)
     except TypeError as err:
@@ -221,6 +255,7 @@ def check_run(
 
         REWARDS.validate(reward)
         check_reward_server(reward, reward_options or {})  # every missing option at once
+        check_reward_weights(reward, reward_options or {}, "--reward")
         try:
             reward_identity({"name": reward, "options": reward_options or {}})
         except TypeError as err:

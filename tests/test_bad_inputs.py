@@ -380,3 +380,17 @@ def test_held_out_prompts_that_are_training_prompts_are_named(here):
     result = invoke("train", "--set", "run.runs_root=runs", *args, "--run-id", "x")
     assert "every held-out prompt" in result.output and "also a training prompt" in result.output
     assert result.exit_code == 1 and "`url`" in result.output and not (here / "runs").exists()
+
+
+@pytest.mark.parametrize("reward", ["pickscore", "geneval", "aesthetic", "hpsv2", "imagereward", "clipscore"])
+def test_a_reward_whose_weights_are_not_here_is_named_before_anything_starts(here, monkeypatch, reward):
+    """Offline, with an empty cache: one line naming the reward's weights and the fix, in seconds
+    (not a Prefect retry around transformers' own error minutes later)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(here / "empty-cache"))
+    result = invoke("train", "--set", "run.runs_root=runs", "--set", f"reward.name={reward}", "--run-id", "x")
+    assert result.exit_code == 1 and f"reward {reward}: " in result.output, result.output
+    assert "HF_HUB_OFFLINE is set" in result.output and "hf download" in result.output
+    assert not (here / "runs").exists()

@@ -19,6 +19,7 @@ import torch
 
 from stepgrpo.checks import check_config
 from stepgrpo.config import load_config
+from stepgrpo.errors import StageError
 from stepgrpo.runs import open_run
 from stepgrpo.tasks import prompts as prompts_stage
 from stepgrpo.tasks import rollout as rollout_stage
@@ -56,7 +57,7 @@ def test_every_recipe_is_covered():
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_the_recipe_reaches_its_first_rollout(recipe, sd35_like, flux_like, tmp_path):
+def test_the_recipe_reaches_its_first_rollout(recipe, sd35_like, flux_like, tmp_path, monkeypatch):
     shipped = load_config(REPO / "configs" / recipe)
     small = ["model.device=cpu", "model.resolution=null", "run.prompts_per_iteration=1", "run.group_size=2"]
     small += [f"optim.optimizer_steps={min(shipped.optim.optimizer_steps, 2)}", f"run.runs_root={tmp_path}"]
@@ -72,6 +73,17 @@ def test_the_recipe_reaches_its_first_rollout(recipe, sd35_like, flux_like, tmp_
             (tmp_path / "test.txt").write_text("a blue bird\n")
             small += [f"run.prompts={tmp_path / 'train.txt'}", f"run.heldout_prompts={tmp_path / 'test.txt'}"]
     cfg = load_config(REPO / "configs" / recipe, small)
+    from stepgrpo import checks
+    from stepgrpo.rewards import REWARDS
+
+    if REWARDS.facts(cfg.reward.name).get("hub"):  # weights from the hub: named before anything starts
+        from huggingface_hub import constants
+
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # read at import: set as the env would have
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+        with pytest.raises(StageError, match=f"reward {cfg.reward.name}: .* is not a local path nor in the"):
+            check_config(cfg)
+        monkeypatch.setattr(checks, "check_reward_weights", lambda *a, **k: None)  # none on this machine
     check_config(cfg)
     for field in ("dtype", "guidance_scale", "lora_rank"):
         assert getattr(cfg.model, field) == getattr(shipped.model, field)

@@ -86,6 +86,8 @@ def check_reward(name: str, factory: Any) -> None:
 
 
 # Plug-ins (`stepgrpo.plugins.reward`): `module:attr` references and the `stepgrpo.rewards` entry points.
+# Facts: `identity` (options -> (name, version)); `hub`, the options whose values are hub ids of weights
+# the reward loads (checked before a run starts: `stepgrpo.checks.check_reward_weights`).
 REWARDS: Registry = Registry(
-    "reward", entry_points="stepgrpo.rewards", check=check_reward, required=("identity",), identity=None
+    "reward", entry_points="stepgrpo.rewards", check=check_reward, required=("identity",), identity=None, hub=()
 )

@@ -150,7 +150,7 @@ def _pickscore_identity(model: str, scale: float, **_: Any) -> tuple[str, str]:
     return "pickscore", "1" + _tag(model, PICKSCORE_MODEL) + ("" if scale == PICKSCORE_SCALE else f"+x{scale:g}")
 
 
-@REWARDS.register("pickscore", identity=_pickscore_identity)
+@REWARDS.register("pickscore", identity=_pickscore_identity, hub=("model", "processor"))
 def pickscore(
     model: str = PICKSCORE_MODEL,
     processor: str = PICKSCORE_PROCESSOR,
@@ -187,7 +187,7 @@ def _clipscore_identity(model: str, weight: float, clip_at_zero: bool, **_: Any)
     return "clipscore", "1" + _tag(model, CLIPSCORE_MODEL) + options
 
 
-@REWARDS.register("clipscore", identity=_clipscore_identity)
+@REWARDS.register("clipscore", identity=_clipscore_identity, hub=("model", "processor"))
 def clipscore(
     model: str = CLIPSCORE_MODEL,
     processor: str | None = None,
@@ -266,7 +266,7 @@ def _aesthetic_identity(model: str, head: str, **_: Any) -> tuple[str, str]:
     return "aesthetic", "1" + _tag(model, AESTHETIC_CLIP) + _tag(head, AESTHETIC_HEAD)
 
 
-@REWARDS.register("aesthetic", identity=_aesthetic_identity)
+@REWARDS.register("aesthetic", identity=_aesthetic_identity, hub=("model", "processor", "head"))
 def aesthetic(
     model: str = AESTHETIC_CLIP,
     processor: str | None = None,

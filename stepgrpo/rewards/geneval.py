@@ -461,7 +461,7 @@ def _identity(
     return "geneval", "1" + _tag(detector, DETECTOR) + _tag(clip, CLIP_MODEL) + options
 
 
-@REWARDS.register("geneval", identity=_identity)
+@REWARDS.register("geneval", identity=_identity, hub=("detector", "detector_processor", "clip", "clip_processor"))
 def geneval(
     detector: str = DETECTOR,
     detector_processor: str | None = None,

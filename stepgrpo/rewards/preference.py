@@ -174,7 +174,7 @@ def _hps_identity(variant: str, checkpoint: str, base: str, **_: Any) -> tuple[s
     return "hpsv2", f"1+{variant}" + _tag(checkpoint, HPS_REPO) + _tag(base, HPS_BASE)
 
 
-@REWARDS.register("hpsv2", identity=_hps_identity)
+@REWARDS.register("hpsv2", identity=_hps_identity, hub=("checkpoint", "base"))
 def hpsv2(
     variant: str = "v2.1",
     checkpoint: str = HPS_REPO,
@@ -355,7 +355,7 @@ def _imagereward_identity(checkpoint: str, tokenizer: str, **_: Any) -> tuple[st
     return "imagereward", "1" + _tag(checkpoint, IMAGEREWARD_REPO) + _tag(tokenizer, IMAGEREWARD_TOKENIZER)
 
 
-@REWARDS.register("imagereward", identity=_imagereward_identity)
+@REWARDS.register("imagereward", identity=_imagereward_identity, hub=("checkpoint", "tokenizer"))
 def imagereward(
     checkpoint: str = IMAGEREWARD_REPO,
     tokenizer: str = IMAGEREWARD_TOKENIZER,
