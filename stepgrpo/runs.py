@@ -35,6 +35,21 @@ def lock_path(run_dir: Path) -> Path:
     return run_dir.parent / f".{run_dir.name}.lock"
 
 
+OWNER_LOCK = ".owner.lock"  # inside a run directory: its owner's lock, the same file through any path to it
+
+
+class _Both:
+    """The run's two locks, released together."""
+
+    def __init__(self, outer: Any, inner: Any) -> None:
+        self.outer, self.inner = outer, inner
+
+    def release(self) -> None:
+        if self.inner is not None:
+            self.inner.release()
+        self.outer.release()
+
+
 @contextmanager
 def owned(run_dir: str | Path) -> Iterator[Path]:
     """Hold the run's lock for the block: one process owns a run at a time, and a second one is
@@ -58,6 +73,19 @@ def owned(run_dir: str | Path) -> Iterator[Path]:
             raise StageError(
                 f"run {run_dir.name} is in use: {_holder(path)}; wait for it to finish, or stop it"
             ) from None
+        # the same run reached through another path (a second mount of it): its own lock, inside it,
+        # is one file whatever the path (the outer one is taken before the run directory exists)
+        inner = FileLock(str(run_dir / OWNER_LOCK), timeout=0) if (run_dir / "manifest.json").is_file() else None
+        if inner is not None:
+            try:
+                inner.acquire()
+            except Timeout:
+                lock.release()
+                raise StageError(
+                    f"run {run_dir.name} is in use through another path to it (another mount of the same "
+                    "directory); wait for it to finish, or stop it"
+                ) from None
+        lock = _Both(lock, inner)
         holder = {
             "pid": os.getpid(),
             "host": socket.gethostname(),

@@ -1,0 +1,66 @@
+"""One owner per run, whatever path reaches it: the lock beside the run (taken before the directory
+exists) and the lock inside it (one file through every mount of the directory)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from stepgrpo.config import load_config
+from stepgrpo.errors import StageError
+from stepgrpo.runs import OWNER_LOCK, owned
+from stepgrpo.storage.run import Run
+
+HOLD = textwrap.dedent(
+    """
+    import sys, time
+    from stepgrpo.runs import owned
+    with owned(sys.argv[1]):
+        print("held", flush=True)
+        time.sleep(120)
+    """
+)
+
+
+def _run(root):
+    cfg = load_config(None, [])
+    return Run.create(root, "r", cfg.model_dump(mode="json")).path
+
+
+def test_a_run_is_owned_once_through_another_path(tmp_path):
+    """The same directory under a second mount point: a second owner through it is refused."""
+    path = _run(tmp_path / "a")
+    other = tmp_path / "b" / "r"
+    other.mkdir(parents=True)
+    bound = subprocess.run(["mount", "--bind", str(path), str(other)], capture_output=True)
+    if bound.returncode != 0:
+        pytest.skip("bind mounts need privileges this machine does not give")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert (other / "manifest.json").is_file() and (other / OWNER_LOCK).is_file()  # one directory, two paths
+        with pytest.raises(StageError, match="in use through another path"):
+            with owned(other):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+        for _ in range(20):
+            if subprocess.run(["umount", str(other)], capture_output=True).returncode == 0:
+                break
+            time.sleep(0.1)
+    with owned(other):  # its owner is gone: the kernel released both locks
+        pass
+
+
+def test_the_inner_lock_is_released_with_the_outer(tmp_path):
+    path = _run(tmp_path)
+    with owned(path):
+        with owned(path):  # re-entrant within a process
+            pass
+    with owned(path):
+        pass
