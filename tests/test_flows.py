@@ -1349,14 +1349,19 @@ def test_the_exported_lora_is_readable_carries_a_model_card_and_pushes_to_the_hu
         assert f.stat().st_mode & stat.S_IROTH, f"{f.name} is not readable by others"
     card = (lora / "README.md").read_text()
     meta = yaml.safe_load(card.split("---")[1])
-    assert meta["base_model"] == trained["model_path"] and meta["library_name"] == "diffusers"
+    # a local base: no hub id claimed, no path of this machine published (the card, config.yaml)
+    assert "base_model" not in meta and "base-model-local" in meta["tags"] and meta["library_name"] == "diffusers"
     assert "lora" in meta["tags"] and "credit-stepwise" in meta["tags"]
+    assert str(tmp_path.parent) not in card and str(Path(trained["model_path"]).parent) not in card
+    exported = yaml.safe_load((lora / "config.yaml").read_text())
+    assert exported["run"]["runs_root"] == "runs" and exported["model"]["path"] == Path(trained["model_path"]).name
     for text in ("jpeg_compressibility", "| iterations | 2 x", "Paired gain", "95 % interval", "(samples.png)"):
         assert text in card, text
     assert "stepgrpo train --config config.yaml --run-id tiny-a" in card
     assert yaml.safe_load((lora / "config.yaml").read_text())["credit"]["scheme"] == "stepwise"
     # the card's "Use" block, as a colleague runs it: the base model, then this LoRA
     use = card.split("```python\n", 1)[1].split("```", 1)[0].replace("path/to/this/folder", str(lora))
+    use = use.replace("path/to/the/base/model", trained["model_path"])
     namespace: dict = {}
     exec(use, namespace)
     adapters = namespace["pipe"].get_list_adapters()

@@ -48,3 +48,23 @@ def test_reward_summary_reads_the_sde_the_ode_reference_and_the_groups():
     assert s["group_reward_std"] == pytest.approx(0.25)  # stds 0 and 0.5
     assert s["zero_std_groups"] == pytest.approx(0.5)
     assert "reward_per_state" not in s  # not every state has a reward
+
+
+def test_a_card_of_the_shipped_model_loads_it_from_a_checkout_or_a_wheel():
+    """The base is the model stepgrpo ships: the card's Use block finds it through stepgrpo.paths
+    (a wheel has no models/shapes in the working directory), and names no hub id."""
+    import yaml
+
+    from stepgrpo.config import load_config
+    from stepgrpo.reporting.card import model_card, portable
+
+    cfg = load_config("shapes_outcome", ["run.runs_root=/somewhere/of/mine/runs"])
+    card = model_card(cfg, "r", [], samples=False)
+    meta = yaml.safe_load(card.split("---")[1])
+    assert "base_model" not in meta and "base-model-shipped" in meta["tags"]
+    use = card.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "SHIPPED_ROOT" in use and "/somewhere" not in card
+    namespace: dict = {}
+    exec(use.split("pipe.load_lora_weights")[0], namespace)  # the base loads, as the block says
+    assert namespace["pipe"].transformer is not None
+    assert portable(cfg)["run"]["runs_root"] == "runs"

@@ -19,17 +19,68 @@ SAMPLES = "samples.png"  # the last held-out evaluation's grid
 CONFIG = "config.yaml"  # the run's resolved config: `stepgrpo train --config config.yaml` makes it again
 
 
+def base_of(path: str) -> tuple[str, str]:
+    """Which base a run trained: `("hub", id)`, `("shipped", "models/shapes")` (the model stepgrpo
+    ships, in a checkout or a wheel) or `("local", its folder's name)`: a card never carries a path
+    of the machine that trained it."""
+    from stepgrpo.paths import SHIPPED_MODEL, SHIPPED_ROOT
+
+    given = Path(path).expanduser()
+    shipped = (SHIPPED_ROOT / SHIPPED_MODEL).resolve()
+    if path == SHIPPED_MODEL or (given.is_absolute() and given.resolve() == shipped):
+        return "shipped", SHIPPED_MODEL
+    if given.is_absolute() or given.exists() or path.startswith((".", "~")):
+        return "local", given.name
+    return "hub", path
+
+
+def portable(cfg: Config) -> dict[str, Any]:
+    """The config as `config.yaml` publishes it: the runs root and any absolute path (a prompt file,
+    a local model or LoRA) made relative (their names), so nothing of the trainer's machine leaves it."""
+    from stepgrpo.paths import SHIPPED_MODEL
+
+    data = cfg.model_dump(mode="json")
+    if Path(data["run"]["runs_root"]).is_absolute():
+        data["run"]["runs_root"] = "runs"
+    for section, key in (("run", "prompts"), ("run", "heldout_prompts"), ("model", "path"), ("model", "init_lora")):
+        value = data[section].get(key)
+        if value and Path(value).is_absolute():
+            kind, shown = base_of(value) if key == "path" else ("local", Path(value).name)
+            data[section][key] = SHIPPED_MODEL if kind == "shipped" else shown
+    return data
+
+
 def model_card(cfg: Config, run_id: str, evaluations: list[Mapping[str, Any]], samples: bool) -> str:
     """The card's text; `evaluations`: the run's held-out records, base first."""
-    base = cfg.model.path
+    kind, base = base_of(cfg.model.path)
     flux = "flux" in base.lower()
-    meta = {
-        "base_model": base,
+    meta: dict[str, Any] = {"base_model": base} if kind == "hub" else {}
+    meta |= {
         "library_name": "diffusers",
         "pipeline_tag": "text-to-image",
         "tags": ["text-to-image", "diffusers", "lora", "grpo", "stepgrpo", f"credit-{cfg.credit.scheme}"]
-        + (["flux"] if flux else ["stable-diffusion-3"]),
+        + (["flux"] if flux else ["stable-diffusion-3"])
+        + ([] if kind == "hub" else [f"base-model-{kind}"]),
     }
+    described = {
+        "hub": f"`{base}`",
+        "shipped": f"`{base}` (the model stepgrpo ships)",
+        "local": f"`{base}` (a local model)",
+    }
+    if kind == "shipped":
+        load = [
+            "from stepgrpo.paths import SHIPPED_ROOT  # the model stepgrpo ships, in a checkout or a wheel",
+            "",
+            f'pipe = Pipeline.from_pretrained(str(SHIPPED_ROOT / "{base}"){no_t5(cfg.model.path)}, '
+            f"torch_dtype=torch.{cfg.model.dtype})",
+        ]
+    elif kind == "local":
+        load = [
+            f'base = "path/to/the/base/model"  # the local model it was trained on: {base}',
+            f"pipe = Pipeline.from_pretrained(base{no_t5(cfg.model.path)}, torch_dtype=torch.{cfg.model.dtype})",
+        ]
+    else:
+        load = [f'pipe = Pipeline.from_pretrained("{base}"{no_t5(base)}, torch_dtype=torch.{cfg.model.dtype})']
     method = cfg.completion.method
     scheme = cfg.credit.scheme + (f" (step rewards by {method} completion)" if method else "")
     run, sampler = cfg.run, cfg.sampler
@@ -44,7 +95,7 @@ def model_card(cfg: Config, run_id: str, evaluations: list[Mapping[str, Any]], s
         "",
         "| setting | value |",
         "|---|---|",
-        f"| base model | `{base}` |",
+        f"| base model | {described[kind]} |",
         f"| reward | `{cfg.reward.name}`{' ' + str(dict(cfg.reward.options)) if cfg.reward.options else ''} |",
         f"| credit | `{cfg.credit.scheme}`{' ' + str(dict(cfg.credit.options)) if cfg.credit.options else ''} |",
         f"| iterations | {run.iterations} x {run.prompts_per_iteration} prompts x {run.group_size} samples |",
@@ -65,7 +116,7 @@ def model_card(cfg: Config, run_id: str, evaluations: list[Mapping[str, Any]], s
         "import torch",
         f"from diffusers import {'FluxPipeline' if flux else 'StableDiffusion3Pipeline'} as Pipeline",
         "",
-        f'pipe = Pipeline.from_pretrained("{base}"{no_t5(base)}, torch_dtype=torch.{cfg.model.dtype})',
+        *load,
         'pipe.load_lora_weights("path/to/this/folder")  # or the hub repository it was pushed to',
         "```",
         "",
@@ -75,7 +126,8 @@ def model_card(cfg: Config, run_id: str, evaluations: list[Mapping[str, Any]], s
         f"stepgrpo train --config {CONFIG} --run-id {run_id}",
         "```",
         "",
-        f"`{CONFIG}` (beside this card) is the run's resolved config, every field set.",
+        f"`{CONFIG}` (beside this card) is the run's resolved config, every field set (paths of the machine "
+        "that trained it made relative).",
         "",
     ]
     return "\n".join(lines)
@@ -130,7 +182,7 @@ def write_card(folder: Path, cfg: Config, run_id: str, evaluations: list[Mapping
 
     if grid is not None and grid.is_file():
         write_file_atomic(folder / SAMPLES, grid.read_bytes())
-    write_file_atomic(folder / CONFIG, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False).encode())
+    write_file_atomic(folder / CONFIG, yaml.safe_dump(portable(cfg), sort_keys=False).encode())
     card = model_card(cfg, run_id, evaluations, samples=grid is not None and grid.is_file())
     write_file_atomic(folder / CARD, card.encode())
 
