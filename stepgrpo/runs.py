@@ -202,6 +202,13 @@ def check_resumable(cfg: Config, run_dir: Path) -> None:
             f"only {', '.join(LENGTH_FIELDS)} (a larger run.iterations extends the run), "
             f"{', '.join(RETENTION_FIELDS)} and scale.*"
         )
+    ranks = (stored.get("scale") or {}).get("update_processes", 1)
+    if ranks != cfg.scale.update_processes:
+        print(
+            f"note: run {run_dir.name} trained its updates on {ranks} process(es), this resume on "
+            f"{cfg.scale.update_processes}: the sums of the ranks' gradients change order, so its next checkpoints "
+            'will differ in their last bits from an uninterrupted run\'s (docs/RELIABILITY.md, "Same bytes")'
+        )
     check_length(cfg, Run.open(run_dir))
 
 

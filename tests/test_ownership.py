@@ -64,3 +64,14 @@ def test_the_inner_lock_is_released_with_the_outer(tmp_path):
             pass
     with owned(path):
         pass
+
+
+def test_a_resume_on_another_number_of_update_processes_says_the_bytes_will_differ(tmp_path, capsys):
+    from stepgrpo.runs import check_resumable
+
+    path = _run(tmp_path)
+    check_resumable(load_config(None, []), path)
+    assert "note:" not in capsys.readouterr().out
+    check_resumable(load_config(None, ["scale.update_processes=2"]), path)
+    note = capsys.readouterr().out
+    assert "on 1 process(es), this resume on 2" in note and "differ in their last bits" in note
