@@ -838,13 +838,29 @@ def config_file(path: str | Path) -> Path:
     """A config file given as a path, or as the name of a shipped config (`shapes_outcome`: the
     shipped `configs/shapes_outcome.yaml`, `stepgrpo.paths`), when no such file is in the working directory."""
     given = Path(path)
-    if given.is_file() or given.parent != Path(".") or given.suffix in (".yaml", ".yml"):
+    if given.is_file():
+        return given
+    if given.parent == Path("configs") and (SHIPPED_CONFIGS / given.name).is_file():
+        raise ConfigError(
+            f"config file {str(path)!r} does not exist here (a checkout's path); the shipped recipe is "
+            f"`--config {given.stem}` (`stepgrpo config list` names them all)"
+        )
+    if given.parent != Path(".") or given.suffix in (".yaml", ".yml"):
         return given
     shipped = SHIPPED_CONFIGS / f"{given.name}.yaml"
     if shipped.is_file():
         return shipped
     names = ", ".join(sorted(p.stem for p in SHIPPED_CONFIGS.glob("*.yaml")))
     raise ConfigError(f"config {str(path)!r} is neither a file nor a shipped config; the shipped ones: {names}")
+
+
+def shipped_recipes() -> list[tuple[str, str]]:
+    """The shipped recipes: `(name, the first line of its header comment)`, by name."""
+    out = []
+    for path in sorted(SHIPPED_CONFIGS.glob("*.yaml")):
+        first = next((line for line in path.read_text().splitlines() if line.startswith("#")), "")
+        out.append((path.stem, first.lstrip("# ").strip()))
+    return out
 
 
 def _read_config_file(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:

@@ -92,6 +92,7 @@ def list_runs(root: Path) -> list[RunRow]:
             rows.append(RunRow(path.name, error=str(err)))
             continue
         status = "running" if in_use(path) else "finished" if total and done >= total else f"stopped at {done}/{total}"
+        total = max(total, done)  # a run extended past its first length (`--set run.iterations=...`)
         rows.append(
             RunRow(
                 path.name,

@@ -53,7 +53,7 @@ def runs(root: Annotated[Path, typer.Option(help="Directory holding run director
             escape(row.scheme),
             row.status,
             row.created,
-            f"{row.checkpoints}/{row.iterations}",
+            f"{row.checkpoints}/{max(row.iterations, row.checkpoints)}",  # an extended run: its own length
             reward,
         )
     shell.console.print(table)
@@ -100,7 +100,7 @@ def _prune(run: str, keep: str | None, keep_last: int | None, every: int | None,
 def compare(
     runs: Annotated[list[str], typer.Argument(help="Run directories or run ids under runs/.")],
     out: Annotated[
-        Path | None, typer.Option("--out", help="Write the chart here (PNG; needs matplotlib: stepgrpo[plots]).")
+        Path | None, typer.Option("--out", help="Write the chart here (PNG; needs matplotlib: stepgrpo\\[plots]).")
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the curves as JSON.")] = False,
 ) -> None:

@@ -57,6 +57,15 @@ def demo(
 config_app = typer.Typer(help="The config: every field, its value and description.", no_args_is_help=True)
 
 
+@config_app.command("list")
+def config_list() -> None:
+    """The shipped recipes, one line each: `--config NAME` trains one."""
+    from stepgrpo.config import shipped_recipes
+
+    for name, about in shipped_recipes():
+        shell.console.print(f"{name:28s} {about}", highlight=False, soft_wrap=True)
+
+
 @config_app.command("show")
 def config_show(config: ConfigOpt = None, set_: SetOpt = None) -> None:
     """Print the resolved config (--config, then --set) as YAML, each field under its description."""

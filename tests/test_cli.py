@@ -202,3 +202,32 @@ def test_verify_names_a_copied_checkpoint_and_ends_with_its_own_summary(tmp_path
     assert result.exit_code == 1
     assert "iter_7 holds the checkpoint of iteration 1" in result.output and "do not verify" in result.output
     assert "Exit" not in result.output and "failed" not in result.output
+
+
+def test_config_list_names_every_shipped_recipe_and_a_checkout_path_points_to_it(tmp_path, monkeypatch):
+    from stepgrpo.paths import SHIPPED_CONFIGS
+
+    listed = runner.invoke(app, ["config", "list"], env={"COLUMNS": "250"})
+    assert listed.exit_code == 0
+    for path in SHIPPED_CONFIGS.glob("*.yaml"):
+        assert path.stem in listed.output
+    monkeypatch.chdir(tmp_path)  # a user's project: no configs/ here
+    wrong = runner.invoke(app, ["config", "show", "--config", "configs/shapes_dense.yaml"])
+    assert wrong.exit_code == 1 and "`--config shapes_dense`" in wrong.output
+
+
+def test_runs_shows_an_extended_run_at_its_own_length(tmp_path, monkeypatch):
+    import torch
+    from rich.console import Console
+
+    from stepgrpo.config import load_config
+    from stepgrpo.storage.run import Run
+    from stepgrpo_cli import shell
+
+    monkeypatch.setattr(shell, "console", Console(width=250))
+    cfg = load_config(None, ["run.iterations=1"])
+    run = Run.create(tmp_path, "r", cfg.model_dump(mode="json"))
+    for i in range(2):  # extended to 2 by a resume with run.iterations=2
+        run.checkpoints.save_checkpoint(i, {"lora": {"a.weight": torch.ones(1)}}, {"iteration": i})
+    listed = runner.invoke(app, ["runs", "--root", str(tmp_path)])
+    assert listed.exit_code == 0 and "2/2" in listed.output and "2/1" not in listed.output
