@@ -23,6 +23,12 @@ images, rewards, advantages, checkpoints, evaluations, the MLflow store, the exp
    command alone, and by SIGTERM: each case holds when nothing ran, connected or was written
    outside, the command answered in time, and no process the command started is left.
 
+5. A user's second week: inputs that must be refused before any server starts or directory is
+   made (absolute bounds, a YAML alias bomb, a runs root that is a file, a megabyte prompt, a
+   reward's hub weights offline, an http reward's options, a token with a newline) and a checkpoint
+   copied under another number (`inspect --verify`, `evaluate --iteration`): each holds when the
+   command exits 1 in seconds with a short message naming the problem, and nothing was made.
+
     .venv/bin/python bench/faults.py                 # writes bench/out/faults/faults.json
     .venv/bin/python bench/faults.py --kills 3       # a quick look
 """
@@ -480,7 +486,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=OUT_DIR / "faults")
     p.add_argument("--kills", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--skip", nargs="*", default=[], choices=["kills", "flips", "concurrency", "trust"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["kills", "flips", "concurrency", "trust", "second-week"])
     p.add_argument("--report", action="store_true", help="print the tables of OUT/faults.json and stop")
     a = p.parse_args()
     if a.report:
@@ -541,7 +547,58 @@ def main() -> None:
     if "trust" not in a.skip:
         results["trust"] = trust_trials(a.out, reference)
         write_json(result_file, results)
+    if "second-week" not in a.skip:
+        results["second_week"] = second_week_trials(a.out, reference)
+        write_json(result_file, results)
     report(results)
+
+
+def second_week_trials(out: Path, reference: Path) -> list[dict[str, Any]]:
+    """Section 5 of the module doc: each case through the console script, in a directory of its own."""
+    lines = ["reward:", "  name: shapes", "  options:", "    a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"    a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 9)]
+    http = "reward.options={url: 'http://127.0.0.1:9', name: r, version: '1'}"
+    cases: list[tuple[str, list[str], str, dict[str, str]]] = [
+        ("run.group_size=1000000000", ["--set", "run.group_size=1000000000"], "run.group_size", {}),
+        ("sampler.steps=10000000", ["--set", "sampler.steps=10000000"], "sampler.steps", {}),
+        ("optim.lr=1e300", ["--set", "optim.lr=1e300"], "optim.lr", {}),
+        ("a YAML alias bomb (581 bytes)", ["--config", "bomb.yaml"], "aliases expand", {}),
+        ("a runs root that is a file", ["--set", "run.runs_root=a-file"], "is a file", {}),
+        ("a prompt of a megabyte", ["--set", "run.prompts=big.txt"], "characters", {}),
+        ("pickscore's weights offline", ["--set", "reward.name=pickscore"], "HF_HUB_OFFLINE is set",
+         {"HF_HUB_OFFLINE": "1"}),
+        ("an http reward without name and version", ["--set", "reward.name=http", "--set",
+         "reward.options={url: 'http://127.0.0.1:9'}"], "`name`, `version` missing", {}),
+        ("a reward token with a newline", ["--set", "reward.name=http", "--set", http], "STEPGRPO_REWARD_TOKEN",
+         {"STEPGRPO_REWARD_TOKEN": "secret-value\n"}),
+    ]  # fmt: skip
+    trials = []
+    for case, args, says, env in cases:
+        here = out / "second-week" / case.replace(" ", "_").replace("/", "_")[:40]
+        shutil.rmtree(here, ignore_errors=True)
+        here.mkdir(parents=True)
+        (here / "bomb.yaml").write_text("\n".join(lines) + "\n")
+        (here / "a-file").write_text("")
+        (here / "big.txt").write_text("a red circle\n" + "x" * 1_000_000 + "\n")
+        before = sorted(p.name for p in here.iterdir())
+        t0 = time.perf_counter()
+        done = subprocess.run(
+            [*stepgrpo("train", *args, "--run-id", "x")], cwd=here, env={**command_env(here), **env},
+            capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        seconds, said = time.perf_counter() - t0, done.stdout + done.stderr
+        made = sorted(set(p.name for p in here.iterdir()) - set(before) - {"prefect-home"})
+        held = done.returncode == 1 and says in said and not made and len(said.strip().splitlines()) <= 4
+        held = held and "secret-value" not in said
+        trials.append(_trial(case, held, said) | {"seconds": round(seconds, 1), "lines": len(said.splitlines())})
+    copy = _copy_of(out, reference, "copied-checkpoint")
+    last = max(int(p.name.removeprefix("iter_")) for p in (copy / "checkpoints").glob("iter_*"))
+    shutil.copytree(copy / "checkpoints" / "iter_0", copy / "checkpoints" / f"iter_{last + 5}")
+    for command in (["inspect", str(copy), "--verify"], ["evaluate", str(copy), "--iteration", str(last + 5)]):
+        rc, said = run(stepgrpo(*command), out, out / f"copied-{command[0]}.log")
+        held = rc == 1 and "holds the checkpoint of iteration 0" in said and "failed: Exit" not in said
+        trials.append(_trial(f"a checkpoint copied under another number, {command[0]}", held, said))
+    return trials
 
 
 def report(results: dict[str, Any]) -> None:
@@ -582,6 +639,12 @@ def report(results: dict[str, Any]) -> None:
         )
         for t in trust:
             print(f"  {'held    ' if t['held'] else 'NOT HELD'} {t['case']}")
+    week = results.get("second_week", [])
+    if week:
+        print(f"\na user's second week: {sum(t['held'] for t in week)} held, {sum(not t['held'] for t in week)} failed")
+        for t in week:
+            cost = f" ({t['seconds']} s, {t['lines']} lines)" if "seconds" in t else ""
+            print(f"  {'held    ' if t['held'] else 'NOT HELD'} {t['case']}{cost}")
 
 
 if __name__ == "__main__":
