@@ -109,23 +109,23 @@ def test_stepgrpo_deploy_fills_the_run_form_and_the_deployed_train_runs_like_the
     assert mlrun.data.tags["stepgrpo.config"] == "demo"  # the config tells runs of the runs root's experiment apart
 
 
-def test_a_deployment_runs_where_it_was_made_and_offline_flows_deploy_too(server, harness, tmp_path):
+def test_a_deployment_runs_where_it_was_made_and_offline_flows_deploy_too(server, harness, tmp_path, monkeypatch):
     """From a user's own directory: the run form's relative paths are anchored there, the worker runs
     there (the deployment's source), the offline flows deploy by name, and a missing pool is named
     with the command that creates it."""
+    from typer.testing import CliRunner
 
-    def deploy(*args: str):
-        return subprocess.run(
-            [sys.executable, "-m", "stepgrpo_cli", "deploy", *args],
-            env=server, cwd=tmp_path, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+    from stepgrpo.config import load_config
+    from stepgrpo_cli import app
+    from stepgrpo_cli.deployments import deploy_flow
 
     (tmp_path / "prompts.txt").write_text("a red circle\na blue square\n")
     sets = ["--set", "run.runs_root=runs", "--set", "run.prompts=prompts.txt", "--set", "run.prompts_per_iteration=1"]
-    missing = deploy("--config", "shapes_outcome", "--pool", "nobody-made-this", *sets)
-    assert missing.returncode == 1 and "prefect work-pool create nobody-made-this --type process" in missing.stderr
     prefect(server, "work-pool", "create", "stepgrpo", "--type", "process", "--overwrite")
-    made = deploy("--config", "shapes_outcome", "--name", "here", *sets)
+    made = subprocess.run(
+        [sys.executable, "-m", "stepgrpo_cli", "deploy", "--config", "shapes_outcome", "--name", "here", *sets],
+        env=server, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
     assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-2000:]
     with api_client() as api:
         deployment = api.read_deployment_by_name("train/here")
@@ -134,11 +134,16 @@ def test_a_deployment_runs_where_it_was_made_and_offline_flows_deploy_too(server
     assert run["prompts"] == str(tmp_path.resolve() / "prompts.txt")
     assert deployment.parameters["config"]["model"]["path"] == "models/shapes"  # a name here: left as it is
     assert str(tmp_path.resolve()) in json.dumps(deployment.pull_steps)  # the worker's working directory
+    # the same from this process: the offline flows, a missing pool, a training flow without its recipe
+    monkeypatch.chdir(tmp_path)
     for flow in ("rescore", "credit-quality"):
-        done = deploy("--flow", flow)
-        assert done.returncode == 0, done.stderr[-2000:]
+        deploy_flow(None, flow, "stepgrpo", None, flow)
     with api_client() as api:
         api.read_deployment_by_name("rescore/rescore")
-        api.read_deployment_by_name("credit-quality/credit-quality")
-    needs = deploy("--flow", "train")
-    assert needs.returncode == 1 and "needs --config" in needs.stderr
+        assert str(tmp_path.resolve()) in json.dumps(
+            api.read_deployment_by_name("credit-quality/credit-quality").pull_steps
+        )
+    with pytest.raises(ValueError, match="prefect work-pool create nobody-made-this --type process"):
+        deploy_flow(load_config("shapes_outcome"), "x", "nobody-made-this", "shapes_outcome")
+    needs = CliRunner().invoke(app, ["deploy", "--flow", "train"])
+    assert needs.exit_code == 1 and "needs --config" in needs.output
