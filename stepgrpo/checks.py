@@ -8,6 +8,7 @@ Each check raises an error that names the problem and the fix (`ConfigError`, `S
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -271,6 +272,12 @@ def check_run(
             raise StageError(f"--options: {err}") from None
         replace["credit"] = {"scheme": scheme, "options": scheme_options or {}}
     path = find_run(run)
+    for where, what in ((path, f"run {path.name}"), (path.parent, f"the runs root of {path.name} (its MLflow store)")):
+        if not os.access(where, os.W_OK):
+            raise StageError(
+                f"{what} is read-only ({where}): this command writes into it (rows, evaluations, tracking); "
+                "copy the run somewhere writable (`cp -a`) and name the copy"
+            )
     if scheme is not None and SCHEMES.facts(scheme)["step_rewards"]:
         method = (Run.open(path).config.get("completion") or {}).get("method", "remaining")
         if method is None:

@@ -75,3 +75,26 @@ def test_a_resume_on_another_number_of_update_processes_says_the_bytes_will_diff
     check_resumable(load_config(None, ["scale.update_processes=2"]), path)
     note = capsys.readouterr().out
     assert "on 1 process(es), this resume on 2" in note and "differ in their last bits" in note
+
+
+def test_a_read_only_run_is_refused_before_anything_writes(tmp_path):
+    """`rescore` / `evaluate` on a run on a read-only mount: one line naming it, nothing written beside it."""
+    from typer.testing import CliRunner
+
+    from stepgrpo_cli import app
+
+    path = _run(tmp_path / "rw")
+    view = tmp_path / "ro" / "r"
+    view.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "--bind", "-o", "ro", str(path), str(view)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip("bind mounts need privileges this machine does not give")
+    try:
+        if subprocess.run(["touch", str(view / "probe")], capture_output=True).returncode == 0:
+            pytest.skip("this kernel made the bind mount writable")
+        for args in (["evaluate", str(view)], ["rescore", str(view), "--reward", "shapes"]):
+            result = CliRunner().invoke(app, args)
+            assert result.exit_code == 1 and "is read-only" in result.output and "cp -a" in result.output
+        assert not (tmp_path / "ro" / "mlflow.db").exists()
+    finally:
+        subprocess.run(["umount", str(view)], capture_output=True)
