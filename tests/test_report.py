@@ -68,3 +68,31 @@ def test_a_card_of_the_shipped_model_loads_it_from_a_checkout_or_a_wheel():
     exec(use.split("pipe.load_lora_weights")[0], namespace)  # the base loads, as the block says
     assert namespace["pipe"].transformer is not None
     assert portable(cfg)["run"]["runs_root"] == "runs"
+
+
+def test_the_compare_chart_labels_every_run(tmp_path):
+    """Two runs of one recipe: one colour, two labelled lines (not one legend entry for both)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from stepgrpo.reporting.compare import chart
+
+    points = [{"nfe": 0, "reward_mean": 0.5}, {"nfe": 100, "reward_mean": 0.6}]
+    curves = [{"run_id": r, "recipe": "outcome@final", "points": points} for r in ("seed-0", "seed-1")]
+    captured = {}
+    real = plt.Figure.savefig
+
+    def keep(fig, *a, **k):
+        captured["labels"] = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+        captured["colours"] = {tuple(line.get_color()) for line in fig.axes[0].get_lines()}
+        return real(fig, *a, **k)
+
+    plt.Figure.savefig = keep
+    try:
+        chart(curves, tmp_path / "c.png", "shapes")
+    finally:
+        plt.Figure.savefig = real
+    assert captured["labels"] == ["seed-0 (outcome@final)", "seed-1 (outcome@final)"]
+    assert len(captured["colours"]) == 1 and (tmp_path / "c.png").is_file()

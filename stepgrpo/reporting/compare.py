@@ -42,7 +42,8 @@ def compare(runs: Sequence[Run]) -> list[dict[str, Any]]:
 
 
 def chart(curves: list[dict[str, Any]], out: Path, reward: str) -> Path:
-    """The held-out reward against cumulative training NFEs, one line a run, a colour a recipe."""
+    """The held-out reward against cumulative training NFEs, one line a run labelled by its id, a
+    colour a recipe (runs of one recipe told apart by line style and marker)."""
     try:
         import matplotlib
 
@@ -52,19 +53,23 @@ def chart(curves: list[dict[str, Any]], out: Path, reward: str) -> Path:
         raise ValueError("--out needs matplotlib: pip install 'stepgrpo[plots]'") from None
     recipes = sorted({c["recipe"] for c in curves})
     colours = {r: plt.get_cmap("tab10")(i % 10) for i, r in enumerate(recipes)}
+    styles = ["-", "--", ":", "-."]
+    markers = ["o", "s", "^", "D", "v", "P"]
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
-    seen = set()
-    for c in curves:
+    nth: dict[str, int] = {}
+    for c in curves:  # a colour a recipe; each run of it its own line style and marker, labelled by run id
+        i = nth[c["recipe"]] = nth.get(c["recipe"], -1) + 1
         xs = [p["nfe"] for p in c["points"]]
         ys = [p["reward_mean"] for p in c["points"]]
-        label = c["recipe"] if c["recipe"] not in seen else None
-        seen.add(c["recipe"])
-        ax.plot(xs, ys, marker="o", ms=3, color=colours[c["recipe"]], label=label, alpha=0.85)
+        ax.plot(
+            xs, ys, styles[i % len(styles)], marker=markers[i % len(markers)], ms=3, color=colours[c["recipe"]],
+            label=f"{c['run_id']} ({c['recipe']})", alpha=0.85,
+        )  # fmt: skip
     ax.set_xlabel("transformer NFEs spent on training (cumulative)")
     ax.set_ylabel(f"held-out reward ({reward})")
     ax.set_title("held-out reward at equal compute")
     ax.grid(alpha=0.3)
-    ax.legend(title="scheme @ completion", fontsize=8)
+    ax.legend(title="run (scheme @ completion)", fontsize=7)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)
