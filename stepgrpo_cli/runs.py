@@ -143,19 +143,24 @@ def export(
         str | None, typer.Option("--push-to-hub", help="Upload the export to this hub model repository (owner/name).")
     ] = None,
     private: Annotated[bool, typer.Option("--private", help="Make the hub repository private.")] = False,
+    iteration: Annotated[
+        int | None, typer.Option(help="Export this kept checkpoint's weights (default: the last).")
+    ] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Write the export here (an earlier --iteration's).")] = None,
 ) -> None:
-    """Write RUN's export again (lora/: weights, model card README.md, samples.png, config.yaml), and
-    with --push-to-hub upload it (`huggingface_hub`; log in first with `hf auth login`)."""
-    shell.call(_export, run, push_to_hub, private)
+    """Write RUN's export again (lora/: weights, model card README.md, samples.png, config.yaml; the
+    weights rebuilt if lora/ was deleted), or an earlier checkpoint's with --iteration N --out DIR; with
+    --push-to-hub upload it (`huggingface_hub`; log in first with `hf auth login`)."""
+    shell.call(_export, run, push_to_hub, private, iteration, out)
 
 
-def _export(run: str, repo: str | None, private: bool) -> None:
-    from stepgrpo.reporting.card import push_to_hub, refresh_export
+def _export(run: str, repo: str | None, private: bool, iteration: int | None, out: Path | None) -> None:
+    from stepgrpo.reporting.card import export_iteration, push_to_hub
     from stepgrpo.runs import open_stored, owned
 
     stored, cfg = open_stored(run)
     with owned(stored.path):
-        folder = refresh_export(stored, cfg)
+        folder = export_iteration(stored, cfg, iteration, out)
     shell.console.print(f"export: {folder} (model card {folder / 'README.md'})", highlight=False, soft_wrap=True)
     if repo is not None:
         url = push_to_hub(folder, repo, private, f"stepgrpo export of run {stored.run_id}")

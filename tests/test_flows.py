@@ -1389,6 +1389,33 @@ def test_the_exported_lora_is_readable_carries_a_model_card_and_pushes_to_the_hu
     assert Run.open(run_dir).verify_all() == []  # the export's seal still holds
 
 
+def test_export_rebuilds_a_deleted_lora_and_exports_an_earlier_checkpoint(trained, tmp_path):
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from stepgrpo.storage.run import Run
+    from stepgrpo_cli import app
+
+    run_dir = tmp_path / "tiny-a"
+    shutil.copytree(trained["run_dir"], run_dir)
+    weights = (run_dir / "lora" / "pytorch_lora_weights.safetensors").read_bytes()
+    shutil.rmtree(run_dir / "lora")
+    rebuilt = CliRunner().invoke(app, ["export", str(run_dir)])
+    assert rebuilt.exit_code == 0, rebuilt.output
+    assert (run_dir / "lora" / "pytorch_lora_weights.safetensors").read_bytes() == weights  # the same bytes again
+    assert Run.open(run_dir).verify_all() == []
+    refused = CliRunner().invoke(app, ["export", str(run_dir), "--iteration", "0"])
+    assert refused.exit_code == 1 and "give --out DIR" in refused.output
+    early = tmp_path / "iter-0"
+    done = CliRunner().invoke(app, ["export", str(run_dir), "--iteration", "0", "--out", str(early)])
+    assert done.exit_code == 0, done.output
+    assert (early / "pytorch_lora_weights.safetensors").read_bytes() != weights and (early / "README.md").is_file()
+    # its card: the evaluations up to iteration 0 (the base alone here: no gain to report yet)
+    assert "Paired gain" not in (early / "README.md").read_text()
+    assert "Paired gain" in (run_dir / "lora" / "README.md").read_text()
+
+
 def wandb_records(path: Path) -> list:
     """The records of an offline W&B run file (`run-<id>.wandb`): a 7-byte W&B header, then
     LevelDB's log format (32 KiB blocks; each piece: crc32c 4, length 2, type 1 (full, first,

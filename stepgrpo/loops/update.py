@@ -268,23 +268,34 @@ def serve(config: str) -> None:
 
 
 def export_lora(
-    run: Run, cfg: Config, iteration: int, evaluations: list[dict[str, Any]] | None = None, grid: Path | None = None
+    run: Run,
+    cfg: Config,
+    iteration: int,
+    evaluations: list[dict[str, Any]] | None = None,
+    grid: Path | None = None,
+    folder: Path | None = None,
 ) -> Path:
     """Write the weights after `iteration` (their EMA when enabled): the LoRA as `<run>/lora/`, in the
     format `StableDiffusion3Pipeline.load_lora_weights` reads; with full fine-tuning the transformer
     as `<run>/transformer/` (`SD3Transformer2DModel.from_pretrained`, safetensors). Beside them the
     model card (`README.md`, with `evaluations`' held-out gain), `grid` as `samples.png` and the
-    run's config (`stepgrpo.reporting.card`); every file readable by whoever may read the run."""
+    run's config (`stepgrpo.reporting.card`); every file readable by whoever may read the run.
+    `folder`: a folder of the user's instead (an earlier iteration's export; not sealed by the run)."""
     from stepgrpo.reporting.card import write_card
 
-    out = run.inside(Path(run.path) / ("transformer" if cfg.model.finetune == "full" else "lora"))  # no link out
+    if folder is not None:
+        if folder.resolve().is_relative_to(Path(run.path).resolve()):
+            raise ValueError(f"--out {folder} is inside the run: name a folder of your own")
+        folder.mkdir(parents=True, exist_ok=True)
+    out = folder or run.inside(Path(run.path) / ("transformer" if cfg.model.finetune == "full" else "lora"))
     pol = workspace.policy_after(run, cfg, iteration)
     if cfg.model.finetune == "full":
         pol.transformer.save_pretrained(str(out), safe_serialization=True)
     else:
         pol.save_lora(out)
     write_card(out, cfg, run.run_id, evaluations or [], grid)
-    run.seal_export(out.name)  # `inspect --verify` finds a damaged export
+    if folder is None:
+        run.seal_export(out.name)  # `inspect --verify` finds a damaged export
     return out
 
 
