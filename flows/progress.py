@@ -124,8 +124,14 @@ class TrainingLog:
         self.tracker.__exit__(*exc)
 
     def resuming(self, done: int, stored: int) -> None:
-        """The run resumes with `done` iterations finished and `stored` stages already in it."""
+        """The run resumes with `done` iterations finished and `stored` stages already in it; the bar
+        shows the last held-out reward it stored."""
+        from stepgrpo.inspection import evaluations
+
         self.view.started(done)
+        stored_evals, _ = evaluations(self.run)
+        if stored_evals:
+            self.view.evaluated(stored_evals[-1].reward_mean)
         self.view.say(
             f"resuming run {self.run.run_id} at iteration {done} of {self.cfg.run.iterations} "
             f"({stored} stored stages reused where they verify)"

@@ -87,6 +87,24 @@ def test_a_resumed_runs_reused_iterations_do_not_move_the_bar_back_and_ctrl_c_cr
     assert handler.filter(record(crash))  # given back
 
 
+def test_a_resumed_run_shows_its_last_stored_held_out_reward(tmp_path, console_handler):
+    import json
+    from types import SimpleNamespace
+
+    from stepgrpo.config import load_config
+    from stepgrpo.flows.progress import TrainingLog
+    from stepgrpo.storage.run import Run
+
+    cfg = load_config(None, ["run.iterations=4"])
+    run = Run.create(tmp_path, "r", cfg.model_dump(mode="json"))
+    (run.path / "eval").mkdir()
+    for label, reward in (("base", 0.5), ("iter_1", 0.61)):
+        (run.path / "eval" / f"{label}.json").write_text(json.dumps({"label": label, "reward_mean": reward}))
+    with TrainingView("r", 4) as view:
+        TrainingLog.resuming(SimpleNamespace(run=run, cfg=cfg, view=view), 2, 5)
+        assert view.progress.tasks[0].fields["heldout"] == "0.6100" and view.progress.tasks[0].completed == 2
+
+
 def test_the_resume_command_names_the_run(monkeypatch):
     from stepgrpo_cli.shell import resume_command
 
