@@ -248,3 +248,35 @@ def run_json(run: Run) -> dict[str, Any]:
         "iterations": iteration_costs(run),
         "evaluations": evals,
     }
+
+
+def training_images(run: Run, iteration: int) -> tuple[Any, list[str]]:
+    """The final samples a training iteration stored (`iter_<k>/images/`, decoded when it was
+    scored), `[B, 3, H, W]` uint8, each captioned with its prompt and its reward(s)."""
+    from stepgrpo.prompts import stored_prompts
+    from stepgrpo.storage.errors import NotPublishedError
+
+    found = None
+    for stage in ["rollout", *run.completion_stages(iteration)]:
+        if stage == "rollout" or (run.stage_path(iteration, stage) / "_published.json").is_file():
+            data = run.stages.read_images(iteration, stage) if run.stage_manifest(iteration, stage) else None
+            if data is not None:
+                found = data
+                break
+    if found is None:
+        raise NotPublishedError(
+            f"run {run.run_id} iteration {iteration} stores no decoded images (storage.images: false, pruned, or "
+            "not scored yet): `stepgrpo rescore` of that iteration decodes and stores them"
+        )
+    images = found.images[:, -1]  # the last stored state of each trajectory: its final sample
+    ids = run.stages.read_array(iteration, "rollout", "prompt_ids")
+    prompts = stored_prompts(run).texts_of(ids)
+    rewards = run.tables.read_rewards(iteration).to_pandas() if (run.path / "rewards").is_dir() else None
+    captions = []
+    for b, prompt in enumerate(prompts):
+        scores = ""
+        if rewards is not None:
+            rows = rewards[(rewards.traj == b) & (rewards.k == rewards.k.max())]
+            scores = " ".join(f"{n} {v:.3f}" for n, v in zip(rows.reward_name, rows.value))
+        captions.append(f"{prompt} | {scores}" if scores else prompt)
+    return images, captions

@@ -5,6 +5,7 @@ credit-quality checks (read by `stepgrpo.inspection`; this module only prints th
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -22,10 +23,21 @@ def inspect(
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the run as JSON: each iteration's NFEs and seconds per stage.")
     ] = False,
+    images: Annotated[
+        int | None,
+        typer.Option("--images", help="Write iteration K's training samples as a captioned grid (PNG); see --out."),
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Where --images writes (default: samples-iter_K.png).")
+    ] = None,
 ) -> None:
-    """A table of RUN's iterations: stages published and rewards (--verify: check all stored data)."""
+    """A table of RUN's iterations: stages published and rewards (--verify: check all stored data;
+    --images K: iteration K's training samples as a picture)."""
     if verify:
         shell.call(_verify, run)
+        return
+    if images is not None:
+        shell.call(_images, run, images, out)
         return
     shell.call(_inspect_json if as_json else _inspect, run)
 
@@ -34,6 +46,20 @@ def _opened(run: str):  # noqa: ANN202
     from stepgrpo.storage.run import Run, find_run
 
     return Run.open(find_run(run))
+
+
+def _images(run: str, iteration: int, out: Path | None) -> None:
+    """Iteration `iteration`'s training samples, each with its prompt and reward, as one PNG."""
+    from stepgrpo.images import captioned_grid, from_uint8
+    from stepgrpo.inspection import training_images
+
+    r = _opened(run)
+    pictures, captions = training_images(r, iteration)
+    path = out or Path(f"samples-{r.run_id}-iter_{iteration}.png")
+    grid = captioned_grid(from_uint8(pictures.transpose(0, 2, 3, 1)), captions)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    grid.save(path)
+    shell.console.print(f"{len(captions)} training samples of iteration {iteration}: {path}", highlight=False)
 
 
 def _inspect_json(run: str) -> None:

@@ -246,6 +246,22 @@ def test_inspect_shows_the_learning_diagnostics(trained):
     assert len(state["update"]["zero_grad_frac_by_part"]) == 2
 
 
+def test_inspect_shows_a_training_iterations_samples_as_a_picture(trained, tmp_path):
+    from PIL import Image
+    from typer.testing import CliRunner
+
+    from stepgrpo.inspection import training_images
+    from stepgrpo.storage.run import Run
+    from stepgrpo_cli import app
+
+    out = tmp_path / "samples.png"
+    result = CliRunner().invoke(app, ["inspect", trained["run_dir"], "--images", "1", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "6 training samples of iteration 1" in result.output and Image.open(out).width > 6 * 64
+    pictures, captions = training_images(Run.open(Path(trained["run_dir"])), 1)
+    assert pictures.shape[0] == len(captions) == 6 and "jpeg_compressibility" in captions[0]
+
+
 def test_the_python_entry_returns_typed_results_and_reuses_what_the_run_stored(trained, tiny, calls, tmp_path):
     """`stepgrpo.train` on the stored run computes nothing and returns the flow's numbers, typed;
     `rescore`, `credit` and `evaluate` on a copy return typed results per iteration; `open_run` the
