@@ -1481,6 +1481,7 @@ def test_a_run_tracked_with_wandb_logs_its_metrics_by_compute_offline(harness, t
     assert "reward/mean" in rows[0] and "eval/mean" in rows[1]
     runs = [r.run for r in records if r.HasField("run")]  # the run, then its updates (the notes)
     assert {"scheme:stepwise", "reward:jpeg_compressibility", "completion:remaining"} <= set(runs[0].tags)
+    assert runs[0].run_group == "wb" and runs[0].job_type == "train"  # the group its offline runs join
     assert runs[-1].notes.startswith("**stepwise @ remaining**") and "Paired gain" in runs[-1].notes
     config = {u.key for r in records if r.HasField("config") for u in r.config.update}
     assert {"credit.scheme", "optim.lr", "stepgrpo.torch_threads"} <= config

@@ -57,6 +57,8 @@ class WandbTracker:
             project=project,
             name=run_name,
             id=run_id,
+            group=run_dir.name,  # the run id: the group its offline commands' W&B runs join
+            job_type="train",
             resume="allow",
             dir=str(where.parent),  # W&B writes <dir>/wandb/
             tags=labels(tags or {}),
