@@ -129,7 +129,11 @@ def acquire_lock(lock: Path, what: str, wait_s: float = 0.0) -> str:
     token = secrets.token_hex(8)
     record = {"pid": os.getpid(), "host": socket.gethostname(), "token": token, "since": utc_now()}
     tmp = lock.with_name(f"{lock.name}.{token}.tmp")
-    tmp.write_text(canonical_json(record))
+    try:
+        tmp.write_text(canonical_json(record))
+    except BaseException:  # a full disk: no empty lock record is left
+        tmp.unlink(missing_ok=True)
+        raise
     deadline = time.monotonic() + wait_s
     try:
         while True:
@@ -250,5 +254,9 @@ def no_links(root: Path, path: Path) -> Path:
 def write_file_atomic(path: Path, data: bytes) -> None:
     """Write `data` to `path` through a temporary sibling and a rename."""
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except BaseException:  # a full disk (ENOSPC), a kill: no empty or partial temporary file is left
+        tmp.unlink(missing_ok=True)
+        raise

@@ -205,9 +205,13 @@ def append_rows(
                 )
         tmp = table_dir / f".{name}.{secrets.token_hex(4)}.tmp"
         footer = {FOOTER_KEY: canonical_json(dict(info))} if info else None
-        pq.write_table(table.replace_schema_metadata(footer) if footer else table, tmp)
-        _record_bytes(table_dir, name, hashlib.sha256(tmp.read_bytes()).hexdigest())  # before it is visible
-        os.rename(tmp, table_dir / name)
+        try:
+            pq.write_table(table.replace_schema_metadata(footer) if footer else table, tmp)
+            _record_bytes(table_dir, name, hashlib.sha256(tmp.read_bytes()).hexdigest())  # before it is visible
+            os.rename(tmp, table_dir / name)
+        except BaseException:  # a full disk (ENOSPC): no partial part is left beside the table
+            tmp.unlink(missing_ok=True)
+            raise
     finally:
         release_lock(lock, token)
     return record
@@ -352,8 +356,8 @@ def write_once(path: Path, table: pa.Table, what: str) -> dict[str, Any]:
             )
         return existing
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    pq.write_table(table.replace_schema_metadata({FOOTER_KEY: canonical_json(record)}), tmp)
     try:
+        pq.write_table(table.replace_schema_metadata({FOOTER_KEY: canonical_json(record)}), tmp)
         os.link(tmp, path)  # atomic and never replaces: a concurrent writer of other content loses
     except FileExistsError:
         return write_once(path, table, what)

@@ -264,3 +264,33 @@ def test_a_resumable_stage_keeps_its_finished_shards_only_under_the_same_key(tmp
         w.publish()
     assert not partial.exists() and not (run.stage_path(0, "rollout") / "_shards").exists()
     run.verify(0, "rollout")
+
+
+def test_a_full_disk_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """ENOSPC in the middle of a write: the error surfaces, and no empty or partial `.tmp` file stays."""
+    import errno
+    from pathlib import Path
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from stepgrpo.storage import tables
+    from stepgrpo.storage.publish import write_file_atomic
+
+    def full(self, data):  # creates the file, then the disk is full
+        self.open("wb").close()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_bytes", full)
+    with pytest.raises(OSError, match="No space left"):
+        write_file_atomic(tmp_path / "record.json", b"{}")
+    monkeypatch.undo()
+
+    def full_table(table, where, **kwargs):
+        Path(where).write_bytes(b"PAR1")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pq, "write_table", full_table)
+    with pytest.raises(OSError, match="No space left"):
+        tables.write_once(tmp_path / "once.parquet", pa.table({"x": [1]}), "a table")
+    assert [p.name for p in tmp_path.iterdir()] == []
