@@ -618,6 +618,18 @@ def test_outcome_without_completion_scores_final_samples_only(harness, tiny, tmp
     ckpt = run.checkpoints.load_checkpoint(0)
     assert set(ckpt.tensors) == {"lora", "optimizer", "ema", "rng", "signal"}  # signal: the summed half-gradients
     assert ckpt.state["update"]["trained_steps"] == 2.0
+    # one compute axis: MLflow's cumulative NFEs count what `compare` and `inspect --json` count, the
+    # ODE reference included (an outcome run scores R_0 on it)
+    from mlflow.tracking import MlflowClient
+
+    from stepgrpo.reporting.costs import iteration_costs
+
+    client = MlflowClient(out["tracking_uri"])
+    experiment = client.get_experiment_by_name("stepgrpo").experiment_id
+    (mlrun,) = client.search_runs([experiment], filter_string="tags.`stepgrpo.run_id` = 'outcome'")
+    (total,) = client.get_metric_history(mlrun.info.run_id, "cost/nfe_total")
+    assert run.stage_manifest(0, "rollout")["inputs"]["nfe_ode"] > 0
+    assert total.value == sum(row["nfe"] for row in iteration_costs(run))
 
 
 def test_states_after_the_sde_window_are_not_recomputed(harness, tiny, tmp_path):
