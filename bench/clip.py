@@ -469,9 +469,10 @@ def summary_md(a: dict[str, Any]) -> str:
         zero = fmt(c["zero_grad_frac_later"], 2, sign=False)
         L.append(f"| {arm} | {len(v['seeds'])} | {gains} | {cost} | {parts} | {zero} |")
     L += ["", "## Each optimizer setting minus the one-step recipe (same seed, equal trajectories and NFEs)", ""]
-    L += ["| contrast | seeds | over seeds (t) | clustered by prompt |", "|---|---|---|---|"]
+    L += ["| contrast | seeds | over seeds (t) | clustered by prompt | two-level bootstrap |", "|---|---|---|---|---|"]
     for name, v in a["vs_one_step"].items():
-        L.append(f"| {name} | {v['n']} | {iv(v['seeds'])} | {ci(v['prompts'])} |")
+        boot = ci(v["bootstrap"]) if v["bootstrap"]["lo"] == v["bootstrap"]["lo"] else "n/a"
+        L.append(f"| {name} | {v['n']} | {iv(v['seeds'])} | {ci(v['prompts'])} | {boot} |")
     if a["k2_vs_k4"]:
         v = a["k2_vs_k4"]
         L += [
