@@ -1490,6 +1490,11 @@ def test_a_run_tracked_with_wandb_logs_its_metrics_by_compute_offline(harness, t
     evals = [e["reward_mean"] for e in out["evaluations"]]
     by_nfe = [(row["heldout/nfe_total"], row["heldout/reward_by_nfe"]) for row in rows]
     assert [r for _, r in by_nfe] == pytest.approx(evals) and by_nfe[0][0] == 0 < by_nfe[1][0]
+    from stepgrpo.reporting.costs import iteration_costs
+    from stepgrpo.storage.run import Run
+
+    # one compute axis: W&B's x-axis counts what `compare` and `inspect --json` count
+    assert by_nfe[1][0] == sum(row["nfe"] for row in iteration_costs(Run.open(root / "wb")))
     assert "reward/mean" in rows[0] and "eval/mean" in rows[1]
     runs = [r.run for r in records if r.HasField("run")]  # the run, then its updates (the notes)
     assert {"scheme:stepwise", "reward:jpeg_compressibility", "completion:remaining"} <= set(runs[0].tags)
