@@ -218,20 +218,21 @@ def by_prompt(values: list[float], prompts: int) -> list[float]:
     return [sum(values[j * prompts + p] for j in range(seeds)) / seeds for p in range(prompts)]
 
 
-def contrast(runs: list[tuple[dict[str, Any], float]], it: int) -> dict[str, Any] | None:
-    """`sum_i w_i * held-out(run_i at it)` per training seed's sample, for runs of one seed: the
-    per-seed mean, and the per-prompt values (for clustering across seeds)."""
-    (first, _), *_ = runs
-    _, prompts = scores(first, it)
-    total = None
-    for r, w in runs:
-        if str(it) not in r["evals"]:
+def contrast(runs: list[tuple[Any, ...]], it: int) -> dict[str, Any] | None:
+    """`sum_i w_i * held-out(run_i)` per training seed's sample, for runs `(record, weight)` of one
+    seed read at iteration `it` (or `(record, weight, iteration)`, each at its own): the per-seed
+    mean, and the per-prompt values (for clustering across seeds). None when they do not pair."""
+    total, prompts = None, None
+    for r, w, *at in runs:
+        key = str(at[0] if at else it)
+        if key not in r["evals"]:
             return None
-        v, p = scores(r, it)
-        if p != prompts or (total is not None and len(v) != len(total)):
+        v, p = scores(r, int(key))
+        if (prompts is not None and p != prompts) or (total is not None and len(v) != len(total)):
             return None
+        prompts = p
         total = [w * x for x in v] if total is None else [t + w * x for t, x in zip(total, v)]
-    assert total is not None
+    assert total is not None and prompts is not None
     per_prompt = by_prompt(total, prompts)
     return {"mean": sum(per_prompt) / len(per_prompt), "prompts": per_prompt}
 
@@ -275,46 +276,31 @@ def analyse(s: Screen, seeds: int = 6) -> dict[str, Any]:
             "clip": clip_summary(clip),
         }
     for arm, (_, _, ref) in ARMS.items():
-        rows = {}
-        for k in range(seeds):
-            if (arm, k) in rec and (ref, k) in rec:
-                c = contrast([(rec[arm, k], 1), (rec[ref, k], -1)], N)
-                if c:
-                    rows[k] = c
-        if rows:
+        if rows := paired(rec, [(arm, 1), (ref, -1)], seeds, N):
             out["vs_one_step"][f"{arm} - {ref}"] = pooled(rows)
     for scheme in SCHEMES:
         arm = scheme + "_k4"
-        rows = {}
-        for k in range(seeds):
-            need = [(arm, k), ("outcome_w9_k4", k), (scheme, k), ("outcome_w9", k)]
-            if all(x in rec for x in need):
-                runs = list(zip((rec[x] for x in need), (1, -1, -1, 1)))
-                if c := contrast(runs, N):
-                    rows[k] = c
-        if rows:
+        if rows := paired(rec, [(arm, 1), ("outcome_w9_k4", -1), (scheme, -1), ("outcome_w9", 1)], seeds, N):
             out["credit"][scheme] = pooled(rows) | {"matters": bool(pooled(rows)["seeds"]["lo"] > 0)}
-        at_k4 = {
-            k: c
-            for k in range(seeds)
-            if (arm, k) in rec
-            and ("outcome_w9_k4", k) in rec
-            and (c := contrast([(rec[arm, k], 1), (rec["outcome_w9_k4", k], -1)], N))
-        }
-        if at_k4:
+        if at_k4 := paired(rec, [(arm, 1), ("outcome_w9_k4", -1)], seeds, N):
             out["credit"].setdefault(scheme, {})["at_k4"] = pooled(at_k4)
-    rows = {
-        k: c
-        for k in range(seeds)
-        if ("outcome_w9_k2", k) in rec
-        and ("outcome_w9_k4", k) in rec
-        and (c := contrast([(rec["outcome_w9_k2", k], 1), (rec["outcome_w9_k4", k], -1)], N))
-    }
-    if rows:
+    if rows := paired(rec, [("outcome_w9_k2", 1), ("outcome_w9_k4", -1)], seeds, N):
         out["k2_vs_k4"] = pooled(rows)
     out["vs_shipped"] = vs_shipped(s, rec, seeds)
     out["claims"] = claims(s, rec, seeds) if not s.quick else []
     return out
+
+
+def paired(
+    rec: dict[tuple[str, int], dict[str, Any]], terms: list[tuple[str, float]], seeds: int, it: int
+) -> dict[int, dict[str, Any]]:
+    """`contrast` of the arms `terms` (arm, weight) for every seed all of them have, by seed."""
+    rows = {}
+    for k in range(seeds):
+        if all((arm, k) in rec for arm, _ in terms):
+            if c := contrast([(rec[arm, k], w) for arm, w in terms], it):
+                rows[k] = c
+    return rows
 
 
 def vs_shipped(s: Screen, rec: dict[tuple[str, int], dict[str, Any]], seeds: int) -> dict[str, Any]:
@@ -330,12 +316,9 @@ def vs_shipped(s: Screen, rec: dict[tuple[str, int], dict[str, Any]], seeds: int
             cost = sum(a["nfe"][:N])
             its = [int(i) for i in o["evals"] if int(i) > 0]
             near = min(its, key=lambda i: abs(sum(o["nfe"][:i]) - cost))
-            ea, eo = a["evals"][str(N)], o["evals"][str(near)]
-            if (ea["prompts"], len(ea["scores"])) != (eo["prompts"], len(eo["scores"])):
+            if (c := contrast([(a, 1), (o, -1, near)], N)) is None:
                 continue
-            diff = [x - y for x, y in zip(ea["scores"], eo["scores"])]
-            per_prompt = by_prompt(diff, int(ea["prompts"]))
-            rows[k] = {"mean": sum(per_prompt) / len(per_prompt), "prompts": per_prompt}
+            rows[k] = c
             ratios.append((near, sum(o["nfe"][:near]) / cost))
         if rows:
             out[f"{arm} - outcome_w3"] = pooled(rows) | {"read_at": ratios}
@@ -377,13 +360,7 @@ def claims(s: Screen, rec: dict[tuple[str, int], dict[str, Any]], seeds: int) ->
         for name, rows_of in (("v2", v2), *((n, None) for n in pairs)):
             if rows_of is None:
                 arm, ref = pairs[name]
-                rows_of = {
-                    k: c
-                    for k in range(seeds)
-                    if (arm, k) in rec
-                    and (ref, k) in rec
-                    and (c := contrast([(rec[arm, k], 1), (rec[ref, k], -1)], s.iterations))
-                }
+                rows_of = paired(rec, [(arm, 1), (ref, -1)], seeds, s.iterations)
             if not rows_of:
                 row[name] = None
                 continue

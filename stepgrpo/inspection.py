@@ -256,13 +256,11 @@ def training_images(run: Run, iteration: int) -> tuple[Any, list[str]]:
     from stepgrpo.prompts import stored_prompts
     from stepgrpo.storage.errors import NotPublishedError
 
-    found = None
-    for stage in ["rollout", *run.completion_stages(iteration)]:
-        if stage == "rollout" or (run.stage_path(iteration, stage) / "_published.json").is_file():
-            data = run.stages.read_images(iteration, stage) if run.stage_manifest(iteration, stage) else None
-            if data is not None:
-                found = data
-                break
+    sources = ["rollout", *(f"completions/{m}" for m in run.published_completions(iteration))]
+    found = next(
+        (d for src in sources if run.stage_manifest(iteration, src) and (d := run.stages.read_images(iteration, src))),
+        None,
+    )
     if found is None:
         raise NotPublishedError(
             f"run {run.run_id} iteration {iteration} stores no decoded images (storage.images: false, pruned, or "

@@ -13,6 +13,9 @@ from stepgrpo_core.rollout import rollout
 
 T, GROUPS, G = 4, 4, 4
 SIGMAS = torch.linspace(1, 0, T + 1)
+# the config of every update here: the batch's shape, no KL, a wide clip
+SMALL = [f"sampler.steps={T}", f"run.prompts_per_iteration={GROUPS}", f"run.group_size={G}", "optim.kl_beta=0"]
+SMALL += ["optim.clip_range=0.2"]
 
 
 class LinearField(torch.nn.Module):
@@ -60,17 +63,7 @@ def batch(seed: int = 0):
 
 
 def run_update(overrides, seed=0, adv_scale=None, parallel=None):
-    cfg = load_config(
-        None,
-        [
-            f"sampler.steps={T}",
-            f"run.prompts_per_iteration={GROUPS}",
-            f"run.group_size={G}",
-            "optim.kl_beta=0",
-            "optim.clip_range=0.2",
-            *overrides,
-        ],
-    )
+    cfg = load_config(None, [*SMALL, *overrides])
     out, adv, groups = batch(seed)
     if adv_scale is not None:
         adv = adv * adv_scale
@@ -188,18 +181,7 @@ def test_a_tight_clip_binds_from_the_second_optimizer_step():
 def _first_gradient(old_shift: torch.Tensor, adv: torch.Tensor) -> tuple[list[torch.Tensor], dict]:
     """The gradient the update's one optimizer step takes (clip 0.2), with the stored log-probs
     shifted by `old_shift [rows]` and the advantages `adv`."""
-    cfg = load_config(
-        None,
-        [
-            f"sampler.steps={T}",
-            f"run.prompts_per_iteration={GROUPS}",
-            f"run.group_size={G}",
-            "optim.kl_beta=0",
-            "optim.clip_range=0.2",
-            "optim.optimizer_steps=1",
-            "optim.max_grad_norm=1e9",
-        ],
-    )
+    cfg = load_config(None, [*SMALL, "optim.optimizer_steps=1", "optim.max_grad_norm=1e9"])
     out, _, groups = batch(0)
     pol = Policy()
     opt = training.make_optimizer(pol.trainable_parameters(), cfg)
@@ -237,17 +219,7 @@ def test_signal_cosine_is_the_cosine_of_the_two_halves_gradients():
     # One optimizer step, diagnostics on: recompute the two halves' gradients by hand.
     cfg_over = ["optim.optimizer_steps=1", "optim.micro_batch=16"]
     _, _, s = run_update(cfg_over)
-    cfg = load_config(
-        None,
-        [
-            f"sampler.steps={T}",
-            f"run.prompts_per_iteration={GROUPS}",
-            f"run.group_size={G}",
-            "optim.kl_beta=0",
-            "optim.clip_range=0.2",
-            *cfg_over,
-        ],
-    )
+    cfg = load_config(None, [*SMALL, *cfg_over])
     out, adv, groups = batch(0)
     order = torch.arange(GROUPS * G)[torch.randperm(GROUPS * G, generator=torch.Generator().manual_seed(1))]
     seen = list(dict.fromkeys(groups[order].tolist()))
