@@ -91,13 +91,14 @@ ONE_STEP: dict[str, tuple[str, list[str], list[Path]]] = {
 }
 SCHEMES = ("dense_rollout_w9", "stepwise_rollout_w9", "turning_point_rollout_w9")
 # the order runs are taken in: the decision's pairs first, seed by seed; then the optimizer's K = 2
-# check beside the shipped window at K = 4; then the other schemes; then the rest
+# check beside the shipped window at K = 4; then the other schemes (the decision's remaining pairs,
+# seed by seed, so a partial screen still pairs); then the rest
 PHASES: list[tuple[tuple[str, ...], int]] = [
     (("outcome_w9", "dense_rollout_w9", "outcome_w3"), 6),  # kept records: found, not rerun
     (("outcome_w9_k4", "dense_rollout_w9_k4"), 6),
     (("outcome_w9_k2", "outcome_w3_k4"), 6),  # the K = 2 check, and the candidate for the shipped recipe
-    (("outcome_w3_k2",), 6),
     (("stepwise_rollout_w9_k4", "turning_point_rollout_w9_k4", "stepwise_rollout_w9", "turning_point_rollout_w9"), 6),
+    (("outcome_w3_k2",), 6),
     (("outcome_w9_k4_c01",), 6),
 ]
 FULL = {"iterations": 100, "eval_every": 25, "set": ["run.eval_seeds=8"]}
