@@ -13,8 +13,9 @@ from typing import Any
 from stepgrpo.config import Config
 from stepgrpo.reporting import report
 from stepgrpo.reporting.card import run_note
+from stepgrpo.reporting.costs import iteration_cost
 from stepgrpo.reporting.live import TrainingView
-from stepgrpo.reporting.metrics import BY_NFE, eval_metrics, iteration_cost, iteration_metrics, iteration_row
+from stepgrpo.reporting.metrics import BY_NFE, eval_metrics, iteration_metrics, iteration_row
 from stepgrpo.reporting.tracking import comparison_tags, experiment_name, start_tracker
 from stepgrpo.results import (
     CompleteResult,
@@ -173,8 +174,8 @@ class TrainingLog:
 
         step_rewards = self.cfg.completion.method is not None
         metrics = iteration_metrics(rollout, clean, rewards, credit, update, draw, step_rewards)
-        nfe, seconds = iteration_cost(metrics)
-        self.cost = [self.cost[0] + nfe, self.cost[1] + seconds]
+        cost = iteration_cost(self.run, i)  # what the stored stages say, as `compare` reads them
+        self.cost = [self.cost[0] + cost["nfe"], self.cost[1] + cost["seconds"]]
         # compare any two runs at equal compute in the MLflow UI: plot against these, not the step
         metrics |= {"cost/nfe_total": self.cost[0], "cost/seconds_total": self.cost[1]}
         self.tracker.log_metrics(metrics, step=i)

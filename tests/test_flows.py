@@ -630,6 +630,9 @@ def test_outcome_without_completion_scores_final_samples_only(harness, tiny, tmp
     (total,) = client.get_metric_history(mlrun.info.run_id, "cost/nfe_total")
     assert run.stage_manifest(0, "rollout")["inputs"]["nfe_ode"] > 0
     assert total.value == sum(row["nfe"] for row in iteration_costs(run))
+    # and the same function gives the seconds axis: the live view sums what the stored stages say
+    (seconds,) = client.get_metric_history(mlrun.info.run_id, "cost/seconds_total")
+    assert seconds.value == pytest.approx(sum(row["seconds"] for row in iteration_costs(run)))
 
 
 def test_states_after_the_sde_window_are_not_recomputed(harness, tiny, tmp_path):

@@ -208,13 +208,11 @@ def test_a_run_scored_on_final_samples_logs_no_all_zero_step_series():
     assert "nfe/ode_reference" not in outcome and outcome["nfe/rollout"] == 8
     stepwise = iteration_metrics(rollout, rollout, rewards, credit, update, step_rewards=True)
     assert [f"gain/step_{k}" for k in range(4)] == [k for k in stepwise if k.startswith("gain/")]
-    # the compute axis counts every forward an outcome run made, its ODE reference included (as
-    # `compare` and `inspect --json` count it: stepgrpo.reporting.costs)
-    from stepgrpo.reporting.metrics import iteration_cost
-
+    # an outcome run's ODE reference is a forward it made: logged (the compute axis itself is the
+    # stored stages' sum, stepgrpo.reporting.costs, checked against MLflow in test_flows)
     referenced = NS(nfe=8, nfe_ode=2, **done)
     with_reference = iteration_metrics(referenced, referenced, rewards, credit, update, step_rewards=False)
-    assert with_reference["nfe/ode_reference"] == 2 and iteration_cost(with_reference)[0] == 8 + 2 + 4
+    assert with_reference["nfe/ode_reference"] == 2
     # each optimizer step of the sampled batch: its clip fraction and the share of rows with no gradient
     assert (outcome["clip_frac/part_0"], outcome["clip_frac/part_1"]) == (0.0, 0.25)
     assert outcome["zero_grad_frac/part_1"] == 0.125

@@ -16,44 +16,45 @@ from stepgrpo.storage.schema import completion_stage
 
 
 def iteration_costs(run: Run) -> list[dict[str, Any]]:
-    """One record per iteration with a published rollout: `{iteration, nfe, seconds, nfe_stages,
-    seconds_stages, completion, reward_mean}` (a stage not published yet is absent from the
-    per-stage maps and counts 0)."""
+    """`iteration_cost` of every iteration with a published rollout."""
+    return [iteration_cost(run, i) for i in run.iterations("rollout")]
+
+
+def iteration_cost(run: Run, i: int) -> dict[str, Any]:
+    """Iteration `i`'s record: `{iteration, nfe, seconds, nfe_stages, seconds_stages, completion,
+    reward_mean}` (a stage not published yet is absent from the per-stage maps and counts 0). The one
+    definition of a run's cost: `compare`, `inspect --json`, the benchmarks and the live compute axis
+    (MLflow's and W&B's `cost/nfe_total`) all sum these."""
     method = (run.config.get("completion") or {}).get("method", "remaining")
     reward = (run.config.get("reward") or {}).get("name")
-    out = []
-    for i in run.iterations("rollout"):
-        nfe: dict[str, int] = {}
-        seconds: dict[str, float] = {}
-        ro = run.stage_manifest(i, "rollout")
-        nfe["rollout"] = int(ro["inputs"].get("nfe", 0))
-        nfe["ode_reference"] = int(ro["inputs"].get("nfe_ode", 0))
-        seconds["rollout"] = float(ro["inputs"].get("seconds", 0.0))
-        if method is not None and (cm := run.stage_manifest(i, completion_stage(method))) is not None:
-            nfe["complete"] = int(cm["attrs"].get("nfe", 0))
-            seconds["complete"] = float(cm["inputs"].get("seconds", 0.0))
-        reward_mean = None
-        if reward is not None and (run.path / "rewards").is_dir():
-            rows = run.tables.read_rewards(i, reward)
-            if rows.num_rows:
-                version = sorted(set(rows.column("reward_version").to_pylist()))[-1]
-                grid = run.tables.reward_grid(i, reward, version)
-                reward_mean = float(grid[:, -1].mean())
-                seconds["score"] = float(
-                    run.tables.rows_info("rewards", run.tables.rewards_digest(i, reward, version)).get("seconds", 0.0)
-                )
-        if (ck := run.stage_manifest(i, "checkpoint")) is not None:
-            nfe["update"] = int(ck["inputs"].get("nfe", 0))
-            seconds["update"] = float(ck["inputs"].get("seconds", 0.0))
-        out.append(
-            {
-                "iteration": i,
-                "nfe": sum(nfe.values()),
-                "seconds": round(sum(seconds.values()), 3),
-                "nfe_stages": nfe,
-                "seconds_stages": {k: round(v, 3) for k, v in seconds.items()},
-                "completion": method,
-                "reward_mean": reward_mean,
-            }
-        )
-    return out
+    nfe: dict[str, int] = {}
+    seconds: dict[str, float] = {}
+    ro = run.stage_manifest(i, "rollout")
+    nfe["rollout"] = int(ro["inputs"].get("nfe", 0))
+    nfe["ode_reference"] = int(ro["inputs"].get("nfe_ode", 0))
+    seconds["rollout"] = float(ro["inputs"].get("seconds", 0.0))
+    if method is not None and (cm := run.stage_manifest(i, completion_stage(method))) is not None:
+        nfe["complete"] = int(cm["attrs"].get("nfe", 0))
+        seconds["complete"] = float(cm["inputs"].get("seconds", 0.0))
+    reward_mean = None
+    if reward is not None and (run.path / "rewards").is_dir():
+        rows = run.tables.read_rewards(i, reward)
+        if rows.num_rows:
+            version = sorted(set(rows.column("reward_version").to_pylist()))[-1]
+            grid = run.tables.reward_grid(i, reward, version)
+            reward_mean = float(grid[:, -1].mean())
+            seconds["score"] = float(
+                run.tables.rows_info("rewards", run.tables.rewards_digest(i, reward, version)).get("seconds", 0.0)
+            )
+    if (ck := run.stage_manifest(i, "checkpoint")) is not None:
+        nfe["update"] = int(ck["inputs"].get("nfe", 0))
+        seconds["update"] = float(ck["inputs"].get("seconds", 0.0))
+    return {
+        "iteration": i,
+        "nfe": sum(nfe.values()),
+        "seconds": round(sum(seconds.values()), 3),
+        "nfe_stages": nfe,
+        "seconds_stages": {k: round(v, 3) for k, v in seconds.items()},
+        "completion": method,
+        "reward_mean": reward_mean,
+    }

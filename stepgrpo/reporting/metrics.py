@@ -101,13 +101,6 @@ def iteration_metrics(
     return {k: float(v) for k, v in out.items() if isinstance(v, int | float) and math.isfinite(float(v))}
 
 
-def iteration_cost(metrics: dict[str, float]) -> tuple[float, float]:
-    """One iteration's transformer forwards (rollout, its ODE reference, completions, update) and
-    training seconds (its stages' own, evaluations excluded), from its `iteration_metrics`."""
-    nfe = sum(metrics.get(f"nfe/{k}", 0.0) for k in ("rollout", "ode_reference", "complete", "update"))
-    return nfe, sum(v for k, v in metrics.items() if k.startswith("seconds/"))
-
-
 def iteration_row(iteration: int, rewards: ScoreResult, update: UpdateResult) -> dict[str, Any]:
     """One row of the run's reward table (console, Prefect artifact)."""
     u = update.stats
