@@ -35,6 +35,7 @@ from stepgrpo_cli import inspecting, offline, runs, serving, shell, training
 
 app = typer.Typer(
     name="stepgrpo",
+    cls=shell.Group,
     help="GRPO fine-tuning of flow-matching text-to-image models with step-level credit, as a cached Prefect pipeline.",
     no_args_is_help=True,
     add_completion=False,
@@ -58,7 +59,10 @@ FLOW_COMMANDS = {"train", "rescore", "credit", "credit-quality", "calibrate", "e
 def _options(
     ctx: typer.Context,
     version: Annotated[
-        bool, typer.Option("--version", help="Print the version and exit.", is_eager=True, callback=_print_version)
+        bool,
+        typer.Option(
+            "--version", help="Print the version and exit.", is_eager=True, callback=_print_version, metavar=""
+        ),
     ] = False,
 ) -> None:
     """Options of `stepgrpo` itself (the app's help text is `app`'s)."""
@@ -76,23 +80,24 @@ def _options(
             )
 
 
-app.command()(training.train)
-app.command()(training.demo)
+app.command(cls=shell.Command)(training.train)
+app.command(cls=shell.Command)(training.demo)
 app.add_typer(training.config_app, name="config")
-app.command()(training.deploy)
-app.command()(offline.rescore)
-app.command()(offline.credit)
-app.command("credit-quality")(offline.credit_quality)
-app.command()(training.calibrate)
-app.command()(offline.evaluate)
+app.command(cls=shell.Command)(training.deploy)
+app.command(cls=shell.Command)(offline.rescore)
+app.command(cls=shell.Command)(offline.credit)
+app.command("credit-quality", cls=shell.Command)(offline.credit_quality)
+app.command(cls=shell.Command)(training.calibrate)
+app.command(cls=shell.Command)(offline.evaluate)
 app.command(
+    cls=shell.Command,
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []},
     add_help_option=False,
 )(training.pretrain)
-app.command("reward-server")(serving.reward_server)
+app.command("reward-server", cls=shell.Command)(serving.reward_server)
 app.add_typer(serving.server_app, name="server")
-app.command()(runs.runs)
-app.command()(runs.prune)
-app.command()(runs.compare)
-app.command()(runs.export)
-app.command()(inspecting.inspect)
+app.command(cls=shell.Command)(runs.runs)
+app.command(cls=shell.Command)(runs.prune)
+app.command(cls=shell.Command)(runs.compare)
+app.command(cls=shell.Command)(runs.export)
+app.command(cls=shell.Command)(inspecting.inspect)

@@ -19,16 +19,21 @@ from stepgrpo_cli.shell import RunArg, damaged, fmt
 
 def inspect(
     run: RunArg,
-    verify: Annotated[bool, typer.Option("--verify", help="Check every stored byte against its digests.")] = False,
+    verify: Annotated[
+        bool, typer.Option("--verify", help="Check every stored byte against its digests.", metavar="")
+    ] = False,
     as_json: Annotated[
-        bool, typer.Option("--json", help="Print the run as JSON: each iteration's NFEs and seconds per stage.")
+        bool,
+        typer.Option("--json", help="Print the run as JSON: each iteration's NFEs and seconds per stage.", metavar=""),
     ] = False,
     images: Annotated[
         int | None,
-        typer.Option("--images", help="Write iteration K's training samples as a captioned grid (PNG); see --out."),
+        typer.Option(
+            "--images", help="Write iteration K's training samples as a captioned grid (PNG); see --out.", metavar="K"
+        ),
     ] = None,
     out: Annotated[
-        Path | None, typer.Option("--out", help="Where --images writes (default: samples-iter_K.png).")
+        Path | None, typer.Option("--out", help="Where --images writes (default: samples-iter_K.png).", metavar="FILE")
     ] = None,
 ) -> None:
     """A table of RUN's iterations: stages published and rewards (--verify: check all stored data;

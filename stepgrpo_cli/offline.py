@@ -16,11 +16,15 @@ from stepgrpo_cli.shell import RunArg, SetOpt
 def rescore(
     run: RunArg,
     reward: Annotated[
-        str, typer.Option(help="Reward: a built-in name, an installed plug-in, or package.module:attribute.")
+        str,
+        typer.Option(
+            help="Reward: a built-in name, an installed plug-in, or package.module:attribute.", metavar="NAME"
+        ),
     ],
-    options: Annotated[str | None, typer.Option(help="Reward options as JSON.")] = None,
+    options: Annotated[str | None, typer.Option(help="Reward options as JSON.", metavar="JSON")] = None,
     iteration: Annotated[
-        list[int] | None, typer.Option("--iteration", help="Only these iterations (repeatable; default all).")
+        list[int] | None,
+        typer.Option("--iteration", help="Only these iterations (repeatable; default all).", metavar="N"),
     ] = None,
 ) -> None:
     """Score the stored trajectories of RUN with another reward (no transformer call)."""
@@ -46,11 +50,14 @@ def credit(
     scheme: Annotated[
         str,
         typer.Option(
-            help="Credit scheme (outcome, stepwise, dense, turning_point), a plug-in, or package.module:attribute."
+            help="Credit scheme (outcome, stepwise, dense, turning_point), a plug-in, or package.module:attribute.",
+            metavar="NAME",
         ),
     ],
-    options: Annotated[str | None, typer.Option(help="Scheme options as JSON.")] = None,
-    reward: Annotated[str | None, typer.Option(help="Which stored reward to use (default: the run's).")] = None,
+    options: Annotated[str | None, typer.Option(help="Scheme options as JSON.", metavar="JSON")] = None,
+    reward: Annotated[
+        str | None, typer.Option(help="Which stored reward to use (default: the run's).", metavar="NAME")
+    ] = None,
 ) -> None:
     """Recompute the advantages of RUN with another scheme, from its stored rewards only."""
     from stepgrpo.flows import api
@@ -81,22 +88,28 @@ def credit(
 def credit_quality(
     run: RunArg,
     iteration: Annotated[
-        int | None, typer.Option(help="The stored iteration to judge (default: the latest scored one).")
+        int | None, typer.Option(help="The stored iteration to judge (default: the latest scored one).", metavar="N")
     ] = None,
     continuations: Annotated[
-        int, typer.Option(help="SDE continuations M per state (even: two halves measure the Monte-Carlo noise).")
+        int,
+        typer.Option(
+            help="SDE continuations M per state (even: two halves measure the Monte-Carlo noise).", metavar="N"
+        ),
     ] = 8,
     scheme: Annotated[
         list[str] | None,
-        typer.Option("--scheme", help="A scheme to judge (repeatable; default every registered scheme)."),
+        typer.Option(
+            "--scheme", help="A scheme to judge (repeatable; default every registered scheme).", metavar="NAME"
+        ),
     ] = None,
-    seed: Annotated[int, typer.Option(help="Seed of the continuations (recorded).")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the continuations (recorded).", metavar="N")] = 0,
     method: Annotated[
         list[str] | None,
         typer.Option(
             "--method",
             help="A completion method whose step rewards are judged too, e.g. rollout, tweedie, substeps:2 "
             "(repeatable; default the run's own alone).",
+            metavar="METHOD",
         ),
     ] = None,
     set_: SetOpt = None,
@@ -170,7 +183,9 @@ def quality_tables(out: dict[str, Any]) -> Any:
 
 def evaluate(
     run: RunArg,
-    iteration: Annotated[int | None, typer.Option(help="Checkpoint iteration (default latest; -1 base model).")] = None,
+    iteration: Annotated[
+        int | None, typer.Option(help="Checkpoint iteration (default latest; -1 base model).", metavar="N")
+    ] = None,
     set_: SetOpt = None,
 ) -> None:
     """Held-out reward of RUN's policy and an image grid."""

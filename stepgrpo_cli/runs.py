@@ -15,7 +15,9 @@ from stepgrpo_cli import shell
 from stepgrpo_cli.shell import RunArg, damaged
 
 
-def runs(root: Annotated[Path, typer.Option(help="Directory holding run directories.")] = Path("runs")) -> None:
+def runs(
+    root: Annotated[Path, typer.Option(help="Directory holding run directories.", metavar="DIR")] = Path("runs"),
+) -> None:
     """List the runs under ROOT: each one's recipe, scheme, status and held-out reward."""
     from stepgrpo.inspection import list_runs
 
@@ -61,12 +63,17 @@ def runs(root: Annotated[Path, typer.Option(help="Directory holding run director
 
 def prune(
     run: RunArg,
-    keep: Annotated[str | None, typer.Option(help="all, last or tables (default: the run's storage.keep).")] = None,
-    keep_last: Annotated[int | None, typer.Option(help="With --keep last: iterations that keep their latents.")] = None,
-    checkpoint_every: Annotated[
-        int | None, typer.Option(help="Keep every N-th checkpoint's weights (0: all; default: the run's).")
+    keep: Annotated[
+        str | None,
+        typer.Option(help="all, last or tables (default: the run's storage.keep).", metavar="all|last|tables"),
     ] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would go, remove nothing.")] = False,
+    keep_last: Annotated[
+        int | None, typer.Option(help="With --keep last: iterations that keep their latents.", metavar="N")
+    ] = None,
+    checkpoint_every: Annotated[
+        int | None, typer.Option(help="Keep every N-th checkpoint's weights (0: all; default: the run's).", metavar="N")
+    ] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would go, remove nothing.", metavar="")] = False,
 ) -> None:
     """Remove the latents (and thinned checkpoints' weights) RUN's retention settings do not keep; say what it freed."""
     shell.call(_prune, run, keep, keep_last, checkpoint_every, dry_run)
@@ -98,11 +105,12 @@ def _prune(run: str, keep: str | None, keep_last: int | None, every: int | None,
 
 
 def compare(
-    runs: Annotated[list[str], typer.Argument(help="Run directories or run ids under runs/.")],
+    runs: Annotated[list[str], typer.Argument(help="Run directories or run ids under runs/.", metavar="RUN")],
     out: Annotated[
-        Path | None, typer.Option("--out", help="Write the chart here (PNG; needs matplotlib: stepgrpo\\[plots]).")
+        Path | None,
+        typer.Option("--out", help="Write the chart here (PNG; needs matplotlib: stepgrpo\\[plots]).", metavar="FILE"),
     ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the curves as JSON.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the curves as JSON.", metavar="")] = False,
 ) -> None:
     """RUNS at equal compute: each evaluation's held-out reward against the training NFEs spent
     before it, one row a run (scheme @ completion, NFEs, base and last reward, paired gain); with
@@ -140,13 +148,18 @@ def _compare(runs: list[str], out: Path | None, as_json: bool) -> None:
 def export(
     run: RunArg,
     push_to_hub: Annotated[
-        str | None, typer.Option("--push-to-hub", help="Upload the export to this hub model repository (owner/name).")
+        str | None,
+        typer.Option(
+            "--push-to-hub", help="Upload the export to this hub model repository (owner/name).", metavar="OWNER/NAME"
+        ),
     ] = None,
-    private: Annotated[bool, typer.Option("--private", help="Make the hub repository private.")] = False,
+    private: Annotated[bool, typer.Option("--private", help="Make the hub repository private.", metavar="")] = False,
     iteration: Annotated[
-        int | None, typer.Option(help="Export this kept checkpoint's weights (default: the last).")
+        int | None, typer.Option(help="Export this kept checkpoint's weights (default: the last).", metavar="N")
     ] = None,
-    out: Annotated[Path | None, typer.Option("--out", help="Write the export here (an earlier --iteration's).")] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Write the export here (an earlier --iteration's).", metavar="DIR")
+    ] = None,
 ) -> None:
     """Write RUN's export again (lora/: weights, model card README.md, samples.png, config.yaml; the
     weights rebuilt if lora/ was deleted), or an earlier checkpoint's with --iteration N --out DIR; with

@@ -12,14 +12,17 @@ from stepgrpo_cli import shell
 
 
 def reward_server(
-    reward: Annotated[str, typer.Option(help="A registered reward or a `name:weight,...` sum.")],
-    options: Annotated[str, typer.Option(help="The reward's options as JSON.")] = "{}",
-    host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface; needs --token).")] = (
-        "127.0.0.1"
-    ),
-    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8100,
+    reward: Annotated[str, typer.Option(help="A registered reward or a `name:weight,...` sum.", metavar="NAME")],
+    options: Annotated[str, typer.Option(help="The reward's options as JSON.", metavar="JSON")] = "{}",
+    host: Annotated[
+        str, typer.Option(help="Address to listen on (0.0.0.0: every interface; needs --token).", metavar="ADDRESS")
+    ] = ("127.0.0.1"),
+    port: Annotated[int, typer.Option(help="Port to listen on.", metavar="PORT")] = 8100,
     max_batch: Annotated[
-        int, typer.Option(help="Most images of one reward call: concurrent requests are scored together up to it.")
+        int,
+        typer.Option(
+            help="Most images of one reward call: concurrent requests are scored together up to it.", metavar="N"
+        ),
     ] = 64,
     token: Annotated[
         str | None,
@@ -27,15 +30,21 @@ def reward_server(
             envvar="STEPGRPO_REWARD_TOKEN",
             show_envvar=True,
             help="Shared secret clients send (they read STEPGRPO_REWARD_TOKEN); required beyond the loopback.",
+            metavar="TOKEN",
         ),
     ] = None,
     resolution: Annotated[
         int | None,
-        typer.Option(help="The image side the clients' model makes: other sizes are refused before decoding."),
+        typer.Option(
+            help="The image side the clients' model makes: other sizes are refused before decoding.", metavar="PIXELS"
+        ),
     ] = None,
     max_body_mib: Annotated[
         int | None,
-        typer.Option(help="Largest request body, MiB (default: --max-batch images of --resolution, 1024 px if unset)."),
+        typer.Option(
+            help="Largest request body, MiB (default: --max-batch images of --resolution, 1024 px if unset).",
+            metavar="MIB",
+        ),
     ] = None,
 ) -> None:
     """Serve REWARD over HTTP for the `http` reward of runs elsewhere (FastAPI on uvicorn; /docs has
@@ -76,15 +85,16 @@ def reward_server(
 
 
 server_app = typer.Typer(
+    cls=shell.Group,
     help="A Prefect server kept running for the commands that run flows (else each starts a temporary one).",
     no_args_is_help=True,
 )
 
 
-@server_app.command("start")
+@server_app.command("start", cls=shell.Command)
 def server_start(
-    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to listen on (the UI is on it too).")] = 4200,
+    host: Annotated[str, typer.Option(help="Address to listen on.", metavar="ADDRESS")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on (the UI is on it too).", metavar="PORT")] = 4200,
 ) -> None:
     """Start a Prefect server in the background; later commands (train, rescore, credit, ...) use it."""
     from stepgrpo.runtime import server
@@ -103,7 +113,7 @@ def server_start(
     )
 
 
-@server_app.command("stop")
+@server_app.command("stop", cls=shell.Command)
 def server_stop() -> None:
     """Stop the kept Prefect server (runs and their records stay in Prefect's database)."""
     from stepgrpo.runtime import server
@@ -114,7 +124,7 @@ def server_stop() -> None:
     )
 
 
-@server_app.command("status")
+@server_app.command("status", cls=shell.Command)
 def server_status() -> None:
     """Say whether a kept Prefect server runs, and where."""
     from stepgrpo.runtime import server

@@ -12,20 +12,51 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperCommand, TyperGroup
 
 console = Console()
 err_console = Console(stderr=True)
 
-ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="YAML config (default: built-in defaults).")]
-SetOpt = Annotated[
-    list[str] | None, typer.Option("--set", "-s", help="Override a field: key=value (YAML value), repeatable.")
+
+def _no_value(option: Any) -> Any:
+    if option is not None:
+        option.metavar = ""  # a flag takes no value: its help shows none (Typer's default: `<bool>`)
+    return option
+
+
+class Command(TyperCommand):
+    """A command whose help shows what to type (each option's metavar; `--help` no value)."""
+
+    def get_help_option(self, ctx: Any) -> Any:
+        return _no_value(super().get_help_option(ctx))
+
+
+class Group(TyperGroup):
+    """A command group whose help shows what to type, as `Command`'s."""
+
+    def get_help_option(self, ctx: Any) -> Any:
+        return _no_value(super().get_help_option(ctx))
+
+
+ConfigOpt = Annotated[
+    Path | None, typer.Option("--config", "-c", help="YAML config (default: built-in defaults).", metavar="NAME|FILE")
 ]
-RunDirOpt = Annotated[Path | None, typer.Option("--run-dir", help="The run directory (resumed if it exists).")]
-RunIdOpt = Annotated[str | None, typer.Option("--run-id", help="Run id under run.runs_root (resumed if it exists).")]
-RunArg = Annotated[str, typer.Argument(help="A run directory or a run id under runs/.")]
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option("--set", "-s", help="Override a field: key=value (YAML value), repeatable.", metavar="KEY=VALUE"),
+]
+RunDirOpt = Annotated[
+    Path | None, typer.Option("--run-dir", help="The run directory (resumed if it exists).", metavar="DIR")
+]
+RunIdOpt = Annotated[
+    str | None, typer.Option("--run-id", help="Run id under run.runs_root (resumed if it exists).", metavar="ID")
+]
+RunArg = Annotated[str, typer.Argument(help="A run directory or a run id under runs/.", metavar="RUN")]
 VerboseOpt = Annotated[
     bool,
-    typer.Option("--verbose", "-v", help="Prefect's run lines and a failure's traceback on the console too."),
+    typer.Option(
+        "--verbose", "-v", help="Prefect's run lines and a failure's traceback on the console too.", metavar=""
+    ),
 ]
 
 

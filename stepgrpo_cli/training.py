@@ -54,10 +54,12 @@ def demo(
     train(config=SHIPPED_CONFIGS / "demo.yaml", set_=set_, run_dir=None, run_id=run_id, verbose=verbose)
 
 
-config_app = typer.Typer(help="The config: every field, its value and description.", no_args_is_help=True)
+config_app = typer.Typer(
+    cls=shell.Group, help="The config: every field, its value and description.", no_args_is_help=True
+)
 
 
-@config_app.command("list")
+@config_app.command("list", cls=shell.Command)
 def config_list() -> None:
     """The shipped recipes, one line each: `--config NAME` trains one."""
     from stepgrpo.config import shipped_recipes
@@ -66,7 +68,7 @@ def config_list() -> None:
         shell.console.print(f"{name:28s} {about}", highlight=False, soft_wrap=True)
 
 
-@config_app.command("show")
+@config_app.command("show", cls=shell.Command)
 def config_show(config: ConfigOpt = None, set_: SetOpt = None) -> None:
     """Print the resolved config (--config, then --set) as YAML, each field under its description."""
     from stepgrpo.config import describe, load_config
@@ -77,13 +79,19 @@ def config_show(config: ConfigOpt = None, set_: SetOpt = None) -> None:
 
 def deploy(
     config: Annotated[
-        Path | None, typer.Option("--config", "-c", help="YAML config: the run form's defaults (train, calibrate).")
+        Path | None,
+        typer.Option(
+            "--config", "-c", help="YAML config: the run form's defaults (train, calibrate).", metavar="NAME|FILE"
+        ),
     ] = None,
     set_: SetOpt = None,
-    name: Annotated[str | None, typer.Option(help="Deployment name (default: the config file's stem).")] = None,
-    pool: Annotated[str, typer.Option(help="Prefect work pool (a process pool).")] = "stepgrpo",
+    name: Annotated[
+        str | None, typer.Option(help="Deployment name (default: the config file's stem).", metavar="NAME")
+    ] = None,
+    pool: Annotated[str, typer.Option(help="Prefect work pool (a process pool).", metavar="POOL")] = "stepgrpo",
     flow: Annotated[
-        str, typer.Option(help="The flow: train, calibrate, evaluate, rescore, credit or credit-quality.")
+        str,
+        typer.Option(help="The flow: train, calibrate, evaluate, rescore, credit or credit-quality.", metavar="FLOW"),
     ] = "train",
 ) -> None:
     """Register a deployment that runs in this directory: train (or calibrate) with CONFIG's values in

@@ -41,6 +41,36 @@ def test_each_command_has_help(command):
     assert result.exit_code == 0 and "Usage" in result.output
 
 
+def test_help_shows_what_to_type_not_python_types():
+    """Every option's help names its value as a user types it (`--set KEY=VALUE`, `--config NAME|FILE`);
+    a flag, `--help` included, shows none (Typer's default prints `<bool>`, `<list[str]>`)."""
+    import typer
+
+    def commands(command, path):
+        if hasattr(command, "commands"):
+            yield path, command
+            for name, sub in command.commands.items():
+                yield from commands(sub, [*path, name])
+        else:
+            yield path, command
+
+    seen = 0
+    for path, command in commands(typer.main.get_command(app), []):
+        if "pretrain" in path:  # its own parser's help (`stepgrpo pretrain --help`)
+            continue
+        ctx = command.make_context(" ".join(path) or "stepgrpo", [], resilient_parsing=True)
+        for option in [*command.params, command.get_help_option(ctx)]:
+            if option is None or option.param_type_name != "option":
+                continue
+            shown = option.display_type_rich(ctx)
+            assert shown is not None and "<" not in shown, (path, option.opts, shown)
+            assert (shown == "") == option.is_flag, (path, option.opts, shown)
+            seen += 1
+    assert seen > 40
+    text = invoke("train", "--help").output
+    assert "KEY=VALUE" in text and "NAME|FILE" in text and "<bool>" not in text
+
+
 @pytest.mark.parametrize(
     "override, says",
     [
