@@ -109,3 +109,15 @@ def test_an_installed_wheel_trains_a_shipped_config_from_another_directory(tmp_p
     from stepgrpo.config import load_config
 
     assert load_config(shipped / "configs" / "demo.yaml").run.name == "demo"  # its base file is shipped beside it
+    # deployed from the wheel: the worker runs in the directory `deploy` ran in, the run lands there
+    # (not in site-packages), beside the one trained above, and `stepgrpo runs` there lists it
+    python = str(venv / "bin" / "python")
+    run(python, "-m", "prefect", "work-pool", "create", "wheel-pool", "--type", "process", "--overwrite")
+    run(stepgrpo, "deploy", "--config", "shapes_outcome", "--name", "wheel", "--pool", "wheel-pool",
+        *[a for o in small for a in ("--set", o)])  # fmt: skip
+    run(python, "-m", "prefect", "deployment", "run", "train/wheel", "--param", "run_id=deployed")
+    run(python, "-m", "prefect", "worker", "start", "--pool", "wheel-pool", "--run-once")
+    deployed = Run.open(elsewhere / "runs" / "deployed")
+    assert deployed.iterations("checkpoint") == [0]
+    assert not list(site.glob("runs")) and not list(site.glob("mlflow*"))
+    assert "deployed" in run(stepgrpo, "runs")
