@@ -168,7 +168,8 @@ def export(
 
 
 def _export(run: str, repo: str | None, private: bool, iteration: int | None, out: Path | None) -> None:
-    from stepgrpo.reporting.card import export_iteration, push_to_hub
+    from stepgrpo.loops.update import export_iteration
+    from stepgrpo.reporting.card import push_to_hub
     from stepgrpo.runs import open_stored, owned
 
     stored, cfg = open_stored(run)

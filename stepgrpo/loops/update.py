@@ -299,5 +299,32 @@ def export_lora(
     return out
 
 
+def export_iteration(run: Any, stored_cfg: Config, iteration: int | None, folder: Path | None) -> Path:
+    """The export of a stored run (`stepgrpo export`): its card, samples and config written again
+    (`stepgrpo.reporting.card.refresh_export`), its weights rebuilt from the last checkpoint when the export folder was
+    deleted, or, with `iteration`, the weights of that kept checkpoint (into `folder` when it is not
+    the last), the card carrying the evaluations up to it."""
+    from stepgrpo.reporting.card import refresh_export
+    from stepgrpo.reporting.report import stored_evaluations
+
+    last = run.checkpoints.latest_checkpoint()
+    if last is None:
+        raise FileNotFoundError(f"run {run.run_id} has no checkpoint yet: train it first")
+    exported = any((Path(run.path) / n).is_dir() for n in run.EXPORTS)
+    if iteration is None and folder is None and exported:
+        return refresh_export(run, stored_cfg)
+    iteration = last if iteration is None else iteration
+    if not 0 <= iteration <= last or iteration not in run.iterations("checkpoint"):
+        raise ValueError(f"--iteration {iteration}: run {run.run_id} keeps checkpoints {run.iterations('checkpoint')}")
+    if iteration != last and folder is None:
+        raise ValueError(
+            f"--iteration {iteration} is not the run's last ({last}): its export goes to a folder of its own, "
+            "give --out DIR (the run's lora/ stays the final one)"
+        )
+    records = [r for r in stored_evaluations(run) if r["label"] == "base" or int(r["label"][5:]) <= iteration]
+    grid = Path(run.path) / records[-1]["grid"] if records else None
+    return export_lora(run, stored_cfg, iteration, records, grid, folder)
+
+
 if __name__ == "__main__":
     serve(*sys.argv[1:])

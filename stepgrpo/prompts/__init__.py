@@ -95,7 +95,7 @@ def read_hub_prompts(spec: str) -> tuple[list[str], list[dict[str, Any]]]:
     if not name:
         raise StageError(f"prompt source {spec!r}: expected hf:<dataset id>[@<split>][:<column>]")
     try:
-        import datasets
+        import datasets  # pyright: ignore[reportMissingImports]  (the optional [datasets] extra)
     except ImportError:
         raise StageError(f"prompt source {spec!r} needs the `datasets` package: pip install -e '.[datasets]'") from None
     try:

@@ -1,3 +1,2 @@
-"""The shipped model and recipes of an installed stepgrpo: a wheel holds the repository's
-`models/` and `configs/` here (`pyproject.toml`'s package-dir); in a checkout they are read
-where they are (`stepgrpo.paths`)."""
+"""The shipped model and recipes: `configs/` and `models/` here are links to the repository's
+folders, which a wheel holds as files (`pyproject.toml`'s package data); `stepgrpo.paths` finds them."""
