@@ -97,14 +97,13 @@ def _registry(name: str) -> Any:
 
 
 def _completion_choices(schema: dict[str, Any]) -> None:
-    """The completion field accepts the registered names and `substeps:N`."""
+    """The completion field accepts what the registry's entries declare (`pattern`: a name, or
+    `name:N` with N a positive count)."""
     from stepgrpo_core.completions import COMPLETIONS
 
-    plain = "|".join(n for n in COMPLETIONS.names() if n != "substeps")
-    schema["anyOf"] = [
-        {"type": "string", "pattern": f"^({plain}|substeps:[1-9][0-9]*)$", "examples": ["remaining", "substeps:2"]},
-        {"type": "null"},
-    ]
+    patterns = [COMPLETIONS.describe(n)["pattern"] for n in COMPLETIONS.names()]
+    regex = "|".join(p.replace(":N", ":[1-9][0-9]*") for p in patterns)
+    schema["anyOf"] = [{"type": "string", "pattern": f"^({regex})$", "examples": patterns}, {"type": "null"}]
 
 
 class ModelConfig(_Section):
@@ -199,9 +198,9 @@ class SamplerConfig(_Section):
 
 class CompletionConfig(_Section):
     method: str | None = Field("remaining", json_schema_extra=_completion_choices)
-    """How every state `x_k` is completed to a clean image: `remaining`, `substeps:N`, `tweedie`,
-    `rollout` (the rollout's own prediction, 0 NFEs)
-    (`stepgrpo_core.completions.COMPLETIONS`); None scores only the final sample (Flow-GRPO)."""
+    """How every state `x_k` is completed to a clean image: a method of
+    `stepgrpo_core.completions.COMPLETIONS` (`stepgrpo config variants` lists them, e.g. `remaining`,
+    `substeps:N`); None scores only the final sample (Flow-GRPO)."""
 
     @field_validator("method")
     @classmethod
@@ -229,7 +228,7 @@ class RewardConfig(_Section):
 
 class CreditConfig(_Section):
     scheme: str = Field("outcome", json_schema_extra=_registered("schemes"))
-    """Credit scheme: a name in `stepgrpo_core.credit.SCHEMES` (outcome, stepwise, dense, turning_point)."""
+    """Credit scheme: a name in `stepgrpo_core.credit.SCHEMES` (`stepgrpo config variants` lists them)."""
     options: dict[str, bool | float | int | str] = Field(default_factory=dict)
     """Scheme options, e.g. `global_std` (outcome), `consistency` / `first_step` / `balance` (turning_point)."""
 
@@ -563,13 +562,15 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _steps_in_grid(self) -> Config:
+        from stepgrpo_core.completions import COMPLETIONS
         from stepgrpo_core.credit import SCHEMES
 
         if self.completion.method is None and SCHEMES.facts(self.credit.scheme)["step_rewards"]:
             final_only = [s for s in SCHEMES.names() if not SCHEMES.facts(s)["step_rewards"]]
             raise ValueError(
                 f"credit.scheme {self.credit.scheme!r} needs step rewards: set completion.method "
-                f"(remaining, substeps:N, tweedie, rollout); only {', '.join(map(repr, final_only))} works with "
+                f"({', '.join(COMPLETIONS.describe(m)['pattern'] for m in COMPLETIONS.names())}); only "
+                f"{', '.join(map(repr, final_only))} works with "
                 "completion.method null"
             )
         start, end = self.sampler.window()

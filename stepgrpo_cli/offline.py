@@ -50,7 +50,7 @@ def credit(
     scheme: Annotated[
         str,
         typer.Option(
-            help="Credit scheme (outcome, stepwise, dense, turning_point), a plug-in, or package.module:attribute.",
+            help="Credit scheme (`stepgrpo config variants` lists them), a plug-in, or package.module:attribute.",
             metavar="NAME",
         ),
     ],

@@ -68,6 +68,32 @@ def config_list() -> None:
         shell.console.print(f"{name:28s} {about}", highlight=False, soft_wrap=True)
 
 
+@config_app.command("variants", cls=shell.Command)
+def config_variants(
+    markdown: Annotated[
+        bool, typer.Option("--markdown", help="As the Markdown table of docs/METHODS.md.", metavar="")
+    ] = False,
+) -> None:
+    """The built-in kernels, completion methods, credit schemes and rewards: how a config names each,
+    its options, its paper, what it does (read from the registries, the only list)."""
+    from rich.table import Table
+
+    from stepgrpo.rewards import REWARDS
+    from stepgrpo_core.registry import core_registries, markdown_table
+
+    families = core_registries()
+    if markdown:
+        print(markdown_table(families), end="")
+        return
+    table = Table("family", "name", "options", "paper", "what it does", show_lines=False)
+    for heading, registry in {**families, "reward": REWARDS}.items():
+        for name in registry.names():
+            d = registry.describe(name)
+            options = ", ".join(f"{k}={v}" for k, v in d["options"].items())
+            table.add_row(heading, d["pattern"], options, d["paper"] or "", d["summary"])
+    shell.console.print(table)
+
+
 @config_app.command("show", cls=shell.Command)
 def config_show(config: ConfigOpt = None, set_: SetOpt = None) -> None:
     """Print the resolved config (--config, then --set) as YAML, each field under its description."""

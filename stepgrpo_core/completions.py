@@ -139,7 +139,7 @@ def _nonfinal_rows(states: torch.Tensor, sigmas: torch.Tensor, through: int):
     return z, rows, sigmas[:through].repeat(batch)
 
 
-@COMPLETIONS.register("remaining", exact_tail=True)
+@COMPLETIONS.register("remaining", exact_tail=True, paper='arXiv 2601.20218, "dense reward" (ODE denoising, n = t)')
 def remaining(velocity, states, sigmas, cond, max_batch, arg, through) -> Completion:
     """Euler on the rest of the grid, all states at the same grid level in one batch (module doc).
     DenseGRPO's completion (arXiv 2601.20218: the reward of the clean image an intermediate state
@@ -164,7 +164,9 @@ def remaining(velocity, states, sigmas, cond, max_batch, arg, through) -> Comple
     return Completion(latents, nfe)
 
 
-@COMPLETIONS.register("substeps", argument=_substeps_n)
+@COMPLETIONS.register(
+    "substeps", argument=_substeps_n, pattern="substeps:N", paper='arXiv 2601.20218, "dense reward" (its ablation of n)'
+)
 def substeps(velocity, states, sigmas, cond, max_batch, arg, through) -> Completion:
     """`N` uniform Euler steps from `sigmas[k]` to 0 for every state `k < through`, all in one batch.
     DenseGRPO's ablation of the number of ODE steps (arXiv 2601.20218, `n = 1, 2, t`); the completion
@@ -183,7 +185,7 @@ def substeps(velocity, states, sigmas, cond, max_batch, arg, through) -> Complet
     return Completion(latents, nfe)
 
 
-@COMPLETIONS.register("tweedie")
+@COMPLETIONS.register("tweedie", paper='arXiv 2603.28718, "Tweedie estimates"')
 def tweedie(velocity, states, sigmas, cond, max_batch, arg, through) -> Completion:
     """One-step estimate `x0_hat = x_k - sigmas[k] v(x_k)` for every state `k < through`: Tweedie's
     formula for a rectified flow, Stepwise-Flow-GRPO's intermediate reward estimate (arXiv
@@ -199,7 +201,9 @@ def tweedie(velocity, states, sigmas, cond, max_batch, arg, through) -> Completi
     return Completion(latents, z.shape[0])
 
 
-@COMPLETIONS.register("rollout", rollout_velocity=True)
+@COMPLETIONS.register(
+    "rollout", rollout_velocity=True, paper="ours: the rollout's own x0 prediction, no NFE (docs/METHODS.md)"
+)
 def rollout_prediction(velocity, states, sigmas, cond, max_batch, arg, through) -> Completion:
     """The rollout's own clean-latent prediction `x_k - sigmas[k] v_k` (module doc). This function
     runs only where the rollout's velocities were not stored: it recomputes them (`tweedie`)."""

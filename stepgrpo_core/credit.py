@@ -119,6 +119,7 @@ SCHEMES: Registry[Scheme] = Registry(
     entry_points="stepgrpo.schemes",
     check=check_scheme,
     required=("version",),
+    options=lambda name: scheme_options(name),
     step_rewards=True,
     version="1",
 )
@@ -128,7 +129,7 @@ def _no_turning(gains: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(gains, dtype=torch.bool)
 
 
-@SCHEMES.register("outcome", step_rewards=False)
+@SCHEMES.register("outcome", step_rewards=False, paper="arXiv 2402.03300, eq. 3 (GRPO's A_i, as Flow-GRPO uses it)")
 def outcome(rewards, gains, groups: Groups, global_std: bool = True):
     """Flow-GRPO: the sample's group-relative reward for every step (arXiv 2505.05470, its GRPO
     advantage, the group-normalized reward of GRPO, arXiv 2402.03300 eq. 3's `A_i`)."""
@@ -144,7 +145,7 @@ def outcome(rewards, gains, groups: Groups, global_std: bool = True):
 
 # version 2: normalized over the trained steps only (version 1: over all B x T gains, the untrained
 # steps' zero gains included).
-@SCHEMES.register("stepwise", version="2")
+@SCHEMES.register("stepwise", version="2", paper='arXiv 2603.28718, "gain-based advantages"')
 def stepwise(rewards, gains, groups: Groups, baseline: bool = False, trained: torch.Tensor | None = None):
     """Stepwise-Flow-GRPO: gains normalized jointly over the `B x T'` trained entries (not per step);
     arXiv 2603.28718, "gain-based advantages" (the step's reward improvement `r_{t-1} - r_t`).
@@ -165,7 +166,7 @@ def stepwise(rewards, gains, groups: Groups, baseline: bool = False, trained: to
     return adv, _no_turning(gains)
 
 
-@SCHEMES.register("dense")
+@SCHEMES.register("dense", paper='arXiv 2601.20218, "dense reward"')
 def dense(rewards, gains, groups: Groups):
     """DenseGRPO: gains normalized per step within each group (arXiv 2601.20218, "dense reward": the
     step-wise reward gain `R_{k+1} - R_k`, normalized in the group at each timestep)."""
@@ -262,7 +263,7 @@ def balance_size(balance_over: int | str) -> int | None:
 # version 2: balancing by the trajectory's R_T - R_0, every turning point kept when all share one
 # sign (version 1 ranked by R_T - R_k and kept none of a one-signed batch). Version 3: balanced
 # over sampling mini-batches of `balance_over` trajectories (version 2: over the whole iteration).
-@SCHEMES.register("turning_point", version="3")
+@SCHEMES.register("turning_point", version="3", paper='arXiv 2602.06422, "step-level incremental rewards"')
 def turning_point(
     rewards,
     gains,
@@ -320,7 +321,7 @@ def assign(
     """Advantages of every step under credit `scheme` (module doc).
 
     Args:
-        scheme: a `SCHEMES` name: `outcome`, `stepwise`, `dense`, `turning_point`.
+        scheme: a `SCHEMES` name (`stepgrpo config variants` lists them).
         rewards: `[B, T+1]`, `rewards[:, k] = R_k`; no NaN (fill or drop missing rewards first).
         group_ids: `[B]` int64, equal for trajectories of the same prompt (sharing `x_0`).
         trained: `[T]` bool, the steps the update trains (None: every step); passed to a scheme

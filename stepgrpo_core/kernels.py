@@ -59,6 +59,7 @@ Kernel = Callable[
 # credit), `version` (bumped when a change can change its numbers; enters cache keys).
 KERNELS: Registry[Kernel] = Registry(
     "kernel",
+    options=lambda name: _noise_option(name),
     noise=None,
     per_step=False,
     euler_maruyama=False,
@@ -97,14 +98,22 @@ def _preserving_mean(x, v, sigma, sigma_next, std):
     return (1.0 - sigma_next) * x0_hat + torch.sqrt((sigma_next**2 - std**2).clamp_min(0.0)) * x1_hat
 
 
-@KERNELS.register("ode")
+def _noise_option(name: str) -> dict[str, str]:
+    """A kernel's one option, `sampler.noise`: its name in the kernel's formula and its range."""
+    noise = KERNELS.facts(name)["noise"]
+    return {} if noise is None else {"sampler.noise": f"{noise[0]} in [{noise[1]}, {noise[2]}]"}
+
+
+@KERNELS.register("ode", paper="standard: the Euler step of the flow's ODE (SD3's sampler, arXiv 2403.03206)")
 def ode(x, v, sigma, sigma_next, noise):
     """Euler step of the probability-flow ODE; std 0 (`noise` ignored). The rectified-flow sampler
     (SD3, arXiv 2403.03206)."""
     return x + v * (sigma_next - sigma), torch.zeros_like(sigma)
 
 
-@KERNELS.register("flow", noise=("a", 0.0, math.inf), euler_maruyama=True)
+@KERNELS.register(
+    "flow", noise=("a", 0.0, math.inf), euler_maruyama=True, paper='arXiv 2505.05470, "ODE-to-SDE conversion"'
+)
 def flow(x, v, sigma, sigma_next, noise):
     """Flow-GRPO SDE step; `noise` is `a` (default 0.7). arXiv 2505.05470, "ODE-to-SDE conversion":
     the reverse SDE with the flow's score and its Euler-Maruyama step, `sigma_t = a sqrt(t / (1 - t))`."""
@@ -112,7 +121,13 @@ def flow(x, v, sigma, sigma_next, noise):
 
 
 @KERNELS.register(
-    "psi", noise=("psi[k]", 0.0, math.inf), per_step=True, euler_maruyama=True, calibrated=True, calibrate_with="dense"
+    "psi",
+    noise=("psi[k]", 0.0, math.inf),
+    per_step=True,
+    euler_maruyama=True,
+    calibrated=True,
+    calibrate_with="dense",
+    paper='arXiv 2601.20218, "reward-aware exploration calibration"',
 )
 def psi(x, v, sigma, sigma_next, noise):
     """DenseGRPO step: the `flow` SDE with `eps_t = psi[k]` (`noise` is the table entry). arXiv
@@ -120,7 +135,9 @@ def psi(x, v, sigma, sigma_next, noise):
     return _sde_moments(x, v, sigma, sigma_next, noise)
 
 
-@KERNELS.register("cps", noise=("a", 0.0, 1.0))  # std = s' sin(a pi/2) must stay <= s'
+@KERNELS.register(  # std = s' sin(a pi/2) must stay <= s'
+    "cps", noise=("a", 0.0, 1.0), paper="arXiv 2010.02502, eq. 12 (the mean; the `cps` sampler of Flow-GRPO's code)"
+)
 def cps(x, v, sigma, sigma_next, noise):
     """Coefficients-preserving step; `noise` is `a` in [0, 1], std `s' sin(a pi / 2)`: the mean keeps
     the marginal's signal and noise coefficients (the `cps` sampler of Flow-GRPO's code, arXiv
@@ -131,7 +148,12 @@ def cps(x, v, sigma, sigma_next, noise):
 
 # version 2: DDIM's posterior std (version 1 used `eta s' sqrt(1 - s)`, which is no DDIM formula:
 # 0 at s = 1 and about a fifth of DDIM's noise on the early steps of a shifted grid).
-@KERNELS.register("ddim", noise=("eta", 0.0, 1.0), version="2")  # std <= eta s' <= s'
+@KERNELS.register(  # std <= eta s' <= s'
+    "ddim",
+    noise=("eta", 0.0, 1.0),
+    version="2",
+    paper='arXiv 2603.28718, "DDIM-inspired SDE"; std: arXiv 2010.02502, eq. 16',
+)
 def ddim(x, v, sigma, sigma_next, noise):
     """Stepwise-Flow-GRPO's DDIM-inspired step (arXiv 2603.28718, "DDIM-inspired SDE"); `noise` is
     `eta` in [0, 1]. The std is DDIM's eq. 16 (arXiv 2010.02502), the mean its eq. 12.

@@ -34,6 +34,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import re
 from collections.abc import Callable, Iterator, Mapping
 from importlib import metadata
 from types import MappingProxyType
@@ -160,10 +161,15 @@ class Registry(Generic[F]):
         entry_points: str | None = None,
         check: Callable[[str, Any], None] | None = None,
         required: tuple[str, ...] = (),
+        options: Callable[[str], Mapping[str, Any]] | None = None,
         **defaults: Any,
     ) -> None:
         self.family = family
-        self.defaults = dict(defaults)  # the facts of an entry that declares none
+        self._options = options  # an entry's options and their defaults (for its description)
+        # the facts of an entry that declares none; every family's entries may say where they come
+        # from (`paper`: an arXiv id with its equation or the paper's own name of the component, or
+        # "ours: ..." / "standard: ...") and how a config names them (`pattern`, default: the name)
+        self.defaults = {"paper": None, "pattern": None, **defaults}
         self.entry_points = entry_points  # the entry-point group of plug-ins, None: built-ins only
         self._check = check  # validates a plug-in's object (raises PluginError)
         self.required = required  # facts a plug-in must declare itself
@@ -258,6 +264,22 @@ class Registry(Generic[F]):
         self.get(name)
         return name
 
+    def describe(self, name: str) -> dict[str, Any]:
+        """An entry as the docs and `stepgrpo config variants` show it: its name, how a config names it,
+        its paper and the first sentence of its docstring."""
+        fn, facts = self.get(name), self.facts(name)
+        doc = " ".join((inspect.getdoc(fn) or "").split("\n\n")[0].split())
+        doc = doc.replace(" (module doc)", "")
+        first = re.split(r"(?<!\beq)(?<!\be\.g)(?<!\bal)\.\s", doc)[0].rstrip(".") + "." if doc else ""
+        options = dict(self._options(name)) if self._options is not None else {}
+        return {
+            "name": name,
+            "pattern": facts["pattern"] or name,
+            "options": options,
+            "paper": facts["paper"],
+            "summary": first,
+        }
+
     def names(self) -> list[str]:
         """The registered names and the installed plug-ins' entry points (not loaded)."""
         plugins = {ep.name for ep in metadata.entry_points(group=self.entry_points)} if self.entry_points else set()
@@ -268,3 +290,27 @@ class Registry(Generic[F]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
+
+
+def core_registries() -> dict[str, Registry]:
+    """The core's variant families, by the heading the docs give them."""
+    from .completions import COMPLETIONS
+    from .credit import SCHEMES
+    from .kernels import KERNELS
+
+    return {"kernel": KERNELS, "completion": COMPLETIONS, "credit scheme": SCHEMES}
+
+
+def markdown_table(registries: Mapping[str, Registry]) -> str:
+    """The variants of `registries` (a heading -> registry) as one Markdown table, built-ins only:
+    what docs/METHODS.md holds between its `variants` markers and `stepgrpo config variants
+    --markdown` prints."""
+    rows = ["| family | a config names it | options | paper | what it does |", "|---|---|---|---|---|"]
+    for heading, registry in registries.items():
+        for name in sorted(registry._items):
+            d = registry.describe(name)
+            options = ", ".join(f"`{k}`: {v if isinstance(v, str) else repr(v)}" for k, v in d["options"].items())
+            options = options or "-"
+            cell = d["summary"].replace("|", "\\|")
+            rows.append(f"| {heading} | `{d['pattern']}` | {options} | {d['paper'] or '-'} | {cell} |")
+    return "\n".join(rows) + "\n"

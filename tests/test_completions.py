@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stepgrpo_core.analytic import PointMassFlow
-from stepgrpo_core.completions import complete, validate_method
+from stepgrpo_core.completions import COMPLETIONS, complete, validate_method
 from stepgrpo_core.rollout import rollout
 
 SIGMAS = torch.tensor([1.0, 0.9, 0.75, 0.55, 0.3, 0.0])  # T = 5
@@ -114,7 +114,7 @@ def test_chunking_does_not_change_results(method, max_batch):
 @pytest.mark.parametrize(
     "method,match",
     [
-        ("ode", "known completions: remaining, rollout, substeps, tweedie"),
+        ("ode", f"known completions: {', '.join(COMPLETIONS.names())}"),
         ("substeps", "positive step count"),
         ("substeps:0", "positive step count"),
         ("substeps:x", "positive step count"),

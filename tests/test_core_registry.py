@@ -1,5 +1,6 @@
 """The core registries (one per variant family) and the conditioning pytree helpers."""
 
+import re
 from typing import NamedTuple
 
 import pytest
@@ -29,12 +30,42 @@ def test_register_get_validate():
 
 
 def test_core_families():
-    assert KERNELS.names() == ["cps", "ddim", "flow", "ode", "psi"]
-    assert COMPLETIONS.names() == ["remaining", "rollout", "substeps", "tweedie"]
-    assert SCHEMES.names() == ["dense", "outcome", "stepwise", "turning_point"]
+    # facts of the built-ins, not a list of them: the defaults a config uses are registered, and an
+    # unknown name is refused with the registry's own list
+    assert {"ode", "flow"} <= set(KERNELS) and "remaining" in COMPLETIONS and "outcome" in SCHEMES
     for reg in (KERNELS, COMPLETIONS, SCHEMES):
-        with pytest.raises(KeyError, match="known"):
+        with pytest.raises(KeyError, match=f"known {reg.family}s: {', '.join(reg.names())}"):
             reg.validate("nope")
+
+
+# an arXiv id with an equation or the paper's own quoted name for the component, or ours / standard
+PAPER = re.compile(r'arXiv \d{4}\.\d{4,5}, (eq\. \d+|"[^"]+")|^(ours|standard): \S')
+
+
+@pytest.mark.parametrize("family", ["kernel", "completion", "credit scheme"])
+def test_every_core_entry_says_where_it_comes_from_and_what_it_does(family):
+    from stepgrpo_core.registry import core_registries
+
+    registry = core_registries()[family]
+    for name in registry:
+        d = registry.describe(name)
+        assert d["paper"] and PAPER.search(d["paper"]), (name, d["paper"])
+        assert len(d["summary"]) > 20 and d["summary"].endswith("."), (name, d["summary"])
+        assert d["pattern"].split(":")[0] == name
+        if registry.facts(name).get("argument") is not None:  # a method with an argument names it
+            assert ":" in d["pattern"], name
+
+
+def test_the_methods_doc_holds_the_registries_table():
+    """docs/METHODS.md's variants table is the registries' (regenerate: `stepgrpo config variants
+    --markdown`), so a new built-in shows there or this test names it."""
+    from pathlib import Path
+
+    from stepgrpo_core.registry import core_registries, markdown_table
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "METHODS.md").read_text()
+    start = text.index("-->\n", text.index("<!-- variants:")) + 4
+    assert text[start : text.index("<!-- /variants -->")] == markdown_table(core_registries())
 
 
 class Pair(NamedTuple):

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stepgrpo_core.credit import STD_EPS, assign, scheme_options, turning_point_rewards, turning_points
+from stepgrpo_core.credit import SCHEMES, STD_EPS, assign, scheme_options, turning_point_rewards, turning_points
 
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True)
 
@@ -376,7 +376,7 @@ def test_options_are_validated():
         assign("turning_point", rewards, gids, balanced=True)
     with pytest.raises(TypeError, match=r"valid options: \['baseline'\]"):
         assign("stepwise", rewards, gids, global_std=True)
-    with pytest.raises(KeyError, match="known credit schemes: dense, outcome, stepwise, turning_point"):
+    with pytest.raises(KeyError, match=f"known credit schemes: {', '.join(SCHEMES.names())}"):
         assign("grpo", rewards, gids)
 
 

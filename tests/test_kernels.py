@@ -29,9 +29,8 @@ def step_inputs(draw):
     return x, v, sigma, sigma_next
 
 
-def test_registry_names():
-    assert KERNELS.names() == ["cps", "ddim", "flow", "ode", "psi"]
-    with pytest.raises(KeyError, match="known kernels: cps, ddim, flow, ode, psi"):
+def test_an_unknown_kernel_is_refused_with_the_registry_list():
+    with pytest.raises(KeyError, match=f"known kernels: {', '.join(KERNELS.names())}"):
         step_moments("sde", torch.zeros(1, 1, 1, 1), torch.zeros(1, 1, 1, 1), 1.0, 0.5, 0.7)
 
 

@@ -3,9 +3,8 @@
 Importing this package imports each scorer module so that its factory is in `REWARDS`; the heavy
 libraries (transformers, rapidocr) load only when a factory runs.
 
-Registered names: `shapes`, `geneval`, `ocr`, `jpeg_compressibility`, `jpeg_incompressibility`,
-`pickscore`, `clipscore`, `aesthetic`, `hpsv2`, `imagereward`, `http` (a reward served by
-`stepgrpo reward-server`), and `weighted` (a weighted sum of the others).
+The registered names: `REWARDS.names()` (`stepgrpo config variants` lists them with what each
+scores); `http` is a reward served by `stepgrpo reward-server`, `weighted` a weighted sum of others.
 
 Spec forms accepted by `build_reward`:
 
