@@ -34,7 +34,7 @@ component by the paper's own name where we cite no equation number):
 """
 
 from .calibration import initial_psi, update_psi
-from .completions import COMPLETIONS, Completion, complete, parse_method, validate_method
+from .completions import COMPLETIONS, Completion, Method, complete, parse_method, validate_method
 from .conditioning import repeat_interleave, take
 from .credit import SCHEMES, STD_EPS, Credit, assign, scheme_options
 from .kernels import KERNELS, log_prob, step_moments
@@ -50,6 +50,7 @@ __all__ = [
     "Completion",
     "Credit",
     "LossOutput",
+    "Method",
     "Registry",
     "Rollout",
     "StepLogProb",

@@ -43,7 +43,7 @@ in the dtype of `states`; the Euler steps use `kernels.step_moments("ode", ...)`
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -71,28 +71,52 @@ CompletionFn = Callable[[Velocity, torch.Tensor, torch.Tensor, Any, int, "str | 
 COMPLETIONS: Registry[CompletionFn] = Registry("completion", exact_tail=False, argument=None, rollout_velocity=False)
 
 
-def parse_method(method: str) -> tuple[str, str | None]:
-    """`"substeps:5"` -> `("substeps", "5")`, `"remaining"` -> `("remaining", None)`; validates the name."""
-    if not isinstance(method, str):
-        raise TypeError(
-            f"completion method must be a string such as 'remaining', 'substeps:5' or 'tweedie'; got {method!r}"
-        )
-    name, sep, arg = method.partition(":")
-    COMPLETIONS.validate(name)
-    return name, (arg if sep else None)
+class Method(NamedTuple):
+    """A completion method as a config names it (`"substeps:5"`), parsed once: the registered name
+    and the text after ':' (None when absent). `str(method)` gives the config's text back."""
+
+    name: str
+    arg: str | None = None
+
+    @classmethod
+    def parse(cls, method: str | Method) -> Method:
+        """`"substeps:5"` -> `Method("substeps", "5")`; validates the name and its argument."""
+        if isinstance(method, Method):
+            return method
+        if not isinstance(method, str):
+            raise TypeError(
+                f"completion method must be a string such as 'remaining', 'substeps:5' or 'tweedie'; got {method!r}"
+            )
+        name, sep, arg = method.partition(":")
+        COMPLETIONS.validate(name)
+        parsed = cls(name, arg if sep else None)
+        check_argument(*parsed)
+        return parsed
+
+    @property
+    def facts(self) -> Mapping[str, Any]:
+        """What the method's registry entry declares (`exact_tail`, `rollout_velocity`, ...)."""
+        return COMPLETIONS.facts(self.name)
+
+    def __str__(self) -> str:
+        return self.name if self.arg is None else f"{self.name}:{self.arg}"
 
 
-def completed_through(method: str, window_end: int, num_steps: int) -> int:
+def parse_method(method: str | Method) -> Method:
+    """`Method.parse`: `"substeps:5"` -> `("substeps", "5")`, validated."""
+    return Method.parse(method)
+
+
+def completed_through(method: str | Method, window_end: int, num_steps: int) -> int:
     """How many states `x_0 .. x_{n-1}` a completion by `method` computes for a rollout whose SDE
     window ends at step `window_end` (module doc): `window_end` for an `exact_tail` method, else
     one more (the window's last state), at most `T`."""
-    name, _ = parse_method(method)
-    return window_end if COMPLETIONS.facts(name)["exact_tail"] else min(window_end + 1, num_steps)
+    return window_end if Method.parse(method).facts["exact_tail"] else min(window_end + 1, num_steps)
 
 
 def validate_method(method: str) -> str:
     """Return `method` if it names a completion with a valid argument (for config validation)."""
-    check_argument(*parse_method(method))
+    Method.parse(method)
     return method
 
 
@@ -235,7 +259,7 @@ def from_velocities(states: torch.Tensor, velocities: torch.Tensor, sigmas: torc
 
 @torch.no_grad()  # completions feed rewards only; no gradient flows through them
 def complete(
-    method: str,
+    method: str | Method,
     velocity: Velocity,
     states: torch.Tensor,
     sigmas: torch.Tensor,
@@ -264,7 +288,7 @@ def complete(
 
     Returns `Completion(latents [B, T+1, C, H, W], nfe)`.
     """
-    name, arg = parse_method(method)
+    name, arg = Method.parse(method)
     if states.dim() != 5:
         raise ValueError(f"states must be [B, T+1, C, H, W]; got {tuple(states.shape)}")
     s = check_sigmas(sigmas).to(states.device)

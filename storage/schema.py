@@ -295,7 +295,8 @@ def check_name(name: str, what: str) -> str:
     return name
 
 
-def completion_stage(method: str | None) -> str:
-    """The stage holding the clean latents of completion `method` (`substeps:5` is stored as
-    `completions/substeps-5`); the rollout itself (its `x_T`) when there is none."""
-    return "rollout" if method is None else f"completions/{method.replace(':', '-')}"
+def completion_stage(method: object | None) -> str:
+    """The stage holding the clean latents of completion `method` (a config's text, or its parsed
+    value: `substeps:5` is stored as `completions/substeps-5`); the rollout itself (its `x_T`) when
+    there is none. The one name of that stage: what `score` reads, `inspect` lists, retention prunes."""
+    return "rollout" if method is None else f"completions/{str(method).replace(':', '-')}"

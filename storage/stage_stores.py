@@ -18,7 +18,7 @@ from stepgrpo.storage.errors import NotPublishedError
 from stepgrpo.storage.ledger import open_ledger
 from stepgrpo.storage.pruned import pruned
 from stepgrpo.storage.publish import fresh_partial
-from stepgrpo.storage.schema import COMPLETION, IMAGES, ROLLOUT, StoreSpec, latent_storage_dtype
+from stepgrpo.storage.schema import COMPLETION, IMAGES, ROLLOUT, StoreSpec, completion_stage, latent_storage_dtype
 from stepgrpo.storage.writer import StageWriter, abort_on_error
 
 if TYPE_CHECKING:
@@ -126,10 +126,11 @@ class StageStores:
         attrs: Mapping[str, Any] | None = None,
         resume: str | None = None,
     ) -> StageWriter:
-        """Begin the completion of `iteration`'s rollout by `method`; dims come from the published
-        rollout, `latent_dtype` defaults to the rollout's. Write `latents=[n,T+1,C,H,W]` per
-        trajectory, then `publish(attrs={"nfe": ...})`.
+        """Begin the completion of `iteration`'s rollout by `method` (`substeps:5`, stored as
+        `completions/substeps-5`); dims come from the published rollout, `latent_dtype` defaults to the
+        rollout's. Write `latents=[n,T+1,C,H,W]` per trajectory, then `publish(attrs={"nfe": ...})`.
         """
+        stage = completion_stage(method)
         rollout = self.run.stage_manifest(iteration, "rollout")
         if rollout is None:
             raise NotPublishedError(
@@ -139,13 +140,13 @@ class StageStores:
         source = latent_dtype or r["source_dtype"]
         stage_attrs = {
             **dict(attrs or {}),
-            "method": method,
+            "method": stage.removeprefix("completions/"),
             **{d: r[d] for d in ("B", "T", "C", "H", "W")},
             "latent_dtype": latent_storage_dtype(source),
             "source_dtype": source,
             "rollout_digest": rollout["digest"],
         }
-        writer = self.run._begin(iteration, f"completions/{method}", COMPLETION, resume)
+        writer = self.run._begin(iteration, stage, COMPLETION, resume)
         with abort_on_error(writer):
             _create(writer, COMPLETION, stage_attrs, {})
         return writer
@@ -240,8 +241,8 @@ class StageStores:
     def read_completion(
         self, iteration: int, method: str, trajectories: slice | Sequence[int] | None = None
     ) -> CompletionData:
-        """The published completion of `iteration` by `method`."""
-        store, manifest = self._store(iteration, f"completions/{method}", COMPLETION)
+        """The published completion of `iteration` by `method` (`substeps:5`, or its stored name `substeps-5`)."""
+        store, manifest = self._store(iteration, completion_stage(method), COMPLETION)
         return CompletionData(
             latents=store.read("latents", trajectories),
             method=store.attrs["method"],

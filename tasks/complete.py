@@ -18,7 +18,7 @@ import torch
 
 from stepgrpo.config import Config
 from stepgrpo.loops import workspace
-from stepgrpo.loops.sampling import complete_chunks, rollout_predictions
+from stepgrpo.loops.sampling import complete_chunks, stored_predictions
 from stepgrpo.prompts import stored_prompts
 from stepgrpo.results import CompleteResult, RolloutResult, UpdateResult
 from stepgrpo.runtime.faults import maybe_fail
@@ -28,21 +28,11 @@ from stepgrpo.storage.run import Run
 from stepgrpo.storage.schema import completion_stage
 from stepgrpo.tasks.base import fan_out, manifest, reuse, shard_task, stage_task
 from stepgrpo.tasks.keys import Key, stage_key
-from stepgrpo_core.completions import COMPLETIONS, completed_through, parse_method
+from stepgrpo_core.completions import completed_through
 
 # Completion attr: states k >= this evolve deterministically (after the SDE window); their
 # completion is x_T, so they are neither completed nor scored (their rewards are R_T's).
 DETERMINISTIC_FROM = "deterministic_from"
-
-
-def method_dir(method: str) -> str:
-    """Storage name of a completion method (`substeps:5` -> `substeps-5`)."""
-    return completion_stage(method).removeprefix("completions/")
-
-
-def clean_stage(method: str | None) -> str:
-    """The stage whose latents `score` reads: a completion, or the rollout (its x_T) for outcome."""
-    return completion_stage(method)
 
 
 def window_end(kernel_params: dict[str, Any], num_steps: int) -> int:
@@ -63,7 +53,7 @@ def complete(
 
 def execute(run: Run, cfg: Config, iteration: int, key: Key) -> CompleteResult:
     method = cfg.completion.method
-    if not reuse(run, iteration, clean_stage(method), key, f"iteration {iteration} completion {method}"):
+    if not reuse(run, iteration, completion_stage(method), key, f"iteration {iteration} completion {method}"):
         compute(run, cfg, iteration, key.value)
     return stored(run, method, iteration)
 
@@ -77,7 +67,7 @@ def compute(run: Run, cfg: Config, iteration: int, key: str) -> None:
     through = completed_through(method, window_end(rollout["attrs"]["kernel_params"], T), T)
     writer = run.stages.begin_completion(
         iteration,
-        method_dir(method),
+        method,
         latent_dtype=cfg.model.dtype,
         attrs={"method_spec": method, DETERMINISTIC_FROM: through},
         resume=key,
@@ -105,10 +95,8 @@ def complete_shard(run: Run, cfg: Config, iteration: int, through: int, token: s
     t0 = time.perf_counter()
     method = cfg.completion.method
     data = run.stages.read_rollout(iteration, slice(shard.start, shard.stop))
-    writer = run.attach(iteration, clean_stage(method), token)
-    if COMPLETIONS.facts(parse_method(method)[0])["rollout_velocity"] and data.velocities is not None:
-        sigmas = torch.from_numpy(data.sigmas)
-        out = rollout_predictions(method, data.states, data.velocities, sigmas, data.prompt_ids, through)
+    writer = run.attach(iteration, completion_stage(method), token)
+    if (out := stored_predictions(method, data, through)) is not None:
         writer.write(shard.start, latents=out.latents)
         maybe_fail("complete", shard.start)
         record(writer.ledger, shard, key, {"nfe": 0, "seconds": time.perf_counter() - t0, "worker": workspace.worker()})
@@ -134,7 +122,7 @@ def complete_shard(run: Run, cfg: Config, iteration: int, through: int, token: s
 
 def stored(run: Run, method: str, iteration: int, verify: bool = False) -> CompleteResult:
     """The result of the published completion of `iteration` by `method` (`verify`: check it first)."""
-    m = manifest(run, iteration, clean_stage(method), f"iteration {iteration} completion {method}", verify)
+    m = manifest(run, iteration, completion_stage(method), f"iteration {iteration} completion {method}", verify)
     return CompleteResult(
         digest=m["digest"],
         iteration=iteration,
@@ -154,7 +142,7 @@ def scored_states(run: Run, method: str | None, iteration: int) -> tuple[np.ndar
     T = int(run.stage_manifest(iteration, "rollout")["attrs"]["T"])
     if method is None:
         return np.array([0, T]), np.zeros(0, np.int64)
-    through = int(run.stage_manifest(iteration, clean_stage(method))["attrs"].get(DETERMINISTIC_FROM, T))
+    through = int(run.stage_manifest(iteration, completion_stage(method))["attrs"].get(DETERMINISTIC_FROM, T))
     return np.array([*range(through), T]), np.arange(through, T)
 
 
@@ -167,4 +155,4 @@ def clean_latents(run: Run, method: str | None, iteration: int, k: np.ndarray, r
             :, -1
         ]  # a trajectory's states are one chunk
         return np.stack([run.stages.read_array(iteration, "rollout", "ode_final", some), final], axis=1)
-    return run.stages.read_completion(iteration, method_dir(method), some).latents[:, k]
+    return run.stages.read_completion(iteration, method, some).latents[:, k]

@@ -74,7 +74,7 @@ def model_identity(run: Run, cfg: Config) -> str:
 def code_facts(stage: str, cfg: Config) -> dict[str, Any]:
     """What changed in a stage's computation after runs were stored, for the configs it changed:
     part of the key only there, so every other stored stage keeps its key."""
-    from stepgrpo_core.completions import COMPLETIONS, parse_method
+    from stepgrpo_core.completions import Method
     from stepgrpo_core.kernels import KERNELS
 
     start, end = cfg.sampler.window()
@@ -83,7 +83,7 @@ def code_facts(stage: str, cfg: Config) -> dict[str, Any]:
         facts["kernel_version"] = KERNELS.facts(cfg.sampler.kernel)["version"]
     method = cfg.completion.method
     if stage == "complete" and method is not None and end < cfg.sampler.steps:
-        if not COMPLETIONS.facts(parse_method(method)[0])["exact_tail"]:
+        if not Method.parse(method).facts["exact_tail"]:
             facts["completes_window_end"] = True  # stepgrpo_core.completions.completed_through
     if stage == "calibrate" and (start, end) != (0, cfg.sampler.steps):
         facts["calibrates_in_window"] = True

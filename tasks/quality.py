@@ -35,8 +35,8 @@ from stepgrpo.results import QualityResult
 from stepgrpo.storage.errors import StorageError
 from stepgrpo.storage.publish import read_json, seal, write_file_atomic
 from stepgrpo.storage.run import Run
+from stepgrpo.storage.schema import completion_stage
 from stepgrpo.tasks.base import stage_task, warn
-from stepgrpo.tasks.complete import clean_stage
 from stepgrpo.tasks.credit import trained_mask
 from stepgrpo_core.credit import SCHEMES
 from stepgrpo_core.quality import step_table, true_values
@@ -179,7 +179,7 @@ def compute(
     # the run's own step rewards, then each other completion method's on the same states
     grids = {cfg.completion.method: rewards}
     B = int(rewards.shape[0])
-    stored = run.stage_manifest(iteration, clean_stage(cfg.completion.method)) if cfg.completion.method else None
+    stored = run.stage_manifest(iteration, completion_stage(cfg.completion.method)) if cfg.completion.method else None
     cost = {str(cfg.completion.method): {"nfe_per_trajectory": (stored["attrs"]["nfe"] / B) if stored else 0.0}}
     for method in [m for m in methods or [] if m != cfg.completion.method]:
         t = time.perf_counter()

@@ -32,8 +32,9 @@ from stepgrpo.runtime.sharding import block_rows, blocks, shard_ranges
 from stepgrpo.storage.errors import AlreadyPublishedError, CorruptChunkError, StageLockedError
 from stepgrpo.storage.ledger import close_ledger, open_ledger, record
 from stepgrpo.storage.run import Run
+from stepgrpo.storage.schema import completion_stage
 from stepgrpo.tasks.base import fan_out, intact, repair_table, shard_task, stage_task, warn
-from stepgrpo.tasks.complete import clean_latents, clean_stage, scored_states
+from stepgrpo.tasks.complete import clean_latents, scored_states
 
 
 @stage_task("score")
@@ -48,7 +49,7 @@ def execute(run: Run, cfg: Config, iteration: int) -> ScoreResult:
     identity = workspace.reward_identity(cfg.reward)
     name, version = identity["name"], identity["version"]
     repair_table(run, "rewards")
-    images = run.stages.images_stage(clean_stage(cfg.completion.method))
+    images = run.stages.images_stage(completion_stage(cfg.completion.method))
     if run.stage_manifest(iteration, images) is not None:  # the decoded images other rewards will read
         intact(run, iteration, images)
     if run.tables.read_rewards(iteration, name, version).num_rows == 0:
@@ -61,7 +62,7 @@ def compute(run: Run, cfg: Config, iteration: int, name: str, version: str) -> N
     need), then append every row at once, with how long it took and where the images came from."""
     t0 = time.perf_counter()
     method = cfg.completion.method
-    source = clean_stage(method)
+    source = completion_stage(method)
     k, copies = scored_states(run, method, iteration)
     attrs = run.stage_manifest(iteration, "rollout")["attrs"]
     B = int(attrs["B"])
@@ -146,7 +147,7 @@ def score_shard(
     or their clean latents decoded (and stored with `images_token`); then record the scores."""
     t0 = time.perf_counter()
     method = cfg.completion.method
-    source = clean_stage(method)
+    source = completion_stage(method)
     reward = workspace.reward(cfg.reward)  # loaded once per process: once per worker
     prompts = stored_prompts(run)
     pids = run.stages.read_array(iteration, "rollout", "prompt_ids")

@@ -14,10 +14,10 @@ import numpy as np
 import torch
 
 from stepgrpo.errors import StageError
-from stepgrpo.loops.sampling import complete_chunks, encode, generator, rollout_predictions
+from stepgrpo.loops.sampling import complete_chunks, encode, generator, stored_predictions
 from stepgrpo.loops.scoring import decode_distinct, reward_images, score_images
 from stepgrpo.reporting.report import track
-from stepgrpo_core.completions import COMPLETIONS, completed_through, parse_method
+from stepgrpo_core.completions import completed_through
 from stepgrpo_core.conditioning import take
 from stepgrpo_core.credit import SCHEMES, assign
 from stepgrpo_core.loss import step_weights
@@ -52,8 +52,7 @@ def method_rewards(
     T = T1 - 1
     through = completed_through(method, window_of(data, T)[1], T)
     sigmas = torch.from_numpy(data.sigmas)
-    if COMPLETIONS.facts(parse_method(method)[0])["rollout_velocity"] and data.velocities is not None:
-        done = rollout_predictions(method, data.states, data.velocities, sigmas, data.prompt_ids, through)
+    if (done := stored_predictions(method, data, through)) is not None:
         latents, nfe = done.latents.numpy(), 0
     else:
         assert pol is not None, f"completion {method!r} needs the policy"

@@ -215,29 +215,26 @@ def complete_chunks(
         yield c0, complete(method, pol.velocity, chunk, sigmas.to(pol.device), cond, max_batch, through)  # no_grad
 
 
-def rollout_predictions(
-    method: str,
-    states: np.ndarray,
-    velocities: np.ndarray,
-    sigmas: torch.Tensor,
-    prompt_ids: np.ndarray,
-    through: int,
-) -> Any:
-    """The `rollout` completion of stored states `[B, T+1, ...]` from the rollout's stored
-    `velocities [B, T, ...]` (numpy, as stored): no model is loaded or called, 0 NFEs. Rows with
-    equal states and prompt share a completion, as `complete_chunks` gives them."""
-    from stepgrpo_core.completions import complete
+def stored_predictions(method: str, data: Any, through: int) -> Any | None:
+    """The completion by `method` of the stored rollout `data` (`RolloutData`) from the velocities it
+    stored, where the method reuses them (`rollout_velocity`: `rollout`): no model is loaded or called,
+    0 NFEs. Rows with equal states and prompt share a completion, as `complete_chunks` gives them.
+    None where the method calls the model, or the rollout stored no velocities (made before they were
+    kept): complete with the policy then (`complete_chunks`)."""
+    from stepgrpo_core.completions import Method, complete
 
-    keys = [int(p).to_bytes(8, "little", signed=True) for p in prompt_ids]
+    if not Method.parse(method).facts["rollout_velocity"] or data.velocities is None:
+        return None
+    keys = [int(p).to_bytes(8, "little", signed=True) for p in data.prompt_ids]
     return complete(
         method,
         None,  # type: ignore[arg-type]  # not called: the velocities are given
-        torch.from_numpy(states),
-        sigmas,
+        torch.from_numpy(data.states),
+        torch.from_numpy(data.sigmas),
         None,
         1,
         through,
-        velocities=torch.from_numpy(velocities),
+        velocities=torch.from_numpy(data.velocities),
         cond_keys=keys,
     )
 
