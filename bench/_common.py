@@ -1,5 +1,6 @@
 """Shared helpers of the benchmark scripts: import path, environment, the machine, one pipeline
-run read back from its run directory, the bare in-process loop, and small statistics.
+run read back from its run directory, and small statistics (the in-process reference loop is
+library code: `stepgrpo.loops.reference`).
 
 Import it first (`import _common`) from a script in `bench/`: `bench/storage.py` is named like the
 `storage` package, and Python puts a script's own folder first on `sys.path`, so this module drops
@@ -13,7 +14,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -324,120 +325,6 @@ def read_run(run_dir: Path) -> RunRecord:
 def _record(e: dict[str, Any]) -> dict[str, Any]:
     """An evaluation file's record without what `read_run` added to it."""
     return {k: v for k, v in e.items() if k != "finished"}
-
-
-# ------------------------------------------------------------------------- the bare loop
-
-
-def bare_loop(
-    cfg: Any, iterations: int, on_iteration: Callable[[int, dict[str, Any]], None] | None = None
-) -> list[dict[str, Any]]:
-    """The training loop with no Prefect, no storage, no tracking: the same core functions and the
-    same seeds as the pipeline's stages (prompts, noise, SDE noise, update order), on tensors in
-    memory. Returns per-iteration records: seconds per phase, NFEs, the mean final reward, and the
-    reward grid and advantages themselves (`rewards` [B, T+1], `advantages`), which a test holds
-    equal to the pipeline's (tests/test_flows.py), so the overhead ratio keeps measuring the same work.
-
-    It is the reference the pipeline's overhead is measured against (bench/costs.py): anything
-    the pipeline spends beyond this is orchestration, storage and tracking. Kernels with a
-    calibrated table (`psi`) are not supported here.
-    """
-    import numpy as np
-    import torch
-
-    from stepgrpo.loops import training, workspace
-    from stepgrpo.loops.sampling import complete_chunks, encode, generator, iteration_plan, sample_iteration
-    from stepgrpo.loops.scoring import reward_images, score_images
-    from stepgrpo.prompts import prompt_source
-    from stepgrpo.tasks.credit import trained_mask
-    from stepgrpo_core.completions import completed_through
-    from stepgrpo_core.credit import assign
-    from stepgrpo_core.kernels import KERNELS
-
-    if KERNELS.facts(cfg.sampler.kernel)["calibrated"]:
-        raise ValueError("the bare loop has no calibration stage; benchmark a kernel with a fixed noise")
-    pol = workspace.policy(cfg)
-    workspace.set_lora(pol, workspace.initial_lora(cfg))
-    reward = workspace.reward(cfg.reward)
-    opt = training.make_optimizer(pol.trainable_parameters(), cfg)
-    prompts = prompt_source(cfg)
-    T, mb = cfg.sampler.steps, cfg.model.max_batch
-    _, end = cfg.sampler.window()
-    method, noise = cfg.completion.method, cfg.sampler.noise
-    ema = workspace.lora_state(pol) if cfg.optim.ema_decay is not None else None
-    records = []
-    for it in range(iterations):
-        t0 = time.perf_counter()
-        nfe0 = pol.nfe
-        plan = iteration_plan(cfg, prompts.splits, it)
-        sigmas = pol.sigmas(T)
-        chunks = list(sample_iteration(pol, cfg, prompts.texts, plan, it, noise))  # as the rollout stage samples
-        states = torch.cat([c.sde.states for c in chunks])
-        ode_final = torch.cat([c.ode_final for c in chunks])
-        log_probs = torch.cat([c.sde.log_probs for c in chunks])
-        t1 = time.perf_counter()
-        nfe_rollout = pol.nfe - nfe0
-        if method:  # as the complete stage completes (the states after `through` are x_T: scored once)
-            through = completed_through(method, end, T)
-            done = [
-                out.latents
-                for _, out in complete_chunks(
-                    pol, method, states.numpy(), sigmas, prompts.texts, plan.prompt_ids, mb, through
-                )
-            ]
-            clean = torch.cat(done)[:, [*range(through), T]]
-        else:
-            clean = torch.stack([ode_final, states[:, -1]], dim=1)
-        t2 = time.perf_counter()
-        nfe_complete = pol.nfe - nfe0 - nfe_rollout
-        B, K = clean.shape[:2]
-        flat = clean.reshape(B * K, *clean.shape[2:])
-        pids = np.repeat(plan.prompt_ids, K)
-        images = torch.cat([reward_images(pol.decoder, flat[c0 : c0 + mb])[0] for c0 in range(0, len(flat), mb)])
-        scored = score_images(
-            reward, images, prompts.texts_of(pids), prompts.metadata_of(pids), chunk=mb
-        ).scores.reshape(B, K)
-        t3 = time.perf_counter()
-        if method:  # R_k = R_T after `through`
-            grid = torch.cat([scored[:, :through], scored[:, -1:].expand(B, T + 1 - through)], dim=1)
-        else:
-            grid = scored[:, -1:].expand(B, T + 1).clone()  # outcome reads R_T only
-        credit = assign(
-            cfg.credit.scheme, grid, torch.from_numpy(plan.group_ids).long(), trained_mask(cfg), **cfg.credit.options
-        )
-        t4 = time.perf_counter()
-        batch = training.Batch(
-            states,
-            log_probs,
-            credit.advantages,
-            torch.from_numpy(plan.group_ids),
-            encode(pol, prompts.texts, plan.prompt_ids),
-            sigmas,
-            cfg.sampler.kernel,
-            noise,
-        )
-        summary = training.update(pol, opt, cfg, batch, generator(cfg.run.seed, "update", it), ema=ema)
-        t5 = time.perf_counter()
-        rec = {
-            "iteration": it,
-            "reward_mean": float(grid[:, -1].mean()),
-            "seconds": t5 - t0,
-            "rollout": t1 - t0,
-            "complete": t2 - t1,
-            "score": t3 - t2,
-            "credit": t4 - t3,
-            "update": t5 - t4,
-            "nfe_rollout": nfe_rollout,
-            "nfe_complete": nfe_complete,
-            "clip_frac": summary.get("clip_frac"),
-            "rewards": grid,
-            "advantages": credit.advantages,
-            "update_stats": summary,
-        }
-        records.append(rec)
-        if on_iteration:
-            on_iteration(it, rec)
-    return records
 
 
 # ----------------------------------------------------------------------------- statistics

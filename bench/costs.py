@@ -8,7 +8,7 @@ On the shipped `models/shapes` model (CPU unless `--device`), with the benchmark
    the seconds each costs here, and the one-time DenseGRPO `psi` calibration.
 2. Seconds per stage of the pipeline (`train` flow: rollout, complete, score, credit, update,
    evaluate), from the flow's own MLflow metrics.
-3. Pipeline iteration time / a bare in-process loop (`_common.bare_loop`: the same core functions
+3. Pipeline iteration time / the in-process reference loop (`stepgrpo.loops.reference`: the same core functions
    and seeds, no Prefect, no storage, no tracking). Target <= 1.15. Both loops run the same
    iterations; the bare loop runs before and after the pipeline and the two are averaged, the
    first iteration of each is dropped (warm-up). The rewards of both must agree.
@@ -328,11 +328,13 @@ def main() -> None:
         f"({calib['rounds']} rounds x {calib['trajectories_per_round']} trajectories, remaining completion)"
     )
 
-    # 3. bare loop, pipeline, bare loop
-    bare1 = _common.bare_loop(cfg, a.iterations)
+    # 3. the reference loop, the pipeline, the reference loop
+    from stepgrpo.loops.reference import reference_loop
+
+    bare1 = reference_loop(cfg, a.iterations)
     pipe = _common.train_flow(ov, "pipeline")
     run_dir = Path(pipe["run_dir"])
-    bare2 = _common.bare_loop(cfg, a.iterations)
+    bare2 = reference_loop(cfg, a.iterations)
     rec = _common.read_run(run_dir)
     stage_s = mlflow_stage_seconds(run_dir)
     # Iteration times without each loop's first (warm-up) iteration. On a shared machine another

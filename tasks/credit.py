@@ -15,6 +15,7 @@ import torch
 
 from stepgrpo.config import Config
 from stepgrpo.errors import StageError
+from stepgrpo.loops import training
 from stepgrpo.results import CreditResult, ScoreResult
 from stepgrpo.storage.publish import options_digest
 from stepgrpo.storage.run import Run
@@ -38,13 +39,6 @@ def stored_options(cfg: Config, reward_name: str, reward_version: str) -> dict[s
     if reads_trained(cfg.credit.scheme):
         stored["trained_steps"] = cfg.trained_steps()
     return stored
-
-
-def trained_mask(cfg: Config) -> torch.Tensor:
-    """`[T]` bool: the steps the update trains (`Config.trained_steps`)."""
-    mask = torch.zeros(cfg.sampler.steps, dtype=torch.bool)
-    mask[cfg.trained_steps()] = True
-    return mask
 
 
 def execute(run: Run, cfg: Config, iteration: int, reward_name: str, reward_version: str) -> CreditResult:
@@ -104,4 +98,4 @@ def _assign(run: Run, cfg: Config, iteration: int, reward_name: str, reward_vers
             )
         rewards = rewards[:, -1:].expand_as(rewards).clone()  # the scheme reads R_T only
     group_ids = torch.from_numpy(run.stages.read_array(iteration, "rollout", "group_ids")).long()
-    return assign(scheme, rewards, group_ids, trained_mask(cfg), **cfg.credit.options)
+    return assign(scheme, rewards, group_ids, training.trained_mask(cfg), **cfg.credit.options)

@@ -28,7 +28,7 @@ import torch
 
 from stepgrpo.config import CODE_SALT, Config, digest_of
 from stepgrpo.errors import StageError
-from stepgrpo.loops import judging, workspace
+from stepgrpo.loops import judging, training, workspace
 from stepgrpo.loops.sampling import stored_noise
 from stepgrpo.prompts import stored_prompts
 from stepgrpo.results import QualityResult
@@ -37,7 +37,6 @@ from stepgrpo.storage.publish import read_json, seal, write_file_atomic
 from stepgrpo.storage.run import Run
 from stepgrpo.storage.schema import completion_stage
 from stepgrpo.tasks.base import stage_task, warn
-from stepgrpo.tasks.credit import trained_mask
 from stepgrpo_core.credit import SCHEMES
 from stepgrpo_core.quality import step_table, true_values
 
@@ -185,7 +184,7 @@ def compute(
         t = time.perf_counter()
         grids[method], nfe = judging.method_rewards(pol, cfg, reward, data, prompts, method, rewards[:, -1])
         cost[method] = {"nfe_per_trajectory": nfe / B, "seconds": time.perf_counter() - t}
-    tables, skipped = judging.judged_tables(cfg, schemes, grids, group_ids, trained_mask(cfg))
+    tables, skipped = judging.judged_tables(cfg, schemes, grids, group_ids, training.trained_mask(cfg))
     judged = list(tables)
 
     noise = stored_noise(data.kernel_params, pol.device)

@@ -85,21 +85,18 @@ def trained(harness, tiny, tmp_path_factory) -> dict:
     return train(overrides=tiny, run_dir=str(run_dir)) | {"model_path": tiny[0].removeprefix("model.path=")}
 
 
-def test_the_bare_loop_computes_what_the_pipeline_stores(trained):
-    """bench/costs.py's overhead ratio divides the pipeline's time by `_common.bare_loop`'s: the two
-    must do the same work. On the same config the bare loop's rewards and advantages of every
-    iteration equal what the pipeline stored (the second iteration after an update of each)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    try:
-        import _common
-    finally:  # bench/_common.py takes its folder off the path itself
-        sys.path[:] = [p for p in sys.path if not p.endswith("/bench")]
+def test_the_reference_loop_computes_what_the_pipeline_stores(trained):
+    """`stepgrpo.loops.reference` is the algorithm on one page, and bench/costs.py's overhead ratio
+    divides the pipeline's time by its: the two must do the same work. On the same config its rewards
+    and advantages of every iteration equal what the pipeline stored (the second iteration after an
+    update of each)."""
     from stepgrpo.config import validate_config
+    from stepgrpo.loops.reference import reference_loop
     from stepgrpo.storage import Run
 
     run = Run.open(Path(trained["run_dir"]))
     cfg = validate_config(run.config)
-    bare = _common.bare_loop(cfg, cfg.run.iterations)
+    bare = reference_loop(cfg, cfg.run.iterations)
     assert len(bare) == 2
     for i, rec in enumerate(bare):
         grid = run.tables.reward_grid(i, cfg.reward.name)

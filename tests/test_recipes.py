@@ -115,17 +115,12 @@ def test_the_recipe_reaches_its_first_rollout(recipe, sd35_like, flux_like, tmp_
 def test_the_papers_regime_recipes_reach_their_first_update(recipe):
     """The 9-step-window recipes (docs/BENCHMARKS.md, "The papers' regime") train steps 0-8 of 10:
     one iteration through rollout, completion, scoring, credit and the update, in memory
-    (`bench/_common.bare_loop`, held equal to the pipeline by tests/test_flows.py)."""
-    import sys
+    (`stepgrpo.loops.reference`, held equal to the pipeline by tests/test_flows.py)."""
+    from stepgrpo.loops.reference import reference_loop
 
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        import _common
-    finally:  # bench/_common.py takes its folder off the path itself
-        sys.path[:] = [p for p in sys.path if not p.endswith("/bench")]
     cfg = load_config(REPO / "configs" / recipe, ["run.prompts_per_iteration=1", "run.group_size=2"])
     assert cfg.sampler.window() == (0, 9) and list(cfg.trained_steps()) == list(range(9))
-    (rec,) = _common.bare_loop(cfg, 1)
+    (rec,) = reference_loop(cfg, 1)
     adv = rec["advantages"]
     assert adv.shape == (2, 10) and bool(torch.isfinite(adv[:, :9]).all())
     if cfg.credit.scheme != "outcome":  # every trained state completed and scored

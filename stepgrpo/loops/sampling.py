@@ -5,8 +5,8 @@ Seeds: everything random in iteration `i` derives from `(run.seed, what, i, ...)
 one.
 
 `sample_groups` is the group rollout (GRPO's groups share a prompt and an initial noise): the
-rollout stage, the `psi` calibration and the benchmarks' bare loop all sample through it.
-`complete_chunks` is the ODE-completion loop of the complete stage and the bare loop.
+rollout stage, the `psi` calibration and the reference loop (`loops.reference`) all sample through it.
+`complete_chunks` is the ODE-completion loop of the complete stage and the reference loop.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Rewards of clean latents: decoding to 8-bit images, scoring in chunks, a training batch's summary.
 
-Every stage that scores (score, evaluate, calibrate) and the benchmarks' bare loop go through
+Every stage that scores (score, evaluate, calibrate) and the reference loop go through
 `score_images`; a reward always sees the 8-bit images a user would see (`stepgrpo.images`).
 """
 

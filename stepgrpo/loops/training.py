@@ -497,3 +497,10 @@ def checkpoint_state(iteration: int, summary: Mapping[str, Any]) -> dict[str, An
     clean: dict[str, Any] = {k: v for k, v in summary.items() if finite(v)}
     clean |= {k: [x if finite(x) else None for x in v] for k, v in summary.items() if isinstance(v, list)}
     return json.loads(json.dumps({"iteration": iteration, "update": clean}))
+
+
+def trained_mask(cfg: Config) -> torch.Tensor:
+    """`[T]` bool: the steps the update trains (`Config.trained_steps`)."""
+    mask = torch.zeros(cfg.sampler.steps, dtype=torch.bool)
+    mask[cfg.trained_steps()] = True
+    return mask
