@@ -2,9 +2,9 @@
 run read back from its run directory, and small statistics (the in-process reference loop is
 library code: `stepgrpo.loops.reference`).
 
-Import it first (`import _common`) from a script in `bench/`: `bench/storage.py` is named like the
-`storage` package, and Python puts a script's own folder first on `sys.path`, so this module drops
-that folder and puts the repository root there instead.
+The benchmarks are the package `bench` (`from bench._common import ...`; the suite imports them by
+name). A script run by its path (`python bench/clip.py`) puts the repository first on `sys.path`
+itself, as `python -m bench.clip` from the repository has it.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,8 +20,6 @@ from typing import Any
 
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH_DIR]
-sys.path.insert(0, str(ROOT))
 
 OUT_DIR = BENCH_DIR / "out"  # gitignored; the numbers quoted in docs are copied to docs/bench/
 SHIPPED_MODEL = "models/shapes"

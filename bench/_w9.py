@@ -33,8 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT, machine, mean_ci, relative, write_json
-
+from bench._common import ROOT, machine, mean_ci, relative, write_json
 from bench._warm import Stepgrpo
 from bench.learning import run_seed
 
@@ -224,8 +223,7 @@ def settings(a: Any) -> W9:
 def record_of(run_dir: Path, argv: list[str]) -> dict[str, Any]:
     """The durable record of a finished run: costs per iteration, training rewards, and every
     held-out evaluation with its per-sample scores (what pairing needs)."""
-    from _common import read_run
-
+    from bench._common import read_run
     from bench._schemes import read_evals  # the same reading as the early-window comparison
 
     rec = read_run(run_dir)
@@ -716,6 +714,14 @@ def plot(runs: dict[tuple[str, int], Rec], s: W9, path: Path) -> None:
     plt.close(fig)
 
 
+def recorded_machine(report: Path, report_only: bool) -> dict[str, Any] | None:
+    """The machine the runs were recorded on, as the last report that ran them says: a report read
+    again from the records (`--report-only`) names it, not the machine that read them, so it
+    regenerates byte for byte."""
+    path = report / "analysis.json"
+    return json.loads(path.read_text()).get("machine") if report_only and path.is_file() else None
+
+
 def main(a: Any) -> None:
     s = settings(a)
     s.out.mkdir(parents=True, exist_ok=True)
@@ -730,14 +736,14 @@ def main(a: Any) -> None:
     if not runs:
         raise SystemExit("no finished run recorded yet: run without --report-only")
     analysis = analyse(runs, s)
+    report = s.records.parent
     info = {
         "settings": {k: (relative(v) if isinstance(v, Path) else v) for k, v in vars(s).items()},
-        "machine": {"start": started, "end": machine()},
+        "machine": recorded_machine(report, a.report_only) or {"start": started, "end": machine()},
     }
     table = claims(analysis)
     from bench._schemes import claims_md
 
-    report = s.records.parent
     report.mkdir(parents=True, exist_ok=True)
     (report / "summary.md").write_text(summary_md(analysis, s, info))
     (report / "claims.md").write_text(claims_md(table))

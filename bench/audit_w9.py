@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from pathlib import Path
 from typing import Any
 
-import _common  # noqa: F401  (sets sys.path to the repository root)
-from _common import ROOT, mean_ci, relative
+if __name__ == "__main__":  # `python bench/audit_w9.py`: the repository, not bench/, first on the path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+from bench._common import ROOT, mean_ci, relative
 from bench._schemes import two_level
 
 DOCS = ROOT / "docs" / "bench"

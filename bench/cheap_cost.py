@@ -19,8 +19,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from _common import ROOT, machine, relative, write_json
+if __name__ == "__main__":  # `python bench/cheap_cost.py`: the repository, not bench/, first on the path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+from bench._common import ROOT, machine, relative, write_json
 from bench._warm import Stepgrpo
 
 ARMS = {

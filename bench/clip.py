@@ -38,14 +38,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import _common  # noqa: F401  (sets sys.path to the repository root)
-from _common import OUT_DIR, ROOT, mean_ci, relative, write_json
+if __name__ == "__main__":  # `python bench/clip.py`: the repository, not bench/, first on the path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from bench._common import OUT_DIR, ROOT, mean_ci, relative, write_json
 
 DOCS = ROOT / "docs" / "bench"
 RECORDS = DOCS / "credit_schemes_clip" / "runs"
@@ -164,7 +167,7 @@ def queue(s: Screen, seeds: int | None = None) -> list[tuple[str, int]]:
 
 def update_diagnostics(run_dir: Path) -> list[dict[str, Any]]:
     """The update's clip diagnostics of every iteration (its checkpoint's state)."""
-    from _common import open_run_once
+    from bench._common import open_run_once
 
     run = open_run_once(run_dir)
     keep = ("clip_frac", "zero_grad_frac", "clip_frac_later", "zero_grad_frac_later", "approx_kl", "ratio_std")

@@ -33,8 +33,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import _common  # noqa: I001  (first: fixes sys.path, see its docstring)
-from _common import COMMON, OUT_DIR, ROOT, write_json
+if __name__ == "__main__":  # `python bench/costs.py`: the repository, not bench/, first on the path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from bench import _common
+from bench._common import COMMON, OUT_DIR, ROOT, write_json
 
 METHODS = (None, "remaining", "substeps:2", "tweedie")
 SCHEMES = ("outcome", "stepwise", "dense", "turning_point")

@@ -35,9 +35,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import _common  # noqa: F401  (first: sets sys.path to the repository root)
-from _common import ROOT, machine, relative, write_json
+if __name__ == "__main__":  # `python bench/credit_quality.py`: the repository, not bench/, first on the path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+from bench._common import ROOT, machine, relative, write_json
 from bench._warm import Stepgrpo
 
 WINDOWS = (3, 6, 9)

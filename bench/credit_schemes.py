@@ -43,15 +43,17 @@ import csv
 import json
 import math
 import statistics
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import _common  # noqa: F401  (first: sets sys.path to the repository root)
-from _common import OUT_DIR, machine, mean_ci, read_run, relative, write_json
+if __name__ == "__main__":  # `python bench/credit_schemes.py`: the repository, not bench/, first on the path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+from bench._common import OUT_DIR, machine, mean_ci, read_run, relative, write_json
 from bench._schemes import ci, claims_md, crossing, fmt, paired, read_evals, verdict
 from bench._warm import Stepgrpo
 from bench.learning import run_seed

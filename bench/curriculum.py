@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import _common  # noqa: F401  (sets sys.path to the repository root)
-from _common import OUT_DIR, machine, mean_ci, relative, write_json
+if __name__ == "__main__":  # `python bench/curriculum.py`: the repository, not bench/, first on the path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+from bench._common import OUT_DIR, machine, mean_ci, relative, write_json
 from bench._warm import Stepgrpo
 from bench.learning import read_seed, run_seed  # _common is imported: its sys.path holds the root
 

@@ -24,8 +24,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _prefect import BIN, api, call, local_server  # noqa: E402
+if __name__ == "__main__":  # `python bench/deployed.py`: the repository, not bench/, first on the path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from bench._prefect import BIN, api, call, local_server
 
 REPO = Path(__file__).resolve().parents[1]
 

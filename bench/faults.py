@@ -48,9 +48,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import _common  # noqa: F401  (sets sys.path to the repository root)
-from _common import BENCH_DIR, OUT_DIR, ROOT, write_json
+if __name__ == "__main__":  # `python bench/faults.py`: the repository, not bench/, first on the path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+from bench._common import BENCH_DIR, OUT_DIR, ROOT, write_json
 from bench._warm import command_env  # the environment of a benchmark's `stepgrpo` command
 
 sys.path.insert(1, str(BENCH_DIR))  # _common takes bench/ off the path (bench/storage.py shadows the package)

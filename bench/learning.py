@@ -27,14 +27,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import _common  # noqa: F401  (sets sys.path to the repository root)
-from _common import OUT_DIR, machine, mean_ci, relative, write_json
+if __name__ == "__main__":  # `python bench/learning.py`: the repository, not bench/, first on the path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+from bench._common import OUT_DIR, machine, mean_ci, relative, write_json
 from bench._warm import Stepgrpo
 
 TARGET_GAIN = 0.05  # held-out gain the shipped outcome recipe must reach (3 seeds, interval above 0)

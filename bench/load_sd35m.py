@@ -24,8 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-import _common  # noqa: F401  (first: fixes sys.path, see its docstring)
-from _common import BENCH_DIR, OUT_DIR
+if __name__ == "__main__":  # `python bench/load_sd35m.py`: the repository, not bench/, first on the path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from bench._common import BENCH_DIR, OUT_DIR
 
 sys.path.insert(1, str(BENCH_DIR))
 from gpu import SD3_MEDIUM  # noqa: E402

@@ -21,8 +21,10 @@ import sys
 import time
 from pathlib import Path
 
-import _common  # noqa: F401, I001  (first: fixes sys.path, see its docstring)
-from _common import OUT_DIR, ROOT, setup_env
+if __name__ == "__main__":  # `python bench/offline.py`: the repository, not bench/, first on the path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from bench._common import OUT_DIR, ROOT, setup_env
 
 STEPGRPO = [sys.executable, "-m", "stepgrpo_cli"]
 COMMANDS = {

@@ -24,9 +24,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT, relative, write_json
+if __name__ == "__main__":  # `python bench/oracle.py`: the repository, not bench/, first on the path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from bench import _w9
+from bench._common import ROOT, relative, write_json
 from bench._oracle import ORACLE, value_name
 
 CONFIG = "configs/shapes_outcome_w9.yaml"

@@ -27,10 +27,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import _common  # noqa: F401, I001  (first: fixes sys.path, see its docstring)
 import numpy as np
 import torch
-from _common import OUT_DIR
+
+if __name__ == "__main__":  # `python bench/reward_server.py`: the repository, not bench/, first on the path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from bench._common import OUT_DIR
 
 
 def batches(clients: int, requests: int, images: int) -> list[list[tuple[torch.Tensor, list[str], list[dict]]]]:

@@ -30,8 +30,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import _common  # noqa: I001  (first: fixes sys.path, see its docstring)
-from _common import BENCH_DIR, OUT_DIR, machine, write_json
+if __name__ == "__main__":  # `python bench/scale.py`: the repository, not bench/, first on the path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from bench import _common
+from bench._common import BENCH_DIR, OUT_DIR, machine, write_json
 
 sys.path.insert(1, str(BENCH_DIR))
 from digests import items  # noqa: E402
@@ -148,7 +151,7 @@ def main() -> None:
     _common.setup_env(a.out, threads=1)
     import shutil
 
-    from _common import train_flow
+    from bench._common import train_flow
 
     runs_root = a.out / "runs"
     shutil.rmtree(runs_root, ignore_errors=True)

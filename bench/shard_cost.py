@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-import _common  # noqa: F401  (import path: the repository root first)
-from _common import setup_env
+if __name__ == "__main__":  # `python bench/shard_cost.py`: the repository, not bench/, first on the path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from bench._common import setup_env
 
 
 def main() -> None:

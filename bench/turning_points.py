@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 
-import _common  # noqa: F401  (first: fixes sys.path, see its docstring)
 import torch
 
 from stepgrpo_core.credit import turning_point_rewards, turning_points

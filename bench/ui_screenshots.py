@@ -29,8 +29,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _prefect import BIN, api, call, free_port, local_server  # noqa: E402
+if __name__ == "__main__":  # `python bench/ui_screenshots.py`: the repository, not bench/, first on the path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from bench._prefect import BIN, api, call, free_port, local_server
 
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM_FLAGS = [  # headless on a machine without network: no background connections

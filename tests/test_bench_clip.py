@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,11 +16,8 @@ P, S = 4, 2  # held-out prompts x noise seeds
 
 @pytest.fixture(scope="module")
 def clip():
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        from bench import clip
-    finally:  # bench/_common.py takes its folder off the path itself
-        sys.path[:] = [p for p in sys.path if not p.endswith("/bench")]
+    from bench import clip
+
     return clip
 
 

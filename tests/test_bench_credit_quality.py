@@ -1,12 +1,8 @@
 """bench/credit_quality.py's reading of stored checks: the table, the verdicts, the plot (no model)."""
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-credit_quality = pytest.importorskip("credit_quality")
+from bench import credit_quality
 
 
 def check(diffs):

@@ -68,12 +68,8 @@ def test_the_credit_scheme_benchmark_runs_and_reports_from_its_runs(tmp_path, se
 
 
 def test_the_gpu_preset_runs_eight_times_the_trajectories_on_cuda():
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import credit_schemes
-    finally:  # bench/_common.py takes its folder off the path itself
-        if str(ROOT / "bench") in sys.path:
-            sys.path.remove(str(ROOT / "bench"))
+    from bench import credit_schemes
+
     s = credit_schemes.settings(credit_schemes.parser().parse_args(["--gpu"]))
     sets = dict(o.split("=", 1) for o in s.overrides)
     assert sets["model.device"] == "cuda"

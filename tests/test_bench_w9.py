@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,11 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def w9():
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        from bench import _w9
-    finally:  # bench/_common.py takes its folder off the path itself
-        sys.path[:] = [p for p in sys.path if not p.endswith("/bench")]
+    from bench import _w9
+
     return _w9
 
 

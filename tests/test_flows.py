@@ -817,7 +817,6 @@ def test_the_oracle_bound_trains_on_monte_carlo_true_advantages(harness, tiny, t
     """bench/_oracle.py (benchmark only): every state's value from continuations with common random
     numbers, stored as value rows; the oracle scheme's advantages through the ordinary credit stage
     are `A*` at outcome's scale on the trained steps; the update trains on them."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from bench._oracle import ORACLE, oracle_train
     from stepgrpo.storage.run import Run
     from stepgrpo_core.quality import oracle_advantages
