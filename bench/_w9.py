@@ -67,7 +67,7 @@ QUICK_SET = [
     "optim.diagnostics=false",
 ]
 PRESETS: dict[str, dict[str, Any]] = {
-    # the comparison of docs/BENCHMARKS.md ("The papers' regime"): ~13 core-hours, resumable
+    # the comparison of docs/bench/credit_schemes_w9/README.md: ~13 core-hours, resumable
     "full": {
         "iterations": 100,
         "eval_every": 25,

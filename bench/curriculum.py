@@ -1,6 +1,6 @@
 """The gain-variance curriculum against uniform prompt draws, paired, on the shipped shapes task.
 
-Two arms of `configs/shapes_outcome.yaml` (the recipe that learns, docs/BENCHMARKS.md "Learning"),
+Two arms of `configs/shapes_outcome.yaml` (the recipe that learns, docs/bench/learning/README.md),
 identical but for `curriculum.draw`: `uniform` and `gain_variance` (window and floor at their
 defaults). Each seed is one `stepgrpo train` run per arm (`bench/learning.py`'s `run_seed`);
 both arms of a seed start from the same base model, LoRA initialisation, rollout noise and

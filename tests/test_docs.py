@@ -23,7 +23,12 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "models" / "shapes" / "README.md"]
+DOCS = [
+    REPO / "README.md",
+    *sorted((REPO / "docs").glob("*.md")),
+    *sorted((REPO / "docs" / "bench").glob("*/README.md")),  # a benchmark question's page
+    REPO / "models" / "shapes" / "README.md",
+]
 FENCE = re.compile(r"^\s*```(\S*)\s*$")
 SKIP = re.compile(r"^\s*<!-- not run: (.+) -->\s*$")
 LANGUAGES = {"python", "bash", "sh", "yaml", "toml"}

@@ -113,7 +113,7 @@ def test_the_recipe_reaches_its_first_rollout(recipe, sd35_like, flux_like, tmp_
 
 @pytest.mark.parametrize("recipe", [r for r in RECIPES if r.endswith("_w9.yaml")])
 def test_the_papers_regime_recipes_reach_their_first_update(recipe):
-    """The 9-step-window recipes (docs/BENCHMARKS.md, "The papers' regime") train steps 0-8 of 10:
+    """The 9-step-window recipes (docs/bench/credit_schemes_w9/README.md) train steps 0-8 of 10:
     one iteration through rollout, completion, scoring, credit and the update, in memory
     (`stepgrpo.loops.reference`, held equal to the pipeline by tests/test_flows.py)."""
     from stepgrpo.loops.reference import reference_loop

@@ -30,7 +30,7 @@ def track(items: Sequence[Any] | range, description: str) -> Any:
 # gradients of two disjoint halves of a batch, each summed over the last ~20 iterations. It has
 # power where a batch holds enough trajectories for its gradient to rise above its noise; on the
 # shipped shapes model at 64 trajectories an iteration it reads noise for the recipe that learns
-# as well as for one that does not (docs/BENCHMARKS.md, "Learning"), so the line it prints says
+# as well as for one that does not (docs/bench/learning/README.md), so the line it prints says
 # what it measured and where to look, not that the run is broken.
 NOISE_WINDOW = 20
 NOISE_COSINE = 0.05
@@ -53,7 +53,7 @@ class SignalWatch:
             "update "
             "is mostly noise at this batch size and any learning comes from many iterations; judge it by the held-out "
             "evaluations, and if they do not rise see `stepgrpo inspect` (where the gradient energy sits) and "
-            'docs/BENCHMARKS.md, "Learning"'
+            "docs/bench/learning/README.md"
         )
 
 
