@@ -78,8 +78,11 @@ def test_pretrain_runs_resumes_and_exports(tmp_path):
     # the exported model is not replaced unless asked
     with pytest.raises(ValueError, match="already holds a model.*--overwrite"):
         PretrainConfig(**{**cfg.__dict__, "minutes": 0.02})
-    # a second call with a larger budget continues from the checkpoint instead of starting over
-    second = pretrain(PretrainConfig(**{**cfg.__dict__, "minutes": 0.02, "overwrite": True}))
+    # a second call with a larger budget continues from the checkpoint instead of starting over: a
+    # budget above what the first spent (its checkpoint's elapsed time, however slow this CPU was)
+    # buys at least one more step
+    more = state["elapsed_s"] / 60 + 0.005
+    second = pretrain(PretrainConfig(**{**cfg.__dict__, "minutes": more, "overwrite": True}))
     assert second["flow_steps"] > first["flow_steps"] and second["vae_steps"] == first["vae_steps"]
     from safetensors import safe_open
 
