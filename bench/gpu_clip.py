@@ -40,7 +40,10 @@ RECORDS = REPO / "docs" / "bench" / "credit_schemes_clip" / "runs"
 BIND = {"optim.optimizer_steps": "4", "optim.clip_range": "0.0001"}
 ARMS: dict[str, tuple[dict[str, str], str]] = {  # arm -> (overrides, the CPU screen's arm)
     "outcome": ({}, "outcome_w9_k4"),
-    "dense_rollout": ({"credit.scheme": "dense", "completion.method": "rollout"}, "dense_rollout_w9_k4"),
+    "dense_rollout": (
+        {"credit.scheme": "dense", "credit.options": "{}", "completion.method": "rollout"},
+        "dense_rollout_w9_k4",
+    ),
 }
 KEEP = ("clip_frac", "clip_frac_by_part", "clip_frac_later_by_step", "zero_grad_frac", "approx_kl")
 
