@@ -297,8 +297,9 @@ def core_registries() -> dict[str, Registry]:
     from .completions import COMPLETIONS
     from .credit import SCHEMES
     from .kernels import KERNELS
+    from .objectives import OBJECTIVES
 
-    return {"kernel": KERNELS, "completion": COMPLETIONS, "credit scheme": SCHEMES}
+    return {"kernel": KERNELS, "completion": COMPLETIONS, "credit scheme": SCHEMES, "objective": OBJECTIVES}
 
 
 def markdown_table(registries: Mapping[str, Registry]) -> str:

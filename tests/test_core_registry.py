@@ -42,7 +42,7 @@ def test_core_families():
 PAPER = re.compile(r'arXiv \d{4}\.\d{4,5}, (eq\. \d+|"[^"]+")|^(ours|standard): \S')
 
 
-@pytest.mark.parametrize("family", ["kernel", "completion", "credit scheme"])
+@pytest.mark.parametrize("family", ["kernel", "completion", "credit scheme", "objective"])
 def test_every_core_entry_says_where_it_comes_from_and_what_it_does(family):
     from stepgrpo_core.registry import core_registries
 
