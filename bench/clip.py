@@ -13,6 +13,8 @@ Arms (`ARMS`; K = optimizer steps an iteration, c = clip range):
                                      predictions (no extra NFEs), K = 4, c = 1e-4
   outcome_w9_k4_c01                  K = 4 at the shipped clip 0.01 (where the clip never acts)
   outcome_w3_k2 / outcome_w3_k4      the shipped window (W = 3), c = 1e-4
+  oracle_w9_k4                       oracle credit (bench/oracle.py's runner) at K = 4, c = 1e-4, 3 seeds x 50
+                                     iterations, read against the one-step oracle at 50
 The step-level arms run at K = 4, the setting chosen before this screen by its one-seed probe
 (+0.014 [+0.001, +0.027] over K = 1 after 50 iterations); the K = 2 outcome arm says whether that
 choice was the better one (the summary prints both).
@@ -104,6 +106,10 @@ PHASES: list[tuple[tuple[str, ...], int]] = [
     (("outcome_w3_k2",), 6),
     (("outcome_w9_k4_c01",), 6),
 ]
+# the oracle where the clip binds (bench/oracle.py's runner, its 3 seeds x 50 iterations with the K = 4
+# overrides), read against the one-step oracle of docs/bench/credit_schemes_oracle at 50 iterations
+ORACLE_ARM, ORACLE_ONE_STEP = "oracle_w9_k4", DOCS / "credit_schemes_oracle" / "runs" / "oracle_w9"
+ORACLE_SEEDS, ORACLE_ITERATIONS = 3, 50
 FULL = {"iterations": 100, "eval_every": 25, "set": ["run.eval_seeds=8"]}
 QUICK = {
     "iterations": 2,
@@ -279,6 +285,7 @@ def analyse(s: Screen, seeds: int = 6) -> dict[str, Any]:
             "seconds_per_iteration": statistics.mean(statistics.median(r["seconds"][:N]) for r in mine.values()),
             "clip": clip_summary(clip),
         }
+    out["oracle"] = oracle_did(s, rec)
     for arm, (_, _, ref) in ARMS.items():
         if rows := paired(rec, [(arm, 1), (ref, -1)], seeds, N):
             out["vs_one_step"][f"{arm} - {ref}"] = pooled(rows)
@@ -293,6 +300,38 @@ def analyse(s: Screen, seeds: int = 6) -> dict[str, Any]:
     out["vs_shipped"] = vs_shipped(s, rec, seeds)
     out["claims"] = claims(s, rec, seeds) if not s.quick else []
     return out
+
+
+def oracle_records(s: Screen) -> dict[tuple[str, int], dict[str, Any]]:
+    """The oracle's records: where the clip binds (this screen's) and at one step (bench/oracle.py's)."""
+    out = {}
+    for arm, folder in ((ORACLE_ARM, s.records / ORACLE_ARM), ("oracle_w9", ORACLE_ONE_STEP)):
+        for k in range(ORACLE_SEEDS):
+            if (p := folder / f"seed_{k}.json").is_file():
+                out[(arm, k)] = json.loads(p.read_text())
+    return out
+
+
+def oracle_did(s: Screen, rec: dict[tuple[str, int], dict[str, Any]]) -> dict[str, Any]:
+    """(oracle - outcome) where the clip binds minus the same at one step, after 50 iterations (the
+    oracle's budget), paired by seed; and the oracle minus outcome at K = 4 alone."""
+    both = {**rec, **oracle_records(s)}
+    out: dict[str, Any] = {}
+    terms = [(ORACLE_ARM, 1), ("outcome_w9_k4", -1), ("oracle_w9", -1), ("outcome_w9", 1)]
+    if rows := paired(both, terms, ORACLE_SEEDS, ORACLE_ITERATIONS):
+        out["did"] = pooled(rows)
+    if rows := paired(both, [(ORACLE_ARM, 1), ("outcome_w9_k4", -1)], ORACLE_SEEDS, ORACLE_ITERATIONS):
+        out["at_k4"] = pooled(rows)
+    return out
+
+
+def train_oracle(s: Screen, seed: int) -> None:
+    """One oracle run where the clip binds (bench/oracle.py's runner: its own process and server)."""
+    from bench import oracle
+
+    p = dict(oracle.PRESETS["full"])
+    p["set"] = [*p["set"], "optim.optimizer_steps=4", *BIND]
+    oracle.train(p, seed, s.out / ORACLE_ARM, s.records, ORACLE_ARM)
 
 
 def paired(
@@ -476,6 +515,17 @@ def summary_md(a: dict[str, Any]) -> str:
             L.append(f"| {scheme} | {v['n']} | {k4s} | {iv(v['seeds'])} | {ci(v['prompts'])} | {verdict} |")
         else:
             L.append(f"| {scheme} | 0 | {k4s} | waits for its one-step runs | | |")
+    o = a.get("oracle") or {}
+    L += ["", f"## The oracle where the clip binds ({ORACLE_ITERATIONS} iterations, Monte-Carlo true advantages)", ""]
+    if "did" in o:
+        L += ["| contrast | seeds | over seeds (t) | by prompt |", "|---|---|---|---|"]
+        L.append(f"| (oracle - outcome) at K = 4 minus at K = 1 | {o['did']['n']} | {iv(o['did']['seeds'])} | "
+                 f"{ci(o['did']['prompts'])} |")  # fmt: skip
+        if "at_k4" in o:
+            L.append(f"| oracle - outcome, both at K = 4 | {o['at_k4']['n']} | {iv(o['at_k4']['seeds'])} | "
+                     f"{ci(o['at_k4']['prompts'])} |")  # fmt: skip
+    else:
+        L.append(f"Not run yet: `bench/clip.py` trains `{ORACLE_ARM}` after the other arms ({ORACLE_SEEDS} seeds).")
     if a.get("vs_shipped"):
         L += ["", "## Against the shipped recipe (outcome_w3, one step) at equal transformer NFEs", ""]
         L += ["| contrast | seeds | outcome_w3 read at (its NFEs / the arm's) | two-level bootstrap | over seeds (t) |"]
@@ -512,6 +562,13 @@ def main() -> None:
 
         with Stepgrpo(a.jobs, s.out) as stepgrpo, ThreadPoolExecutor(a.jobs) as pool:
             list(pool.map(lambda job: train_one(s, *job, stepgrpo), queue(s, seeds)))
+        if not a.quick:  # then the oracle where the clip binds, a run at a time
+            from bench._oracle import ORACLE
+            from stepgrpo_core.registry import allow
+
+            allow(ORACLE)
+            for seed in range(min(seeds, ORACLE_SEEDS)):
+                train_oracle(s, seed)
     analysis = analyse(s, seeds)
     dest = s.out if a.quick else RECORDS.parent
     write_json(dest / "analysis.json", analysis)

@@ -56,12 +56,14 @@ def argv_of(p: dict[str, Any], seed: int) -> list[str]:
             f"run.eval_every={p['eval_every']}", f"run.seed={seed}"]  # fmt: skip
 
 
-def train(p: dict[str, Any], seed: int, out: Path, records: Path) -> None:
-    """One oracle run (a process of its own with the benchmarks' environment), then its record."""
+def train(p: dict[str, Any], seed: int, out: Path, records: Path, arm: str = "oracle_w9") -> None:
+    """One oracle run (a process of its own with the benchmarks' environment), then its record as
+    `records/<arm>/seed_<seed>.json` (another arm: other overrides in `p["set"]`, e.g. bench/clip.py's
+    binding clip)."""
     from bench._prefect import local_server
     from bench._warm import command_env
 
-    path = records / "oracle_w9" / f"seed_{seed}.json"
+    path = records / arm / f"seed_{seed}.json"
     argv = argv_of(p, seed)
     if path.is_file() and json.loads(path.read_text())["argv"] == argv:
         return
@@ -74,11 +76,11 @@ def train(p: dict[str, Any], seed: int, out: Path, records: Path) -> None:
         with log.open("w") as f:
             rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
     if rc != 0:
-        raise SystemExit(f"oracle seed {seed} exited {rc}; see {relative(log)}")
+        raise SystemExit(f"{arm} seed {seed} exited {rc}; see {relative(log)}")
     record = _w9.record_of(run_dir, argv)
     record["values"] = values_cost(run_dir)
     write_json(path, record)
-    print(f"oracle seed {seed}: recorded after {time.perf_counter() - t0:.0f} s", flush=True)
+    print(f"{arm} seed {seed}: recorded after {time.perf_counter() - t0:.0f} s", flush=True)
 
 
 def values_cost(run_dir: Path) -> dict[str, list[float]]:

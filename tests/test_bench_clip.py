@@ -87,3 +87,28 @@ def test_the_two_level_bootstrap_carries_both_spreads(clip):
     m, lo, hi = two_level({0: [0.0, 0.02] * 10, 1: [0.01, 0.03] * 10, 2: [0.02, 0.04] * 10})
     assert m == pytest.approx(0.02) and lo < 0.02 < hi and hi - lo < 0.03
     assert two_level({0: [0.0, 0.02]})[1] != two_level({0: [0.0, 0.02]})[1]  # one seed: no interval (NaN)
+
+
+def test_the_oracle_where_the_clip_binds_is_read_at_its_own_budget(clip, tmp_path, monkeypatch):
+    """The oracle runs 50 iterations (bench/oracle.py's budget): its difference in differences pairs
+    each arm's evaluation after 50, the one-step oracle read from its own records."""
+    a = argparse.Namespace(quick=True, out=tmp_path, records=None, iterations=None, overrides=[])
+    s = clip.settings(a)
+    it = clip.ORACLE_ITERATIONS
+    base = [0.5 + 0.01 * (i % P) for i in range(P * S)]
+
+    def record(gain: float) -> dict:
+        evals = {str(k): {"prompts": P, "seeds": S, "scores": [b + gain * k / it for b in base]} for k in (0, it)}
+        return {"argv": [], "nfe": [100] * it, "seconds": [1.0] * it, "evals": evals}
+
+    one_step = tmp_path / "oracle_one_step"
+    monkeypatch.setattr(clip, "ORACLE_ONE_STEP", one_step)
+    rec = {}
+    for seed in range(3):  # oracle K=4 +0.05, outcome K=4 +0.03, oracle K=1 +0.025, outcome K=1 +0.02
+        for folder, gain in ((s.records / clip.ORACLE_ARM, 0.05), (one_step, 0.025)):
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f"seed_{seed}.json").write_text(json.dumps(record(gain)))
+        rec[("outcome_w9_k4", seed)], rec[("outcome_w9", seed)] = record(0.03), record(0.02)
+    out = clip.oracle_did(s, rec)
+    assert out["did"]["seeds"]["mean"] == pytest.approx((0.05 - 0.03) - (0.025 - 0.02))
+    assert out["at_k4"]["seeds"]["mean"] == pytest.approx(0.02) and out["did"]["n"] == 3
