@@ -1,3 +1,4 @@
-"""The benchmarks: one script per question (`python bench/<name>.py`, or `python -m bench.<name>`),
-their shared helpers (`bench._common`), and the records and reports they publish under docs/bench/.
-docs/BENCHMARKS.md is the index."""
+"""The benchmarks: a folder per question (`bench/<question>/`: its script or scripts, run as
+`python bench/<question>/<script>.py` or `python -m bench.<question>.<script>`), the helpers they
+share (`bench._common`, `bench._prefect`, `bench._warm`), and, under docs/bench/<question>/, each
+question's page, reports and records. docs/BENCHMARKS.md is the index."""

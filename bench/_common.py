@@ -3,8 +3,8 @@ run read back from its run directory, and small statistics (the in-process refer
 library code: `stepgrpo.loops.reference`).
 
 The benchmarks are the package `bench` (`from bench._common import ...`; the suite imports them by
-name). A script run by its path (`python bench/clip.py`) puts the repository first on `sys.path`
-itself, as `python -m bench.clip` from the repository has it.
+name). A script run by its path (`python bench/credit_schemes_clip/clip.py`) puts the repository first on `sys.path`
+itself, as `python -m bench.credit_schemes_clip.clip` from the repository has it.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ ROOT = BENCH_DIR.parent
 OUT_DIR = BENCH_DIR / "out"  # gitignored; the numbers quoted in docs are copied to docs/bench/
 SHIPPED_MODEL = "models/shapes"
 
-# Shared by every configuration of bench/credit_schemes.py and bench/costs.py (the earlier CPU
+# Shared by every configuration of bench/credit_schemes/credit_schemes.py and bench/costs/costs.py (the earlier CPU
 # recipe, CFG 2.5, every step stochastic; configs/shapes_*.yaml hold the recipe that learns, see
-# bench/learning.py). T = 10 and a = 0.7 are Flow-GRPO's; no KL term, so the update is one
+# bench/learning/learning.py). T = 10 and a = 0.7 are Flow-GRPO's; no KL term, so the update is one
 # forward + backward per trained step; 2 optimizer steps per iteration (the default). Short probes
 # of `outcome` on an intermediate pretraining checkpoint: lr 1e-2
 # collapsed the held-out reward within 6 iterations; 3e-3 and 1e-3 moved it by +-0.02.

@@ -3,7 +3,7 @@
 Zarr itself writes the metadata (`zarr.json`), so every store opens with `zarr.open_group`. The
 chunks are written and read here, in exactly the encoding declared in `stepgrpo.storage.schema` (raw
 little-endian bytes + crc32c): one `os.writev` per trajectory chunk instead of zarr's codec
-pipeline, which copies every chunk twice and is about 4x slower for latents (see bench/storage.py).
+pipeline, which copies every chunk twice and is about 4x slower for latents (see bench/storage/storage.py).
 """
 
 from __future__ import annotations

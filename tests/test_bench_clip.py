@@ -1,4 +1,4 @@
-"""`bench/clip.py` (credit where the PPO clip binds) read from records made by hand: each arm pairs
+"""`bench/credit_schemes_clip/clip.py` (credit where the PPO clip binds) read from records made by hand: each arm pairs
 with its one-step record of the same seed, the decision is the difference in differences of the
 held-out reward, and the clip diagnostics are summarised per optimizer step of a batch."""
 
@@ -16,7 +16,7 @@ P, S = 4, 2  # held-out prompts x noise seeds
 
 @pytest.fixture(scope="module")
 def clip():
-    from bench import clip
+    from bench.credit_schemes_clip import clip
 
     return clip
 
@@ -81,7 +81,7 @@ def test_a_record_of_other_settings_is_not_read(clip, tmp_path):
 
 
 def test_the_two_level_bootstrap_carries_both_spreads(clip):
-    from bench._schemes import two_level
+    from bench.credit_schemes._schemes import two_level
 
     assert two_level({0: [0.01] * 5, 1: [0.01] * 5}) == pytest.approx((0.01, 0.01, 0.01))
     m, lo, hi = two_level({0: [0.0, 0.02] * 10, 1: [0.01, 0.03] * 10, 2: [0.02, 0.04] * 10})
@@ -90,7 +90,7 @@ def test_the_two_level_bootstrap_carries_both_spreads(clip):
 
 
 def test_the_oracle_where_the_clip_binds_is_read_at_its_own_budget(clip, tmp_path, monkeypatch):
-    """The oracle runs 50 iterations (bench/oracle.py's budget): its difference in differences pairs
+    """The oracle runs 50 iterations (bench/oracle/oracle.py's budget): its difference in differences pairs
     each arm's evaluation after 50, the one-step oracle read from its own records."""
     a = argparse.Namespace(quick=True, out=tmp_path, records=None, iterations=None, overrides=[])
     s = clip.settings(a)

@@ -27,7 +27,7 @@ print(json.dumps({{k: os.environ[k] for k in ("PREFECT_HOME", "PREFECT_SERVER_EP
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_HOME"}
     done = subprocess.run(
         [sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120
-    )  # from the repository, as `python -m bench.<name>` runs
+    )  # from the repository, as `python -m bench.<question>.<script>` runs
     assert done.returncode == 0, done.stderr[-3000:]
     settings = json.loads(done.stdout.strip().splitlines()[-1])
     assert settings["PREFECT_HOME"] == str(out / "prefect-home")

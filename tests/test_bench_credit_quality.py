@@ -1,8 +1,8 @@
-"""bench/credit_quality.py's reading of stored checks: the table, the verdicts, the plot (no model)."""
+"""bench/credit_quality/credit_quality.py's reading of stored checks: the table, the verdicts, the plot (no model)."""
 
 import pytest
 
-from bench import credit_quality
+from bench.credit_quality import credit_quality
 
 
 def check(diffs):

@@ -1,4 +1,4 @@
-"""`bench/credit_schemes.py` at tiny settings (`--quick`): every configuration trains through the
+"""`bench/credit_schemes/credit_schemes.py` at tiny settings (`--quick`): every configuration trains through the
 real `stepgrpo train`, the equal-compute evaluations of `outcome` run through `stepgrpo evaluate`,
 and the report (tables, claims, CSVs, plots) is built from the run directories. The `--gpu`
 preset shares every line but its settings; its settings are checked here too."""
@@ -16,7 +16,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "bench" / "credit_schemes.py"
+SCRIPT = ROOT / "bench" / "credit_schemes" / "credit_schemes.py"
 
 
 @pytest.mark.skipif(not (ROOT / "models" / "shapes" / "model_index.json").is_file(), reason="needs the shipped model")
@@ -68,7 +68,7 @@ def test_the_credit_scheme_benchmark_runs_and_reports_from_its_runs(tmp_path, se
 
 
 def test_the_gpu_preset_runs_eight_times_the_trajectories_on_cuda():
-    from bench import credit_schemes
+    from bench.credit_schemes import credit_schemes
 
     s = credit_schemes.settings(credit_schemes.parser().parse_args(["--gpu"]))
     sets = dict(o.split("=", 1) for o in s.overrides)

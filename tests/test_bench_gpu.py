@@ -1,4 +1,4 @@
-"""`bench/gpu.py` runs on the GPU machines only when one is lent; its every code path is kept
+"""`bench/gpu/gpu.py` runs on the GPU machines only when one is lent; its every code path is kept
 working here with `--device cpu --small` (toy sizes), so it does not rot between those runs."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_gpu_script_runs_end_to_end_on_the_cpu(tmp_path):
     env = {**os.environ, "STEPGRPO_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "gpu.py"), "--device", "cpu", "--small", "--out", str(tmp_path)],
+        [sys.executable, str(ROOT / "bench" / "gpu" / "gpu.py"), "--device", "cpu", "--small", "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         env=env,
@@ -34,11 +34,19 @@ def test_gpu_script_runs_end_to_end_on_the_cpu(tmp_path):
 
 
 def test_the_end_to_end_iteration_script_runs_on_the_cpu(tmp_path, server):
-    """`bench/gpu_train.py --small --device cpu`: one `stepgrpo train` iteration of a paper recipe on
+    """`bench/gpu/gpu_train.py --small --device cpu`: one `stepgrpo train` iteration of a paper recipe on
     random weights of its architecture, read back per stage (no MFU without a device peak)."""
     env = {**server, "STEPGRPO_THREADS": "1"}  # the tests' Prefect server, not a temporary one
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "gpu_train.py"), "--small", "--device", "cpu", "--out", str(tmp_path)]
+        [
+            sys.executable,
+            str(ROOT / "bench" / "gpu" / "gpu_train.py"),
+            "--small",
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path),
+        ]
         + ["--prompts", "2", "--group", "2", "--recipe", str(ROOT / "configs" / "stepwise_pickscore.yaml")],
         capture_output=True,
         text=True,

@@ -1,4 +1,4 @@
-"""bench/storage_sd35.py at a small size: it writes, publishes and verifies both stages."""
+"""bench/storage/storage_sd35.py at a small size: it writes, publishes and verifies both stages."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_the_sd35_storage_benchmark_stores_both_stages(tmp_path):
     out = tmp_path / "storage.json"
-    cmd = [sys.executable, "bench/storage_sd35.py", "--trajectories", "30", "--shard", "12", "--dir", str(tmp_path)]
+    cmd = [sys.executable, "bench/storage/storage_sd35.py", "--trajectories", "30", "--shard", "12"]
+    cmd += ["--dir", str(tmp_path)]
     proc = subprocess.run([*cmd, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     got = json.loads(out.read_text())

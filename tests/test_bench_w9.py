@@ -1,5 +1,5 @@
-"""`bench/credit_schemes.py --regime w9` (`bench/_w9.py`) read from records made by hand: the
-pairing by seed, the equal-compute reading of an outcome arm at its first evaluation with at least
+"""`bench/credit_schemes/credit_schemes.py --regime w9` (`bench/credit_schemes_w9/_w9.py`) read from records
+made by hand: the pairing by seed, the equal-compute reading of an outcome arm at its first evaluation with at least
 the arm's cost (flagged when it ran short), the claims and the report. Training itself is the same
 `stepgrpo train` as the early-window comparison's (tests/test_bench_credit_schemes.py)."""
 
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def w9():
-    from bench import _w9
+    from bench.credit_schemes_w9 import _w9
 
     return _w9
 

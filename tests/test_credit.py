@@ -396,7 +396,7 @@ def test_the_turning_point_count_benchmark_runs():
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "bench" / "turning_points.py"
+    script = Path(__file__).resolve().parents[1] / "bench" / "credit_schemes" / "turning_points.py"
     done = subprocess.run([sys.executable, str(script), "--batches", "2"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()

@@ -86,7 +86,7 @@ def trained(harness, tiny, tmp_path_factory) -> dict:
 
 
 def test_the_reference_loop_computes_what_the_pipeline_stores(trained):
-    """`stepgrpo.loops.reference` is the algorithm on one page, and bench/costs.py's overhead ratio
+    """`stepgrpo.loops.reference` is the algorithm on one page, and bench/costs/costs.py's overhead ratio
     divides the pipeline's time by its: the two must do the same work. On the same config its rewards
     and advantages of every iteration equal what the pipeline stored (the second iteration after an
     update of each)."""
@@ -814,10 +814,10 @@ def test_rollout_step_rewards_cost_no_transformer_call_and_rescore_without_one(
 
 
 def test_the_oracle_bound_trains_on_monte_carlo_true_advantages(harness, tiny, tmp_path):
-    """bench/_oracle.py (benchmark only): every state's value from continuations with common random
+    """bench/oracle/_oracle.py (benchmark only): every state's value from continuations with common random
     numbers, stored as value rows; the oracle scheme's advantages through the ordinary credit stage
     are `A*` at outcome's scale on the trained steps; the update trains on them."""
-    from bench._oracle import ORACLE, oracle_train
+    from bench.oracle._oracle import ORACLE, oracle_train
     from stepgrpo.storage.run import Run
     from stepgrpo_core.quality import oracle_advantages
     from stepgrpo_core.registry import allow

@@ -227,5 +227,5 @@ def test_ranks_share_a_gpu_through_gloo():
 
     assert group_backend(gpu=True, gpus_per_rank=1.0) == "nccl"
     assert group_backend(gpu=True, gpus_per_rank=2.0) == "nccl"
-    assert group_backend(gpu=True, gpus_per_rank=0.5) == "gloo"  # 2 ranks on 1 GPU, as bench/scale.py ran it
+    assert group_backend(gpu=True, gpus_per_rank=0.5) == "gloo"  # 2 ranks on 1 GPU, as bench/scale/scale.py ran it
     assert group_backend(gpu=False, gpus_per_rank=0.0) == "gloo"

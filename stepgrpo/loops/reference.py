@@ -6,7 +6,7 @@ stages (prompts, initial noise, SDE noise, the update's order), so on one config
 rewards and advantages the pipeline stores (`tests/test_flows.py` holds them equal, iteration by
 iteration). Where the pipeline is a Prefect flow of cached stages (`flows/train.py:iterate`), this
 is the loop those stages cut into pieces: anything a run spends beyond it is orchestration,
-storage and tracking (`bench/costs.py` measures that overhead against it).
+storage and tracking (`bench/costs/costs.py` measures that overhead against it).
 
     for each iteration:
         x_0..x_T, log p     = sample_iteration(...)     # the rollout: an SDE in the window, ODE elsewhere

@@ -1,4 +1,4 @@
-"""Fault injection for the tests and `bench/faults.py`: make one shard fail or die half-way.
+"""Fault injection for the tests and `bench/faults/faults.py`: make one shard fail or die half-way.
 
 `STEPGRPO_FAULT=<raise|kill>:<stage>:<first row>:<marker file>` makes the shard of `<stage>` that
 starts at `<first row>` raise (or end its process with `os._exit`, as `kill -9` would) after it

@@ -1,0 +1,1 @@
+"""The benchmark of docs/bench/costs/ (its page: README.md there)."""

@@ -1,0 +1,1 @@
+"""The benchmark of docs/bench/credit_schemes/ (its page: README.md there)."""

@@ -1,0 +1,1 @@
+"""The benchmark of docs/bench/curriculum/ (its page: README.md there)."""

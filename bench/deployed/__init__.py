@@ -1,0 +1,1 @@
+"""The benchmark of docs/bench/deployed/ (its page: README.md there)."""

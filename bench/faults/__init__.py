@@ -1,0 +1,1 @@
+"""The benchmark of docs/bench/faults/ (its page: README.md there)."""

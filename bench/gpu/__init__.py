@@ -1,0 +1,1 @@
+"""The benchmark of docs/bench/gpu/ (its page: README.md there)."""

@@ -1,0 +1,1 @@
+"""The benchmark of docs/bench/learning/ (its page: README.md there)."""

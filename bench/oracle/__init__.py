@@ -1,0 +1,1 @@
+"""The benchmark of docs/bench/oracle/ (its page: README.md there)."""

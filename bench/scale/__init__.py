@@ -1,0 +1,1 @@
+"""The benchmark of docs/bench/scale/ (its page: README.md there)."""

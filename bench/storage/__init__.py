@@ -1,0 +1,1 @@
+"""The benchmark of docs/bench/storage/ (its page: README.md there)."""
