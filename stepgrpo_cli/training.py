@@ -79,7 +79,7 @@ def config_variants(
     from rich.table import Table
 
     from stepgrpo.rewards import REWARDS
-    from stepgrpo_core.registry import core_registries, markdown_table
+    from stepgrpo_core.variants import core_registries, markdown_table
 
     families = core_registries()
     if markdown:

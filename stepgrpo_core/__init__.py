@@ -14,7 +14,8 @@ pytree whose tensor leaves have leading dim B (see `conditioning.take`).
 
 Modules: `kernels` (transition kernels, log-density), `rollout` (sampling, re-scoring stored
 steps), `completions` (ODE completion of every state), `credit` (advantages from step rewards),
-`calibration` (DenseGRPO psi), `loss` (PPO-clip GRPO loss), `registry`.
+`calibration` (DenseGRPO psi), `loss` (PPO-clip GRPO loss), `objectives` (DiffusionNFT and AWM on
+forward-noised copies), `registry`, `variants` (every registry's entries in one table).
 
 The papers, cited where their formulas are implemented (by arXiv id and the equation, or the
 component by the paper's own name where we cite no equation number):

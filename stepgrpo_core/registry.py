@@ -290,28 +290,3 @@ class Registry(Generic[F]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
-
-
-def core_registries() -> dict[str, Registry]:
-    """The core's variant families, by the heading the docs give them."""
-    from .completions import COMPLETIONS
-    from .credit import SCHEMES
-    from .kernels import KERNELS
-    from .objectives import OBJECTIVES
-
-    return {"kernel": KERNELS, "completion": COMPLETIONS, "credit scheme": SCHEMES, "objective": OBJECTIVES}
-
-
-def markdown_table(registries: Mapping[str, Registry]) -> str:
-    """The variants of `registries` (a heading -> registry) as one Markdown table, built-ins only:
-    what docs/METHODS.md holds between its `variants` markers and `stepgrpo config variants
-    --markdown` prints."""
-    rows = ["| family | a config names it | options | paper | what it does |", "|---|---|---|---|---|"]
-    for heading, registry in registries.items():
-        for name in sorted(registry._items):
-            d = registry.describe(name)
-            options = ", ".join(f"`{k}`: {v if isinstance(v, str) else repr(v)}" for k, v in d["options"].items())
-            options = options or "-"
-            cell = d["summary"].replace("|", "\\|")
-            rows.append(f"| {heading} | `{d['pattern']}` | {options} | {d['paper'] or '-'} | {cell} |")
-    return "\n".join(rows) + "\n"

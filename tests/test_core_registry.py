@@ -44,7 +44,7 @@ PAPER = re.compile(r'arXiv \d{4}\.\d{4,5}, (eq\. \d+|"[^"]+")|^(ours|standard): 
 
 @pytest.mark.parametrize("family", ["kernel", "completion", "credit scheme", "objective"])
 def test_every_core_entry_says_where_it_comes_from_and_what_it_does(family):
-    from stepgrpo_core.registry import core_registries
+    from stepgrpo_core.variants import core_registries
 
     registry = core_registries()[family]
     for name in registry:
@@ -61,7 +61,7 @@ def test_the_methods_doc_holds_the_registries_table():
     --markdown`), so a new built-in shows there or this test names it."""
     from pathlib import Path
 
-    from stepgrpo_core.registry import core_registries, markdown_table
+    from stepgrpo_core.variants import core_registries, markdown_table
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "METHODS.md").read_text()
     start = text.index("-->\n", text.index("<!-- variants:")) + 4
