@@ -33,3 +33,26 @@ print(json.dumps({{k: os.environ[k] for k in ("PREFECT_HOME", "PREFECT_SERVER_EP
     assert settings["PREFECT_HOME"] == str(out / "prefect-home")
     assert float(settings["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]) >= 60
     assert out.is_dir()
+
+
+def test_the_statistics_helpers_say_what_they_compute():
+    from bench._common import first_reach, mean_ci, moving_average
+
+    m, lo, hi = mean_ci([0.1, 0.2, 0.3, float("nan")])  # NaN skipped: three seeds
+    assert m == pytest.approx(0.2) and lo < 0.2 < hi
+    assert hi - m == pytest.approx(4.302653 * 0.1 / 3**0.5, rel=1e-5)  # t(0.975, 2 dof) x s / sqrt(n)
+    assert mean_ci([0.4])[0] == 0.4 and mean_ci([0.4])[1] != mean_ci([0.4])[1]  # one value: no interval
+    assert moving_average([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    assert first_reach([0.1, 0.5, 0.4, 0.9], 0.45) == 2 and first_reach([0.1], 0.5) is None
+
+
+def test_a_record_is_written_whole_and_names_paths_from_the_repository(tmp_path):
+    import numpy as np
+
+    from bench._common import ROOT, relative, write_json
+
+    path = tmp_path / "deep" / "record.json"
+    write_json(path, {"b": np.float32(0.5), "a": np.arange(3)})
+    assert json.loads(path.read_text()) == {"a": [0, 1, 2], "b": 0.5}
+    assert not list(path.parent.glob("*.tmp"))  # written beside, then renamed over
+    assert relative(ROOT / "docs" / "x.md") == "docs/x.md" and relative(tmp_path) == str(tmp_path)
