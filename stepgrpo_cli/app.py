@@ -15,10 +15,12 @@
     stepgrpo compare RUN...                   # runs side by side at equal compute
     stepgrpo prune RUN / export RUN           # thin a run's stored latents / hand on its LoRA
     stepgrpo server start|stop|status         # a Prefect server kept for the commands above
+    stepgrpo prompts list|fetch NAME          # the papers' evaluation prompt files, pinned by hash
 
 One module a command group: `training` (train, demo, config, deploy, calibrate, pretrain),
 `offline` (rescore, credit, credit-quality, evaluate), `serving` (reward-server, server), `runs`
-(runs, compare, prune, export), `inspecting` (inspect); `shell` holds what they share. This module assembles them.
+(runs, compare, prune, export), `inspecting` (inspect), `prompts` (prompts list, fetch); `shell` holds
+what they share. This module assembles them.
 
 Every command exits non-zero with a one-paragraph message when its input is wrong (unknown
 field, reward, scheme or kernel; missing model; a run of another schema version).
@@ -31,7 +33,7 @@ from typing import Annotated
 
 import typer
 
-from stepgrpo_cli import inspecting, offline, runs, serving, shell, training
+from stepgrpo_cli import inspecting, offline, prompts, runs, serving, shell, training
 
 app = typer.Typer(
     name="stepgrpo",
@@ -96,6 +98,7 @@ app.command(
 )(training.pretrain)
 app.command("reward-server", cls=shell.Command)(serving.reward_server)
 app.add_typer(serving.server_app, name="server")
+app.add_typer(prompts.prompts_app, name="prompts")
 app.command(cls=shell.Command)(runs.runs)
 app.command(cls=shell.Command)(runs.prune)
 app.command(cls=shell.Command)(runs.compare)

@@ -1,7 +1,8 @@
 """Prompts: the sources a config names, the files they come in, and a run's stored prompt table.
 
 A source is `shapes` (the shipped model's task, split into train and held-out prompts) or a file
-per split (`run.prompts`, `run.heldout_prompts`): `.txt` (one prompt a line) or `.jsonl`
+per split (`run.prompts`, `run.heldout_prompts`; `pinned:NAME` names a papers' evaluation file, checked
+by its hash: `stepgrpo.prompts.pinned`): `.txt` (one prompt a line) or `.jsonl`
 (GenEval / Flow-GRPO's `metadata.jsonl`: one object a line with a `prompt` field; the whole
 object is the prompt's metadata, which structured rewards such as `geneval` read).
 """
@@ -115,7 +116,12 @@ def read_hub_prompts(spec: str) -> tuple[list[str], list[dict[str, Any]]]:
 
 
 def find_prompt_file(path: str) -> Path:
-    """A prompt file relative to the working directory, else to the repository."""
+    """A prompt file relative to the working directory, else to the repository; `pinned:NAME`, a
+    papers' file from the verified cache (`stepgrpo.prompts.pinned`)."""
+    from stepgrpo.prompts import pinned
+
+    if path.startswith(pinned.PREFIX):
+        return pinned.verified(path.removeprefix(pinned.PREFIX))
     p = Path(path)
     if not p.exists() and (SHIPPED_ROOT / path).exists():
         p = SHIPPED_ROOT / path
