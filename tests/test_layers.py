@@ -174,7 +174,10 @@ def test_a_static_type_checker_resolves_every_import():
     errors) over the checkout as an editor sees it: no import it cannot follow, `stepgrpo.flows`,
     `stepgrpo.tasks` and `stepgrpo.storage` included (the optional extras marked where imported)."""
     done = subprocess.run(
-        [str(Path(sys.executable).with_name("basedpyright")), "--outputjson"],
+        # the project file and this interpreter named: found by itself, neither is under every path
+        # a clone can sit at (a checkout under /tmp analysed no file)
+        [str(Path(sys.executable).with_name("basedpyright")), "--outputjson", "-p", str(REPO / "pyproject.toml"),
+         "--pythonpath", sys.executable],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     report = json.loads(done.stdout)
