@@ -97,7 +97,9 @@ class TrainingLog:
         self.evaluations: list[dict[str, Any]] = []
         self.watch = report.SignalWatch()
         self.freed = 0
-        self.cost = [0.0, 0.0]  # cumulative transformer NFEs and training seconds (cached iterations too)
+        # cumulative transformer NFEs, training seconds and forward-equivalent passes (a backward = 2
+        # forwards: `stepgrpo.reporting.costs`), cached iterations too
+        self.cost = [0.0, 0.0, 0.0]
 
     def __enter__(self) -> TrainingLog:
         from prefect.artifacts import create_progress_artifact
@@ -151,7 +153,7 @@ class TrainingLog:
         self.tracker.set_note(run_note(self.cfg, self.evaluations, self.cost[0]))
         self.view.evaluated(ev.reward_mean)
         # the training compute spent before this evaluation, at its step: plot eval/* against these
-        cost = {"eval/nfe_total": self.cost[0], "eval/seconds_total": self.cost[1]}
+        cost = {"eval/nfe_total": self.cost[0], "eval/seconds_total": self.cost[1], "eval/passes_total": self.cost[2]}
         self.tracker.log_metrics(eval_metrics(ev) | cost, step=step)
         # the same held-out reward with the cumulative training NFEs as its step: MLflow's default
         # x-axis (step) then compares runs of any scheme at equal compute, with no chart settings
@@ -175,9 +177,14 @@ class TrainingLog:
         step_rewards = self.cfg.completion.method is not None
         metrics = iteration_metrics(rollout, clean, rewards, credit, update, draw, step_rewards)
         cost = iteration_cost(self.run, i)  # what the stored stages say, as `compare` reads them
-        self.cost = [self.cost[0] + cost["nfe"], self.cost[1] + cost["seconds"]]
+        passes = cost["passes"] if cost["passes"] is not None else cost["nfe"]
+        self.cost = [self.cost[0] + cost["nfe"], self.cost[1] + cost["seconds"], self.cost[2] + passes]
         # compare any two runs at equal compute in the MLflow UI: plot against these, not the step
-        metrics |= {"cost/nfe_total": self.cost[0], "cost/seconds_total": self.cost[1]}
+        metrics |= {
+            "cost/nfe_total": self.cost[0],
+            "cost/seconds_total": self.cost[1],
+            "cost/passes_total": self.cost[2],
+        }
         self.tracker.log_metrics(metrics, step=i)
         self.rows.append(iteration_row(i, rewards, update))
         print(report.iteration_line(self.rows[-1]))  # the log's line (the live view shows the reward)

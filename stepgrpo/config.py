@@ -91,6 +91,10 @@ def _registry(name: str) -> Any:
         from stepgrpo_core.credit import SCHEMES
 
         return SCHEMES
+    if name == "objectives":
+        from stepgrpo_core.objectives import OBJECTIVES
+
+        return OBJECTIVES
     from stepgrpo.rewards import REWARDS
 
     return REWARDS
@@ -389,6 +393,74 @@ class OptimConfig(_Section):
         return self.lr * (self.lr_final + (1.0 - self.lr_final) * 0.5 * (1.0 + math.cos(math.pi * t)))
 
 
+class UpdateConfig(_Section):
+    objective: str = Field("grpo", json_schema_extra=_registered("objectives"))
+    """What the update optimizes: a name in `stepgrpo_core.objectives.OBJECTIVES`. `grpo`: PPO-clip
+    on the rollout's transitions (the `optim` section's clip, KL and steps); `nft` (DiffusionNFT) and
+    `awm` (advantage weighted matching): flow matching on fresh forward-noised copies of each
+    sample's clean latent at a few grid times, weighted by the advantage of the step at that time
+    (docs/METHODS.md, "Update objectives"). The `optim` section's AdamW, steps a batch, gradient
+    clip and EMA apply to all."""
+    options: dict[str, float | int | str] = Field(default_factory=dict)
+    """The objective's options (`stepgrpo config variants` lists them with the authors' defaults):
+    nft `beta`, `adv_clip`, `kl_beta`; awm `adv_clip`, `advantage_max`, `weighting`, `power`,
+    `clip_range`, `kl_beta`, `ema_beta`."""
+    times: float | None = Field(None, gt=0)
+    """Grid times each sample is trained at: a count, or a fraction of `sampler.steps` when below 1;
+    None: the objective's (nft 0.99, i.e. 9 of 10; awm 6)."""
+    time_rule: Literal["random", "stratified"] | None = None
+    """How the grid times are drawn (`stepgrpo_core.objectives.grid_times`); None: the objective's
+    (nft `random`, awm `stratified`)."""
+    companion_rate: float | None = Field(None, ge=0)
+    companion_cap: float | None = Field(None, ge=0, lt=1)
+    """The companion adapter's decay after optimizer step s, `min(rate s, cap)` (nft: the sampling
+    adapter, 0.001 and 0.5; awm: the KL's EMA target, 0.001 and 0.3); None: the objective's."""
+
+    @field_validator("objective")
+    @classmethod
+    def _known_objective(cls, v: str) -> str:
+        from stepgrpo_core.objectives import OBJECTIVES
+
+        return OBJECTIVES.validate(v)
+
+    @model_validator(mode="after")
+    def _known_options(self) -> UpdateConfig:
+        from stepgrpo_core.objectives import check_objective_options
+
+        check_objective_options(self.objective, dict(self.options))
+        if not self.matching and (self.times, self.time_rule, self.companion_rate, self.companion_cap) != (None,) * 4:
+            raise ValueError(
+                "update.times / time_rule / companion_rate / companion_cap belong to the flow-matching objectives "
+                "(nft, awm); objective grpo trains the rollout's own steps (optim.train_steps)"
+            )
+        return self
+
+    @property
+    def matching(self) -> bool:
+        from stepgrpo_core.objectives import OBJECTIVES
+
+        return bool(OBJECTIVES.facts(self.objective)["matching"])
+
+    def resolved(self) -> dict[str, Any]:
+        """The matching objective's settings with its registry defaults filled in: `options` (all of
+        them), `times`, `time_rule`, `companion` (the checkpoint group or None), `rate`, `cap`,
+        `samples_with_companion`."""
+        from stepgrpo_core.objectives import OBJECTIVES
+
+        facts = OBJECTIVES.facts(self.objective)
+        rule, n = facts["times"] or (None, None)
+        rate, cap = facts["companion_decay"] or (0.0, 0.0)
+        return {
+            "options": {**OBJECTIVES.describe(self.objective)["options"], **self.options},
+            "times": self.times if self.times is not None else n,
+            "time_rule": self.time_rule or rule,
+            "companion": facts["companion"],
+            "rate": rate if self.companion_rate is None else self.companion_rate,
+            "cap": cap if self.companion_cap is None else self.companion_cap,
+            "samples_with_companion": bool(facts["samples_with_companion"]),
+        }
+
+
 class CalibrationConfig(_Section):
     rounds: int = Field(8, ge=1, le=10_000)
     """DenseGRPO `psi` calibration rounds (each samples with the run's SDE window)."""
@@ -547,6 +619,8 @@ class Config(_Section):
     """The credit scheme that turns rewards into per-step advantages, and its options."""
     optim: OptimConfig = Field(default_factory=OptimConfig)
     """The GRPO update: AdamW, PPO clip, KL, which steps are trained."""
+    update: UpdateConfig = Field(default_factory=UpdateConfig)
+    """The update's objective: PPO-clip GRPO, or DiffusionNFT / AWM on forward-noised copies."""
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
     """DenseGRPO's calibration of the per-step noise table `psi` (kernel `psi` only)."""
     run: RunConfig = Field(default_factory=RunConfig)
@@ -573,11 +647,21 @@ class Config(_Section):
                 f"{', '.join(map(repr, final_only))} works with "
                 "completion.method null"
             )
+        from stepgrpo_core.kernels import KERNELS
+
+        if KERNELS.facts(self.sampler.kernel)["deterministic"] and self.sampler.shared_x0:
+            raise ValueError(
+                f"sampler.kernel {self.sampler.kernel!r} is deterministic and sampler.shared_x0 is true: every member "
+                "of a group would be the same sample; set sampler.shared_x0=false (each member its own initial noise, "
+                "as DiffusionNFT's ODE rollouts do) or a stochastic kernel"
+            )
+        if self.update.matching:
+            return self._batch_fits()
         start, end = self.sampler.window()
         for k in self.optim.train_steps or ():
             if not start <= k < end:
                 raise ValueError(f"optim.train_steps: step {k} is outside the SDE window [{start}, {end}) of sampler")
-        if not self.trained_steps():
+        if not self.trained_steps() and not self.update.matching:
             raise ValueError(
                 f"no step is trained: the SDE window [{start}, {end}) holds only the final step, which is not "
                 "trained by default; widen the window or set optim.train_final_step=true"
@@ -587,6 +671,9 @@ class Config(_Section):
                 "optim.kl_reference ema is the EMA of fully fine-tuned weights: set model.finetune: full and "
                 "optim.ema_decay (a LoRA's reference is the base model, its adapter disabled)"
             )
+        return self._batch_fits()
+
+    def _batch_fits(self) -> Config:
         B = self.run.prompts_per_iteration * self.run.group_size
         if B > MAX_TRAJECTORIES:
             raise ValueError(
@@ -603,7 +690,7 @@ class Config(_Section):
     def notes(self) -> list[str]:
         """What a run of this config should be told once before it starts (not errors)."""
         o = self.optim
-        if o.optimizer_steps == 1 and o.inner_epochs == 1:
+        if o.optimizer_steps == 1 and o.inner_epochs == 1 and not self.update.matching:
             return [
                 f"optim.clip_range={o.clip_range:g} never acts: one optimizer step on freshly sampled trajectories "
                 "sees every PPO ratio at exactly 1; the clip binds from a batch's second step on "
@@ -613,7 +700,10 @@ class Config(_Section):
 
     def trained_steps(self) -> list[int]:
         """Indices k of the steps whose log-probs enter the loss: `optim.train_steps`, or the SDE
-        window without the final step `T-1` (unless `optim.train_final_step`)."""
+        window without the final step `T-1` (unless `optim.train_final_step`). A flow-matching
+        objective (`update.objective` nft, awm) trains at grid times of every step: all of them."""
+        if self.update.matching:
+            return list(range(self.sampler.steps))
         if self.optim.train_steps:
             return sorted(self.optim.train_steps)
         start, end = self.sampler.window()
@@ -657,7 +747,7 @@ STAGE_FIELDS: dict[str, tuple[str, ...]] = {
     "complete": ("model", "completion"),
     "score": ("model.path", "model.dtype", "model.device", "reward"),
     "credit": ("credit",),
-    "update": ("model", "sampler", "optim", "run.seed"),
+    "update": ("model", "sampler", "optim", "update", "run.seed"),
     "evaluate": (
         "model",
         "sampler.eval_steps",
@@ -683,7 +773,17 @@ STAGE_FIELDS: dict[str, tuple[str, ...]] = {
 
 # Fields added after runs were stored, at the value that computes what the code did before them:
 # left out of a key at that value, so a stored run keeps its keys (and its stages) under new code.
-KEY_NEUTRAL: dict[str, Any] = {"sampler.shared_x0": True, "optim.step_weighting": "uniform", "optim.preset": None}
+KEY_NEUTRAL: dict[str, Any] = {
+    "sampler.shared_x0": True,
+    "optim.step_weighting": "uniform",
+    "optim.preset": None,
+    "update.objective": "grpo",
+    "update.options": {},
+    "update.times": None,
+    "update.time_rule": None,
+    "update.companion_rate": None,
+    "update.companion_cap": None,
+}
 
 
 def stage_fields(config: Config, stage: str) -> dict[str, Any]:

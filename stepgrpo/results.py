@@ -175,6 +175,13 @@ class UpdateStats(BaseModel):
     trained_step_ids: list[int] = []
     trained_trajectories: int | None = None
     optimizer_steps: int | None = None
+    # the flow-matching objectives (`update.objective` nft, awm): (sample, time) rows trained, the
+    # companion adapter's last decay, and each objective's own terms
+    rows: int | None = None
+    companion_decay: float | None = None
+    r_mean: float | None = None  # nft: the mean weight of the positive branch
+    old_deviation: float | None = None  # nft: mean |v - v_old|^2
+    ema_kl: float | None = None  # awm: mean |v - v_ema|^2
 
 
 class UpdateResult(StageResult):

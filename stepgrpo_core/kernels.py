@@ -56,7 +56,8 @@ Kernel = Callable[
 # kernel ignores it), `per_step` (its noise is a table `[T]` indexed by the step, not one value),
 # `euler_maruyama` (its std is `eps_t sqrt(-dt)`: the diffusion coefficient is std / sqrt(-dt)),
 # `calibrated` / `calibrate_with` (its table is calibrated before training, by that scheme's
-# credit), `version` (bumped when a change can change its numbers; enters cache keys).
+# credit), `version` (bumped when a change can change its numbers; enters cache keys),
+# `deterministic` (std 0 at every step: a group's members differ only by their initial noise).
 KERNELS: Registry[Kernel] = Registry(
     "kernel",
     options=lambda name: _noise_option(name),
@@ -66,6 +67,7 @@ KERNELS: Registry[Kernel] = Registry(
     calibrated=False,
     calibrate_with=None,
     version="1",
+    deterministic=False,
 )
 
 LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
@@ -104,7 +106,7 @@ def _noise_option(name: str) -> dict[str, str]:
     return {} if noise is None else {"sampler.noise": f"{noise[0]} in [{noise[1]}, {noise[2]}]"}
 
 
-@KERNELS.register("ode", paper="standard: the Euler step of the flow's ODE (SD3's sampler, arXiv 2403.03206)")
+@KERNELS.register("ode", deterministic=True, paper="standard: the Euler step of the flow's ODE (SD3's sampler, arXiv 2403.03206)")
 def ode(x, v, sigma, sigma_next, noise):
     """Euler step of the probability-flow ODE; std 0 (`noise` ignored). The rectified-flow sampler
     (SD3, arXiv 2403.03206)."""

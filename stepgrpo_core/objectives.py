@@ -54,18 +54,109 @@ class ObjectiveOutput:
 
 
 Objective = Callable[..., ObjectiveOutput]
-# Facts: `needs_old`: the update evaluates the sampling policy's velocity (its own adapter, kept with
-# the run); `needs_ema`: an EMA adapter's; `needs_ref`: the base model's (the KL term, when its
-# weight is not 0).
+# Facts: `matching`: trains on forward-noised copies of the clean latent (`MatchingBatch`); False
+# for PPO-clip GRPO, which trains on the rollout's transitions (`loss.grpo_loss`, its options in
+# the config's `optim` section). `needs_old`: the update evaluates the sampling policy's velocity;
+# `needs_ema`: an EMA adapter's; `needs_ref`: the base model's (the KL term, when its weight is not
+# 0). `companion`: the adapter kept beside the trained one in every checkpoint (`old`: the policy
+# that samples the rollouts; `kl_ema`: the KL term's slowly moving target), moved after every
+# optimizer step by `companion_update` with decay `min(rate * step, cap)` (`companion_decay`:
+# (rate, cap)); `samples_with_companion`: the rollouts are drawn by it rather than by the trained
+# adapter. `times`: how many of the sampler's grid times each sample is trained at, and how they
+# are drawn (`grid_times`): `(rule, n)` with n a count, or a fraction of the grid when below 1.
 OBJECTIVES: Registry[Objective] = Registry(
-    "objective", options=lambda name: _options(name), needs_old=False, needs_ema=False, needs_ref=True
+    "objective",
+    options=lambda name: _options(name),
+    matching=True,
+    needs_old=False,
+    needs_ema=False,
+    needs_ref=True,
+    companion=None,
+    companion_decay=None,
+    samples_with_companion=False,
+    times=None,
 )
 
 
 def _options(name: str) -> dict[str, object]:
-    """An objective's options and their defaults: its keyword parameters after the batch."""
+    """An objective's options and their defaults: its keyword parameters after the batch (none for
+    `grpo`, whose options are the `optim` section's)."""
+    if not OBJECTIVES.facts(name)["matching"]:
+        return {}
     params = list(inspect.signature(OBJECTIVES.get(name)).parameters.values())[1:]
     return {p.name: p.default for p in params if p.default is not None}
+
+
+def check_objective_options(name: str, options: dict[str, object]) -> None:
+    """Refuse an option the objective does not take, naming the ones it does."""
+    known = _options(name)
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        takes = ", ".join(f"{k} (default {v!r})" for k, v in known.items()) or "none (grpo reads the optim section)"
+        raise ValueError(f"update.options {unknown} are not options of objective {name!r}; it takes: {takes}")
+
+
+@OBJECTIVES.register(
+    "grpo",
+    matching=False,
+    needs_ref=True,
+    paper="arXiv 2505.05470, eq. 7 (Flow-GRPO's PPO-clip objective on the SDE step's log-density)",
+)
+def grpo(*args, **kwargs):
+    """PPO-clip GRPO on the rollout's own transitions (`stepgrpo_core.loss.grpo_loss`): the clip,
+    the KL weight and the steps per batch are the `optim` section's."""
+    from .loss import grpo_loss
+
+    return grpo_loss(*args, **kwargs)
+
+
+def grid_times(
+    rule: str, n: float, steps: int, batch: int, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """`[batch, m]` long: the sampler grid steps each sample is trained at (its times are the
+    grid's `sigmas[k]`), drawn from `generator` in one call.
+
+    `random` (DiffusionNFT: `timestep_fraction` 0.99 of its 10 steps, each sample its own random
+    permutation, the first `m` kept): `m = int(steps * n)` for `n < 1`, else `n`.
+    `stratified` (AWM's `discrete_wo_init`): the steps `[1, steps)` cut into `m = n` strata at
+    `linspace(1, steps, m + 1)` (truncated to integers), one uniform step in each, the same draw
+    for every sample of the batch as the authors' code does."""
+    m = int(steps * n) if n < 1 else int(n)
+    if rule == "random":
+        if not 1 <= m <= steps:
+            raise ValueError(f"random grid times: {m} of {steps} steps; need 1 <= m <= steps")
+        u = torch.rand(batch, steps, generator=generator)
+        return u.argsort(dim=1)[:, :m]
+    if rule == "stratified":
+        if not 1 <= m <= steps - 1:
+            raise ValueError(f"stratified grid times: {m} strata of steps 1..{steps - 1}; need 1 <= m <= steps - 1")
+        bounds = torch.linspace(1, steps, m + 1).long()
+        lower, upper = bounds[:-1], bounds[1:]
+        u = torch.rand(m, generator=generator)
+        k = lower + (u * (upper - lower)).long()
+        return k.clamp(max=steps - 1).expand(batch, m).clone()
+    raise ValueError(f"grid time rule {rule!r}: random or stratified")
+
+
+def companion_update(
+    companion: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], step: int, rate: float, cap: float
+) -> float:
+    """After optimizer step `step` (1-based, over the run): `companion = d companion + (1 - d)
+    weights`, `d = min(rate * step, cap)`, in place (DiffusionNFT's `return_decay` type 1, AWM's
+    `kl_ema_decay_type: linear`). Returns d."""
+    d = min(rate * step, cap)
+    for name, w in weights.items():
+        companion[name].mul_(d).add_(w.detach().to(companion[name].dtype), alpha=1.0 - d)
+    return d
+
+
+def row_advantages(advantages: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """`[B, m]`: the advantage of each (sample, time) row, the scheme's advantage of the sampler
+    step whose grid time the row is noised at (`advantages [B, T]`, `steps [B, m]` from
+    `grid_times`); a step without credit (NaN) weighs 0. Outcome credit repeats the sample's
+    advantage at every step, so every row of a sample gets it: the papers' form."""
+    a = torch.nan_to_num(advantages.float(), nan=0.0)
+    return a.gather(1, steps.to(a.device))
 
 
 def noised(x0: torch.Tensor, eps: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -90,7 +181,15 @@ def _kl(v: torch.Tensor, other: torch.Tensor | None) -> torch.Tensor:
     return _mean_rows((v - other.detach()) ** 2).mean()
 
 
-@OBJECTIVES.register("nft", needs_old=True, paper='arXiv 2509.16117, "negative-aware fine-tuning"')
+@OBJECTIVES.register(
+    "nft",
+    needs_old=True,
+    companion="old",
+    companion_decay=(0.001, 0.5),  # NVlabs/DiffusionNFT config/nft.py: decay_type 1
+    samples_with_companion=True,
+    times=("random", 0.99),  # timestep_fraction 0.99: 9 of 10 steps
+    paper='arXiv 2509.16117, "negative-aware fine-tuning"',
+)
 def nft(batch: MatchingBatch, beta: float = 1.0, adv_clip: float = 5.0, kl_beta: float = 1e-4) -> ObjectiveOutput:
     """DiffusionNFT: the implicit positive and negative policies `v+-` built from the policy and
     the old policy, each pulled toward the clean latent with weight `r` or `1 - r`, `r = 0.5 + A / (2
@@ -150,7 +249,14 @@ def awm_log_prob(
     raise ValueError(f"awm weighting {weighting!r}: one of uniform, t, t**2, ghuber")
 
 
-@OBJECTIVES.register("awm", needs_ema=True, paper='arXiv 2509.25050, "advantage weighted matching"')
+@OBJECTIVES.register(
+    "awm",
+    needs_ema=True,
+    companion="kl_ema",
+    companion_decay=(0.001, 0.3),  # scxue/advantage_weighted_matching config/dgx_awm.py: kl_ema_decay 0.3, linear
+    times=("stratified", 6),  # train_timesteps 6, time_type discrete_wo_init
+    paper='arXiv 2509.25050, "advantage weighted matching"',
+)
 def awm(
     batch: MatchingBatch,
     adv_clip: float = 5.0,

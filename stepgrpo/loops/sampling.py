@@ -113,8 +113,9 @@ def sample_groups(
     `shared_x0` False, member `m` draws its own from `generator(*group_noise[g], m)`); the call
     that starts at group `c0` draws its SDE noise from `generator(*sde_seed(c0))`. With
     `ode_reference`, each distinct `x_0` is also sampled by the ODE (one per group when its members
-    share it). `groups`: only these groups (a shard's; it starts at a call boundary).
+    share it; a deterministic kernel's rollout is that sample already). `groups`: only these groups (a shard's; it starts at a call boundary).
     """
+    from stepgrpo_core.kernels import KERNELS
     from stepgrpo_core.rollout import rollout
 
     G, P = group_size, len(group_noise)
@@ -149,7 +150,9 @@ def sample_groups(
             generator=generator(*sde_seed(c0), device=pol.device),
         )
         ode_final, nfe_ode = None, 0
-        if ode_reference:
+        if ode_reference and KERNELS.facts(kernel)["deterministic"]:
+            ode_final = sde.states[:, -1]  # the rollout is the ODE's own sample: nothing to recompute
+        elif ode_reference:
             before = pol.nfe
             step = G if shared_x0 else 1  # one ODE sample per distinct x_0
             firsts = torch.arange(0, len(rows), step)

@@ -238,6 +238,7 @@ def update(
                         # the mean over the part's trajectories and the trained steps, whatever the
                         # micro-batches (each step's loss times its weight, mean weight 1)
                         (loss.loss * (weight[k] * len(idx) / (len(part) * len(steps)))).backward()
+                        diag.backward_rows += len(idx)
                         diag.add_loss(k, first, len(idx), loss, part=len(diag.grad_norms))
                     if first and o.diagnostics:
                         accumulated.append(_flat(trained, grad=True))
@@ -262,9 +263,152 @@ def update(
     if parallel:
         diag.gather(parallel)
     out = diag.summary()
+    out["backward_rows"] = diag.backward_rows
     if signal is not None and len(diag.halves) == 2:
         out.update(accumulate_signal(signal, *diag.halves))
     return out
+
+
+def update_matching(
+    pol: Policy,
+    opt: torch.optim.Optimizer,
+    cfg: Config,
+    batch: Batch,
+    generator: torch.Generator,
+    companion: dict[str, torch.Tensor] | None = None,
+    ema: dict[str, torch.Tensor] | None = None,
+    initial: Mapping[str, torch.Tensor] | None = None,
+    parallel: DataParallel | None = None,
+) -> dict[str, Any]:
+    """One iteration's update under a flow-matching objective (`update.objective` nft or awm,
+    `stepgrpo_core.objectives`); returns its diagnostics.
+
+    Per inner epoch the trajectories are shuffled and split into `optim.optimizer_steps` parts, as
+    `update` does. For each part, drawn from `generator` in this order: every sample's grid steps
+    (`grid_times`), then one fresh noise per (sample, time); row (i, k) is sample i's clean latent
+    noised to the grid time `sigmas[k]`, weighted by the scheme's advantage of step k
+    (`row_advantages`). The old / EMA velocities come from `companion` (the adapter the checkpoint
+    keeps beside the trained one), the KL's from the base model, all without gradient and before
+    the policy's own forward. After each AdamW step the companion moves toward the trained weights
+    (`companion_update`, the run's optimizer step counting from 1). Data-parallel as `update`: the
+    draws are the part's, whatever the ranks; each rank takes its micro-batches of it.
+    """
+    from stepgrpo_core.objectives import (
+        OBJECTIVES,
+        MatchingBatch,
+        companion_update,
+        grid_times,
+        noised,
+        row_advantages,
+    )
+
+    o, u = cfg.optim, cfg.update.resolved()
+    objective, facts = OBJECTIVES.get(cfg.update.objective), OBJECTIVES.facts(cfg.update.objective)
+    options = u["options"]
+    states, cond, sigmas = batch.states, batch.cond, batch.sigmas
+    x0_all = states[:, -1]
+    T = batch.advantages.shape[1]
+    adv = torch.nan_to_num(batch.advantages.float(), nan=0.0)
+    rows = torch.nonzero((adv != 0).any(dim=1)).reshape(-1)
+    trained = pol.trainable_parameters()
+    named = {n: p for n, p in pol.transformer.named_parameters() if p.requires_grad}
+    before = _flat(trained, grad=False)
+    velocity = update_velocity(pol, o.detach_uncond)
+    wants_ref = facts["needs_ref"] and float(options.get("kl_beta", 0.0)) > 0
+    sums: dict[str, float] = {}
+    seen = backward = 0
+    grad_norms: list[float] = []
+    update_norms: list[float] = []
+    decay = float("nan")
+
+    def other(weights: dict[str, torch.Tensor] | None, x: torch.Tensor, t: torch.Tensor, c: Any) -> torch.Tensor:
+        """The velocity of the adapter `weights` (the trained one restored after), without gradient."""
+        if weights is None:
+            raise ValueError(f"objective {cfg.update.objective!r} needs its companion adapter")
+        mine = {n: p.detach().clone() for n, p in named.items()}
+        _load(named, weights)
+        try:
+            return pol.velocity(x, t, c)
+        finally:
+            _load(named, mine)
+
+    for _epoch in range(o.inner_epochs):
+        order = rows[torch.randperm(len(rows), generator=generator)]
+        parts = [p for p in order.tensor_split(min(o.optimizer_steps, max(1, len(order)))) if len(p)]
+        for part in parts:
+            ks = grid_times(str(u["time_rule"]), float(u["times"]), T, len(part), generator)  # [n, m]
+            m = ks.shape[1]
+            eps_all = torch.randn((len(part), m, *x0_all.shape[1:]), generator=generator)
+            a_all = row_advantages(adv[part], ks)
+            where = {int(r): j for j, r in enumerate(part.tolist())}
+            opt.zero_grad(set_to_none=True)
+            split = parallel.micro_batches if parallel else micro_batches
+            for mine in split([part], o.micro_batch):
+                for idx in mine:
+                    j = torch.tensor([where[int(r)] for r in idx.tolist()])
+                    c = take(cond, idx)
+                    x0 = x0_all[idx]
+                    for col in range(m):
+                        t = sigmas[ks[j, col].to(sigmas.device)].to(x0.dtype)
+                        eps = eps_all[j, col].to(x0.device, x0.dtype)
+                        x_t = noised(x0, eps, t)
+                        with torch.no_grad():
+                            v_old = other(companion, x_t, t, c) if facts["needs_old"] else None
+                            v_ema = other(companion, x_t, t, c) if facts["needs_ema"] else None
+                            v_ref = None
+                            if wants_ref:
+                                with pol.reference():
+                                    v_ref = pol.velocity(x_t, t, c)
+                        v = velocity(x_t, t, c)
+                        mb = MatchingBatch(x0, eps, t, a_all[j, col].to(x0.device), v, v_old, v_ref, v_ema)
+                        out = objective(mb, **options)
+                        # the mean over the part's (sample, time) rows, whatever the micro-batches
+                        (out.loss * (len(idx) / (len(part) * m))).backward()
+                        backward += len(idx)
+                        seen += len(idx)
+                        for name, value in {"loss": float(out.loss.detach()), **out.stats}.items():
+                            sums[name] = sums.get(name, 0.0) + len(idx) * value
+            if parallel:
+                parallel.sum_grads(trained)
+            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(trained, o.max_grad_norm)))
+            step_start = _flat(trained, grad=False)
+            opt.step()
+            update_norms.append(float((_flat(trained, grad=False) - step_start).norm()))
+            if ema is not None and o.ema_decay is not None:
+                ema_update(ema, named, o.ema_decay)
+            if companion is not None:
+                decay = companion_update(companion, named, adam_steps(opt), float(u["rate"]), float(u["cap"]))
+    if parallel:
+        names = sorted(sums)
+        total = parallel.sum(torch.tensor([float(seen), *(sums[n] for n in names)], dtype=torch.float64)).tolist()
+        seen, sums = int(total[0]), dict(zip(names, total[1:]))
+    after = _flat(trained, grad=False)
+    out: dict[str, Any] = {name: value / seen for name, value in sums.items()} if seen else {}
+    out["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
+    out["update_norms"] = update_norms
+    out["update_norm"] = float((after - before).norm())
+    if initial is not None:
+        out["lora_distance"] = float((after - torch.cat([initial[n].reshape(-1).to(after) for n in named])).norm())
+    out["trained_trajectories"] = float(len(rows))
+    out["optimizer_steps"] = float(len(grad_norms))
+    out["rows"] = float(seen)
+    out["companion_decay"] = decay
+    out["backward_rows"] = backward
+    return out
+
+
+def adam_steps(opt: torch.optim.Optimizer) -> int:
+    """The optimizer steps AdamW has taken over the run (its state's `step`; 0 before the first)."""
+    for state in opt.state.values():
+        if "step" in state:
+            return int(state["step"])
+    return 0
+
+
+def _load(params: Mapping[str, torch.nn.Parameter], weights: Mapping[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(weights[n].to(p.device, p.dtype))
 
 
 # The signal check over iterations: each half's gradient is summed across iterations with this
@@ -386,6 +530,7 @@ class Diagnostics:
         self.iteration_norm = float("nan")
         self.lora_distance = float("nan")
         self.trained_trajectories = 0
+        self.backward_rows = 0  # rows through a backward pass (the run's cost; not stored in the checkpoint)
 
     def add_loss(self, k: int, first: bool, n: int, loss: Any, part: int = 0) -> None:
         key = (k, first)

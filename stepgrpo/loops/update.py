@@ -67,7 +67,7 @@ def train(
     pol = workspace.policy(cfg)
     nfe0 = pol.nfe
     opt = training.make_optimizer(pol.trainable_parameters(), cfg, iteration)
-    ema, signal = None, {}
+    ema, signal, prev = None, {}, None
     if iteration == 0:
         workspace.set_lora(pol, workspace.initial_lora(cfg))
     else:  # the previous checkpoint, read and verified once: its weights, AdamW state, EMA and sums
@@ -92,20 +92,32 @@ def train(
         noise=stored_noise(data.kernel_params, pol.device),
     )
     shuffle = generator(cfg.run.seed, "update", iteration)
-    summary = training.update(
-        pol,
-        opt,
-        cfg,
-        batch,
-        shuffle,
-        ema=ema,
-        initial=workspace.initial_lora(cfg),
-        signal=signal if cfg.optim.diagnostics else None,
-        parallel=parallel,
-    )
+    group = workspace.companion_group(cfg)
+    companion = None
+    if group is not None:  # the objective's second adapter: the previous checkpoint's, the start's at 0
+        companion = dict(prev.tensors[group]) if prev is not None else workspace.initial_lora(cfg)
+        companion = {n: w.detach().clone() for n, w in companion.items()}
+    if cfg.update.matching:
+        summary = training.update_matching(
+            pol, opt, cfg, batch, shuffle, companion, ema=ema, initial=workspace.initial_lora(cfg), parallel=parallel
+        )
+    else:
+        summary = training.update(
+            pol,
+            opt,
+            cfg,
+            batch,
+            shuffle,
+            ema=ema,
+            initial=workspace.initial_lora(cfg),
+            signal=signal if cfg.optim.diagnostics else None,
+            parallel=parallel,
+        )
+    backward = int(summary.pop("backward_rows"))
     if parallel is not None:
         import torch.distributed as dist
 
+        backward = int(parallel.sum(torch.tensor([float(backward)], dtype=torch.float64)))
         ranks_seen: list[dict | None] = [None] * parallel.world
         dist.all_gather_object(ranks_seen, workspace.worker())  # who computed it, and what each has loaded
         if parallel.rank != 0:
@@ -119,7 +131,11 @@ def train(
         tensors["ema"] = ema
     if signal:
         tensors["signal"] = signal
-    inputs = {"key": key, "seconds": time.perf_counter() - t0, "nfe": pol.nfe - nfe0}
+    if group is not None and companion is not None:
+        tensors[group] = companion
+    # nfe: the update's transformer forwards (rows); backward: rows through a backward pass (a
+    # backward costs about two forwards: `stepgrpo.reporting.costs`)
+    inputs = {"key": key, "seconds": time.perf_counter() - t0, "nfe": pol.nfe - nfe0, "backward": backward}
     if parallel is not None:
         inputs["processes"] = parallel.world
         inputs["ranks"] = ranks_seen

@@ -250,11 +250,22 @@ def reward_identity(cfg: RewardConfig) -> dict[str, Any]:
 # ------------------------------------------------------------------ a run's policy
 
 
+def companion_group(cfg: Config) -> str | None:
+    """The checkpoint group of the update objective's second adapter (`old`: DiffusionNFT's
+    sampling policy; `kl_ema`: AWM's KL target), None when it keeps none."""
+    return cfg.update.resolved()["companion"] if cfg.update.matching else None
+
+
 def lora_before(run: Run, cfg: Config, iteration: int) -> dict[str, torch.Tensor]:
-    """The LoRA weights the policy has when iteration `iteration` starts."""
+    """The LoRA weights that sample iteration `iteration`: the trained adapter after the previous
+    update, or the objective's companion adapter when it is the one that samples (DiffusionNFT's
+    old policy)."""
     if iteration == 0:
         return initial_lora(cfg)
-    return run.checkpoints.load_checkpoint(iteration - 1).tensors[trained_group(cfg)]
+    group = trained_group(cfg)
+    if cfg.update.matching and cfg.update.resolved()["samples_with_companion"]:
+        group = str(companion_group(cfg))
+    return run.checkpoints.load_checkpoint(iteration - 1).tensors[group]
 
 
 def policy_at(run: Run, cfg: Config, iteration: int) -> Policy:

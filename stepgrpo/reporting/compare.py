@@ -15,23 +15,30 @@ from stepgrpo.storage.run import Run
 
 
 def curve(run: Run) -> dict[str, Any]:
-    """`{run_id, recipe, points: [{label, nfe, seconds, reward_mean}], gain}`: the base evaluation
-    at 0 NFEs, each later one at the cumulative NFEs of the iterations before it."""
+    """`{run_id, recipe, points: [{label, nfe, passes, seconds, reward_mean}], gain}`: the base
+    evaluation at 0 NFEs, each later one at the cumulative NFEs (and forward-equivalent passes,
+    None for a run stored before backward passes were recorded) of the iterations before it. The
+    recipe is `scheme@completion`, prefixed `objective:` for an objective other than grpo."""
     cfg = run.config
     method = (cfg.get("completion") or {}).get("method")
     recipe = f"{(cfg.get('credit') or {}).get('scheme', '?')}@{method or 'final'}"
-    spent, nfe, seconds = {}, 0, 0.0
+    objective = (cfg.get("update") or {}).get("objective", "grpo")
+    if objective != "grpo":
+        recipe = f"{objective}:{recipe}"
+    spent: dict[int, tuple[int, float, int | None]] = {}
+    nfe, seconds, passes = 0, 0.0, 0
     for row in iteration_costs(run):
         nfe, seconds = nfe + row["nfe"], seconds + row["seconds"]
-        spent[row["iteration"]] = (nfe, seconds)
+        passes = None if passes is None or row["passes"] is None else passes + row["passes"]
+        spent[row["iteration"]] = (nfe, seconds, passes)
     records = []
     for record in stored_evaluations(run):
         i = None if record["label"] == "base" else int(record["label"].removeprefix("iter_"))
         if i is None or i in spent:
-            records.append((record, (0, 0.0) if i is None else spent[i]))
+            records.append((record, (0, 0.0, 0) if i is None else spent[i]))
     points = [
-        {"label": r["label"], "nfe": n, "seconds": round(s, 3), "reward_mean": r["reward_mean"]}
-        for r, (n, s) in records
+        {"label": r["label"], "nfe": n, "passes": p, "seconds": round(s, 3), "reward_mean": r["reward_mean"]}
+        for r, (n, s, p) in records
     ]
     gain = paired_gain(records[0][0], records[-1][0]) if len(records) > 1 else None
     return {"run_id": run.run_id, "recipe": recipe, "points": points, "gain": gain}

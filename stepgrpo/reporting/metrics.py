@@ -112,6 +112,6 @@ def iteration_row(iteration: int, rewards: ScoreResult, update: UpdateResult) ->
         "group_reward_std": rewards.group_reward_std,
         **{
             k: getattr(u, k)
-            for k in ("clip_frac", "approx_kl", "signal_cosine", "signal_cosine_window", "lora_distance")
+            for k in ("loss", "clip_frac", "approx_kl", "signal_cosine", "signal_cosine_window", "lora_distance")
         },
     }
