@@ -656,6 +656,10 @@ class Config(_Section):
                 "as DiffusionNFT's ODE rollouts do) or a stochastic kernel"
             )
         if self.update.matching:
+            from stepgrpo_core.objectives import times_count
+
+            u = self.update.resolved()
+            times_count(str(u["time_rule"]), float(u["times"]), self.sampler.steps)
             return self._batch_fits()
         start, end = self.sampler.window()
         for k in self.optim.train_steps or ():

@@ -84,7 +84,7 @@ def _options(name: str) -> dict[str, object]:
     if not OBJECTIVES.facts(name)["matching"]:
         return {}
     params = list(inspect.signature(OBJECTIVES.get(name)).parameters.values())[1:]
-    return {p.name: p.default for p in params if p.default is not None}
+    return {p.name: p.default for p in params if p.default not in (None, inspect.Parameter.empty)}
 
 
 def check_objective_options(name: str, options: dict[str, object]) -> None:
@@ -121,21 +121,33 @@ def grid_times(
     `stratified` (AWM's `discrete_wo_init`): the steps `[1, steps)` cut into `m = n` strata at
     `linspace(1, steps, m + 1)` (truncated to integers), one uniform step in each, the same draw
     for every sample of the batch as the authors' code does."""
-    m = int(steps * n) if n < 1 else int(n)
+    m = times_count(rule, n, steps)
     if rule == "random":
-        if not 1 <= m <= steps:
-            raise ValueError(f"random grid times: {m} of {steps} steps; need 1 <= m <= steps")
         u = torch.rand(batch, steps, generator=generator)
         return u.argsort(dim=1)[:, :m]
     if rule == "stratified":
-        if not 1 <= m <= steps - 1:
-            raise ValueError(f"stratified grid times: {m} strata of steps 1..{steps - 1}; need 1 <= m <= steps - 1")
         bounds = torch.linspace(1, steps, m + 1).long()
         lower, upper = bounds[:-1], bounds[1:]
         u = torch.rand(m, generator=generator)
         k = lower + (u * (upper - lower)).long()
         return k.clamp(max=steps - 1).expand(batch, m).clone()
     raise ValueError(f"grid time rule {rule!r}: random or stratified")
+
+
+def times_count(rule: str, n: float, steps: int) -> int:
+    """How many grid times `grid_times(rule, n, steps, ...)` draws a sample; refuses what the grid
+    cannot hold (`random`: at most `steps`; `stratified`: at most `steps - 1`, step 0 is left out)."""
+    m = int(steps * n) if n < 1 else int(n)
+    if rule == "random" and not 1 <= m <= steps:
+        raise ValueError(f"update.times: {m} random grid times of a {steps}-step grid; need 1 to {steps}")
+    if rule == "stratified" and not 1 <= m <= steps - 1:
+        raise ValueError(
+            f"update.times: {m} stratified grid times over steps 1..{steps - 1}; need 1 to {steps - 1} "
+            "(set update.times or sampler.steps)"
+        )
+    if rule not in ("random", "stratified"):
+        raise ValueError(f"grid time rule {rule!r}: random or stratified")
+    return m
 
 
 def companion_update(

@@ -125,3 +125,94 @@ def test_the_objectives_declare_what_the_update_must_evaluate():
     assert OBJECTIVES.facts("awm")["needs_ema"] and not OBJECTIVES.facts("awm")["needs_old"]
     with pytest.raises(ValueError, match="weighting"):
         OBJECTIVES.get("awm")(batch(), weighting="huber")
+
+
+def test_grid_times_follow_the_authors_rules():
+    from stepgrpo_core.objectives import grid_times, times_count
+
+    g = torch.Generator().manual_seed(0)
+    ks = grid_times("random", 0.99, 10, 5, g)  # DiffusionNFT: 9 of 10, each sample its own draw
+    assert ks.shape == (5, 9)
+    assert all(len(set(row.tolist())) == 9 and max(row) <= 9 for row in ks)
+    assert len({tuple(row.tolist()) for row in ks}) > 1
+    ks = grid_times("stratified", 6, 14, 4, g)  # AWM discrete_wo_init: strata of [1, 14)
+    strata = [(1, 3), (3, 5), (5, 7), (7, 9), (9, 11), (11, 14)]
+    assert all(lo <= int(k) < hi for k, (lo, hi) in zip(ks[0], strata))
+    assert bool((ks == ks[0]).all())  # one draw for the batch
+    with pytest.raises(ValueError, match=r"update.times: 6 stratified grid times over steps 1..3"):
+        times_count("stratified", 6, 4)
+
+
+def test_step_credit_takes_the_advantage_of_the_step_at_the_rows_grid_time():
+    from stepgrpo_core.objectives import row_advantages
+
+    adv = torch.tensor([[1.0, 2.0, float("nan"), 4.0], [5.0, 6.0, 7.0, 8.0]])
+    steps = torch.tensor([[3, 2, 0], [1, 1, 2]])
+    assert row_advantages(adv, steps).tolist() == [[4.0, 0.0, 1.0], [6.0, 6.0, 7.0]]
+    outcome = torch.tensor([[0.5] * 4, [-1.0] * 4])  # outcome credit: the papers' one advantage a sample
+    assert row_advantages(outcome, steps).tolist() == [[0.5] * 3, [-1.0] * 3]
+
+
+def test_the_companion_follows_the_authors_decay():
+    from stepgrpo_core.objectives import companion_update
+
+    companion, weights = {"w": torch.zeros(2)}, {"w": torch.ones(2)}
+    assert companion_update(companion, weights, 1, 0.001, 0.5) == 0.001  # d = min(rate step, cap)
+    torch.testing.assert_close(companion["w"], torch.full((2,), 0.999))
+    assert companion_update(companion, weights, 900, 0.001, 0.5) == 0.5
+
+
+def test_the_update_weights_each_row_by_its_steps_advantage_at_that_steps_time(tmp_path, monkeypatch):
+    """The update stage's loop (`training.update_matching`) on the tiny model: every row the
+    objective sees is noised to `sigmas[k]` of a step k and carries the scheme's advantage of
+    step k for its sample."""
+    from stepgrpo.config import load_config
+    from stepgrpo.loops import training, workspace
+    from stepgrpo.loops.sampling import encode
+    from stepgrpo.shapes.model import build_pipeline, tiny_spec
+    from stepgrpo_core import objectives
+
+    path = tmp_path / "tiny"
+    build_pipeline(tiny_spec(), seed=0).save_pretrained(str(path))
+    cfg = load_config(
+        None,
+        [f"model.path={path}", "model.lora_rank=4", "model.guidance_scale=1.0", "sampler.steps=4",
+         "sampler.kernel=ode", "sampler.shared_x0=false", "update.objective=nft", "update.times=3",
+         "optim.micro_batch=2", "run.prompts_per_iteration=2", "run.group_size=2"],
+    )  # fmt: skip
+    pol = workspace.policy(cfg)
+    workspace.set_lora(pol, workspace.initial_lora(cfg))
+    B, T = 4, 4
+    sigmas = pol.sigmas(T)
+    adv = torch.tensor([[10.0 * i + k for k in range(T)] for i in range(B)])  # (sample i, step k) -> 10 i + k
+    seen = []
+    real = objectives.OBJECTIVES.get("nft")
+
+    def spy(b, **options):
+        seen.append((b.x0.clone(), b.t.clone(), b.advantages.clone()))
+        return real(b, **options)
+
+    monkeypatch.setitem(objectives.OBJECTIVES._items, "nft", spy)
+    g = torch.Generator().manual_seed(0)
+    states = torch.randn(B, T + 1, *pol.latent_shape, generator=g)
+    batch = training.Batch(
+        states=states,
+        old_log_probs=torch.full((B, T), float("nan")),
+        advantages=adv,
+        group_ids=torch.tensor([0, 0, 1, 1]),
+        cond=encode(pol, ["a red circle", "two blue squares"], [0, 0, 1, 1]),
+        sigmas=sigmas,
+        kernel="ode",
+        noise=0.0,
+    )
+    opt = training.make_optimizer(pol.trainable_parameters(), cfg)
+    companion = workspace.lora_state(pol)
+    out = training.update_matching(pol, opt, cfg, batch, torch.Generator().manual_seed(1), companion)
+    assert out["rows"] == B * 3 and len(seen) == 3 * 2  # 3 times x 2 micro-batches of 2 samples
+    grid = sigmas[:T].tolist()
+    for x0, t, a in seen:
+        for r in range(len(t)):
+            i = next(i for i in range(B) if torch.equal(x0[r], states[i, -1]))  # the row's sample
+            k = min(range(T), key=lambda k: abs(grid[k] - float(t[r])))
+            assert float(t[r]) == pytest.approx(grid[k], abs=1e-7)  # a grid time
+            assert float(a[r]) == 10.0 * i + k  # that step's advantage of that sample

@@ -14,6 +14,7 @@ storage and tracking (`bench/costs/costs.py` measures that overhead against it).
         R [B, T+1]          = score_images(decode(...))  # the reward of every completed state (R_T: the sample)
         A [B, T]            = assign(scheme, R, groups)  # credit: per-step advantages from R
         policy              = training.update(...)       # PPO-clip GRPO on the trained steps
+                           (or update_matching)         # DiffusionNFT / AWM (update.objective)
 """
 
 from __future__ import annotations
@@ -53,12 +54,18 @@ def reference_loop(
     _, end = cfg.sampler.window()
     method, noise = cfg.completion.method, cfg.sampler.noise
     ema = workspace.lora_state(pol) if cfg.optim.ema_decay is not None else None
+    # a flow-matching objective's second adapter (nft: it samples; awm: the KL's EMA target)
+    companion = workspace.lora_state(pol) if workspace.companion_group(cfg) else None
+    sampler = companion if cfg.update.matching and cfg.update.resolved()["samples_with_companion"] else None
     records = []
     for it in range(iterations):
         t0 = time.perf_counter()
         nfe0 = pol.nfe
         plan = iteration_plan(cfg, prompts.splits, it)
         sigmas = pol.sigmas(T)
+        trained = workspace.lora_state(pol)
+        if sampler is not None:
+            workspace.set_lora(pol, sampler)
         chunks = list(sample_iteration(pol, cfg, prompts.texts, plan, it, noise))  # as the rollout stage samples
         states = torch.cat([c.sde.states for c in chunks])
         ode_final = torch.cat([c.ode_final for c in chunks])
@@ -76,6 +83,7 @@ def reference_loop(
             clean = torch.cat(done)[:, [*range(through), T]]
         else:
             clean = torch.stack([ode_final, states[:, -1]], dim=1)
+        workspace.set_lora(pol, trained)
         t2 = time.perf_counter()
         nfe_complete = pol.nfe - nfe0 - nfe_rollout
         B, K = clean.shape[:2]
@@ -103,7 +111,11 @@ def reference_loop(
             cfg.sampler.kernel,
             noise,
         )
-        summary = training.update(pol, opt, cfg, batch, generator(cfg.run.seed, "update", it), ema=ema)
+        shuffle = generator(cfg.run.seed, "update", it)
+        if cfg.update.matching:  # DiffusionNFT / AWM on forward-noised copies of each x_T
+            summary = training.update_matching(pol, opt, cfg, batch, shuffle, companion, ema=ema)
+        else:  # PPO-clip GRPO on the trained steps
+            summary = training.update(pol, opt, cfg, batch, shuffle, ema=ema)
         t5 = time.perf_counter()
         rec = {
             "iteration": it,

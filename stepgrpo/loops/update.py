@@ -133,6 +133,8 @@ def train(
         tensors["signal"] = signal
     if group is not None and companion is not None:
         tensors[group] = companion
+    if parallel is None:
+        maybe_fail("update", iteration)  # tests: killed after the update, before it is published
     # nfe: the update's transformer forwards (rows); backward: rows through a backward pass (a
     # backward costs about two forwards: `stepgrpo.reporting.costs`)
     inputs = {"key": key, "seconds": time.perf_counter() - t0, "nfe": pol.nfe - nfe0, "backward": backward}
