@@ -170,6 +170,10 @@ class SamplerConfig(_Section):
     """First stochastic step of the SDE window (MixGRPO / Flow-GRPO-Fast); steps outside are ODE."""
     sde_window_size: int | None = Field(None, ge=1)
     """Number of stochastic steps from `sde_window_start`; None means every step."""
+    ode_solver: Literal["euler", "dpm2"] = "euler"
+    """The solver of the rollout's deterministic steps: `euler` (SD3's sampler), or `dpm2`,
+    DPM-Solver++ 2M from diffusers' scheduler (DiffusionNFT's 10-step ODE rollouts; multistep, so
+    only with the deterministic `kernel: ode`, which makes every step one)."""
     eval_steps: int = Field(40, ge=1, le=MAX_STEPS)
     """ODE steps of evaluation sampling (Flow-GRPO evaluates with 40)."""
     shared_x0: bool = True
@@ -183,6 +187,17 @@ class SamplerConfig(_Section):
         from stepgrpo_core.kernels import KERNELS
 
         return KERNELS.validate(v)
+
+    @model_validator(mode="after")
+    def _solver_needs_ode(self) -> SamplerConfig:
+        from stepgrpo_core.kernels import KERNELS
+
+        if self.ode_solver != "euler" and not KERNELS.facts(self.kernel)["deterministic"]:
+            raise ValueError(
+                f"sampler.ode_solver {self.ode_solver!r} is a multistep ODE solver: its history breaks at a "
+                f"stochastic step; use it with sampler.kernel=ode (every step deterministic)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _window_inside_grid(self) -> SamplerConfig:
@@ -649,6 +664,12 @@ class Config(_Section):
             )
         from stepgrpo_core.kernels import KERNELS
 
+        if KERNELS.facts(self.sampler.kernel)["deterministic"] and not self.update.matching:
+            raise ValueError(
+                f"sampler.kernel {self.sampler.kernel!r} is deterministic: its steps have no density for "
+                "update.objective grpo to train; pick a stochastic kernel (e.g. flow), or a flow-matching "
+                "objective (update.objective=nft or awm) that trains on the final samples"
+            )
         if KERNELS.facts(self.sampler.kernel)["deterministic"] and self.sampler.shared_x0:
             raise ValueError(
                 f"sampler.kernel {self.sampler.kernel!r} is deterministic and sampler.shared_x0 is true: every member "
@@ -742,6 +763,7 @@ STAGE_FIELDS: dict[str, tuple[str, ...]] = {
         "sampler.sde_window_start",
         "sampler.sde_window_size",
         "sampler.shared_x0",
+        "sampler.ode_solver",
         "run.prompts",
         "run.prompts_per_iteration",
         "run.group_size",
@@ -779,6 +801,7 @@ STAGE_FIELDS: dict[str, tuple[str, ...]] = {
 # left out of a key at that value, so a stored run keeps its keys (and its stages) under new code.
 KEY_NEUTRAL: dict[str, Any] = {
     "sampler.shared_x0": True,
+    "sampler.ode_solver": "euler",
     "optim.step_weighting": "uniform",
     "optim.preset": None,
     "update.objective": "grpo",

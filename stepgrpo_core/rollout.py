@@ -87,6 +87,7 @@ def rollout(
     noise: float | torch.Tensor = 0.7,
     window: tuple[int, int] | None = None,
     generator: torch.Generator | None = None,
+    ode_step: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> Rollout:
     """Sample `B` trajectories from initial noise `x0` over the grid `sigmas`.
 
@@ -99,6 +100,9 @@ def rollout(
         noise: `a` (flow, cps), `eta` (ddim), or the `[T]` table (psi).
         window: `(start, size)`: only steps `start .. start+size-1` use `kernel`, the rest `ode`.
         generator: the RNG for the step noise (on the device of `x0`); fix it for reproducibility.
+        ode_step: `ode_step(k, x_k, v_k) -> x_{k+1}` for the deterministic steps (outside the
+            window, and inside it for a deterministic kernel) instead of the Euler step: a
+            multistep solver that keeps its own history (one object per call), e.g. DPM-Solver++.
 
     Returns `Rollout`. The velocities are kept because they are free: the clean latent each state
     predicts (`x_k - sigmas[k] v_k`) gives step rewards with no further transformer call. A step
@@ -127,6 +131,8 @@ def rollout(
         kind = kernel if start <= k < start + size else "ode"
         mean, std = step_moments(kind, x, v, s[k], s[k + 1], _noise_at(kernel, noise, k))
         eps = torch.randn(x.shape, generator=generator, device=x.device, dtype=torch.float32)
+        if ode_step is not None and KERNELS.facts(kind)["deterministic"]:
+            mean = ode_step(k, x, v).float()
         x = (mean + std * eps).to(x0.dtype)
         stochastic = std.reshape(batch) > 0
         if bool(stochastic.any()):

@@ -15,9 +15,9 @@ from stepgrpo.storage.run import Run
 
 pytestmark = pytest.mark.slow
 
-# nft with step-level credit on the rollout's own x0 predictions; awm with outcome credit
+# nft on DPM-Solver++ rollouts with step-level credit on their own x0 predictions; awm with outcome credit
 CASES = {
-    "nft": ["update.objective=nft", "completion.method=rollout", "credit.scheme=dense"],
+    "nft": ["update.objective=nft", "sampler.ode_solver=dpm2", "completion.method=rollout", "credit.scheme=dense"],
     "awm": ["update.objective=awm", "credit.scheme=outcome", "optim.optimizer_steps=2", "update.times=2"],
 }
 

@@ -174,3 +174,54 @@ def test_invalid_step_log_prob():
     assert math.isfinite(
         step_log_prob(nonlinear_velocity, out.states, SIGMAS, cond, 5, "flow", 0.7).log_prob.sum().item()
     )
+
+
+def test_dpm2_is_dpm_solver_pp_2m_on_the_rollout_grid():
+    """`sampler.ode_solver: dpm2` (diffusers' DPMSolverMultistepScheduler on the rollout's grid)
+    against DPM-Solver++ 2M written from its formulas in data prediction (`x0 = x - s v`, `lambda =
+    log((1 - s) / s)`): first order at the first and the last step, second order between."""
+    from stepgrpo.loops.sampling import DPMSolver
+    from stepgrpo_core.rollout import rollout
+
+    sigmas = torch.tensor([1.0, 0.92, 0.8, 0.62, 0.4, 0.18, 0.0])
+    g = torch.Generator().manual_seed(0)
+    A = torch.randn(4, 4, generator=g, dtype=torch.float64) * 0.5
+
+    def velocity(x, s, cond):  # a smooth field that depends on x and s
+        return torch.tanh(torch.einsum("bchw,cd->bdhw", x.double(), A)).float() + s.reshape(-1, 1, 1, 1)
+
+    x0 = torch.randn(3, 4, 2, 2, generator=g)
+    got = rollout(velocity, x0, sigmas, None, kernel="ode", ode_step=DPMSolver(sigmas).step)
+
+    lam = lambda s: torch.log((1 - s) / s)  # noqa: E731
+    x, preds = x0.double(), []
+    T = len(sigmas) - 1
+    for k in range(T):
+        s, s1 = sigmas[k].double(), sigmas[k + 1].double()
+        pred = x - s * velocity(x.float(), s.float().repeat(3), None).double()
+        h = lam(s1) - lam(s)
+        phi = (1 - s1) * (torch.exp(-h) - 1)
+        if k == 0 or k == T - 1:
+            x = (s1 / s) * x - phi * pred
+        else:
+            r0 = (lam(s) - lam(sigmas[k - 1].double())) / h
+            x = (s1 / s) * x - phi * pred - 0.5 * phi * (pred - preds[-1]) / r0
+        x = x.float().double()  # the rollout keeps states in the dtype of x0
+        preds.append(pred)
+    torch.testing.assert_close(got.states[:, -1].double(), x, rtol=1e-5, atol=1e-5)
+    euler = rollout(velocity, x0, sigmas, None, kernel="ode")
+    assert (euler.states[:, -1] - got.states[:, -1]).abs().max() > 1e-3  # a different solver
+    assert got.nfe == 3 * T and bool(got.log_probs.isnan().all())
+
+
+def test_dpm2_needs_a_deterministic_kernel():
+    from stepgrpo.config import ConfigError, load_config
+
+    nft = "update.objective=nft"
+    with pytest.raises(ConfigError, match="ode_solver 'dpm2' is a multistep ODE solver"):
+        load_config(None, [nft, "sampler.ode_solver=dpm2"])
+    with pytest.raises(ConfigError, match="set sampler.shared_x0=false"):
+        load_config(None, [nft, "sampler.kernel=ode"])
+    with pytest.raises(ConfigError, match="no density for update.objective grpo"):
+        load_config(None, ["sampler.kernel=ode", "sampler.shared_x0=false"])
+    load_config(None, [nft, "sampler.ode_solver=dpm2", "sampler.kernel=ode", "sampler.shared_x0=false"])

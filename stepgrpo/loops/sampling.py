@@ -106,6 +106,7 @@ def sample_groups(
     progress: str = "sample",
     groups: range | None = None,
     shared_x0: bool = True,
+    ode_solver: str = "euler",
 ) -> Iterator[GroupChunk]:
     """Sample `len(group_noise)` groups of `group_size` trajectories, `groups_per_call` at a time.
 
@@ -113,7 +114,8 @@ def sample_groups(
     `shared_x0` False, member `m` draws its own from `generator(*group_noise[g], m)`); the call
     that starts at group `c0` draws its SDE noise from `generator(*sde_seed(c0))`. With
     `ode_reference`, each distinct `x_0` is also sampled by the ODE (one per group when its members
-    share it; a deterministic kernel's rollout is that sample already). `groups`: only these groups (a shard's; it starts at a call boundary).
+    share it; a deterministic kernel's rollout is that sample already). `ode_solver`: the
+    deterministic steps' solver (`ODE_SOLVERS`: `euler`, or `dpm2`, DPM-Solver++ 2M). `groups`: only these groups (a shard's; it starts at a call boundary).
     """
     from stepgrpo_core.kernels import KERNELS
     from stepgrpo_core.rollout import rollout
@@ -148,6 +150,7 @@ def sample_groups(
             noise=noise,
             window=window,
             generator=generator(*sde_seed(c0), device=pol.device),
+            ode_step=None if ode_solver == "euler" else ODE_SOLVERS[ode_solver](sigmas),
         )
         ode_final, nfe_ode = None, 0
         if ode_reference and KERNELS.facts(kernel)["deterministic"]:
@@ -159,6 +162,44 @@ def sample_groups(
             ode = rollout(pol.velocity, x0[::step], sigmas, take(cond, firsts), kernel="ode")
             ode_final, nfe_ode = ode.states[:, -1].repeat_interleave(step, dim=0), pol.nfe - before
         yield GroupChunk(rows, cond, sde, ode_final, nfe_ode)
+
+
+class DPMSolver:
+    """DPM-Solver++ (arXiv 2211.01095) multistep, deterministic, on a flow-matching grid: diffusers'
+    `DPMSolverMultistepScheduler` (data prediction `x0 = x - sigma v` from the flow velocity,
+    `alpha = 1 - sigma`), its sigmas replaced by the rollout's grid. `order` 2 is DiffusionNFT's
+    `dpm2` sampler: first order at the first step and, on grids under 15 steps, at the last two
+    (diffusers' `lower_order_final`, as the authors' solver does). One object per rollout call:
+    it keeps the previous steps' predictions. `step(k, x_k, v_k) -> x_{k+1}` (`rollout`'s `ode_step`)."""
+
+    def __init__(self, sigmas: torch.Tensor, order: int = 2) -> None:
+        from diffusers import DPMSolverMultistepScheduler
+
+        self.scheduler = DPMSolverMultistepScheduler(
+            num_train_timesteps=1000,
+            solver_order=order,
+            prediction_type="flow_prediction",
+            algorithm_type="dpmsolver++",
+            use_flow_sigmas=True,
+            lower_order_final=True,
+            final_sigmas_type="zero",
+        )
+        T = len(sigmas) - 1
+        self.scheduler.set_timesteps(T)
+        grid = sigmas.detach().float().cpu()
+        self.scheduler.sigmas = grid.clone()
+        self.scheduler.timesteps = grid[:-1] * 1000
+        self.scheduler.set_begin_index(0)
+
+    def step(self, k: int, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        sch = self.scheduler
+        if sch.step_index is not None and sch.step_index != k:
+            raise ValueError(f"DPMSolver steps in order: expected step {sch.step_index}, got {k}")
+        sch.sigmas = sch.sigmas.to(x.device)
+        return sch.step(v.float(), sch.timesteps[k], x.float(), return_dict=False)[0]
+
+
+ODE_SOLVERS = {"euler": None, "dpm2": lambda sigmas: DPMSolver(sigmas, order=2).step}
 
 
 def sample_iteration(
@@ -193,6 +234,7 @@ def sample_iteration(
         progress=f"rollout {iteration}",
         groups=groups,
         shared_x0=cfg.sampler.shared_x0,
+        ode_solver=cfg.sampler.ode_solver,
     )
 
 
