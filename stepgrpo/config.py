@@ -426,6 +426,9 @@ class UpdateConfig(_Section):
     time_rule: Literal["random", "stratified"] | None = None
     """How the grid times are drawn (`stepgrpo_core.objectives.grid_times`); None: the objective's
     (nft `random`, awm `stratified`)."""
+    time_span: float | None = Field(None, gt=0, le=1)
+    """The share of the grid stratified times come from (steps `1 .. int(T span) - 1`); None: the
+    objective's (awm 0.9, its `timestep_fraction`)."""
     companion_rate: float | None = Field(None, ge=0)
     companion_cap: float | None = Field(None, ge=0, lt=1)
     """The companion adapter's decay after optimizer step s, `min(rate s, cap)` (nft: the sampling
@@ -443,9 +446,10 @@ class UpdateConfig(_Section):
         from stepgrpo_core.objectives import check_objective_options
 
         check_objective_options(self.objective, dict(self.options))
-        if not self.matching and (self.times, self.time_rule, self.companion_rate, self.companion_cap) != (None,) * 4:
+        mine = (self.times, self.time_rule, self.time_span, self.companion_rate, self.companion_cap)
+        if not self.matching and mine != (None,) * 5:
             raise ValueError(
-                "update.times / time_rule / companion_rate / companion_cap belong to the flow-matching objectives "
+                "update.times / time_rule / time_span / companion_rate / companion_cap belong to the flow-matching objectives "
                 "(nft, awm); objective grpo trains the rollout's own steps (optim.train_steps)"
             )
         return self
@@ -458,17 +462,18 @@ class UpdateConfig(_Section):
 
     def resolved(self) -> dict[str, Any]:
         """The matching objective's settings with its registry defaults filled in: `options` (all of
-        them), `times`, `time_rule`, `companion` (the checkpoint group or None), `rate`, `cap`,
+        them), `times`, `time_rule`, `time_span`, `companion` (the checkpoint group or None), `rate`, `cap`,
         `samples_with_companion`."""
         from stepgrpo_core.objectives import OBJECTIVES
 
         facts = OBJECTIVES.facts(self.objective)
-        rule, n = facts["times"] or (None, None)
+        rule, n, span = facts["times"] or (None, None, 1.0)
         rate, cap = facts["companion_decay"] or (0.0, 0.0)
         return {
             "options": {**OBJECTIVES.describe(self.objective)["options"], **self.options},
             "times": self.times if self.times is not None else n,
             "time_rule": self.time_rule or rule,
+            "time_span": span if self.time_span is None else self.time_span,
             "companion": facts["companion"],
             "rate": rate if self.companion_rate is None else self.companion_rate,
             "cap": cap if self.companion_cap is None else self.companion_cap,
@@ -680,7 +685,7 @@ class Config(_Section):
             from stepgrpo_core.objectives import times_count
 
             u = self.update.resolved()
-            times_count(str(u["time_rule"]), float(u["times"]), self.sampler.steps)
+            times_count(str(u["time_rule"]), float(u["times"]), self.sampler.steps, float(u["time_span"]))
             return self._batch_fits()
         start, end = self.sampler.window()
         for k in self.optim.train_steps or ():
@@ -808,6 +813,7 @@ KEY_NEUTRAL: dict[str, Any] = {
     "update.options": {},
     "update.times": None,
     "update.time_rule": None,
+    "update.time_span": None,
     "update.companion_rate": None,
     "update.companion_cap": None,
 }

@@ -63,7 +63,8 @@ Objective = Callable[..., ObjectiveOutput]
 # optimizer step by `companion_update` with decay `min(rate * step, cap)` (`companion_decay`:
 # (rate, cap)); `samples_with_companion`: the rollouts are drawn by it rather than by the trained
 # adapter. `times`: how many of the sampler's grid times each sample is trained at, and how they
-# are drawn (`grid_times`): `(rule, n)` with n a count, or a fraction of the grid when below 1.
+# are drawn (`grid_times`): `(rule, n, span)` with n a count, or a fraction of the grid when below
+# 1, and span the share of the grid stratified times are drawn from.
 OBJECTIVES: Registry[Objective] = Registry(
     "objective",
     options=lambda name: _options(name),
@@ -111,22 +112,24 @@ def grpo(*args, **kwargs):
 
 
 def grid_times(
-    rule: str, n: float, steps: int, batch: int, generator: torch.Generator | None = None
+    rule: str, n: float, steps: int, batch: int, generator: torch.Generator | None = None, span: float = 1.0
 ) -> torch.Tensor:
     """`[batch, m]` long: the sampler grid steps each sample is trained at (its times are the
     grid's `sigmas[k]`), drawn from `generator` in one call.
 
     `random` (DiffusionNFT: `timestep_fraction` 0.99 of its 10 steps, each sample its own random
     permutation, the first `m` kept): `m = int(steps * n)` for `n < 1`, else `n`.
-    `stratified` (AWM's `discrete_wo_init`): the steps `[1, steps)` cut into `m = n` strata at
-    `linspace(1, steps, m + 1)` (truncated to integers), one uniform step in each, the same draw
-    for every sample of the batch as the authors' code does."""
-    m = times_count(rule, n, steps)
+    `stratified` (AWM's `discrete_wo_init`): the steps `[1, int(steps * span))` cut into `m = n`
+    strata at `linspace(1, int(steps * span), m + 1)` (truncated to integers), one uniform step in
+    each, the same draw for every sample of the batch as the authors' code does (their
+    `timestep_fraction` is `span`)."""
+    m = times_count(rule, n, steps, span)
+    upper = max(2, int(steps * span))
     if rule == "random":
         u = torch.rand(batch, steps, generator=generator)
         return u.argsort(dim=1)[:, :m]
     if rule == "stratified":
-        bounds = torch.linspace(1, steps, m + 1).long()
+        bounds = torch.linspace(1, upper, m + 1).long()
         lower, upper = bounds[:-1], bounds[1:]
         u = torch.rand(m, generator=generator)
         k = lower + (u * (upper - lower)).long()
@@ -134,17 +137,21 @@ def grid_times(
     raise ValueError(f"grid time rule {rule!r}: random or stratified")
 
 
-def times_count(rule: str, n: float, steps: int) -> int:
-    """How many grid times `grid_times(rule, n, steps, ...)` draws a sample; refuses what the grid
-    cannot hold (`random`: at most `steps`; `stratified`: at most `steps - 1`, step 0 is left out)."""
+def times_count(rule: str, n: float, steps: int, span: float = 1.0) -> int:
+    """How many grid times `grid_times(rule, n, steps, ..., span)` draws a sample; refuses what the
+    grid cannot hold (`random`: at most `steps`; `stratified`: one a step of `1 .. int(steps
+    span) - 1`, step 0 left out)."""
     m = int(steps * n) if n < 1 else int(n)
     if rule == "random" and not 1 <= m <= steps:
         raise ValueError(f"update.times: {m} random grid times of a {steps}-step grid; need 1 to {steps}")
-    if rule == "stratified" and not 1 <= m <= steps - 1:
+    upper = max(2, int(steps * span))
+    if rule == "stratified" and not 1 <= m <= upper - 1:
         raise ValueError(
-            f"update.times: {m} stratified grid times over steps 1..{steps - 1}; need 1 to {steps - 1} "
-            "(set update.times or sampler.steps)"
+            f"update.times: {m} stratified grid times over steps 1..{upper - 1}; need 1 to {upper - 1} "
+            "(set update.times, update.time_span or sampler.steps)"
         )
+    if not 0 < span <= 1:
+        raise ValueError(f"update.time_span {span}: a share of the grid in (0, 1]")
     if rule not in ("random", "stratified"):
         raise ValueError(f"grid time rule {rule!r}: random or stratified")
     return m
@@ -199,7 +206,7 @@ def _kl(v: torch.Tensor, other: torch.Tensor | None) -> torch.Tensor:
     companion="old",
     companion_decay=(0.001, 0.5),  # NVlabs/DiffusionNFT config/nft.py: decay_type 1
     samples_with_companion=True,
-    times=("random", 0.99),  # timestep_fraction 0.99: 9 of 10 steps
+    times=("random", 0.99, 1.0),  # timestep_fraction 0.99: 9 of 10 steps
     paper='arXiv 2509.16117, "negative-aware fine-tuning"',
 )
 def nft(batch: MatchingBatch, beta: float = 1.0, adv_clip: float = 5.0, kl_beta: float = 1e-4) -> ObjectiveOutput:
@@ -266,7 +273,7 @@ def awm_log_prob(
     needs_ema=True,
     companion="kl_ema",
     companion_decay=(0.001, 0.3),  # scxue/advantage_weighted_matching config/dgx_awm.py: kl_ema_decay 0.3, linear
-    times=("stratified", 6),  # train_timesteps 6, time_type discrete_wo_init
+    times=("stratified", 6, 0.9),  # train_timesteps 6, time_type discrete_wo_init, timestep_fraction 0.9
     paper='arXiv 2509.25050, "advantage weighted matching"',
 )
 def awm(

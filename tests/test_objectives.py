@@ -139,6 +139,9 @@ def test_grid_times_follow_the_authors_rules():
     strata = [(1, 3), (3, 5), (5, 7), (7, 9), (9, 11), (11, 14)]
     assert all(lo <= int(k) < hi for k, (lo, hi) in zip(ks[0], strata))
     assert bool((ks == ks[0]).all())  # one draw for the batch
+    ks = grid_times("stratified", 6, 14, 2, g, span=0.9)  # its timestep_fraction 0.9: strata of [1, 12)
+    strata = [(1, 2), (2, 4), (4, 6), (6, 8), (8, 10), (10, 12)]
+    assert all(lo <= int(k) < hi for k, (lo, hi) in zip(ks[0], strata))
     with pytest.raises(ValueError, match=r"update.times: 6 stratified grid times over steps 1..3"):
         times_count("stratified", 6, 4)
 

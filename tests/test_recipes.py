@@ -56,8 +56,8 @@ def test_every_recipe_is_covered():
     assert {"densegrpo_geneval.yaml", "demo.yaml", "shapes_outcome.yaml"} <= set(RECIPES)
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_the_recipe_reaches_its_first_rollout(recipe, sd35_like, flux_like, tmp_path, monkeypatch):
+def small_settings(recipe: str, sd35_like, flux_like, tmp_path) -> list[str]:
+    """Overrides that run `recipe` on the CPU with a tiny random model of its family, 2 trajectories."""
     shipped = load_config(REPO / "configs" / recipe)
     small = ["model.device=cpu", "model.resolution=null", "run.prompts_per_iteration=1", "run.group_size=2"]
     small += [f"optim.optimizer_steps={min(shipped.optim.optimizer_steps, 2)}", f"run.runs_root={tmp_path}"]
@@ -72,7 +72,13 @@ def test_the_recipe_reaches_its_first_rollout(recipe, sd35_like, flux_like, tmp_
             (tmp_path / "train.txt").write_text("a photo of a cat\na red car on a street\n")
             (tmp_path / "test.txt").write_text("a blue bird\n")
             small += [f"run.prompts={tmp_path / 'train.txt'}", f"run.heldout_prompts={tmp_path / 'test.txt'}"]
-    cfg = load_config(REPO / "configs" / recipe, small)
+    return small
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_recipe_reaches_its_first_rollout(recipe, sd35_like, flux_like, tmp_path, monkeypatch):
+    shipped = load_config(REPO / "configs" / recipe)
+    cfg = load_config(REPO / "configs" / recipe, small_settings(recipe, sd35_like, flux_like, tmp_path))
     from stepgrpo import checks
     from stepgrpo.rewards import REWARDS
 
@@ -108,7 +114,25 @@ def test_the_recipe_reaches_its_first_rollout(recipe, sd35_like, flux_like, tmp_
     stochastic = torch.isfinite(torch.from_numpy(data.log_probs[0])).tolist()
     # a log-prob inside the SDE window only; all of it but ddim's deterministic last step (std 0 at s' = 0)
     ends = (cfg.sampler.steps - 1,) if cfg.sampler.kernel == "ddim" else ()
+    if KERNELS.facts(cfg.sampler.kernel)["deterministic"]:  # an ODE rollout (DiffusionNFT): no step has a density
+        start = end = 0
     assert [k for k, x in enumerate(stochastic) if x] == [k for k in range(start, end) if k not in ends]
+
+
+@pytest.mark.parametrize("recipe", [r for r in RECIPES if load_config(REPO / "configs" / r).update.matching])
+def test_the_flow_matching_recipes_run_an_update(recipe, sd35_like, flux_like, tmp_path):
+    """DiffusionNFT's and AWM's recipes: one iteration through the update, in memory
+    (`stepgrpo.loops.reference`), on a tiny random model of their family."""
+    from stepgrpo.loops.reference import reference_loop
+
+    small = small_settings(recipe, sd35_like, flux_like, tmp_path)
+    cfg = load_config(REPO / "configs" / recipe, [*small, "reward.name=jpeg_compressibility"])  # no hub weights
+    (rec,) = reference_loop(cfg, 1)
+    stats = rec["update_stats"]
+    times = cfg.update.resolved()["times"]
+    assert stats["optimizer_steps"] == 1
+    assert stats["rows"] == 2 * (int(times * cfg.sampler.steps) if times < 1 else times)  # (sample, time) rows
+    assert stats["backward_rows"] == stats["rows"]
 
 
 @pytest.mark.parametrize("recipe", [r for r in RECIPES if r.endswith("_w9.yaml")])

@@ -336,7 +336,7 @@ def update_matching(
         order = rows[torch.randperm(len(rows), generator=generator)]
         parts = [p for p in order.tensor_split(min(o.optimizer_steps, max(1, len(order)))) if len(p)]
         for part in parts:
-            ks = grid_times(str(u["time_rule"]), float(u["times"]), T, len(part), generator)  # [n, m]
+            ks = grid_times(str(u["time_rule"]), float(u["times"]), T, len(part), generator, float(u["time_span"]))
             m = ks.shape[1]
             eps_all = torch.randn((len(part), m, *x0_all.shape[1:]), generator=generator)
             a_all = row_advantages(adv[part], ks)

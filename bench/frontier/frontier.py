@@ -1,0 +1,416 @@
+"""The efficiency frontier on the shipped model: DiffusionNFT and AWM as update objectives
+(`update.objective`), with outcome credit (the papers' form) and with step-level credit inside them
+(dense@rollout: each (sample, time) row weighted by the advantage of the step at its grid time),
+against the best GRPO recipe per unit of compute (`shapes_outcome.yaml`, W3) and dense@rollout at
+W9, at equal compute and at equal trajectories.
+
+Every arm is a shipped recipe plus overrides, run as a user runs it (`stepgrpo train`, one torch
+thread, `run.eval_seeds=8`: 126 held-out prompts x 8 noise seeds every 25 iterations), 100
+iterations. Seed S of an arm sees the prompts and held-out noise of seed S of every other arm and of
+the GRPO records already kept (docs/bench/credit_schemes_w9, credit_schemes_cheap), which need no
+rerun; the initial noise differs where a recipe gives each image its own (`sampler.shared_x0:
+false`), so pairs are by prompt, not by sample.
+
+Compute is counted in forward-equivalent transformer passes (`stepgrpo.reporting.costs`: every
+forward of every stage plus 2 a backward row): a GRPO record stored before backward rows were
+recorded gets its update's backward rows from its NFEs (`grpo_passes`: with `kl_beta` 0 every
+update forward is the policy's and has one backward).
+
+Probes (the tuning budget every shapes recipe got: two 50-iteration runs on training seed 0, the
+rule fixed before them: keep the authors' setting unless the other beats it by more than the
+probe's interval half-width, ~0.045):
+  nft: beta 1 (the authors' GenEval) against beta 0.1 (their OCR / multi-reward setting)
+  awm: the authors' KL weights (1e-3 to the base, 1 to the EMA adapter) against none (the GRPO
+       recipes' kl_beta 0)
+
+The decision, fixed before the runs (this file's commit is the pre-registration):
+  - an objective beats GRPO per unit of compute if its held-out gain minus outcome_w3's, read at
+    equal passes, has a prompt-clustered interval above 0 (t-interval over seeds beside it);
+  - step credit helps an objective if (objective + dense@rollout) minus the objective after 100
+    iterations (equal trajectories and, at rollout step rewards, equal passes within 2 %) has an
+    interval above 0.
+  - the papers' speed claims (DiffusionNFT "up to 25x Flow-GRPO", AWM "up to 24x"): the ratio of
+    the passes outcome_w3 needs to reach the objective's held-out reward after 100 iterations to
+    the passes the objective spent, per seed (the first outcome_w3 evaluation at or above it; a
+    lower bound when outcome_w3 never reaches it within its record).
+
+Durable state: one record per finished run (`RECORDS/<arm>/seed_<S>.json`). Resumable.
+
+    .venv/bin/python bench/frontier/frontier.py --probes --jobs 2       # the probes (4 runs, seed 0)
+    .venv/bin/python bench/frontier/frontier.py --jobs 2                # the decision (background it)
+    .venv/bin/python bench/frontier/frontier.py --report-only           # tables from the records so far
+    .venv/bin/python bench/frontier/frontier.py --quick --out DIR       # every path at tiny settings
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if __name__ == "__main__":  # `python bench/frontier/frontier.py`: the repository, not bench/, first on the path
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
+
+from bench._common import OUT_DIR, ROOT, relative, write_json
+
+DOCS = ROOT / "docs" / "bench"
+RECORDS = DOCS / "frontier" / "runs"
+NFT, AWM = "configs/shapes_nft.yaml", "configs/shapes_awm.yaml"
+DENSE = ["completion.method=rollout", "credit.scheme=dense"]
+
+# arm -> (config, overrides)
+ARMS: dict[str, tuple[str, list[str]]] = {
+    "nft": (NFT, []),
+    "awm": (AWM, []),
+    "nft_dense_rollout": (NFT, DENSE),
+    "awm_dense_rollout": (AWM, DENSE),
+}
+PROBES: dict[str, tuple[str, list[str]]] = {
+    "nft_beta01": (NFT, ["update.options.beta=0.1"]),
+    "awm_no_kl": (AWM, ["update.options.kl_beta=0.0", "update.options.ema_beta=0.0"]),
+}
+PROBE_OF = {"nft_beta01": "nft", "awm_no_kl": "awm"}
+PROBE_ITERATIONS, PROBE_RULE = 50, 0.045
+# the GRPO records this compares with: (config, overrides), where they are kept
+GRPO: dict[str, tuple[str, list[str], list[Path]]] = {
+    "outcome_w3": (
+        "configs/shapes_outcome.yaml",
+        [],
+        [DOCS / "credit_schemes_w9" / "runs", DOCS / "credit_schemes_cheap" / "runs"],
+    ),
+    "dense_rollout_w9": ("configs/shapes_dense_w9.yaml", DENSE[:1], [DOCS / "credit_schemes_cheap" / "runs"]),
+}
+# the order runs are taken in: seed 0 of the two objectives first (they are also the probes'
+# references), then the probes, then the decision's arms seed by seed (a partial screen still pairs)
+PHASES: list[tuple[tuple[str, ...], int]] = [
+    (("nft", "awm"), 1),
+    (("nft_beta01", "awm_no_kl"), 1),
+    (("nft", "awm", "nft_dense_rollout", "awm_dense_rollout"), 6),
+]
+FULL = {"iterations": 100, "eval_every": 25, "set": ["run.eval_seeds=8"]}
+QUICK = {
+    "iterations": 2,
+    "eval_every": 1,
+    "set": ["run.prompts_per_iteration=2", "run.group_size=4", "run.eval_prompts=8", "run.eval_seeds=1"],
+}
+CLAIMED = {"nft": ("DiffusionNFT", 25.0), "awm": ("AWM", 24.0)}
+
+
+@dataclass
+class Screen:
+    iterations: int
+    eval_every: int
+    overrides: list[str]
+    out: Path
+    records: Path
+    quick: bool = False
+    grpo_dirs: dict[str, list[Path]] = field(default_factory=dict)
+
+    def argv(self, arm: str) -> list[str]:
+        config, sets = {**ARMS, **PROBES}[arm] if arm not in GRPO else GRPO[arm][:2]
+        n = PROBE_ITERATIONS if arm in PROBES and not self.quick else self.iterations
+        return [config, *self.overrides, *sets, f"run.iterations={n}", f"run.eval_every={self.eval_every}"]
+
+    def record_path(self, arm: str, seed: int) -> Path:
+        from bench.credit_schemes_w9._w9 import covers
+
+        for d in [self.records, *self.grpo_dirs.get(arm, [])]:
+            p = d / arm / f"seed_{seed}.json"
+            if p.is_file() and covers(json.loads(p.read_text())["argv"], self.argv(arm)):
+                return p
+        return self.records / arm / f"seed_{seed}.json"
+
+
+def settings(a: argparse.Namespace) -> Screen:
+    p = QUICK if a.quick else FULL
+    out = (a.out or OUT_DIR / ("frontier_quick" if a.quick else "frontier")).resolve()
+    return Screen(
+        iterations=a.iterations or p["iterations"],
+        eval_every=p["eval_every"],
+        overrides=list(p["set"]) + a.overrides,
+        out=out,
+        records=(a.records or (out / "records" if a.quick else RECORDS)).resolve(),
+        quick=a.quick,
+        grpo_dirs={} if a.quick else {k: v[2] for k, v in GRPO.items()},
+    )
+
+
+def queue(seeds: int, probes_only: bool = False) -> list[tuple[str, int]]:
+    jobs: list[tuple[str, int]] = []
+    for arms, n in PHASES[:2] if probes_only else PHASES:
+        jobs += [(arm, k) for k in range(min(n, seeds)) for arm in arms if (arm, k) not in jobs]
+    return jobs
+
+
+def passes_of(run_dir: Path) -> list[int]:
+    """Forward-equivalent passes per iteration (`stepgrpo.reporting.costs.iteration_costs`)."""
+    from bench._common import open_run_once
+    from stepgrpo.reporting.costs import iteration_costs
+
+    return [int(c["passes"]) for c in iteration_costs(open_run_once(run_dir))]
+
+
+def train_one(s: Screen, arm: str, seed: int, stepgrpo: Any) -> None:
+    from bench.credit_schemes_w9._w9 import covers, record_of
+    from bench.learning.learning import run_seed
+
+    path = s.record_path(arm, seed)
+    if path.is_file() and covers(json.loads(path.read_text())["argv"], s.argv(arm)):
+        return
+    out = s.out / arm
+    out.mkdir(parents=True, exist_ok=True)
+    argv = s.argv(arm)
+    t0 = time.perf_counter()
+    done = run_seed(argv[0], seed, argv[1:], out, stepgrpo)
+    write_json(path, record_of(done["run_dir"], argv) | {"passes": passes_of(done["run_dir"])})
+    print(f"{arm} seed {seed}: recorded after {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+# --------------------------------------------------------------------------------- analysis
+
+
+def grpo_passes(r: dict[str, Any], trajectories: int = 64, steps: int = 10, groups: int = 8) -> list[int]:
+    """A GRPO record's passes per iteration: stored, or from its NFEs where it predates them. Its
+    NFEs are the rollout's `B T`, the ODE reference's (one sample a group of shared x0, `groups
+    T`; no completion NFEs for the final-only and rollout completions these records use) and the
+    update's forwards `U`, each with one backward (`kl_beta` 0): passes = NFEs + 2 U."""
+    if "passes" in r:
+        return list(r["passes"])
+    fixed = trajectories * steps + groups * steps
+    return [n + 2 * (n - fixed) for n in r["nfe"]]
+
+
+def load(s: Screen, arm: str, seed: int) -> dict[str, Any] | None:
+    from bench.credit_schemes_w9._w9 import covers
+
+    p = s.record_path(arm, seed)
+    if not p.is_file():
+        return None
+    r = json.loads(p.read_text())
+    return r if covers(r["argv"], s.argv(arm)) else None
+
+
+def by_prompt_gain(r: dict[str, Any], it: int) -> list[float] | None:
+    """The record's held-out gain at `it` over its own base, per prompt (averaged over the noise
+    seeds): paired within the run, so runs whose initial noises differ compare prompt by prompt."""
+    from bench.credit_schemes_clip.clip import by_prompt
+
+    e, b = r["evals"].get(str(it)), r["evals"].get("0")
+    if e is None or b is None:
+        return None
+    P = int(e["prompts"])
+    return [x - y for x, y in zip(by_prompt(e["scores"], P), by_prompt(b["scores"], P))]
+
+
+def contrast(a: dict[str, Any], ia: int, b: dict[str, Any] | None, ib: int) -> dict[str, Any] | None:
+    """Gain of `a` at `ia` minus gain of `b` at `ib` (`b` None: `a`'s gain alone), per prompt."""
+    ga = by_prompt_gain(a, ia)
+    gb = by_prompt_gain(b, ib) if b is not None else [0.0] * len(ga or [])
+    if ga is None or gb is None or len(ga) != len(gb):
+        return None
+    d = [x - y for x, y in zip(ga, gb)]
+    return {"mean": sum(d) / len(d), "prompts": d}
+
+
+def equal_compute(o: dict[str, Any], cost: float, tolerance: float = 0.15) -> int | None:
+    """outcome's evaluation nearest `cost` cumulative passes, when within `tolerance` of it."""
+    p = grpo_passes(o)
+    its = [int(i) for i in o["evals"] if int(i) > 0]
+    near = min(its, key=lambda i: abs(sum(p[:i]) - cost))
+    return near if abs(sum(p[:near]) / cost - 1) <= tolerance else None
+
+
+def speedup(a: dict[str, Any], o: dict[str, Any], N: int) -> tuple[float, bool] | None:
+    """Passes outcome needs to first reach `a`'s held-out reward after N, over `a`'s passes; and
+    whether it is a lower bound (outcome never reached it within its record)."""
+    e = a["evals"].get(str(N))
+    if e is None:
+        return None
+    target, spent = float(e["reward_mean"]), sum(a["passes"][:N])
+    p = grpo_passes(o)
+    for i in sorted(int(k) for k in o["evals"] if int(k) > 0):
+        if float(o["evals"][str(i)]["reward_mean"]) >= target:
+            return sum(p[:i]) / spent, False
+    return sum(p) / spent, True
+
+
+def analyse(s: Screen, seeds: int = 6) -> dict[str, Any]:
+    from bench.credit_schemes_clip.clip import pooled
+
+    N = s.iterations
+    names = [*ARMS, *PROBES, *GRPO]
+    rec = {(arm, k): r for arm in names for k in range(seeds) if (r := load(s, arm, k))}
+    out: dict[str, Any] = {"iterations": N, "arms": {}, "probes": {}, "equal_trajectories": {}}
+    out |= {"equal_compute": {}, "credit": {}, "speed": {}}
+    for arm in [*ARMS, *PROBES]:
+        mine = {k: r for (a, k), r in rec.items() if a == arm}
+        if not mine:
+            continue
+        n = PROBE_ITERATIONS if arm in PROBES and not s.quick else N
+        gains = {k: c["mean"] for k, r in mine.items() if (c := contrast(r, n, None, 0))}
+        out["arms"][arm] = {
+            "seeds": sorted(mine),
+            "gain": {str(k): v for k, v in gains.items()},
+            "passes_per_iteration": statistics.mean(sum(r["passes"][:n]) / n for r in mine.values()),
+            "seconds_per_iteration": statistics.mean(statistics.median(r["seconds"][:n]) for r in mine.values()),
+        }
+    for probe, ref in PROBE_OF.items():
+        n = PROBE_ITERATIONS if not s.quick else N
+        if (probe, 0) in rec and (ref, 0) in rec and (c := contrast(rec[probe, 0], n, rec[ref, 0], n)):
+            from stepgrpo.reporting.report import mean_interval
+
+            m, lo, hi = mean_interval(c["prompts"])
+            out["probes"][f"{probe} - {ref}"] = {"mean": m, "lo": lo, "hi": hi, "switch": m > PROBE_RULE}
+    for arm in ARMS:
+        for ref in GRPO:
+            rows = {}
+            for k in range(seeds):
+                if (arm, k) in rec and (ref, k) in rec and (c := contrast(rec[arm, k], N, rec[ref, k], N)):
+                    rows[k] = c
+            if rows:
+                out["equal_trajectories"][f"{arm} - {ref}"] = pooled(rows)
+        # equal compute: the arm at its latest evaluation that outcome_w3's record reaches in passes
+        for e in sorted((int(i) for i in range(s.eval_every, N + 1, s.eval_every)), reverse=True):
+            rows, read = {}, []
+            for k in range(seeds):
+                if (arm, k) not in rec or ("outcome_w3", k) not in rec:
+                    continue
+                a, o = rec[arm, k], rec["outcome_w3", k]
+                near = equal_compute(o, sum(a["passes"][:e]))
+                if near is not None and (c := contrast(a, e, o, near)):
+                    rows[k] = c
+                    read.append([near, round(sum(grpo_passes(o)[:near]) / sum(a["passes"][:e]), 3)])
+            have = [k for k in range(seeds) if (arm, k) in rec and ("outcome_w3", k) in rec]
+            if rows and len(rows) == len(have):
+                v = pooled(rows)
+                out["equal_compute"][f"{arm} - outcome_w3"] = v | {
+                    "at": e,
+                    "outcome_read_at": read,
+                    "beats": bool(v["prompts"]["lo"] > 0),
+                }
+                break
+        o_rows = {k: sp for k in range(seeds) if (arm, k) in rec and ("outcome_w3", k) in rec
+                  if (sp := speedup(rec[arm, k], rec["outcome_w3", k], N))}  # fmt: skip
+        if o_rows:
+            out["speed"][arm] = {str(k): {"ratio": round(v[0], 3), "lower_bound": v[1]} for k, v in o_rows.items()}
+    for obj in ("nft", "awm"):
+        rows = {}
+        for k in range(seeds):
+            arm = f"{obj}_dense_rollout"
+            if (arm, k) in rec and (obj, k) in rec and (c := contrast(rec[arm, k], N, rec[obj, k], N)):
+                rows[k] = c
+        if rows:
+            v = pooled(rows)
+            out["credit"][obj] = v | {"helps": bool(v["prompts"]["lo"] > 0)}
+    out["claims"] = claims(out)
+    return out
+
+
+def claims(a: dict[str, Any]) -> list[dict[str, str]]:
+    rows = []
+    for obj, (paper, factor) in CLAIMED.items():
+        sp = a["speed"].get(obj)
+        ec = a["equal_compute"].get(f"{obj} - outcome_w3")
+        cr = a["credit"].get(obj)
+        if not sp:
+            rows.append({"paper": paper, "claim": f"up to {factor:g}x Flow-GRPO", "verdict": "no records yet"})
+            continue
+        ratios = [v["ratio"] for v in sp.values()]
+        bound = any(v["lower_bound"] for v in sp.values())
+        speed = f"{min(ratios):.2f}-{max(ratios):.2f}x{' (lower bounds)' if bound else ''} over {len(ratios)} seeds"
+        verdict = "consistent" if min(ratios) >= factor else "not reached" if max(ratios) < factor else "mixed"
+        if ec:
+            p = ec["prompts"]
+            gain = f"{p['mean']:+.3f} [{p['lo']:+.3f}, {p['hi']:+.3f}] at {ec['at']} iterations"
+        else:
+            gain = "n/a"
+        credit = (
+            f"{cr['prompts']['mean']:+.3f} [{cr['prompts']['lo']:+.3f}, {cr['prompts']['hi']:+.3f}]" if cr else "n/a"
+        )
+        rows.append(
+            {
+                "paper": paper,
+                "claim": f"up to {factor:g}x Flow-GRPO",
+                "speed": speed,
+                "verdict": verdict,
+                "equal_compute": gain,
+                "step_credit": credit,
+            }
+        )
+    return rows
+
+
+def fmt(v: dict[str, Any] | None) -> str:
+    if not v:
+        return "n/a"
+    p, t = v["prompts"], v["seeds"]
+    return f"{p['mean']:+.3f} [{p['lo']:+.3f}, {p['hi']:+.3f}] (seeds: [{t['lo']:+.3f}, {t['hi']:+.3f}], n = {v['n']})"
+
+
+def summary_md(a: dict[str, Any]) -> str:
+    N = a["iterations"]
+    lines = [f"### The frontier after {N} iterations (held-out gain over each run's base, 126 prompts x 8 seeds)", ""]
+    lines += ["| arm | seeds | gain per seed | passes / iteration | s / iteration (median) |", "|---|---|---|---|---|"]
+    for arm, v in a["arms"].items():
+        g = ", ".join(f"{x:+.3f}" for x in v["gain"].values())
+        lines.append(
+            f"| {arm} | {len(v['seeds'])} | {g} | {v['passes_per_iteration']:.0f} | {v['seconds_per_iteration']:.2f} |"
+        )
+    lines += ["", "#### Probes (seed 0, 50 iterations; switch if the difference exceeds +0.045)", ""]
+    for name, v in a["probes"].items():
+        verdict = "switch" if v["switch"] else "keep the authors' setting"
+        lines.append(f"- {name}: {v['mean']:+.3f} [{v['lo']:+.3f}, {v['hi']:+.3f}]: {verdict}")
+    lines += ["", "#### Equal trajectories (both after the same iterations; prompt-clustered interval)", ""]
+    lines += [f"- {k}: {fmt(v)}" for k, v in a["equal_trajectories"].items()]
+    lines += ["", "#### Equal compute (outcome_w3 read at the evaluation nearest the arm's passes, within 15 %)", ""]
+    for k, v in a["equal_compute"].items():
+        lines.append(f"- {k}, the arm at {v['at']} iterations: {fmt(v)}; beats GRPO: {'yes' if v['beats'] else 'no'}")
+    lines += ["", "#### Step credit inside the objective ((objective + dense@rollout) - objective)", ""]
+    for k, v in a["credit"].items():
+        lines.append(f"- {k}: {fmt(v)}; helps: {'yes' if v['helps'] else 'not shown'}")
+    lines += ["", "#### Claims: the frontier rows", ""]
+    lines += ["| paper | claim | passes ratio to reach its reward | verdict | gain at equal compute | step credit |"]
+    lines += ["|---|---|---|---|---|---|"]
+    for r in a["claims"]:
+        lines.append(
+            f"| {r['paper']} | {r['claim']} | {r.get('speed', 'n/a')} | {r['verdict']} | "
+            f"{r.get('equal_compute', 'n/a')} | {r.get('step_credit', 'n/a')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="every path at tiny settings")
+    ap.add_argument("--probes", action="store_true", help="only seed 0 of nft and awm and the two probes")
+    ap.add_argument("--iterations", type=int)
+    ap.add_argument("--seeds", type=int, help="at most this many seeds an arm")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once (one torch thread each)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], help="key=value on every run")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--records", type=Path)
+    ap.add_argument("--report-only", action="store_true")
+    a = ap.parse_args()
+    s = settings(a)
+    seeds = a.seeds or (1 if a.quick else 6)
+    if not a.report_only:
+        from bench._warm import Stepgrpo
+
+        with Stepgrpo(a.jobs, s.out) as stepgrpo, ThreadPoolExecutor(a.jobs) as pool:
+            list(pool.map(lambda job: train_one(s, *job, stepgrpo), queue(seeds, a.probes)))
+    analysis = analyse(s, seeds)
+    dest = s.out if a.quick else RECORDS.parent
+    write_json(dest / "analysis.json", analysis)
+    (dest / "summary.md").write_text(summary_md(analysis))
+    print((dest / "summary.md").read_text())
+    print(f"wrote {relative(dest)}/summary.md and analysis.json")
+
+
+if __name__ == "__main__":
+    main()
