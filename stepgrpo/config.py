@@ -449,8 +449,8 @@ class UpdateConfig(_Section):
         mine = (self.times, self.time_rule, self.time_span, self.companion_rate, self.companion_cap)
         if not self.matching and mine != (None,) * 5:
             raise ValueError(
-                "update.times / time_rule / time_span / companion_rate / companion_cap belong to the flow-matching objectives "
-                "(nft, awm); objective grpo trains the rollout's own steps (optim.train_steps)"
+                "update.times / time_rule / time_span / companion_rate / companion_cap belong to the flow-matching "
+                "objectives (nft, awm); objective grpo trains the rollout's own steps (optim.train_steps)"
             )
         return self
 

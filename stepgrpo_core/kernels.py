@@ -106,7 +106,9 @@ def _noise_option(name: str) -> dict[str, str]:
     return {} if noise is None else {"sampler.noise": f"{noise[0]} in [{noise[1]}, {noise[2]}]"}
 
 
-@KERNELS.register("ode", deterministic=True, paper="standard: the Euler step of the flow's ODE (SD3's sampler, arXiv 2403.03206)")
+@KERNELS.register(
+    "ode", deterministic=True, paper="standard: the Euler step of the flow's ODE (SD3's sampler, arXiv 2403.03206)"
+)
 def ode(x, v, sigma, sigma_next, noise):
     """Euler step of the probability-flow ODE; std 0 (`noise` ignored). The rectified-flow sampler
     (SD3, arXiv 2403.03206)."""

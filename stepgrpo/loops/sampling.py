@@ -115,7 +115,8 @@ def sample_groups(
     that starts at group `c0` draws its SDE noise from `generator(*sde_seed(c0))`. With
     `ode_reference`, each distinct `x_0` is also sampled by the ODE (one per group when its members
     share it; a deterministic kernel's rollout is that sample already). `ode_solver`: the
-    deterministic steps' solver (`ODE_SOLVERS`: `euler`, or `dpm2`, DPM-Solver++ 2M). `groups`: only these groups (a shard's; it starts at a call boundary).
+    deterministic steps' solver (`ODE_SOLVERS`: `euler`, or `dpm2`, DPM-Solver++ 2M). `groups`: only
+    these groups (a shard's; it starts at a call boundary).
     """
     from stepgrpo_core.kernels import KERNELS
     from stepgrpo_core.rollout import rollout

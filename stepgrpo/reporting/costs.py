@@ -19,7 +19,6 @@ from typing import Any
 from stepgrpo.storage.run import Run
 from stepgrpo.storage.schema import completion_stage
 
-
 BACKWARD_PASSES = 2  # a backward pass, in forward passes
 
 
