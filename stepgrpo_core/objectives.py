@@ -101,7 +101,7 @@ def check_objective_options(name: str, options: dict[str, object]) -> None:
     "grpo",
     matching=False,
     needs_ref=True,
-    paper="arXiv 2505.05470, eq. 7 (Flow-GRPO's PPO-clip objective on the SDE step's log-density)",
+    paper="arXiv 1707.06347, eq. 7 (PPO's clipped surrogate) on each SDE step, as Flow-GRPO (arXiv 2505.05470)",
 )
 def grpo(*args, **kwargs):
     """PPO-clip GRPO on the rollout's own transitions (`stepgrpo_core.loss.grpo_loss`): the clip,

@@ -630,6 +630,13 @@ def test_outcome_without_completion_scores_final_samples_only(harness, tiny, tmp
     # and the same function gives the seconds axis: the live view sums what the stored stages say
     (seconds,) = client.get_metric_history(mlrun.info.run_id, "cost/seconds_total")
     assert seconds.value == pytest.approx(sum(row["seconds"] for row in iteration_costs(run)))
+    # and the forward-equivalent passes (a backward row = 2 forwards): GRPO's update backpropagates
+    # the policy's forward of each row, not the KL reference's
+    (passes,) = client.get_metric_history(mlrun.info.run_id, "cost/passes_total")
+    (row,) = iteration_costs(run)
+    backward = run.stage_manifest(0, "checkpoint")["inputs"]["backward"]
+    assert passes.value == row["passes"] == row["nfe"] + 2 * backward
+    assert row["nfe_stages"]["update"] == 2 * backward  # kl_beta > 0: the policy's forward and the reference's
 
 
 def test_states_after_the_sde_window_are_not_recomputed(harness, tiny, tmp_path):
