@@ -1,0 +1,61 @@
+"""`bench/frontier/frontier.py` (DiffusionNFT and AWM against GRPO) read from records made by hand:
+gains pair by prompt within each run, GRPO records that predate backward counts get their passes
+from their NFEs, equal compute reads the GRPO record at its evaluation nearest the arm's passes,
+and the speed claim is the ratio of passes to the same held-out reward."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+P, S, N = 4, 2, 100
+
+
+@pytest.fixture(scope="module")
+def frontier():
+    from bench.frontier import frontier
+
+    return frontier
+
+
+def record(argv: list[str], gains: dict[int, float], per_iteration: int, key: str = "passes") -> dict:
+    base = [0.5 + 0.01 * (i % P) for i in range(P * S)]  # a prompt-dependent base the pairing cancels
+    evals = {
+        str(it): {"label": "x", "prompts": P, "seeds": S, "reward_mean": 0.5 + 0.015 + g,
+                  "scores": [b + g for b in base]}
+        for it, g in gains.items()
+    }  # fmt: skip
+    n = max(gains)
+    return {"argv": argv, key: [per_iteration] * n, "seconds": [1.0] * n, "evals": evals}
+
+
+def test_the_frontier_pairs_by_prompt_and_reads_grpo_at_equal_passes(frontier, tmp_path):
+    s = frontier.settings(
+        argparse.Namespace(quick=False, out=tmp_path, iterations=None, records=tmp_path / "runs", overrides=[])
+    )
+    s.grpo_dirs = {"outcome_w3": [tmp_path / "grpo"]}
+    # GRPO: 808 NFEs an iteration = 720 (rollout + ODE reference) + 88 update forwards -> 984 passes
+    grpo = record(s.argv("outcome_w3"), {i: 0.001 * i for i in range(0, 301, 25)}, 808, key="nfe")
+    assert frontier.grpo_passes(grpo)[0] == 808 + 2 * 88
+    for k in range(2):
+        (tmp_path / "grpo" / "outcome_w3").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "grpo" / "outcome_w3" / f"seed_{k}.json").write_text(json.dumps(grpo))
+        for arm, gain in (("nft", 0.2), ("nft_dense_rollout", 0.25)):
+            r = record(s.argv(arm), {0: 0.0, 25: gain / 4, 50: gain / 2, 75: 0.75 * gain, 100: gain}, 2952)
+            (tmp_path / "runs" / arm).mkdir(parents=True, exist_ok=True)
+            (tmp_path / "runs" / arm / f"seed_{k}.json").write_text(json.dumps(r))
+    a = frontier.analyse(s, seeds=2)
+    assert a["arms"]["nft"]["gain"] == {"0": pytest.approx(0.2), "1": pytest.approx(0.2)}
+    # 100 nft iterations = 295,200 passes = 300 GRPO iterations (984 each): GRPO gained 0.3 there
+    ec = a["equal_compute"]["nft - outcome_w3"]
+    assert ec["at"] == 100 and ec["outcome_read_at"][0] == [300, 1.0]
+    assert ec["prompts"]["mean"] == pytest.approx(0.2 - 0.3) and not ec["beats"]
+    assert a["equal_trajectories"]["nft - outcome_w3"]["prompts"]["mean"] == pytest.approx(0.2 - 0.1)
+    assert a["credit"]["nft"]["prompts"]["mean"] == pytest.approx(0.05)
+    # GRPO first reaches nft's reward (0.2 over its base) at 200 iterations: 2/3 of nft's passes
+    assert a["speed"]["nft"]["0"] == {"ratio": pytest.approx(2 / 3, abs=1e-3), "lower_bound": False}
+    (row,) = [r for r in a["claims"] if r["paper"] == "DiffusionNFT"]
+    assert row["verdict"] == "not reached" and "0.67-0.67x" in row["speed"]
+    assert "DiffusionNFT" in frontier.summary_md(a)
