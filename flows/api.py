@@ -170,6 +170,34 @@ def evaluate(run: str | Path, *, iteration: int | None = None, overrides: Sequen
     return EvaluateResult.model_validate(out)
 
 
+def evaluate_protocol(
+    run: str | Path,
+    protocol: str,
+    *,
+    iteration: int | None = None,
+    overrides: Sequence[str] = (),
+    images: bool = False,
+) -> dict[str, Any]:
+    """`run`'s policy after `iteration` under a paper's evaluation protocol (`stepgrpo.prompts.protocols`):
+    `{"bundle": its evidence folder, "report": the numbers}`. The protocol's prompt file is checked
+    (pinned: cached and matching its hash) before any server starts or model loads."""
+    from stepgrpo.checks import check_checkpoint, check_run
+    from stepgrpo.prompts import find_prompt_file
+    from stepgrpo.prompts.protocols import protocol as named
+
+    p = named(protocol)
+    if p.prompts != "shapes":
+        find_prompt_file(p.prompts)  # a missing or mismatched pinned file: one line, now
+    path = check_run(str(run), overrides=list(overrides))
+    check_checkpoint(path, iteration)
+    with session.offline_log(path), session.prefect_server(heartbeats=False):
+        from stepgrpo.flows.evaluate import evaluate_protocol as flow
+
+        return session.owned_run(
+            path, flow, run=str(path), protocol=protocol, iteration=iteration, overrides=list(overrides), images=images
+        )
+
+
 @dataclass(frozen=True)
 class QualityCheck:
     """A credit-quality check: its result, the record it stored in the run, and the run's directory."""

@@ -38,3 +38,64 @@ def evaluate(run: str, iteration: int | None = None, overrides: list[str] | None
         label = " ".join([result["label"], *(overrides or [])])  # one MLflow run per checkpoint and settings
         log_offline(stored, cfg, "evaluate", label, params, [row], ["reward_mean", "reward_strict"])
         return result
+
+
+@flow(name="evaluate-protocol", log_prints=True, flow_run_name=run_name_from_parameters)
+def evaluate_protocol(
+    run: str,
+    protocol: str,
+    iteration: int | None = None,
+    overrides: list[str] | None = None,
+    images: bool = False,
+) -> dict[str, Any]:
+    """The policy after `iteration` (default: the latest checkpoint; -1: the base model) under a
+    paper's evaluation protocol (`stepgrpo.prompts.protocols`), and its evidence bundle in the run's
+    `evidence/` (`stepgrpo.loops.protocol`). `overrides` change the protocol's settings and are
+    recorded in the bundle and its name; an existing bundle of the same name is verified and read,
+    not recomputed."""
+    import json
+    from pathlib import Path
+
+    from stepgrpo.config import digest_of
+    from stepgrpo.loops import protocol as protocol_loop
+    from stepgrpo.prompts.protocols import protocol as named
+    from stepgrpo.storage.bundle import verify_bundle, write_bundle
+
+    p = named(protocol)
+    settings = [f"{k}={v}" for k, v in p.settings().items() if v is not None]
+    with owned_stored(run, [*settings, *(overrides or [])]) as (stored, cfg):
+        environment.apply(cfg.scale.threads)
+        name_flow_run(f"{stored.run_id} evaluate {p.name}")
+        if iteration is None:
+            iteration = latest_checkpoint(stored)
+        checkpoint = None if iteration < 0 else update.stored(stored, iteration, verify=True)
+        label = "base" if iteration < 0 else f"iter_{iteration}"
+        name = f"{p.name}-{label}" + (f"-{digest_of(sorted(overrides))[:8]}" if overrides else "")
+        final = stored.inside(Path(stored.path) / stored.EVIDENCE_DIR / name)
+        if final.is_dir():
+            verify_bundle(final)
+            report = json.loads((final / "report.json").read_text())
+        else:
+            report, rows, pngs = protocol_loop.evaluate(stored, cfg, p, None if iteration < 0 else iteration, images)
+            report |= {
+                "run_id": stored.run_id,
+                "label": label,
+                "checkpoint_digest": None if checkpoint is None else checkpoint.digest,
+                "overrides": list(overrides or []),
+            }
+            env = protocol_loop.environment(cfg, report["seconds"])
+            final.parent.mkdir(exist_ok=True)
+            write_bundle(final, protocol_loop.bundle_files(report, rows, pngs, cfg, env))
+        head = report["results"]["headline"]
+        print(f"{p.name} ({label}): {head['name']} {head['value']:.4f}; evidence {final}")
+        row = {"iteration": iteration + 1, "headline": head["value"], "protocol": p.name}
+        log_offline(
+            stored,
+            cfg,
+            "evaluate",
+            f"{name}",
+            {"protocol": p.name, "overrides": " ".join(overrides or []) or "(none)"},
+            [row],
+            ["headline"],
+        )
+        return {"bundle": str(final), "report": report}

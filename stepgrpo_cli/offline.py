@@ -187,10 +187,36 @@ def evaluate(
         int | None, typer.Option(help="Checkpoint iteration (default latest; -1 base model).", metavar="N")
     ] = None,
     set_: SetOpt = None,
+    protocol: Annotated[
+        str | None,
+        typer.Option(
+            help="A paper's evaluation protocol (geneval, ocr, pickscore, drawbench; shapes on a CPU): its "
+            "pinned prompts, samples, seeds, settings, scorer and aggregation, with an evidence bundle in the run's "
+            "evidence/.",
+            metavar="NAME",
+        ),
+    ] = None,
+    images: Annotated[
+        bool, typer.Option("--images", help="Keep the protocol's images in its evidence bundle.", metavar="")
+    ] = False,
 ) -> None:
-    """Held-out reward of RUN's policy and an image grid."""
+    """Held-out reward of RUN's policy and an image grid (--protocol: as a paper measures it)."""
     from stepgrpo.flows import api
 
+    if protocol is not None:
+        res = shell.call_offline(
+            api.evaluate_protocol, run, protocol, iteration=iteration, overrides=list(set_ or []), images=images
+        )
+        r = res["report"]["results"]
+        lines = [f"{protocol} ({res['report']['label']}): {r['headline']['name']} {r['headline']['value']:.4f}"]
+        for task, t in (r.get("tasks") or {}).items():
+            lines.append(f"  {task}: {t['accuracy']:.4f} ({t['images']} images)")
+        for key in ("image_mean", "score_mean", "strict_mean"):
+            if key in r:
+                lines.append(f"  {key.replace('_', ' ')}: {r[key]:.4f}")
+        lines.append(f"evidence: {res['bundle']} (stepgrpo inspect RUN --verify checks it)")
+        shell.console.print("\n".join(lines))
+        return
     out = shell.call_offline(api.evaluate, run, iteration=iteration, overrides=list(set_ or []))
     shell.console.print(
         f"held-out {out.reward_name} ({out.label}): {out.reward_mean:.4f}"

@@ -437,12 +437,17 @@ class Run:
         items += [(name, ("export", name)) for name in self.EXPORTS if (self.path / name / EXPORT_FILE).is_file()]
         for folder in self.RECORDS:
             items += [(f"{folder}/{p.name}", ("record", p)) for p in sorted((self.path / folder).glob("*.json"))]
+        evidence = self.path / self.EVIDENCE_DIR
+        items += [
+            (f"{self.EVIDENCE_DIR}/{p.name}", ("bundle", p)) for p in sorted(evidence.glob("[!.]*")) if p.is_dir()
+        ]
         return items
 
     EXPORTS = ("lora", "transformer")  # the run's exported weights (`stepgrpo.loops.update.export_lora`)
     EVAL_DIR = "eval"  # held-out evaluations (`stepgrpo.tasks.evaluate`)
     QUALITY_DIR = "credit_quality"  # credit-quality checks (`stepgrpo.tasks.quality`)
     RECORDS = (EVAL_DIR, QUALITY_DIR)  # folders of sealed JSON records (`stepgrpo.storage.publish.seal`)
+    EVIDENCE_DIR = "evidence"  # evaluations under a protocol, with their evidence (`stepgrpo.storage.bundle`)
 
     # --- the readers callers would otherwise compose paths for ----------------------------------
 
@@ -514,6 +519,10 @@ class Run:
                     self.verify_export(item[1])
                 elif item[0] == "record":
                     read_json(item[1], "record")  # parses, and matches its seal
+                elif item[0] == "bundle":
+                    from stepgrpo.storage.bundle import verify_bundle
+
+                    verify_bundle(item[1])
                 else:
                     self.verify(*item)
             except StorageError as err:

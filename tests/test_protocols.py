@@ -1,0 +1,124 @@
+"""The papers' evaluation protocols (stepgrpo.prompts.protocols) and their evidence bundles
+(stepgrpo.storage.bundle): each protocol's prompt file, here a fixture in the same format with its
+own hash, yields the documented (prompt, sample) pairs with the seeds rule; GenEval's official
+score is the mean of its task accuracies; a missing or mismatched file is refused before any model
+loads; a bundle whose bytes change fails its check."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+import pytest
+
+from stepgrpo.errors import StageError
+from stepgrpo.prompts import find_prompt_file, pinned, read_prompt_file
+from stepgrpo.prompts.protocols import PROTOCOLS, aggregate, pairs, sample_seed
+
+GENEVAL = [
+    {"tag": "counting", "include": [{"class": "dog", "count": 2}], "prompt": "a photo of two dogs"},
+    {"tag": "colors", "include": [{"class": "car", "count": 1, "color": "red"}], "prompt": "a photo of a red car"},
+    {"tag": "single_object", "include": [{"class": "cat", "count": 1}], "prompt": "a photo of a cat"},
+]
+FIXTURES = {  # protocol -> (file name, bytes, pairs the protocol makes of it)
+    "geneval": ("evaluation_metadata.jsonl", "\n".join(json.dumps(r) for r in GENEVAL).encode(), 3 * 4),
+    "ocr": ("test.txt", b'a sign that says "open"\na cup with "hello" on it\n', 2),
+    "pickscore": ("test.txt", b"a castle at dusk\na bowl of fruit\na red fox\n", 3),
+    "drawbench": ("test.txt", b"".join([b"a blue cube\n", b"a green apple\n"] * 5), 2 * 5),  # 2 prompts x 5 rows
+}
+
+
+@pytest.fixture
+def pinned_fixtures(tmp_path, monkeypatch):
+    """Each pinned protocol's file replaced by its fixture (its own hash), cached under tmp_path."""
+    monkeypatch.setenv("STEPGRPO_CACHE", str(tmp_path / "cache"))
+    for name, (file, data, _) in FIXTURES.items():
+        key = PROTOCOLS[name].prompts.removeprefix(pinned.PREFIX)
+        entry = dataclasses.replace(
+            pinned.PINNED[key],
+            path=f"dataset/{file}",
+            sha256=hashlib.sha256(data).hexdigest(),
+            prompts=data.count(b"\n"),
+        )
+        monkeypatch.setitem(pinned.PINNED, key, entry)
+        (tmp_path / file).write_bytes(data)
+        pinned.fetch(key, tmp_path / file)
+    return tmp_path
+
+
+@pytest.mark.parametrize("name", sorted(FIXTURES))
+def test_each_protocol_makes_its_pairs_with_the_seeds_rule(name, pinned_fixtures):
+    p = PROTOCOLS[name]
+    texts, metadata = read_prompt_file(find_prompt_file(p.prompts))
+    pr = pairs(p, texts, metadata)
+    assert len(pr.seeds) == FIXTURES[name][2]
+    assert pr.seeds == [sample_seed(pr.texts[i], j) for i, j in zip(pr.prompt_of, pr.sample_of)]
+    assert len(set(pr.seeds)) == len(pr.seeds)  # no two pairs share a seed, duplicates rows included
+    assert (
+        sample_seed("a photo of a cat", 0) == sample_seed("a photo of a cat", 0) != sample_seed("a photo of a cat", 1)
+    )
+    if name == "geneval":  # 4 samples a prompt, each with its task
+        assert pr.samples == [4, 4, 4] and [m["tag"] for m in pr.metadata] == ["counting", "colors", "single_object"]
+    if name == "drawbench":  # a prompt repeated 5 times is one prompt with 5 samples
+        assert pr.texts == ["a blue cube", "a green apple"] and pr.samples == [5, 5]
+
+
+def test_the_seeds_rule_is_the_documented_formula():
+    digest = hashlib.sha256(b"a red fox\n3").digest()
+    assert sample_seed("a red fox", 3) == int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def test_genevals_score_is_the_mean_of_its_task_accuracies():
+    p = PROTOCOLS["geneval"]
+    # 6 images: counting 1 of 4 correct, colors 2 of 2
+    tags = ["counting"] * 4 + ["colors"] * 2
+    strict = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0]
+    scores = [0.9, 0.5, 0.5, 0.0, 1.0, 1.0]
+    out = aggregate(p, scores, strict, tags)
+    assert out["headline"]["value"] == pytest.approx((0.25 + 1.0) / 2)  # the task mean: 0.625
+    assert out["image_mean"] == pytest.approx(3 / 6)  # what the training repositories log: 0.5
+    assert out["score_mean"] == pytest.approx(sum(scores) / 6)
+    assert out["tasks"] == {"colors": {"accuracy": 1.0, "images": 2}, "counting": {"accuracy": 0.25, "images": 4}}
+    balanced = aggregate(p, scores, [1.0, 0.0, 1.0, 0.0, 1.0, 0.0], ["a", "a", "b", "b", "c", "c"])
+    assert balanced["headline"]["value"] == balanced["image_mean"]  # equal task sizes: the two agree
+    pick = aggregate(PROTOCOLS["pickscore"], [0.8, 0.9], None, ["", ""])
+    assert pick["headline"]["value"] == pytest.approx(0.85 * 26)  # the papers' unit
+
+
+def test_a_missing_or_mismatched_prompt_file_is_refused_before_a_model_loads(pinned_fixtures, tmp_path, monkeypatch):
+    from stepgrpo.flows import api
+    from stepgrpo.loops import workspace
+
+    def no_model(*a, **k):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(workspace, "policy", no_model)
+    monkeypatch.setenv("STEPGRPO_CACHE", str(tmp_path / "empty"))  # offline, nothing cached
+    with pytest.raises(StageError, match="stepgrpo prompts fetch pickscore"):
+        api.evaluate_protocol(tmp_path / "no-run", "pickscore")
+    monkeypatch.setenv("STEPGRPO_CACHE", str(pinned_fixtures / "cache"))
+    copy = pinned.cached_path("pickscore")
+    copy.write_bytes(copy.read_bytes() + b"one more line\n")
+    with pytest.raises(StageError, match=r"has sha256 [0-9a-f]{64}, the pinned file [0-9a-f]{64}"):
+        api.evaluate_protocol(tmp_path / "no-run", "pickscore")
+
+
+def test_a_bundle_fails_its_check_after_one_byte_changes(tmp_path):
+    from stepgrpo.storage.bundle import CHECKSUMS, verify_bundle, write_bundle
+    from stepgrpo.storage.errors import CorruptChunkError
+
+    folder = write_bundle(tmp_path / "b", {"report.json": b'{"x": 1}\n', "images/000000.png": b"\x89PNG..."})
+    assert verify_bundle(folder) == 2
+    assert (folder / CHECKSUMS).read_text().splitlines()[0].endswith("  images/000000.png")  # sha256sum -c reads it
+    data = bytearray((folder / "report.json").read_bytes())
+    data[2] ^= 1
+    (folder / "report.json").write_bytes(bytes(data))
+    with pytest.raises(CorruptChunkError, match="report.json does not match its checksum"):
+        verify_bundle(folder)
+    (folder / "report.json").write_bytes(b'{"x": 1}\n')
+    (folder / "extra.txt").write_text("added later")
+    with pytest.raises(CorruptChunkError, match="extra.txt is not in CHECKSUMS"):
+        verify_bundle(folder)
+    with pytest.raises(Exception, match="never replaced"):
+        write_bundle(folder, {"a": b""})
