@@ -1558,3 +1558,34 @@ def test_compare_puts_runs_side_by_side_at_equal_compute(trained, tmp_path, monk
     )
     assert result.exit_code == 0, result.output
     assert "stepwise@remaining" in result.output and Image.open(chart).size[0] > 400
+
+
+def test_evaluate_under_the_shapes_protocol_writes_a_bundle_with_the_same_bytes_each_time(trained, tmp_path):
+    """`stepgrpo evaluate RUN --protocol shapes`: every (prompt, sample) pair from its own seed, the
+    numbers and the evidence in `evidence/`, which `inspect --verify` checks; evaluated again on
+    this machine, the same checkpoint gives byte-identical per-image digests and scores."""
+    import shutil
+
+    from stepgrpo.flows.evaluate import evaluate_protocol
+    from stepgrpo.storage.run import Run
+
+    copy = tmp_path / "run"
+    shutil.copytree(trained["run_dir"], copy)
+    out = evaluate_protocol(run=str(copy), protocol="shapes", iteration=-1)
+    bundle = Path(out["bundle"])
+    assert bundle.parent == copy / "evidence" and bundle.name == "shapes-base"
+    names = {p.relative_to(bundle).as_posix() for p in bundle.rglob("*") if p.is_file()}
+    assert names == {"report.json", "samples.jsonl", "config.json", "environment.json", "CHECKSUMS.sha256"}
+    report = out["report"]
+    assert report["prompts"] == 126 and report["pairs"] == 252 and report["samples_per_prompt"] == {"2": 126}
+    assert report["protocol"]["name"] == "shapes" and "sha256" in report["seeds_rule"]
+    env = json.loads((bundle / "environment.json").read_text())
+    assert {"stepgrpo", "packages", "device", "wall_seconds"} <= set(env) and env["packages"]["torch"]
+    rows = [json.loads(line) for line in (bundle / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 252 and len({r["seed"] for r in rows}) == 252
+    assert not Run.open(copy).verify_all()
+    first = (bundle / "samples.jsonl").read_bytes()
+    shutil.move(bundle, tmp_path / "first")
+    again = evaluate_protocol(run=str(copy), protocol="shapes", iteration=-1)
+    assert (Path(again["bundle"]) / "samples.jsonl").read_bytes() == first
+    assert again["report"]["results"] == report["results"]
