@@ -89,13 +89,6 @@ def evaluate_protocol(
         head = report["results"]["headline"]
         print(f"{p.name} ({label}): {head['name']} {head['value']:.4f}; evidence {final}")
         row = {"iteration": iteration + 1, "headline": head["value"], "protocol": p.name}
-        log_offline(
-            stored,
-            cfg,
-            "evaluate",
-            f"{name}",
-            {"protocol": p.name, "overrides": " ".join(overrides or []) or "(none)"},
-            [row],
-            ["headline"],
-        )
+        params = {"protocol": p.name, "overrides": " ".join(overrides or []) or "(none)"}
+        log_offline(stored, cfg, "evaluate", name, params, [row], ["headline"], artifacts=[str(final)])
         return {"bundle": str(final), "report": report}

@@ -57,7 +57,14 @@ def name_flow_run(name: str) -> None:
 
 
 def log_offline(
-    run: Run, cfg: Config, kind: str, label: str, params: dict[str, Any], rows: list[dict[str, Any]], metrics: list[str]
+    run: Run,
+    cfg: Config,
+    kind: str,
+    label: str,
+    params: dict[str, Any],
+    rows: list[dict[str, Any]],
+    metrics: list[str],
+    artifacts: list[str] | None = None,
 ) -> None:
     """What an offline flow (`rescore`, `credit`, `evaluate`) computed on a stored run, as a tracked
     run of its own beside the training run's, in the run's backend (MLflow:
@@ -74,6 +81,7 @@ def log_offline(
         "params": {k: str(v) for k, v in params.items()},
         "rows": rows,
         "metrics": metrics,
+        "artifacts": list(artifacts or []),  # folders logged as they are (an evidence bundle)
     }
     if cfg.tracking.backend == "wandb":  # the training run's backend takes its offline results too
         from stepgrpo.reporting.wandb_tracker import log_offline_record

@@ -112,6 +112,8 @@ def write(run_dir: str | Path, parent: Any, record: dict[str, Any]) -> None:
         ]
         if flat:
             tracker.client.log_table(tracker.run_id, data=pd.DataFrame(flat), artifact_file=f"{kind}.json")
+        for folder in record.get("artifacts") or []:  # an evidence bundle, as it is on disk
+            tracker.client.log_artifacts(tracker.run_id, folder, artifact_path=f"evidence/{Path(folder).name}")
 
 
 def main(run_dir: str, run_id: str) -> int:

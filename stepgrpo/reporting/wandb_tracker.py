@@ -134,6 +134,10 @@ def log_offline_record(run_dir: str | Path, project: str, record: Mapping[str, A
         settings=wandb.Settings(silent=True, console="off"),
     )
     try:
+        for folder in record.get("artifacts") or []:  # an evidence bundle, as it is on disk
+            artifact = wandb.Artifact(f"evidence-{Path(folder).name}", type="evidence")
+            artifact.add_dir(str(folder))
+            run.log_artifact(artifact)
         rows = list(record.get("rows") or [])
         start = int(run.step) if run.resumed else 0
         for row in sorted(rows, key=lambda r: int(r.get("iteration", 0))):
