@@ -1584,6 +1584,12 @@ def test_evaluate_under_the_shapes_protocol_writes_a_bundle_with_the_same_bytes_
     rows = [json.loads(line) for line in (bundle / "samples.jsonl").read_text().splitlines()]
     assert len(rows) == 252 and len({r["seed"] for r in rows}) == 252
     assert not Run.open(copy).verify_all()
+    from stepgrpo.config import validate_config
+    from stepgrpo.reporting.card import model_card, protocol_reports
+
+    (shown,) = protocol_reports(Run.open(copy), {"base"})  # the export's model card carries the headline
+    card = model_card(validate_config(Run.open(copy).config), "x", [], False, [shown])
+    assert f"| shapes | base | mean shapes: **{report['results']['headline']['value']:.4f}** | 252 |" in card
     first = (bundle / "samples.jsonl").read_bytes()
     shutil.move(bundle, tmp_path / "first")
     again = evaluate_protocol(run=str(copy), protocol="shapes", iteration=-1)

@@ -311,7 +311,9 @@ def export_lora(
         pol.transformer.save_pretrained(str(out), safe_serialization=True)
     else:
         pol.save_lora(out)
-    write_card(out, cfg, run.run_id, evaluations or [], grid)
+    from stepgrpo.reporting.card import protocol_reports
+
+    write_card(out, cfg, run.run_id, evaluations or [], grid, protocol_reports(run, {"base", f"iter_{iteration}"}))
     if folder is None:
         run.seal_export(out.name)  # `inspect --verify` finds a damaged export
     return out

@@ -50,8 +50,15 @@ def portable(cfg: Config) -> dict[str, Any]:
     return data
 
 
-def model_card(cfg: Config, run_id: str, evaluations: list[Mapping[str, Any]], samples: bool) -> str:
-    """The card's text; `evaluations`: the run's held-out records, base first."""
+def model_card(
+    cfg: Config,
+    run_id: str,
+    evaluations: list[Mapping[str, Any]],
+    samples: bool,
+    protocols: list[Mapping[str, Any]] | None = None,
+) -> str:
+    """The card's text; `evaluations`: the run's held-out records, base first; `protocols`: the
+    reports of its evaluations under a paper's protocol (`protocol_reports`)."""
     kind, base = base_of(cfg.model.path)
     flux = "flux" in base.lower()
     meta: dict[str, Any] = {"base_model": base} if kind == "hub" else {}
@@ -107,6 +114,14 @@ def model_card(cfg: Config, run_id: str, evaluations: list[Mapping[str, Any]], s
         *held_out(evaluations),
         "",
     ]
+    if protocols:
+        lines += ["## Under the papers' evaluation protocols", "", "| protocol | checkpoint | result | images |"]
+        lines += ["|---|---|---|---|"]
+        for r in protocols:
+            head = r["results"]["headline"]
+            name = r["protocol"]["name"] + (f" ({', '.join(r['overrides'])})" if r.get("overrides") else "")
+            lines.append(f"| {name} | {r['label']} | {head['name']}: **{head['value']:.4f}** | {r['pairs']} |")
+        lines += ["", "Each with its evidence bundle in the run's `evidence/` (`stepgrpo inspect RUN --verify`).", ""]
     if samples:
         lines += ["## Samples", "", f"![held-out samples after training]({SAMPLES})", ""]
     lines += [
@@ -176,14 +191,41 @@ def held_out(evaluations: list[Mapping[str, Any]]) -> list[str]:
     return out
 
 
-def write_card(folder: Path, cfg: Config, run_id: str, evaluations: list[Mapping[str, Any]], grid: Path | None) -> None:
+def protocol_reports(run: Any, labels: set[str]) -> list[dict[str, Any]]:
+    """The reports of `run`'s evidence bundles whose checkpoint label is in `labels`, each bundle
+    verified first (a damaged one is left out of the card)."""
+    import json
+
+    from stepgrpo.storage.bundle import verify_bundle
+    from stepgrpo.storage.errors import StorageError
+
+    out = []
+    for folder in sorted((Path(run.path) / run.EVIDENCE_DIR).glob("[!.]*")):
+        try:
+            verify_bundle(folder)
+        except StorageError:
+            continue
+        report = json.loads((folder / "report.json").read_text())
+        if report.get("label") in labels:
+            out.append(report)
+    return out
+
+
+def write_card(
+    folder: Path,
+    cfg: Config,
+    run_id: str,
+    evaluations: list[Mapping[str, Any]],
+    grid: Path | None,
+    protocols: list[Mapping[str, Any]] | None = None,
+) -> None:
     """The card, the sample grid and the config into an export folder (files anyone can read)."""
     from stepgrpo.storage.publish import write_file_atomic
 
     if grid is not None and grid.is_file():
         write_file_atomic(folder / SAMPLES, grid.read_bytes())
     write_file_atomic(folder / CONFIG, yaml.safe_dump(portable(cfg), sort_keys=False).encode())
-    card = model_card(cfg, run_id, evaluations, samples=grid is not None and grid.is_file())
+    card = model_card(cfg, run_id, evaluations, samples=grid is not None and grid.is_file(), protocols=protocols)
     write_file_atomic(folder / CARD, card.encode())
 
 
@@ -199,7 +241,9 @@ def refresh_export(run: Any, stored_cfg: Config) -> Path:
     folder = run.inside(Path(run.path) / name)
     records = stored_evaluations(run)
     grid = Path(run.path) / records[-1]["grid"] if records else None
-    write_card(folder, stored_cfg, run.run_id, records, grid)
+    last = run.checkpoints.latest_checkpoint()
+    labels = {"base"} | ({f"iter_{last}"} if last is not None else set())
+    write_card(folder, stored_cfg, run.run_id, records, grid, protocol_reports(run, labels))
     run.seal_export(name)
     return folder
 
