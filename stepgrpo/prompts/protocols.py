@@ -62,8 +62,10 @@ PROTOCOLS: dict[str, Protocol] = {
         4.5,
         "",
         "geneval",
-        "Mask2Former Swin-S (COCO, mmdet) for objects, CLIP ViT-L/14 for colours; thresholds 0.3 (0.9 counting), "
-        "at most 16 objects a class, no NMS (1.0), position threshold 0.1 (djghosh13/geneval)",
+        "GenEval's rules (djghosh13/geneval): thresholds 0.3 (0.9 counting), at most 16 objects a class, no NMS "
+        "(1.0), position threshold 0.1; its detector Mask2Former Swin-S COCO as transformers' port "
+        "(facebook/mask2former-swin-small-coco-instance; GenEval ran mmdetection's checkpoint: detections differ "
+        "slightly) and CLIP ViT-L/14 (openai/clip-vit-large-patch14) for colours",
         "geneval_tasks",
         paper="Flow-GRPO Table 1 (arXiv 2505.05470): 40 steps, 512 px, CFG 4.5, negative prompt ''; "
         "GenEval's 553 official prompts x 4 (arXiv 2310.11513)",
@@ -78,7 +80,8 @@ PROTOCOLS: dict[str, Protocol] = {
         4.5,
         "",
         "ocr",
-        "PaddleOCR PP-OCR; 1 - min(edit distance, L) / L on the first quoted span, lower-cased, spaces removed",
+        "PaddleOCR's PP-OCR models through rapidocr-onnxruntime (the weights ship in its wheel); 1 - min(edit "
+        "distance, L) / L on the first quoted span, lower-cased, spaces removed",
         "mean",
         paper="Flow-GRPO's OCR evaluation (its dataset/ocr/test.txt, 1,018 prompts, one image each)",
         device_dependent=(_GPU,),
