@@ -40,6 +40,50 @@ def evaluate(run: str, iteration: int | None = None, overrides: list[str] | None
         return result
 
 
+def protocol_config(cfg: Any, name: str, overrides: list[str] | None = None) -> Any:
+    """`cfg` with the protocol's generation settings and then `overrides` written over it."""
+    from stepgrpo.config import apply_overrides, validate_config
+    from stepgrpo.prompts.protocols import protocol
+
+    settings = [f"{k}={v}" for k, v in protocol(name).settings().items() if v is not None]
+    return validate_config(apply_overrides(cfg.model_dump(mode="json"), [*settings, *(overrides or [])]))
+
+
+def protocol_bundle(
+    stored: Any, cfg: Any, name: str, iteration: int, overrides: list[str], images: bool = False
+) -> tuple[Any, dict[str, Any]]:
+    """The evidence bundle of the policy after `iteration` (-1: the base model) under protocol
+    `name`, `cfg` carrying its settings (`protocol_config`): an existing bundle of the same name is
+    verified and read, else the evaluation runs and the bundle is written; returns (folder, report)."""
+    import json
+    from pathlib import Path
+
+    from stepgrpo.config import digest_of
+    from stepgrpo.loops import protocol as protocol_loop
+    from stepgrpo.prompts.protocols import protocol
+    from stepgrpo.storage.bundle import verify_bundle, write_bundle
+
+    p = protocol(name)
+    checkpoint = None if iteration < 0 else update.stored(stored, iteration, verify=True)
+    label = "base" if iteration < 0 else f"iter_{iteration}"
+    bundle = f"{p.name}-{label}" + (f"-{digest_of(sorted(overrides))[:8]}" if overrides else "")
+    final = stored.inside(Path(stored.path) / stored.EVIDENCE_DIR / bundle)
+    if final.is_dir():
+        verify_bundle(final)
+        return final, json.loads((final / "report.json").read_text())
+    report, rows, pngs = protocol_loop.evaluate(stored, cfg, p, None if iteration < 0 else iteration, images)
+    report |= {
+        "run_id": stored.run_id,
+        "label": label,
+        "checkpoint_digest": None if checkpoint is None else checkpoint.digest,
+        "overrides": list(overrides),
+    }
+    env = protocol_loop.environment(cfg, report["seconds"])
+    final.parent.mkdir(exist_ok=True)
+    write_bundle(final, protocol_loop.bundle_files(report, rows, pngs, cfg, env))
+    return final, report
+
+
 @flow(name="evaluate-protocol", log_prints=True, flow_run_name=run_name_from_parameters)
 def evaluate_protocol(
     run: str,
@@ -53,13 +97,7 @@ def evaluate_protocol(
     `evidence/` (`stepgrpo.loops.protocol`). `overrides` change the protocol's settings and are
     recorded in the bundle and its name; an existing bundle of the same name is verified and read,
     not recomputed."""
-    import json
-    from pathlib import Path
-
-    from stepgrpo.config import digest_of
-    from stepgrpo.loops import protocol as protocol_loop
     from stepgrpo.prompts.protocols import protocol as named
-    from stepgrpo.storage.bundle import verify_bundle, write_bundle
 
     p = named(protocol)
     settings = [f"{k}={v}" for k, v in p.settings().items() if v is not None]
@@ -68,27 +106,10 @@ def evaluate_protocol(
         name_flow_run(f"{stored.run_id} evaluate {p.name}")
         if iteration is None:
             iteration = latest_checkpoint(stored)
-        checkpoint = None if iteration < 0 else update.stored(stored, iteration, verify=True)
-        label = "base" if iteration < 0 else f"iter_{iteration}"
-        name = f"{p.name}-{label}" + (f"-{digest_of(sorted(overrides))[:8]}" if overrides else "")
-        final = stored.inside(Path(stored.path) / stored.EVIDENCE_DIR / name)
-        if final.is_dir():
-            verify_bundle(final)
-            report = json.loads((final / "report.json").read_text())
-        else:
-            report, rows, pngs = protocol_loop.evaluate(stored, cfg, p, None if iteration < 0 else iteration, images)
-            report |= {
-                "run_id": stored.run_id,
-                "label": label,
-                "checkpoint_digest": None if checkpoint is None else checkpoint.digest,
-                "overrides": list(overrides or []),
-            }
-            env = protocol_loop.environment(cfg, report["seconds"])
-            final.parent.mkdir(exist_ok=True)
-            write_bundle(final, protocol_loop.bundle_files(report, rows, pngs, cfg, env))
+        final, report = protocol_bundle(stored, cfg, p.name, iteration, list(overrides or []), images)
         head = report["results"]["headline"]
-        print(f"{p.name} ({label}): {head['name']} {head['value']:.4f}; evidence {final}")
+        print(f"{p.name} ({report['label']}): {head['name']} {head['value']:.4f}; evidence {final}")
         row = {"iteration": iteration + 1, "headline": head["value"], "protocol": p.name}
         params = {"protocol": p.name, "overrides": " ".join(overrides or []) or "(none)"}
-        log_offline(stored, cfg, "evaluate", name, params, [row], ["headline"], artifacts=[str(final)])
+        log_offline(stored, cfg, "evaluate", final.name, params, [row], ["headline"], artifacts=[str(final)])
         return {"bundle": str(final), "report": report}

@@ -54,6 +54,19 @@ def train(
 RETENTION_WHY = "the run's storage.keep / storage.checkpoint_every"
 
 
+def under_protocol(run: Run, cfg: Config, iteration: int) -> None:
+    """With `run.eval_protocol`: the policy after `iteration` (-1: the base) under that protocol,
+    its evidence bundle in the run's `evidence/` (reused when it is there and verifies)."""
+    if cfg.run.eval_protocol is None:
+        return
+    from stepgrpo.flows.evaluate import protocol_bundle, protocol_config
+
+    name = cfg.run.eval_protocol
+    final, report = protocol_bundle(run, protocol_config(cfg, name), name, iteration, [])
+    head = report["results"]["headline"]
+    print(f"{name} ({report['label']}): {head['name']} {head['value']:.4f}; evidence {final.name}")
+
+
 def iterate(run: Run, cfg: Config) -> dict[str, Any]:
     """The algorithm, on a run this process owns."""
     stage = bind(run, cfg)
@@ -65,6 +78,7 @@ def iterate(run: Run, cfg: Config) -> dict[str, Any]:
         if (resumed := resume_point(run, cfg.run.iterations)) is not None:
             log.resuming(*resumed)
         log.evaluation(0, stage.evaluate(run, cfg, -1, prompts, checkpoint))
+        under_protocol(run, cfg, -1)
         for i in range(cfg.run.iterations):
             drawn = stage.draw(run, cfg, i, prompts) if cfg.curriculum.draw != "uniform" else None
             rollout = stage.rollout(run, cfg, i, prompts, checkpoint, psi, drawn)
@@ -75,6 +89,7 @@ def iterate(run: Run, cfg: Config) -> dict[str, Any]:
             log.iteration(i, rollout, clean, rewards, credit, checkpoint, drawn)
             if cfg.run.evaluates_after(i):
                 log.evaluation(i + 1, stage.evaluate(run, cfg, i, prompts, checkpoint))
+                under_protocol(run, cfg, i)
             log.pruned(apply_retention(run, cfg.storage, RETENTION_WHY))
         last = log.evaluations[-1] if log.evaluations else None
         grid = Path(last["grid"]) if last else None

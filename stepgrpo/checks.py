@@ -157,6 +157,12 @@ def check_config(cfg: Config, calibrated: bool = False) -> None:
         raise StageError(str(err)) from None
     check_model(cfg.model.path)
     prompts = prompt_source(cfg)
+    if cfg.run.eval_protocol is not None:  # its pinned prompt file cached and matching, before anything starts
+        from stepgrpo.prompts import find_prompt_file
+        from stepgrpo.prompts.protocols import protocol
+
+        if (source := protocol(cfg.run.eval_protocol).prompts) != "shapes":
+            find_prompt_file(source)
     if not prompts.ids("train"):
         raise StageError(
             f"run.prompts {cfg.run.prompts!r} holds no prompt: one prompt a line (.txt), "

@@ -521,6 +521,20 @@ class RunConfig(_Section):
     """Held-out prompts per evaluation."""
     eval_seeds: int = Field(1, ge=1, le=1024)
     """Sampling seeds per held-out prompt."""
+    eval_protocol: str | None = None
+    """A paper's evaluation protocol (`stepgrpo.prompts.protocols`: geneval, ocr, pickscore,
+    drawbench, shapes) under which every held-out evaluation also measures the policy, each with
+    its evidence bundle in the run's `evidence/` (as `stepgrpo evaluate RUN --protocol NAME`)."""
+
+    @field_validator("eval_protocol")
+    @classmethod
+    def _known_protocol(cls, v: str | None) -> str | None:
+        from stepgrpo.prompts.protocols import PROTOCOLS
+
+        if v is not None and v not in PROTOCOLS:
+            raise ValueError(f"{v!r} is not a protocol; protocols: {', '.join(PROTOCOLS)}")
+        return v
+
     runs_root: str = "runs"
     """Directory that holds run directories `<runs_root>/<run_id>/`."""
 
@@ -816,6 +830,7 @@ KEY_NEUTRAL: dict[str, Any] = {
     "update.time_span": None,
     "update.companion_rate": None,
     "update.companion_cap": None,
+    "run.eval_protocol": None,
 }
 
 
