@@ -127,7 +127,7 @@ def _compare(runs: list[str], out: Path | None, as_json: bool) -> None:
     if as_json:
         shell.console.print_json(json.dumps(curves))
     else:
-        table = Table("run", "scheme @ completion", "NFEs", "held-out: base", "last", "paired gain [95 %]")
+        table = Table("run", "recipe", "NFEs", "passes (fwd + 2 bwd)", "held-out: base", "last", "paired gain [95 %]")
         for c in curves:
             first, last = c["points"][0], c["points"][-1]
             gain = "" if c["gain"] is None else "{:+.4f} [{:+.4f}, {:+.4f}]".format(*c["gain"])
@@ -135,6 +135,7 @@ def _compare(runs: list[str], out: Path | None, as_json: bool) -> None:
                 c["run_id"],
                 c["recipe"],
                 str(last["nfe"]),
+                "n/a" if last.get("passes") is None else str(last["passes"]),
                 f"{first['reward_mean']:.4f}",
                 f"{last['reward_mean']:.4f}",
                 gain,
