@@ -524,16 +524,8 @@ class RunConfig(_Section):
     eval_protocol: str | None = None
     """A paper's evaluation protocol (`stepgrpo.prompts.protocols`: geneval, ocr, pickscore,
     drawbench, shapes) under which every held-out evaluation also measures the policy, each with
-    its evidence bundle in the run's `evidence/` (as `stepgrpo evaluate RUN --protocol NAME`)."""
-
-    @field_validator("eval_protocol")
-    @classmethod
-    def _known_protocol(cls, v: str | None) -> str | None:
-        from stepgrpo.prompts.protocols import PROTOCOLS
-
-        if v is not None and v not in PROTOCOLS:
-            raise ValueError(f"{v!r} is not a protocol; protocols: {', '.join(PROTOCOLS)}")
-        return v
+    its evidence bundle in the run's `evidence/` (as `stepgrpo evaluate RUN --protocol NAME`;
+    the name and its prompt file are checked before a run starts, `stepgrpo.checks`)."""
 
     runs_root: str = "runs"
     """Directory that holds run directories `<runs_root>/<run_id>/`."""

@@ -126,10 +126,10 @@ def test_a_bundle_fails_its_check_after_one_byte_changes(tmp_path):
 
 def test_run_eval_protocol_names_a_protocol_and_its_file_is_checked_before_training(tmp_path, monkeypatch):
     from stepgrpo.checks import check_config
-    from stepgrpo.config import ConfigError, load_config
+    from stepgrpo.config import load_config
 
-    with pytest.raises(ConfigError, match="'nope' is not a protocol; protocols: geneval, ocr, pickscore"):
-        load_config(None, ["run.eval_protocol=nope"])
+    with pytest.raises(StageError, match="no evaluation protocol 'nope'; protocols: geneval, ocr, pickscore"):
+        check_config(load_config(None, ["run.eval_protocol=nope"]))
     monkeypatch.setenv("STEPGRPO_CACHE", str(tmp_path / "empty"))
     cfg = load_config(None, ["run.eval_protocol=pickscore"])
     with pytest.raises(StageError, match="stepgrpo prompts fetch pickscore"):
