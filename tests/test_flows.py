@@ -1592,6 +1592,12 @@ def test_evaluate_under_the_shapes_protocol_writes_a_bundle_with_the_same_bytes_
     assert f"| shapes | base | mean shapes: **{report['results']['headline']['value']:.4f}** | 252 |" in card
     first = (bundle / "samples.jsonl").read_bytes()
     shutil.move(bundle, tmp_path / "first")
-    again = evaluate_protocol(run=str(copy), protocol="shapes", iteration=-1)
-    assert (Path(again["bundle"]) / "samples.jsonl").read_bytes() == first
-    assert again["report"]["results"] == report["results"]
+    from typer.testing import CliRunner
+
+    from stepgrpo_cli import app
+
+    result = CliRunner().invoke(app, ["evaluate", str(copy), "--protocol", "shapes", "--iteration", "-1"])
+    assert result.exit_code == 0, result.output
+    assert "shapes (base): mean shapes" in result.output and "evidence:" in result.output
+    assert (bundle / "samples.jsonl").read_bytes() == first  # the same bytes, evaluated again from the CLI
+    assert json.loads((bundle / "report.json").read_text())["results"] == report["results"]
