@@ -430,9 +430,10 @@ class UpdateConfig(_Section):
     """The share of the grid stratified times come from (steps `1 .. int(T span) - 1`); None: the
     objective's (awm 0.9, its `timestep_fraction`)."""
     companion_rate: float | None = Field(None, ge=0)
+    """The companion adapter's decay after optimizer step s is `min(rate s, cap)`: its rate (nft,
+    the sampling adapter: 0.001; awm, the KL's EMA target: 0.001); None: the objective's."""
     companion_cap: float | None = Field(None, ge=0, lt=1)
-    """The companion adapter's decay after optimizer step s, `min(rate s, cap)` (nft: the sampling
-    adapter, 0.001 and 0.5; awm: the KL's EMA target, 0.001 and 0.3); None: the objective's."""
+    """The cap of that decay (nft 0.5, awm 0.3); None: the objective's."""
 
     @field_validator("objective")
     @classmethod
