@@ -1600,4 +1600,11 @@ def test_evaluate_under_the_shapes_protocol_writes_a_bundle_with_the_same_bytes_
     assert result.exit_code == 0, result.output
     assert "shapes (base): mean shapes" in result.output and "evidence:" in result.output
     assert (bundle / "samples.jsonl").read_bytes() == first  # the same bytes, evaluated again from the CLI
+    from stepgrpo.reporting.tracking import find_mlflow_run
+
+    client, _ = find_mlflow_run(copy, Run.open(copy).run_id)  # the bundle is an artifact of its MLflow run
+    (mlrun,) = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])
+                if r.info.run_name.endswith("evaluate shapes-base")]  # fmt: skip
+    logged = {a.path for a in client.list_artifacts(mlrun.info.run_id, "evidence/shapes-base")}
+    assert "evidence/shapes-base/samples.jsonl" in logged and "evidence/shapes-base/CHECKSUMS.sha256" in logged
     assert json.loads((bundle / "report.json").read_text())["results"] == report["results"]

@@ -134,3 +134,27 @@ def test_run_eval_protocol_names_a_protocol_and_its_file_is_checked_before_train
     cfg = load_config(None, ["run.eval_protocol=pickscore"])
     with pytest.raises(StageError, match="stepgrpo prompts fetch pickscore"):
         check_config(cfg)
+
+
+def test_a_bundle_goes_to_wandb_as_an_artifact(tmp_path, monkeypatch):
+    """W&B, offline: an evaluation's record with its bundle folder logs the folder as an `evidence`
+    artifact of the evaluation's run (MLflow's: tests/test_flows.py)."""
+    from test_flows import wandb_records
+
+    from stepgrpo.reporting.wandb_tracker import log_offline_record
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    bundle = tmp_path / "shapes-base"
+    bundle.mkdir()
+    (bundle / "report.json").write_text("{}")
+    (tmp_path / "run").mkdir()
+    record = {"kind": "evaluate", "name": "run evaluate shapes-base", "tags": {"stepgrpo.parent_run_id": "run"},
+              "params": {}, "rows": [{"iteration": 0, "headline": 0.5}], "metrics": ["headline"],
+              "artifacts": [str(bundle)]}  # fmt: skip
+    log_offline_record(tmp_path / "run", "p", record)
+    (folder,) = (tmp_path / "wandb").glob("offline-run-*")
+    artifacts = [r.artifact for r in wandb_records(next(folder.glob("run-*.wandb"))) if r.HasField("artifact")]
+    assert ("evidence-shapes-base", "evidence", ["report.json"]) in [
+        (a.name, a.type, [e.path for e in a.manifest.contents]) for a in artifacts
+    ]

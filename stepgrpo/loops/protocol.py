@@ -19,10 +19,8 @@ import importlib.metadata
 import io
 import json
 import platform
-import subprocess
 import time
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,7 +30,7 @@ from stepgrpo.loops import workspace
 from stepgrpo.loops.scoring import score_images
 from stepgrpo.prompts import find_prompt_file, prompt_source, read_prompt_file
 from stepgrpo.prompts.protocols import Pairs, Protocol, aggregate, pairs
-from stepgrpo.storage.run import Run
+from stepgrpo.storage.run import Run, code_version
 from stepgrpo_core.rollout import rollout as sample
 
 PACKAGES = ("torch", "diffusers", "transformers", "peft", "numpy", "safetensors", "pillow", "zarr", "pyarrow")
@@ -144,7 +142,7 @@ def environment(cfg: Config, seconds: float) -> dict[str, Any]:
     name = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else platform.processor()
     return {
         "stepgrpo": stepgrpo.__version__,
-        "commit": _commit(),
+        "commit": code_version()["git_commit"],
         "python": platform.python_version(),
         "packages": versions,
         "device": device,
@@ -153,18 +151,6 @@ def environment(cfg: Config, seconds: float) -> dict[str, Any]:
         "wall_seconds": round(seconds, 3),
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-
-
-def _commit() -> str | None:
-    """The git commit of the stepgrpo source in use (None when it is not a checkout, e.g. a wheel)."""
-    here = Path(__file__).resolve().parents[2]
-    if not (here / ".git").exists():
-        return None
-    try:
-        out = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
 
 
 def bundle_files(
