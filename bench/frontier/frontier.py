@@ -34,6 +34,9 @@ The decision, fixed before the runs (this file's commit is the pre-registration)
     the passes the objective spent, per seed (the first outcome_w3 evaluation at or above it; a
     lower bound when outcome_w3 never reaches it within its record).
 
+Added after seed 0 of the decision, outside the rule: nft with stepwise@rollout (3 seeds), to test
+why dense@rollout hurt inside nft (its per-step normalization; docs/bench/frontier/README.md).
+
 Durable state: one record per finished run (`RECORDS/<arm>/seed_<S>.json`). Resumable.
 
     .venv/bin/python bench/frontier/frontier.py --probes --jobs 2       # the probes (4 runs, seed 0)
@@ -70,6 +73,10 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     "awm": (AWM, []),
     "nft_dense_rollout": (NFT, DENSE),
     "awm_dense_rollout": (AWM, DENSE),
+    # after the decision, an explanation to test (not part of the rule): dense normalizes each step's
+    # gains to unit scale, so steps that barely change the image weigh as much as the decisive ones;
+    # Stepwise-Flow-GRPO's one normalization over all steps keeps their relative scale
+    "nft_stepwise_rollout": (NFT, ["completion.method=rollout", "credit.scheme=stepwise"]),
 }
 PROBES: dict[str, tuple[str, list[str]]] = {
     "nft_beta01": (NFT, ["update.options.beta=0.1"]),
@@ -92,6 +99,7 @@ PHASES: list[tuple[tuple[str, ...], int]] = [
     (("nft", "awm"), 1),
     (("nft_beta01", "awm_no_kl"), 1),
     (("nft", "awm", "nft_dense_rollout", "awm_dense_rollout"), 6),
+    (("nft_stepwise_rollout",), 3),
 ]
 FULL = {"iterations": 100, "eval_every": 25, "set": ["run.eval_seeds=8"]}
 QUICK = {
@@ -299,15 +307,18 @@ def analyse(s: Screen, seeds: int = 6) -> dict[str, Any]:
                   if (sp := speedup(rec[arm, k], rec["outcome_w3", k], N))}  # fmt: skip
         if o_rows:
             out["speed"][arm] = {str(k): {"ratio": round(v[0], 3), "lower_bound": v[1]} for k, v in o_rows.items()}
-    for obj in ("nft", "awm"):
+    for name, obj, arm in (
+        ("nft", "nft", "nft_dense_rollout"),
+        ("awm", "awm", "awm_dense_rollout"),
+        ("nft, stepwise@rollout", "nft", "nft_stepwise_rollout"),
+    ):
         rows = {}
         for k in range(seeds):
-            arm = f"{obj}_dense_rollout"
             if (arm, k) in rec and (obj, k) in rec and (c := contrast(rec[arm, k], N, rec[obj, k], N)):
                 rows[k] = c
         if rows:
             v = pooled(rows)
-            out["credit"][obj] = v | {"helps": bool(v["prompts"]["lo"] > 0)}
+            out["credit"][name] = v | {"helps": bool(v["prompts"]["lo"] > 0)}
     out["claims"] = claims(out)
     return out
 
@@ -371,7 +382,7 @@ def summary_md(a: dict[str, Any]) -> str:
     lines += ["", "#### Equal compute (outcome_w3 read at the evaluation nearest the arm's passes, within 15 %)", ""]
     for k, v in a["equal_compute"].items():
         lines.append(f"- {k}, the arm at {v['at']} iterations: {fmt(v)}; beats GRPO: {'yes' if v['beats'] else 'no'}")
-    lines += ["", "#### Step credit inside the objective ((objective + dense@rollout) - objective)", ""]
+    lines += ["", "#### Step credit inside the objective ((objective + dense@rollout) - objective; last: stepwise)", ""]
     for k, v in a["credit"].items():
         lines.append(f"- {k}: {fmt(v)}; helps: {'yes' if v['helps'] else 'not shown'}")
     lines += ["", "#### Claims: the frontier rows", ""]
