@@ -361,7 +361,11 @@ def fmt(v: dict[str, Any] | None) -> str:
     if not v:
         return "n/a"
     p, t = v["prompts"], v["seeds"]
-    return f"{p['mean']:+.3f} [{p['lo']:+.3f}, {p['hi']:+.3f}] (seeds: [{t['lo']:+.3f}, {t['hi']:+.3f}], n = {v['n']})"
+    each = ", ".join(f"{x:+.3f}" for x in v["per_seed"].values())
+    return (
+        f"{p['mean']:+.3f} [{p['lo']:+.3f}, {p['hi']:+.3f}] (per seed {each}; t over the {v['n']} seeds "
+        f"[{t['lo']:+.3f}, {t['hi']:+.3f}])"
+    )
 
 
 def summary_md(a: dict[str, Any]) -> str:
