@@ -45,7 +45,7 @@ def protocol_config(cfg: Any, name: str, overrides: list[str] | None = None) -> 
     from stepgrpo.config import apply_overrides, validate_config
     from stepgrpo.prompts.protocols import protocol
 
-    settings = [f"{k}={v}" for k, v in protocol(name).settings().items() if v is not None]
+    settings = protocol(name).overrides()
     return validate_config(apply_overrides(cfg.model_dump(mode="json"), [*settings, *(overrides or [])]))
 
 
@@ -100,8 +100,7 @@ def evaluate_protocol(
     from stepgrpo.prompts.protocols import protocol as named
 
     p = named(protocol)
-    settings = [f"{k}={v}" for k, v in p.settings().items() if v is not None]
-    with owned_stored(run, [*settings, *(overrides or [])]) as (stored, cfg):
+    with owned_stored(run, [*p.overrides(), *(overrides or [])]) as (stored, cfg):
         environment.apply(cfg.scale.threads)
         name_flow_run(f"{stored.run_id} evaluate {p.name}")
         if iteration is None:

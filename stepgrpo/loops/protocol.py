@@ -121,10 +121,10 @@ def _counts(pr: Pairs) -> dict[str, int]:
 
 
 def _png(image: torch.Tensor) -> bytes:
-    from PIL import Image
+    from stepgrpo.images import dequantize, to_pil
 
     buf = io.BytesIO()
-    Image.fromarray(image.permute(1, 2, 0).cpu().numpy()).save(buf, format="PNG")
+    to_pil(dequantize(image[None]))[0].save(buf, format="PNG")  # uint8 -> float -> the same uint8
     return buf.getvalue()
 
 

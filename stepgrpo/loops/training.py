@@ -208,8 +208,7 @@ def update(
     weight = dict(zip(steps, step_weights(o.step_weighting, kernel, sigmas, noise, steps).tolist()))
     velocity = update_velocity(pol, o.detach_uncond)
     for epoch in range(o.inner_epochs):
-        order = rows[torch.randperm(len(rows), generator=generator)]
-        parts = [p for p in order.tensor_split(min(o.optimizer_steps, max(1, len(order)))) if len(p)]
+        parts = shuffled_parts(rows, o.optimizer_steps, generator)
         for pi, part in enumerate(parts):
             first = epoch == 0 and pi == 0
             # The signal check: the first step's trajectories in two halves of whole groups, each
@@ -323,18 +322,19 @@ def update_matching(
 
     def other(weights: dict[str, torch.Tensor] | None, x: torch.Tensor, t: torch.Tensor, c: Any) -> torch.Tensor:
         """The velocity of the adapter `weights` (the trained one restored after), without gradient."""
+        from stepgrpo.loops import workspace
+
         if weights is None:
             raise ValueError(f"objective {cfg.update.objective!r} needs its companion adapter")
-        mine = {n: p.detach().clone() for n, p in named.items()}
-        _load(named, weights)
+        mine = workspace.lora_state(pol)
+        workspace.set_lora(pol, weights)
         try:
             return pol.velocity(x, t, c)
         finally:
-            _load(named, mine)
+            workspace.set_lora(pol, mine)
 
     for _epoch in range(o.inner_epochs):
-        order = rows[torch.randperm(len(rows), generator=generator)]
-        parts = [p for p in order.tensor_split(min(o.optimizer_steps, max(1, len(order)))) if len(p)]
+        parts = shuffled_parts(rows, o.optimizer_steps, generator)
         for part in parts:
             ks = grid_times(str(u["time_rule"]), float(u["times"]), T, len(part), generator, float(u["time_span"]))
             m = ks.shape[1]
@@ -397,18 +397,19 @@ def update_matching(
     return out
 
 
+def shuffled_parts(rows: torch.Tensor, steps: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """An inner epoch's trajectories, shuffled by `generator` and split into (at most) `steps`
+    non-empty parts, one an optimizer step."""
+    order = rows[torch.randperm(len(rows), generator=generator)]
+    return [p for p in order.tensor_split(min(steps, max(1, len(order)))) if len(p)]
+
+
 def adam_steps(opt: torch.optim.Optimizer) -> int:
     """The optimizer steps AdamW has taken over the run (its state's `step`; 0 before the first)."""
     for state in opt.state.values():
         if "step" in state:
             return int(state["step"])
     return 0
-
-
-def _load(params: Mapping[str, torch.nn.Parameter], weights: Mapping[str, torch.Tensor]) -> None:
-    with torch.no_grad():
-        for n, p in params.items():
-            p.copy_(weights[n].to(p.device, p.dtype))
 
 
 # The signal check over iterations: each half's gradient is summed across iterations with this

@@ -38,6 +38,10 @@ class Protocol:
     paper: str = ""  # whose numbers this protocol reproduces, and where its settings come from
     device_dependent: tuple[str, ...] = field(default=())  # what may differ between machines
 
+    def overrides(self) -> list[str]:
+        """`settings` as `key=value` overrides (the model's own resolution where it names none)."""
+        return [f"{k}={v}" for k, v in self.settings().items() if v is not None]
+
     def settings(self) -> dict[str, Any]:
         """The generation settings, as a config override would name them."""
         return {
