@@ -1569,6 +1569,7 @@ def test_evaluate_under_the_shapes_protocol_writes_a_bundle_with_the_same_bytes_
     from stepgrpo.flows.evaluate import evaluate_protocol
     from stepgrpo.storage.run import Run
 
+    torch.set_num_threads(1)  # the two evaluations' bytes are compared (the session's one thread, pinned)
     copy = tmp_path / "run"
     shutil.copytree(trained["run_dir"], copy)
     out = evaluate_protocol(run=str(copy), protocol="shapes", iteration=-1)

@@ -46,6 +46,7 @@ def tiny(tmp_path_factory) -> list[str]:
         "optim.micro_batch=3",
         "optim.lr=1e-3",
         "scale.stage_retries=0",
+        "scale.threads=1",  # the runs' bytes are compared
     ]
 
 
