@@ -32,6 +32,9 @@ per iteration). Run directories (`--out`) are scratch. Resumable: a recorded run
 
     .venv/bin/python bench/credit_schemes_clip/clip.py --jobs 2            # the screen (background it; ~10 core-hours)
     .venv/bin/python bench/credit_schemes_clip/clip.py --report-only        # the tables from the records so far
+    .venv/bin/python bench/credit_schemes_clip/clip.py --arms outcome_w3_k4 --iterations 300 --seeds 3
+                                     # the shipped window's candidate over the shipped recipe's 300 iterations
+                                     # (read with --report-only --iterations 300 --seeds 3: summary_300.md)
     .venv/bin/python bench/credit_schemes_clip/clip.py --quick --out DIR    # every path at tiny settings
 """
 
@@ -163,11 +166,12 @@ def settings(a: argparse.Namespace) -> Screen:
     )
 
 
-def queue(s: Screen, seeds: int | None = None) -> list[tuple[str, int]]:
+def queue(s: Screen, seeds: int | None = None, only: list[str] | None = None) -> list[tuple[str, int]]:
+    """The runs in the order they are taken (`only`: just these arms)."""
     jobs = []
     for arms, n in PHASES:
         n = min(n, seeds) if seeds else n
-        jobs += [(arm, seed) for seed in range(n) for arm in arms]
+        jobs += [(arm, seed) for seed in range(n) for arm in arms if not only or arm in only]
     return jobs
 
 
@@ -557,15 +561,17 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--records", type=Path)
     ap.add_argument("--report-only", action="store_true")
+    ap.add_argument("--arms", nargs="+", choices=[*ARMS, ORACLE_ARM], help="train only these arms")
     a = ap.parse_args()
     s = settings(a)
     seeds = a.seeds or (1 if a.quick else 6)
     if not a.report_only:
         from bench._warm import Stepgrpo
 
-        with Stepgrpo(a.jobs, s.out) as stepgrpo, ThreadPoolExecutor(a.jobs) as pool:
-            list(pool.map(lambda job: train_one(s, *job, stepgrpo), queue(s, seeds)))
-        if not a.quick:  # then the oracle where the clip binds, a run at a time
+        if jobs := queue(s, seeds, a.arms):
+            with Stepgrpo(a.jobs, s.out) as stepgrpo, ThreadPoolExecutor(a.jobs) as pool:
+                list(pool.map(lambda job: train_one(s, *job, stepgrpo), jobs))
+        if not a.quick and (not a.arms or ORACLE_ARM in a.arms):  # the oracle where the clip binds, a run at a time
             from bench.oracle._oracle import ORACLE
             from stepgrpo_core.registry import allow
 
@@ -574,10 +580,12 @@ def main() -> None:
                 train_oracle(s, seed)
     analysis = analyse(s, seeds)
     dest = s.out if a.quick else RECORDS.parent
-    write_json(dest / "analysis.json", analysis)
-    (dest / "summary.md").write_text(summary_md(analysis))
-    print((dest / "summary.md").read_text())
-    print(f"wrote {relative(dest)}/summary.md and analysis.json")
+    # another length (the 300-iteration check of the shipped window) is read into files of its own
+    tag = "" if s.iterations == (QUICK if a.quick else FULL)["iterations"] else f"_{s.iterations}"
+    write_json(dest / f"analysis{tag}.json", analysis)
+    (dest / f"summary{tag}.md").write_text(summary_md(analysis))
+    print((dest / f"summary{tag}.md").read_text())
+    print(f"wrote {relative(dest)}/summary{tag}.md and analysis{tag}.json")
 
 
 if __name__ == "__main__":
