@@ -50,6 +50,7 @@ def call(env: dict[str, str], cwd: Path, *args: str, timeout: float = 3600) -> t
 def local_server(env: dict[str, str], home: Path) -> Iterator[tuple[str, int, dict[str, str]]]:
     """`prefect server start` on a free port with PREFECT_HOME `home`, for the block: yields its API
     URL, port and `env` with PREFECT_API_URL set (the UI is pointed at the same API)."""
+    home.mkdir(parents=True, exist_ok=True)  # its SQLite database cannot be opened in a missing folder
     port = free_port()
     url = f"http://127.0.0.1:{port}/api"
     server_env = {k: v for k, v in env.items() if k != "PREFECT_API_URL"}
