@@ -174,6 +174,12 @@ class SamplerConfig(_Section):
     """The solver of the rollout's deterministic steps: `euler` (SD3's sampler), or `dpm2`,
     DPM-Solver++ 2M from diffusers' scheduler (DiffusionNFT's 10-step ODE rollouts; multistep, so
     only with the deterministic `kernel: ode`, which makes every step one)."""
+    sde_solver: Literal["sa_solver"] | None = None
+    """A stochastic multistep solver that takes every step of the rollout instead of `kernel` and
+    the SDE window: `sa_solver`, SA-Solver from diffusers' scheduler (AWM's rollouts; its tau is
+    `noise`, on 0.3 <= sigma <= 0.9). Its steps have no density under the policy alone (each
+    depends on the solver's history), so only a flow-matching objective (`update.objective` nft,
+    awm), which trains on the final samples, takes it."""
     eval_steps: int = Field(40, ge=1, le=MAX_STEPS)
     """ODE steps of evaluation sampling (Flow-GRPO evaluates with 40)."""
     shared_x0: bool = True
@@ -197,6 +203,22 @@ class SamplerConfig(_Section):
                 f"sampler.ode_solver {self.ode_solver!r} is a multistep ODE solver: its history breaks at a "
                 f"stochastic step; use it with sampler.kernel=ode (every step deterministic)"
             )
+        if self.sde_solver is not None:
+            if self.ode_solver != "euler":
+                raise ValueError(
+                    f"sampler.sde_solver {self.sde_solver!r} takes every step: sampler.ode_solver "
+                    f"{self.ode_solver!r} would have none; leave ode_solver at euler"
+                )
+            if self.sde_window_start != 0 or self.sde_window_size is not None:
+                raise ValueError(
+                    f"sampler.sde_solver {self.sde_solver!r} takes every step (its tau band decides where it "
+                    "adds noise): unset sampler.sde_window_start / sde_window_size"
+                )
+            if KERNELS.facts(self.kernel)["per_step"]:
+                raise ValueError(
+                    f"sampler.sde_solver {self.sde_solver!r} reads sampler.noise as its tau, one number; kernel "
+                    f"{self.kernel!r} makes it a per-step table: leave sampler.kernel at flow"
+                )
         return self
 
     @model_validator(mode="after")
@@ -682,7 +704,13 @@ class Config(_Section):
                 "update.objective grpo to train; pick a stochastic kernel (e.g. flow), or a flow-matching "
                 "objective (update.objective=nft or awm) that trains on the final samples"
             )
-        if KERNELS.facts(self.sampler.kernel)["deterministic"] and self.sampler.shared_x0:
+        if self.sampler.sde_solver is not None and not self.update.matching:
+            raise ValueError(
+                f"sampler.sde_solver {self.sampler.sde_solver!r}: its steps have no density of their own (each "
+                "depends on the solver's history) for update.objective grpo to train; use it with a flow-matching "
+                "objective (update.objective=awm or nft), or sample with a kernel"
+            )
+        if KERNELS.facts(self.sampler.kernel)["deterministic"] and self.sampler.shared_x0 and not self.sampler.sde_solver:
             raise ValueError(
                 f"sampler.kernel {self.sampler.kernel!r} is deterministic and sampler.shared_x0 is true: every member "
                 "of a group would be the same sample; set sampler.shared_x0=false (each member its own initial noise, "
@@ -776,6 +804,7 @@ STAGE_FIELDS: dict[str, tuple[str, ...]] = {
         "sampler.sde_window_size",
         "sampler.shared_x0",
         "sampler.ode_solver",
+        "sampler.sde_solver",
         "run.prompts",
         "run.prompts_per_iteration",
         "run.group_size",
@@ -814,6 +843,7 @@ STAGE_FIELDS: dict[str, tuple[str, ...]] = {
 KEY_NEUTRAL: dict[str, Any] = {
     "sampler.shared_x0": True,
     "sampler.ode_solver": "euler",
+    "sampler.sde_solver": None,
     "optim.step_weighting": "uniform",
     "optim.preset": None,
     "update.objective": "grpo",

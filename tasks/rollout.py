@@ -85,6 +85,8 @@ def compute(run: Run, cfg: Config, iteration: int, noise: float | torch.Tensor, 
         kernel_params={
             "noise": noise.tolist() if isinstance(noise, torch.Tensor) else float(noise),
             "window": [start, end - start],
+            # a solver that took every step instead of the kernel (recorded where one did)
+            **({"sde_solver": cfg.sampler.sde_solver} if cfg.sampler.sde_solver else {}),
         },
         resume=key,
     )

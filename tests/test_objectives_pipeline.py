@@ -15,10 +15,17 @@ from stepgrpo.storage.run import Run
 
 pytestmark = pytest.mark.slow
 
-# nft on DPM-Solver++ rollouts with step-level credit on their own x0 predictions; awm with outcome credit
+# nft on DPM-Solver++ rollouts with step-level credit on their own x0 predictions; awm on SA-Solver
+# rollouts (their noise from the run's seeds) with outcome credit
 CASES = {
     "nft": ["update.objective=nft", "sampler.ode_solver=dpm2", "completion.method=rollout", "credit.scheme=dense"],
-    "awm": ["update.objective=awm", "credit.scheme=outcome", "optim.optimizer_steps=2", "update.times=2"],
+    "awm": [
+        "update.objective=awm",
+        "sampler.sde_solver=sa_solver",
+        "credit.scheme=outcome",
+        "optim.optimizer_steps=2",
+        "update.times=2",
+    ],
 }
 
 
@@ -95,6 +102,9 @@ def test_a_run_killed_in_each_stage_resumes_bit_identical(objective, clean, tiny
     group = {"nft": "old", "awm": "kl_ema"}[objective]
     assert {k.split("/")[1] for k in ours} >= {"lora", "optimizer", group}
     assert ours.keys() == theirs.keys()
+    if objective == "awm":  # the rollout records the solver that took its steps
+        kp = Run.open(run_dir).stages.read_rollout(0).kernel_params
+        assert kp["sde_solver"] == "sa_solver"
     assert all(torch.equal(ours[k], theirs[k]) for k in ours), [k for k in ours if not torch.equal(ours[k], theirs[k])]
     # the companion moved after every optimizer step: it is neither the start nor the trained adapter
     run = Run.open(run_dir)

@@ -114,7 +114,8 @@ def test_the_recipe_reaches_its_first_rollout(recipe, sd35_like, flux_like, tmp_
     stochastic = torch.isfinite(torch.from_numpy(data.log_probs[0])).tolist()
     # a log-prob inside the SDE window only; all of it but ddim's deterministic last step (std 0 at s' = 0)
     ends = (cfg.sampler.steps - 1,) if cfg.sampler.kernel == "ddim" else ()
-    if KERNELS.facts(cfg.sampler.kernel)["deterministic"]:  # an ODE rollout (DiffusionNFT): no step has a density
+    # an ODE rollout (DiffusionNFT) or a multistep solver's (AWM's SA-Solver): no step has a density of its own
+    if KERNELS.facts(cfg.sampler.kernel)["deterministic"] or cfg.sampler.sde_solver:
         start = end = 0
     assert [k for k, x in enumerate(stochastic) if x] == [k for k in range(start, end) if k not in ends]
 

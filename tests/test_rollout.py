@@ -225,3 +225,54 @@ def test_dpm2_needs_a_deterministic_kernel():
     with pytest.raises(ConfigError, match="no density for update.objective grpo"):
         load_config(None, ["sampler.kernel=ode", "sampler.shared_x0=false"])
     load_config(None, [nft, "sampler.ode_solver=dpm2", "sampler.kernel=ode", "sampler.shared_x0=false"])
+
+
+def test_sa_solver_samples_the_flows_marginals():
+    """`sampler.sde_solver: sa_solver` (diffusers' SASolverScheduler on the rollout's grid, AWM's
+    tau band) is a sampler of the flow: with the exact velocity of Gaussian data (std c) its
+    states have the marginal std sqrt((1 - s)^2 c^2 + s^2) at every sigma and the data's at the end,
+    with tau 0 (deterministic) and tau 1 (noise inside 0.3 <= sigma <= 0.9); the noise comes from
+    the rollout's generator."""
+    from stepgrpo.loops.sampling import SASolver
+    from stepgrpo_core.rollout import rollout
+
+    c = 0.5
+
+    def velocity(x, s, cond):  # E[eps - x0 | x_s] for x0 ~ N(0, c^2)
+        s = s.reshape(-1, 1, 1, 1).double()
+        return ((s - (1 - s) * c**2) / ((1 - s) ** 2 * c**2 + s**2) * x.double()).float()
+
+    sigmas = torch.linspace(1, 0, 51)
+    x0 = torch.randn(20000, 1, 1, 1, generator=torch.Generator().manual_seed(0))
+    x0 = x0 / x0.std()
+    finals = {}
+    for tau in (0.0, 1.0):
+        for seed in (1, 2):
+            g = torch.Generator().manual_seed(seed)
+            out = rollout(velocity, x0, sigmas, None, kernel="ode", ode_step=SASolver(sigmas, tau, g).step)
+            assert bool(out.states.isfinite().all()) and bool(out.log_probs.isnan().all())
+            for k in (10, 25, 40):  # sigma 0.8, 0.5, 0.2
+                s = float(sigmas[k])
+                assert abs(out.states[:, k].std().item() / ((1 - s) ** 2 * c**2 + s**2) ** 0.5 - 1) < 0.03, (tau, k)
+            assert abs(out.states[:, -1].std().item() / c - 1) < 0.03, tau
+            finals[tau, seed] = out.states[:, -1]
+    assert torch.equal(finals[0.0, 1], finals[0.0, 2])  # tau 0: no noise drawn into the states
+    assert not torch.equal(finals[1.0, 1], finals[1.0, 2])
+    again = rollout(velocity, x0, sigmas, None, kernel="ode", ode_step=SASolver(sigmas, 1.0, torch.Generator().manual_seed(1)).step)
+    assert torch.equal(again.states[:, -1], finals[1.0, 1])
+
+
+def test_sa_solver_is_for_the_flow_matching_objectives():
+    from stepgrpo.config import ConfigError, load_config
+
+    awm, sa = "update.objective=awm", "sampler.sde_solver=sa_solver"
+    with pytest.raises(ConfigError, match="no density of their own"):
+        load_config(None, [sa])
+    with pytest.raises(ConfigError, match="unset sampler.sde_window_start"):
+        load_config(None, [awm, sa, "sampler.sde_window_size=3"])
+    with pytest.raises(ConfigError, match="leave ode_solver at euler"):
+        load_config(None, [awm, sa, "sampler.ode_solver=dpm2", "sampler.kernel=ode"])
+    with pytest.raises(ConfigError, match="leave sampler.kernel at flow"):
+        load_config(None, [awm, sa, "sampler.kernel=psi"])
+    cfg = load_config(None, [awm, sa])
+    assert cfg.sampler.sde_solver == "sa_solver"

@@ -107,6 +107,7 @@ def sample_groups(
     groups: range | None = None,
     shared_x0: bool = True,
     ode_solver: str = "euler",
+    sde_solver: str | None = None,
 ) -> Iterator[GroupChunk]:
     """Sample `len(group_noise)` groups of `group_size` trajectories, `groups_per_call` at a time.
 
@@ -115,8 +116,10 @@ def sample_groups(
     that starts at group `c0` draws its SDE noise from `generator(*sde_seed(c0))`. With
     `ode_reference`, each distinct `x_0` is also sampled by the ODE (one per group when its members
     share it; a deterministic kernel's rollout is that sample already). `ode_solver`: the
-    deterministic steps' solver (`ODE_SOLVERS`: `euler`, or `dpm2`, DPM-Solver++ 2M). `groups`: only
-    these groups (a shard's; it starts at a call boundary).
+    deterministic steps' solver (`ODE_SOLVERS`: `euler`, or `dpm2`, DPM-Solver++ 2M). `sde_solver`:
+    a stochastic multistep solver that takes every step instead of `kernel` (`SDE_SOLVERS`:
+    `sa_solver`, its tau `noise`), its noise from the same generator. `groups`: only these groups (a
+    shard's; it starts at a call boundary).
     """
     from stepgrpo_core.kernels import KERNELS
     from stepgrpo_core.rollout import rollout
@@ -142,19 +145,15 @@ def sample_groups(
             )
         rows = np.arange(c0 * G, (called[-1] + 1) * G)
         cond = encode(pol, texts, prompt_ids[rows])
-        sde = rollout(
-            pol.velocity,
-            x0,
-            sigmas,
-            cond,
-            kernel=kernel,
-            noise=noise,
-            window=window,
-            generator=generator(*sde_seed(c0), device=pol.device),
-            ode_step=None if ode_solver == "euler" else ODE_SOLVERS[ode_solver](sigmas),
-        )
+        g = generator(*sde_seed(c0), device=pol.device)
+        if sde_solver is not None:  # the solver takes every step (the kernel's `ode` leaves them all to it)
+            step, kind, deterministic = SDE_SOLVERS[sde_solver](sigmas, float(noise), g), "ode", False
+        else:
+            step = None if ode_solver == "euler" else ODE_SOLVERS[ode_solver](sigmas)
+            kind, deterministic = kernel, bool(KERNELS.facts(kernel)["deterministic"])
+        sde = rollout(pol.velocity, x0, sigmas, cond, kernel=kind, noise=noise, window=window, generator=g, ode_step=step)
         ode_final, nfe_ode = None, 0
-        if ode_reference and KERNELS.facts(kernel)["deterministic"]:
+        if ode_reference and deterministic:
             ode_final = sde.states[:, -1]  # the rollout is the ODE's own sample: nothing to recompute
         elif ode_reference:
             before = pol.nfe
@@ -203,6 +202,61 @@ class DPMSolver:
 ODE_SOLVERS = {"euler": None, "dpm2": lambda sigmas: DPMSolver(sigmas, order=2).step}
 
 
+class SASolver:
+    """SA-Solver (arXiv 2309.05019), the stochastic Adams predictor-corrector AWM samples with, on a
+    flow-matching grid: diffusers' `SASolverScheduler` (data prediction `x0 = x - sigma v`,
+    `alpha = 1 - sigma`; predictor and corrector of order 2, PEC: one transformer pass a step) with
+    the rollout's grid as its sigmas, and AWM's stochasticity `tau(sigma) = tau` on
+    `0.3 <= sigma <= 0.9`, 0 elsewhere. As AWM's solver: the solver reads the grid's first sigma
+    as at most `1 - 1e-3` (the log-SNR is -inf at 1), and the last step returns the data prediction
+    of the last state, `x - sigma v` (its "denoise to zero": the log-SNR is +inf at 0). Unlike it,
+    diffusers' corrector acts from the second step on (AWM's skips its first). The stored state
+    `x_k` is where `v_k` was evaluated (the predictor's output); the corrector refines it inside
+    the solver before the next prediction. The step noise comes from `generator`, so a rollout is
+    reproducible; the steps have no density under the policy alone (each depends on the solver's
+    history), so only an objective that trains on the final sample uses it. One object per rollout
+    call. `step(k, x_k, v_k) -> x_{k+1}` (`rollout`'s `ode_step`)."""
+
+    BAND = (0.3, 0.9)  # AWM's: stochastic where 0.3 <= sigma <= 0.9
+
+    def __init__(self, sigmas: torch.Tensor, tau: float, generator: torch.Generator | None = None) -> None:
+        from diffusers import SASolverScheduler
+
+        lo, hi = self.BAND
+        self.scheduler = SASolverScheduler(
+            num_train_timesteps=1000,
+            predictor_order=2,
+            corrector_order=2,
+            prediction_type="flow_prediction",
+            algorithm_type="data_prediction",
+            use_flow_sigmas=True,
+            lower_order_final=True,
+            tau_func=lambda t: tau if 1000 * lo <= float(t) <= 1000 * hi else 0.0,
+        )
+        T = len(sigmas) - 1
+        self.scheduler.set_timesteps(T)
+        grid = sigmas.detach().float().cpu().clone()
+        self.timesteps = grid[:-1] * 1000  # the tau band reads the evaluated sigma
+        grid[0] = min(float(grid[0]), 1 - 1e-3)
+        self.scheduler.sigmas = grid
+        self.scheduler.timesteps = self.timesteps
+        self.scheduler.set_begin_index(0)
+        self.last = T - 1 if float(sigmas[-1]) == 0 else None  # the step to sigma 0, if the grid has one
+        self.generator = generator
+
+    def step(self, k: int, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        sch = self.scheduler
+        if sch.step_index is not None and sch.step_index != k:
+            raise ValueError(f"SASolver steps in order: expected step {sch.step_index}, got {k}")
+        if k == self.last:  # to sigma 0: the data prediction
+            return x.float() - float(self.timesteps[k]) / 1000 * v.float()
+        return sch.step(v.float(), self.timesteps[k], x.float(), generator=self.generator, return_dict=False)[0]
+
+
+# the stochastic multistep solvers: (grid, tau, generator) -> `rollout`'s ode_step
+SDE_SOLVERS = {"sa_solver": lambda sigmas, tau, generator: SASolver(sigmas, tau, generator).step}
+
+
 def sample_iteration(
     pol: Policy,
     cfg: Config,
@@ -236,6 +290,7 @@ def sample_iteration(
         groups=groups,
         shared_x0=cfg.sampler.shared_x0,
         ode_solver=cfg.sampler.ode_solver,
+        sde_solver=cfg.sampler.sde_solver,
     )
 
 

@@ -91,14 +91,15 @@ def model_card(
     method = cfg.completion.method
     scheme = cfg.credit.scheme + (f" (step rewards by {method} completion)" if method else "")
     run, sampler = cfg.run, cfg.sampler
+    objective = {"grpo": "GRPO", "nft": "DiffusionNFT", "awm": "AWM"}.get(cfg.update.objective, cfg.update.objective)
     lines = [
         "---",
         yaml.safe_dump(meta, sort_keys=False).strip(),
         "---",
         "",
-        f"# {run_id}: a GRPO LoRA for `{base}`",
+        f"# {run_id}: a {objective} LoRA for `{base}`",
         "",
-        f"Trained with stepgrpo's GRPO, credit scheme **{scheme}**.",
+        f"Trained with stepgrpo's {objective} (`update.objective: {cfg.update.objective}`), credit scheme **{scheme}**.",
         "",
         "| setting | value |",
         "|---|---|",
@@ -106,7 +107,8 @@ def model_card(
         f"| reward | `{cfg.reward.name}`{' ' + str(dict(cfg.reward.options)) if cfg.reward.options else ''} |",
         f"| credit | `{cfg.credit.scheme}`{' ' + str(dict(cfg.credit.options)) if cfg.credit.options else ''} |",
         f"| iterations | {run.iterations} x {run.prompts_per_iteration} prompts x {run.group_size} samples |",
-        f"| sampler | {sampler.steps} steps, SDE window {sampler.sde_window_size}, kernel {sampler.kernel} |",
+        f"| sampler | {sampler.steps} steps, "
+        + (f"{sampler.sde_solver} |" if sampler.sde_solver else f"SDE window {sampler.sde_window_size}, kernel {sampler.kernel} |"),
         f"| LoRA | rank {cfg.model.lora_rank}, alpha {cfg.model.lora_alpha}; lr {cfg.optim.lr:g} |",
         "",
         "## Held-out reward",

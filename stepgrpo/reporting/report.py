@@ -151,7 +151,7 @@ def publish_summary(run_id: str, cfg: Config, evals: Sequence[Mapping[str, Any]]
     lines = [
         f"# stepgrpo run `{run_id}`",
         "",
-        f"config **{cfg.run.name}**: kernel `{cfg.sampler.kernel}`, "
+        f"config **{cfg.run.name}**: kernel `{cfg.sampler.sde_solver or cfg.sampler.kernel}`, "
         f"completion `{cfg.completion.method}`, reward `{cfg.reward.name}`, scheme `{cfg.credit.scheme}`, "
         f"{cfg.run.iterations} iterations of {cfg.run.prompts_per_iteration} x {cfg.run.group_size} trajectories",
         "",
