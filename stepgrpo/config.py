@@ -710,7 +710,11 @@ class Config(_Section):
                 "depends on the solver's history) for update.objective grpo to train; use it with a flow-matching "
                 "objective (update.objective=awm or nft), or sample with a kernel"
             )
-        if KERNELS.facts(self.sampler.kernel)["deterministic"] and self.sampler.shared_x0 and not self.sampler.sde_solver:
+        if (
+            KERNELS.facts(self.sampler.kernel)["deterministic"]
+            and self.sampler.shared_x0
+            and not self.sampler.sde_solver
+        ):
             raise ValueError(
                 f"sampler.kernel {self.sampler.kernel!r} is deterministic and sampler.shared_x0 is true: every member "
                 "of a group would be the same sample; set sampler.shared_x0=false (each member its own initial noise, "

@@ -258,7 +258,9 @@ def test_sa_solver_samples_the_flows_marginals():
             finals[tau, seed] = out.states[:, -1]
     assert torch.equal(finals[0.0, 1], finals[0.0, 2])  # tau 0: no noise drawn into the states
     assert not torch.equal(finals[1.0, 1], finals[1.0, 2])
-    again = rollout(velocity, x0, sigmas, None, kernel="ode", ode_step=SASolver(sigmas, 1.0, torch.Generator().manual_seed(1)).step)
+    again = rollout(
+        velocity, x0, sigmas, None, kernel="ode", ode_step=SASolver(sigmas, 1.0, torch.Generator().manual_seed(1)).step
+    )
     assert torch.equal(again.states[:, -1], finals[1.0, 1])
 
 

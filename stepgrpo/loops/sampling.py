@@ -151,7 +151,9 @@ def sample_groups(
         else:
             step = None if ode_solver == "euler" else ODE_SOLVERS[ode_solver](sigmas)
             kind, deterministic = kernel, bool(KERNELS.facts(kernel)["deterministic"])
-        sde = rollout(pol.velocity, x0, sigmas, cond, kernel=kind, noise=noise, window=window, generator=g, ode_step=step)
+        sde = rollout(
+            pol.velocity, x0, sigmas, cond, kernel=kind, noise=noise, window=window, generator=g, ode_step=step
+        )
         ode_final, nfe_ode = None, 0
         if ode_reference and deterministic:
             ode_final = sde.states[:, -1]  # the rollout is the ODE's own sample: nothing to recompute

@@ -99,7 +99,8 @@ def model_card(
         "",
         f"# {run_id}: a {objective} LoRA for `{base}`",
         "",
-        f"Trained with stepgrpo's {objective} (`update.objective: {cfg.update.objective}`), credit scheme **{scheme}**.",
+        f"Trained with stepgrpo's {objective} (`update.objective: {cfg.update.objective}`), "
+        f"credit scheme **{scheme}**.",
         "",
         "| setting | value |",
         "|---|---|",
@@ -108,7 +109,11 @@ def model_card(
         f"| credit | `{cfg.credit.scheme}`{' ' + str(dict(cfg.credit.options)) if cfg.credit.options else ''} |",
         f"| iterations | {run.iterations} x {run.prompts_per_iteration} prompts x {run.group_size} samples |",
         f"| sampler | {sampler.steps} steps, "
-        + (f"{sampler.sde_solver} |" if sampler.sde_solver else f"SDE window {sampler.sde_window_size}, kernel {sampler.kernel} |"),
+        + (
+            f"{sampler.sde_solver} |"
+            if sampler.sde_solver
+            else f"SDE window {sampler.sde_window_size}, kernel {sampler.kernel} |"
+        ),
         f"| LoRA | rank {cfg.model.lora_rank}, alpha {cfg.model.lora_alpha}; lr {cfg.optim.lr:g} |",
         "",
         "## Held-out reward",
