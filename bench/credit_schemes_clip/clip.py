@@ -427,7 +427,7 @@ def claims(s: Screen, rec: dict[tuple[str, int], dict[str, Any]], seeds: int) ->
     return rows
 
 
-def claims_md(rows: list[dict[str, Any]]) -> str:
+def claims_md(rows: list[dict[str, Any]], iterations: int) -> str:
     from bench.credit_schemes._schemes import ci
 
     def cell(v: dict[str, Any] | None) -> str:
@@ -444,7 +444,7 @@ def claims_md(rows: list[dict[str, Any]]) -> str:
     ]
     for r in rows:
         L.append(
-            f"| {r['paper']} | higher reward than Flow-GRPO after 100 iterations (its optimizer alike) "
+            f"| {r['paper']} | higher reward than Flow-GRPO after {iterations} iterations (its optimizer alike) "
             f"| {cell(r['v2'])} | {cell(r['v3'])} | {cell(r['v4'])} |"
         )
     return "\n".join(L) + "\n"
@@ -542,7 +542,7 @@ def summary_md(a: dict[str, Any]) -> str:
             boot = ci(v["bootstrap"]) if v["bootstrap"]["lo"] == v["bootstrap"]["lo"] else "n/a"
             L.append(f"| {name} | {v['n']} | {at} | {boot} | {iv(v['seeds'])} |")
     if a.get("claims"):
-        L += ["", "## Claims v4", "", claims_md(a["claims"])]
+        L += ["", "## Claims v4", "", claims_md(a["claims"], N)]
     L += [
         "",
         "Seconds an iteration are as timed, beside other work (2 runs at once, tests): they do not compare "
