@@ -71,6 +71,17 @@ def test_a_card_of_the_shipped_model_loads_it_from_a_checkout_or_a_wheel():
     assert portable(cfg)["run"]["runs_root"] == "runs"
 
 
+def test_a_card_names_the_objective_and_the_sampler_it_was_trained_with():
+    from stepgrpo.config import load_config
+    from stepgrpo.reporting.card import model_card
+
+    grpo = model_card(load_config("shapes_outcome", []), "r", [], samples=False)
+    assert "a GRPO LoRA" in grpo and "kernel flow" in grpo
+    awm = model_card(load_config("shapes_awm", ["sampler.sde_solver=sa_solver"]), "r", [], samples=False)
+    assert "an AWM LoRA" in awm
+    assert "`update.objective: awm`" in awm and "| sampler | 10 steps, sa_solver |" in awm and "GRPO" not in awm
+
+
 def test_the_compare_chart_labels_every_run(tmp_path):
     """Two runs of one recipe: one colour, two labelled lines (not one legend entry for both)."""
     import matplotlib

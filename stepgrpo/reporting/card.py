@@ -97,7 +97,7 @@ def model_card(
         yaml.safe_dump(meta, sort_keys=False).strip(),
         "---",
         "",
-        f"# {run_id}: a {objective} LoRA for `{base}`",
+        f"# {run_id}: {'an' if objective[0] in 'AEIOU' else 'a'} {objective} LoRA for `{base}`",
         "",
         f"Trained with stepgrpo's {objective} (`update.objective: {cfg.update.objective}`), "
         f"credit scheme **{scheme}**.",
