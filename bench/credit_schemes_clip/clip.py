@@ -281,7 +281,7 @@ def analyse(s: Screen, seeds: int = 6) -> dict[str, Any]:
         gains = {k: contrast([(r, 1.0)], N) for k, r in mine.items()}
         base = {k: contrast([(r, 1.0)], 0) for k, r in mine.items()}
         g = {k: {"mean": gains[k]["mean"] - base[k]["mean"]} for k in mine if gains[k] and base[k]}
-        clip = [u for r in mine.values() for u in r.get("update", [])]
+        clip = [u for r in mine.values() for u in r.get("update", [])[:N]]  # a longer record: its first N
         out["arms"][arm] = {
             "seeds": sorted(mine),
             "gain": {str(k): v["mean"] for k, v in g.items()},
