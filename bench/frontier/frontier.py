@@ -89,7 +89,12 @@ GRPO: dict[str, tuple[str, list[str], list[Path]]] = {
     "outcome_w3": (
         "configs/shapes_outcome.yaml",
         [],
-        [DOCS / "credit_schemes_w9" / "runs", DOCS / "credit_schemes_cheap" / "runs"],
+        # the clip screen's first: it holds the records of seeds 3-5 made longer (400 iterations)
+        [
+            DOCS / "credit_schemes_clip" / "runs",
+            DOCS / "credit_schemes_w9" / "runs",
+            DOCS / "credit_schemes_cheap" / "runs",
+        ],
     ),
     "dense_rollout_w9": ("configs/shapes_dense_w9.yaml", DENSE[:1], [DOCS / "credit_schemes_cheap" / "runs"]),
     # the best GRPO recipe per NFE the optimizer screen found (configs/shapes_outcome_clip.yaml: four
