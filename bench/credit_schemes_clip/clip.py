@@ -26,6 +26,13 @@ base cancels). Credit "matters where the clip binds" if the t-interval of DiD ov
 lies above 0; the prompt-clustered interval (each prompt's DiD averaged over its noise seeds and
 the training seeds, the interval over the 126 prompts) is printed beside it.
 
+The shipped default, fixed before the 300-iteration records of seeds 1-2 (seed 0's was read: +0.013):
+outcome_w3_k4 (configs/shapes_outcome_clip.yaml) replaces shapes_outcome.yaml as the recipe the demo and
+the README start from if, after shapes_outcome.yaml's 300 iterations (seeds 0-2), its held-out reward
+minus shapes_outcome.yaml's, paired by seed (two-level bootstrap), has a mean above 0 and an interval
+that does not lie below 0: the 100-iteration win not reversed. shapes_outcome.yaml itself stays the
+one-step recipe every kept record names.
+
 Durable state: one record per finished run (`RECORDS/<arm>/seed_<S>.json`: argv, NFEs, seconds,
 training rewards, every held-out evaluation's per-sample scores, and the update's clip diagnostics
 per iteration). Run directories (`--out`) are scratch. Resumable: a recorded run is skipped.
