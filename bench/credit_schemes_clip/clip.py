@@ -538,6 +538,8 @@ def summary_md(a: dict[str, Any]) -> str:
         if "at_k4" in o:
             L.append(f"| oracle - outcome, both at K = 4 | {o['at_k4']['n']} | {iv(o['at_k4']['seeds'])} | "
                      f"{ci(o['at_k4']['prompts'])} |")  # fmt: skip
+    elif N != FULL["iterations"]:  # the oracle pairs with the K = 4 arm's records at the screen's length
+        L.append(f"Read with the screen's {FULL['iterations']} iterations (`summary.md`), not at {N}.")
     else:
         L.append(
             f"Not run yet: `bench/credit_schemes_clip/clip.py` trains `{ORACLE_ARM}` after the other arms "
