@@ -168,8 +168,9 @@ def test_shapes_recipes_share_the_outcome_base():
     for name, scheme in [("stepwise", "stepwise"), ("dense", "dense"), ("turning_point", "turning_point")]:
         cfg = load_config(CONFIGS / f"shapes_{name}.yaml")
         assert cfg.credit.scheme == scheme and cfg.optim == base.optim and cfg.model == base.model
-    demo = load_config(CONFIGS / "demo.yaml")
-    assert demo.optim == base.optim and demo.sampler == base.sampler and demo.run.iterations < base.run.iterations
+    demo, clip = load_config(CONFIGS / "demo.yaml"), load_config(CONFIGS / "shapes_outcome_clip.yaml")
+    assert demo.optim == clip.optim and demo.sampler == base.sampler and demo.run.iterations < base.run.iterations
+    assert (clip.optim.optimizer_steps, clip.optim.clip_range) == (4, 1e-4)  # the clip recipe: the PPO clip acts
 
 
 def test_the_run_form_is_the_typed_config_every_field_described_names_as_choices():
