@@ -311,6 +311,8 @@ def analyse(s: Screen, seeds: int = 6) -> dict[str, Any]:
             out["credit"].setdefault(scheme, {})["at_k4"] = pooled(at_k4)
     if rows := paired(rec, [("outcome_w9_k2", 1), ("outcome_w9_k4", -1)], seeds, N):
         out["k2_vs_k4"] = pooled(rows)
+    if rows := paired(rec, [("outcome_w3_k2", 1), ("outcome_w3_k4", -1)], seeds, N):
+        out["k2_vs_k4_w3"] = pooled(rows)
     out["vs_shipped"] = vs_shipped(s, rec, seeds)
     out["claims"] = claims(s, rec, seeds) if not s.quick else []
     return out
@@ -508,13 +510,13 @@ def summary_md(a: dict[str, Any]) -> str:
     for name, v in a["vs_one_step"].items():
         boot = ci(v["bootstrap"]) if v["bootstrap"]["lo"] == v["bootstrap"]["lo"] else "n/a"
         L.append(f"| {name} | {v['n']} | {iv(v['seeds'])} | {ci(v['prompts'])} | {boot} |")
-    if a["k2_vs_k4"]:
-        v = a["k2_vs_k4"]
-        L += [
-            "",
-            f"Outcome K = 2 minus K = 4 (clip 1e-4): {iv(v['seeds'])} over {v['n']} seeds, "
-            f"{ci(v['prompts'])} by prompt.",
-        ]
+    for key, window in (("k2_vs_k4", "W = 9"), ("k2_vs_k4_w3", "W = 3")):
+        if v := a.get(key):
+            L += [
+                "",
+                f"Outcome K = 2 minus K = 4 (clip 1e-4, {window}): {iv(v['seeds'])} over {v['n']} seeds, "
+                f"{ci(v['prompts'])} by prompt.",
+            ]
     L += ["", "## The decision: (scheme - outcome) at K = 4, clip 1e-4, minus the same at K = 1", ""]
     L += [
         "| scheme | seeds | scheme - outcome at K = 4 | DiD over seeds (t) | DiD by prompt "
