@@ -313,6 +313,8 @@ def analyse(s: Screen, seeds: int = 6) -> dict[str, Any]:
         out["k2_vs_k4"] = pooled(rows)
     if rows := paired(rec, [("outcome_w3_k2", 1), ("outcome_w3_k4", -1)], seeds, N):
         out["k2_vs_k4_w3"] = pooled(rows)
+    if rows := paired(rec, [("outcome_w9_k4", 1), ("outcome_w9_k4_c01", -1)], seeds, N):
+        out["clip_at_k4"] = pooled(rows)  # the clip's own effect: four steps at 1e-4 minus four at 0.01
     out["vs_shipped"] = vs_shipped(s, rec, seeds)
     out["claims"] = claims(s, rec, seeds) if not s.quick else []
     return out
@@ -517,6 +519,12 @@ def summary_md(a: dict[str, Any]) -> str:
                 f"Outcome K = 2 minus K = 4 (clip 1e-4, {window}): {iv(v['seeds'])} over {v['n']} seeds, "
                 f"{ci(v['prompts'])} by prompt.",
             ]
+    if v := a.get("clip_at_k4"):
+        L += [
+            "",
+            f"Outcome at K = 4, clip 1e-4 minus clip 0.01 (W = 9): {iv(v['seeds'])} over {v['n']} seeds, "
+            f"{ci(v['prompts'])} by prompt.",
+        ]
     L += ["", "## The decision: (scheme - outcome) at K = 4, clip 1e-4, minus the same at K = 1", ""]
     L += [
         "| scheme | seeds | scheme - outcome at K = 4 | DiD over seeds (t) | DiD by prompt "
