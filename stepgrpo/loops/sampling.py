@@ -166,7 +166,28 @@ def sample_groups(
         yield GroupChunk(rows, cond, sde, ode_final, nfe_ode)
 
 
-class DPMSolver:
+class _OnGrid:
+    """A diffusers multistep scheduler driven on the rollout's grid: its sigmas and timesteps
+    replaced by the grid's (`first`: a cap on the first sigma the scheduler reads), stepped in order."""
+
+    def _install(self, scheduler: Any, sigmas: torch.Tensor, first: float | None = None) -> None:
+        scheduler.set_timesteps(len(sigmas) - 1)
+        self.grid = sigmas.detach().float().cpu().clone()
+        self.timesteps = self.grid[:-1] * 1000
+        read = self.grid.clone()
+        if first is not None:
+            read[0] = min(float(read[0]), first)
+        scheduler.sigmas, scheduler.timesteps = read, self.timesteps
+        scheduler.set_begin_index(0)
+        self.scheduler = scheduler
+
+    def _in_order(self, k: int) -> None:
+        at = self.scheduler.step_index
+        if at is not None and at != k:
+            raise ValueError(f"{type(self).__name__} steps in order: expected step {at}, got {k}")
+
+
+class DPMSolver(_OnGrid):
     """DPM-Solver++ (arXiv 2211.01095) multistep, deterministic, on a flow-matching grid: diffusers'
     `DPMSolverMultistepScheduler` (data prediction `x0 = x - sigma v` from the flow velocity,
     `alpha = 1 - sigma`), its sigmas replaced by the rollout's grid. `order` 2 is DiffusionNFT's
@@ -177,7 +198,7 @@ class DPMSolver:
     def __init__(self, sigmas: torch.Tensor, order: int = 2) -> None:
         from diffusers import DPMSolverMultistepScheduler
 
-        self.scheduler = DPMSolverMultistepScheduler(
+        scheduler = DPMSolverMultistepScheduler(
             num_train_timesteps=1000,
             solver_order=order,
             prediction_type="flow_prediction",
@@ -186,25 +207,19 @@ class DPMSolver:
             lower_order_final=True,
             final_sigmas_type="zero",
         )
-        T = len(sigmas) - 1
-        self.scheduler.set_timesteps(T)
-        grid = sigmas.detach().float().cpu()
-        self.scheduler.sigmas = grid.clone()
-        self.scheduler.timesteps = grid[:-1] * 1000
-        self.scheduler.set_begin_index(0)
+        self._install(scheduler, sigmas)
 
     def step(self, k: int, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self._in_order(k)
         sch = self.scheduler
-        if sch.step_index is not None and sch.step_index != k:
-            raise ValueError(f"DPMSolver steps in order: expected step {sch.step_index}, got {k}")
         sch.sigmas = sch.sigmas.to(x.device)
-        return sch.step(v.float(), sch.timesteps[k], x.float(), return_dict=False)[0]
+        return sch.step(v.float(), self.timesteps[k], x.float(), return_dict=False)[0]
 
 
 ODE_SOLVERS = {"euler": None, "dpm2": lambda sigmas: DPMSolver(sigmas, order=2).step}
 
 
-class SASolver:
+class SASolver(_OnGrid):
     """SA-Solver (arXiv 2309.05019), the stochastic Adams predictor-corrector AWM samples with, on a
     flow-matching grid: diffusers' `SASolverScheduler` (data prediction `x0 = x - sigma v`,
     `alpha = 1 - sigma`; predictor and corrector of order 2, PEC: one transformer pass a step) with
@@ -225,7 +240,7 @@ class SASolver:
         from diffusers import SASolverScheduler
 
         lo, hi = self.BAND
-        self.scheduler = SASolverScheduler(
+        scheduler = SASolverScheduler(
             num_train_timesteps=1000,
             predictor_order=2,
             corrector_order=2,
@@ -233,26 +248,18 @@ class SASolver:
             algorithm_type="data_prediction",
             use_flow_sigmas=True,
             lower_order_final=True,
-            tau_func=lambda t: tau if 1000 * lo <= float(t) <= 1000 * hi else 0.0,
+            tau_func=lambda t: tau if 1000 * lo <= float(t) <= 1000 * hi else 0.0,  # t: the evaluated sigma x 1000
         )
-        T = len(sigmas) - 1
-        self.scheduler.set_timesteps(T)
-        grid = sigmas.detach().float().cpu().clone()
-        self.timesteps = grid[:-1] * 1000  # the tau band reads the evaluated sigma
-        grid[0] = min(float(grid[0]), 1 - 1e-3)
-        self.scheduler.sigmas = grid
-        self.scheduler.timesteps = self.timesteps
-        self.scheduler.set_begin_index(0)
-        self.last = T - 1 if float(sigmas[-1]) == 0 else None  # the step to sigma 0, if the grid has one
+        self._install(scheduler, sigmas, first=1 - 1e-3)
         self.generator = generator
 
     def step(self, k: int, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        sch = self.scheduler
-        if sch.step_index is not None and sch.step_index != k:
-            raise ValueError(f"SASolver steps in order: expected step {sch.step_index}, got {k}")
-        if k == self.last:  # to sigma 0: the data prediction
-            return x.float() - float(self.timesteps[k]) / 1000 * v.float()
-        return sch.step(v.float(), self.timesteps[k], x.float(), generator=self.generator, return_dict=False)[0]
+        self._in_order(k)
+        if k == len(self.grid) - 2 and float(self.grid[-1]) == 0:  # the step to sigma 0: the data prediction
+            return x.float() - float(self.grid[k]) * v.float()
+        return self.scheduler.step(
+            v.float(), self.timesteps[k], x.float(), generator=self.generator, return_dict=False
+        )[0]
 
 
 # the stochastic multistep solvers: (grid, tau, generator) -> `rollout`'s ode_step
