@@ -76,6 +76,7 @@ OBJECTIVES: Registry[Objective] = Registry(
     companion_decay=None,
     samples_with_companion=False,
     times=None,
+    title=None,  # how a model card names it ("GRPO", "AWM"); None: the entry's name
 )
 
 
@@ -99,6 +100,7 @@ def check_objective_options(name: str, options: dict[str, object]) -> None:
 
 @OBJECTIVES.register(
     "grpo",
+    title="GRPO",
     matching=False,
     needs_ref=True,
     paper="arXiv 1707.06347, eq. 7 (PPO's clipped surrogate) on each SDE step, as Flow-GRPO (arXiv 2505.05470)",
@@ -202,6 +204,7 @@ def _kl(v: torch.Tensor, other: torch.Tensor | None) -> torch.Tensor:
 
 @OBJECTIVES.register(
     "nft",
+    title="DiffusionNFT",
     needs_old=True,
     companion="old",
     companion_decay=(0.001, 0.5),  # NVlabs/DiffusionNFT config/nft.py: decay_type 1
@@ -270,6 +273,7 @@ def awm_log_prob(
 
 @OBJECTIVES.register(
     "awm",
+    title="AWM",
     needs_ema=True,
     companion="kl_ema",
     companion_decay=(0.001, 0.3),  # scxue/advantage_weighted_matching config/dgx_awm.py: kl_ema_decay 0.3, linear

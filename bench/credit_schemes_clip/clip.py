@@ -512,19 +512,13 @@ def summary_md(a: dict[str, Any]) -> str:
     for name, v in a["vs_one_step"].items():
         boot = ci(v["bootstrap"]) if v["bootstrap"]["lo"] == v["bootstrap"]["lo"] else "n/a"
         L.append(f"| {name} | {v['n']} | {iv(v['seeds'])} | {ci(v['prompts'])} | {boot} |")
-    for key, window in (("k2_vs_k4", "W = 9"), ("k2_vs_k4_w3", "W = 3")):
+    for key, what in (
+        ("k2_vs_k4", "K = 2 minus K = 4 (clip 1e-4, W = 9)"),
+        ("k2_vs_k4_w3", "K = 2 minus K = 4 (clip 1e-4, W = 3)"),
+        ("clip_at_k4", "at K = 4, clip 1e-4 minus clip 0.01 (W = 9)"),
+    ):
         if v := a.get(key):
-            L += [
-                "",
-                f"Outcome K = 2 minus K = 4 (clip 1e-4, {window}): {iv(v['seeds'])} over {v['n']} seeds, "
-                f"{ci(v['prompts'])} by prompt.",
-            ]
-    if v := a.get("clip_at_k4"):
-        L += [
-            "",
-            f"Outcome at K = 4, clip 1e-4 minus clip 0.01 (W = 9): {iv(v['seeds'])} over {v['n']} seeds, "
-            f"{ci(v['prompts'])} by prompt.",
-        ]
+            L += ["", f"Outcome {what}: {iv(v['seeds'])} over {v['n']} seeds, {ci(v['prompts'])} by prompt."]
     L += ["", "## The decision: (scheme - outcome) at K = 4, clip 1e-4, minus the same at K = 1", ""]
     L += [
         "| scheme | seeds | scheme - outcome at K = 4 | DiD over seeds (t) | DiD by prompt "

@@ -91,7 +91,9 @@ def model_card(
     method = cfg.completion.method
     scheme = cfg.credit.scheme + (f" (step rewards by {method} completion)" if method else "")
     run, sampler = cfg.run, cfg.sampler
-    objective = {"grpo": "GRPO", "nft": "DiffusionNFT", "awm": "AWM"}.get(cfg.update.objective, cfg.update.objective)
+    from stepgrpo_core.objectives import OBJECTIVES
+
+    objective = OBJECTIVES.facts(cfg.update.objective)["title"] or cfg.update.objective
     lines = [
         "---",
         yaml.safe_dump(meta, sort_keys=False).strip(),
