@@ -37,7 +37,7 @@ def test_the_frontier_pairs_by_prompt_and_reads_grpo_at_equal_passes(frontier, t
     )
     s.grpo_dirs = {"outcome_w3": [tmp_path / "grpo"]}
     # GRPO: 808 NFEs an iteration = 720 (rollout + ODE reference) + 88 update forwards -> 984 passes
-    grpo = record(s.argv("outcome_w3"), {i: 0.001 * i for i in range(0, 301, 25)}, 808, key="nfe")
+    grpo = record(s.argv("outcome_w3"), {i: 0.001 * i for i in range(0, 401, 25)}, 808, key="nfe")
     assert frontier.grpo_passes(grpo)[0] == 808 + 2 * 88
     for k in range(2):
         (tmp_path / "grpo" / "outcome_w3").mkdir(parents=True, exist_ok=True)
@@ -52,6 +52,12 @@ def test_the_frontier_pairs_by_prompt_and_reads_grpo_at_equal_passes(frontier, t
     ec = a["equal_compute"]["nft - outcome_w3"]
     assert ec["at"] == 100 and ec["outcome_read_at"][0] == [300, 1.0]
     assert ec["prompts"]["mean"] == pytest.approx(0.2 - 0.3) and not ec["beats"]
+    # without the ODE reference (a diagnostic: nft's ODE rollout is its own, GRPO's 8 groups x 10
+    # steps) GRPO's 904 passes an iteration reach nft's 100 iterations at 325
+    assert [frontier.reference_passes(s.argv(a)) for a in ("nft", "awm", "outcome_w3")] == [0, 80, 80]
+    net = a["equal_compute_net"]["nft - outcome_w3"]
+    assert net["less"] == [0, 80] and net["outcome_read_at"][0] == [325, pytest.approx(325 * 904 / 295200, abs=1e-3)]
+    assert net["prompts"]["mean"] == pytest.approx(0.2 - 0.325)
     assert a["equal_trajectories"]["nft - outcome_w3"]["prompts"]["mean"] == pytest.approx(0.2 - 0.1)
     assert a["credit"]["nft"]["prompts"]["mean"] == pytest.approx(0.05)
     # GRPO first reaches nft's reward (0.2 over its base) at 200 iterations: 2/3 of nft's passes

@@ -240,9 +240,25 @@ def contrast(a: dict[str, Any], ia: int, b: dict[str, Any] | None, ib: int) -> d
     return {"mean": sum(d) / len(d), "prompts": d}
 
 
-def equal_compute(o: dict[str, Any], cost: float, tolerance: float = 0.15) -> int | None:
-    """outcome's evaluation nearest `cost` cumulative passes, when within `tolerance` of it."""
-    p = grpo_passes(o)
+def reference_passes(argv: list[str]) -> int:
+    """The passes an iteration of the run with `argv` spent on its ODE reference (the ODE sample of
+    each distinct initial noise, `stepgrpo.loops.sampling.sample_groups`): a diagnostic in every run
+    compared here, whose credit (outcome, or step rewards from the rollout's own x0 predictions)
+    does not read it. A deterministic rollout is its own reference (0)."""
+    from stepgrpo.config import load_config
+    from stepgrpo_core.kernels import KERNELS
+
+    cfg = load_config(ROOT / argv[0], argv[1:])
+    sp = cfg.sampler
+    if sp.sde_solver is None and KERNELS.facts(sp.kernel)["deterministic"]:
+        return 0
+    return sp.steps * cfg.run.prompts_per_iteration * (1 if sp.shared_x0 else cfg.run.group_size)
+
+
+def equal_compute(o: dict[str, Any], cost: float, tolerance: float = 0.15, less: int = 0) -> int | None:
+    """outcome's evaluation nearest `cost` cumulative passes, when within `tolerance` of it (`less`:
+    passes an iteration not charged to outcome)."""
+    p = [x - less for x in grpo_passes(o)]
     its = [int(i) for i in o["evals"] if int(i) > 0]
     near = min(its, key=lambda i: abs(sum(p[:i]) - cost))
     return near if abs(sum(p[:near]) / cost - 1) <= tolerance else None
@@ -263,10 +279,17 @@ def speedup(a: dict[str, Any], o: dict[str, Any], N: int) -> tuple[float, bool] 
 
 
 def at_equal_compute(
-    rec: dict[tuple[str, int], dict[str, Any]], arm: str, ref: str, seeds: int, every: int, N: int
+    rec: dict[tuple[str, int], dict[str, Any]],
+    arm: str,
+    ref: str,
+    seeds: int,
+    every: int,
+    N: int,
+    less: tuple[int, int] = (0, 0),
 ) -> dict[str, Any] | None:
     """`arm` minus the GRPO record `ref` at equal passes: the arm at its latest evaluation that every
-    seed's `ref` record reaches within 15 % (`equal_compute`), pooled over the seeds."""
+    seed's `ref` record reaches within 15 % (`equal_compute`), pooled over the seeds. `less`: passes
+    an iteration not charged to the arm and to `ref` (`reference_passes`)."""
     from bench.credit_schemes_clip.clip import pooled
 
     have = [k for k in range(seeds) if (arm, k) in rec and (ref, k) in rec]
@@ -274,10 +297,11 @@ def at_equal_compute(
         rows, read = {}, []
         for k in have:
             a, o = rec[arm, k], rec[ref, k]
-            near = equal_compute(o, sum(a["passes"][:e]))
+            spent = sum(a["passes"][:e]) - less[0] * e
+            near = equal_compute(o, spent, less=less[1])
             if near is not None and (c := contrast(a, e, o, near)):
                 rows[k] = c
-                read.append([near, round(sum(grpo_passes(o)[:near]) / sum(a["passes"][:e]), 3)])
+                read.append([near, round((sum(grpo_passes(o)[:near]) - less[1] * near) / spent, 3)])
         if rows and len(rows) == len(have):
             v = pooled(rows)
             return v | {"at": e, "outcome_read_at": read, "beats": bool(v["prompts"]["lo"] > 0)}
@@ -291,7 +315,7 @@ def analyse(s: Screen, seeds: int = 6) -> dict[str, Any]:
     names = [*ARMS, *PROBES, *GRPO]
     rec = {(arm, k): r for arm in names for k in range(seeds) if (r := load(s, arm, k))}
     out: dict[str, Any] = {"iterations": N, "arms": {}, "probes": {}, "equal_trajectories": {}}
-    out |= {"equal_compute": {}, "credit": {}, "speed": {}}
+    out |= {"equal_compute": {}, "equal_compute_net": {}, "credit": {}, "speed": {}}
     for arm in [*ARMS, *PROBES]:
         mine = {k: r for (a, k), r in rec.items() if a == arm}
         if not mine:
@@ -323,6 +347,9 @@ def analyse(s: Screen, seeds: int = 6) -> dict[str, Any]:
         for ref in AT_EQUAL_COMPUTE:
             if v := at_equal_compute(rec, arm, ref, seeds, s.eval_every, N):
                 out["equal_compute"][f"{arm} - {ref}"] = v
+            less = (reference_passes(s.argv(arm)), reference_passes(s.argv(ref)))
+            if any(less) and (v := at_equal_compute(rec, arm, ref, seeds, s.eval_every, N, less)):
+                out["equal_compute_net"][f"{arm} - {ref}"] = v | {"less": list(less)}
         o_rows = {k: sp for k in range(seeds) if (arm, k) in rec and ("outcome_w3", k) in rec
                   if (sp := speedup(rec[arm, k], rec["outcome_w3", k], N))}  # fmt: skip
         if o_rows:
@@ -403,17 +430,18 @@ def summary_md(a: dict[str, Any]) -> str:
         lines.append(f"- {name}: {v['mean']:+.3f} [{v['lo']:+.3f}, {v['hi']:+.3f}]: {verdict}")
     lines += ["", "#### Equal trajectories (both after the same iterations; prompt-clustered interval)", ""]
     lines += [f"- {k}: {fmt(v)}" for k, v in a["equal_trajectories"].items()]
-    lines += [
-        "",
-        "#### Equal compute (the GRPO record read at the evaluation nearest the arm's passes, within 15 %)",
-        "",
-    ]
-    for k, v in a["equal_compute"].items():
-        at = ", ".join(str(i) for i, _ in v["outcome_read_at"])
-        lines.append(
-            f"- {k}, the arm at {v['at']} iterations (GRPO at {at}): {fmt(v)}; "
-            f"beats it: {'yes' if v['beats'] else 'no'}"
-        )
+    for key, title in (
+        ("equal_compute", "the GRPO record read at the evaluation nearest the arm's passes, within 15 %"),
+        ("equal_compute_net", "the same, the diagnostic ODE reference not charged to either side"),
+    ):
+        lines += ["", f"#### Equal compute ({title})", ""]
+        for k, v in a[key].items():
+            at = ", ".join(str(i) for i, _ in v["outcome_read_at"])
+            less = f" (less {v['less'][0]} and {v['less'][1]} passes an iteration)" if "less" in v else ""
+            lines.append(
+                f"- {k}{less}, the arm at {v['at']} iterations (GRPO at {at}): {fmt(v)}; "
+                f"beats it: {'yes' if v['beats'] else 'no'}"
+            )
     lines += ["", "#### Step credit inside the objective ((objective + dense@rollout) - objective; last: stepwise)", ""]
     for k, v in a["credit"].items():
         lines.append(f"- {k}: {fmt(v)}; helps: {'yes' if v['helps'] else 'not shown'}")
