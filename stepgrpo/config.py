@@ -186,6 +186,14 @@ class SamplerConfig(_Section):
     """A group's members start from one initial noise `x_0` (GRPO's group shares prompt and noise);
     false gives each member its own `x_0` and its own `R_0` (its own ODE sample), as Flow-GRPO's
     and TP-GRPO's code do (`same_latent = False`)."""
+    ode_reference: bool = True
+    """Also sample each distinct `x_0` by the ODE (every step deterministic, the same grid): `R_0` of
+    outcome runs, and the ODE reward reported beside the SDE's. No credit scheme's advantage reads
+    it (outcome reads `R_T`; step rewards read their completions), so false saves its transformer
+    passes, `T` an initial noise (one a group with `shared_x0`, one a trajectory without: as many
+    as the rollout itself), and the reward of one more image a trajectory; the run then reports no
+    ODE reward. Not sampled, nothing of it is stored (schema 5). A deterministic rollout is its own
+    ODE sample: there it costs no pass, only the extra reward."""
 
     @field_validator("kernel")
     @classmethod
@@ -807,6 +815,7 @@ STAGE_FIELDS: dict[str, tuple[str, ...]] = {
         "sampler.sde_window_start",
         "sampler.sde_window_size",
         "sampler.shared_x0",
+        "sampler.ode_reference",
         "sampler.ode_solver",
         "sampler.sde_solver",
         "run.prompts",
@@ -846,6 +855,7 @@ STAGE_FIELDS: dict[str, tuple[str, ...]] = {
 # left out of a key at that value, so a stored run keeps its keys (and its stages) under new code.
 KEY_NEUTRAL: dict[str, Any] = {
     "sampler.shared_x0": True,
+    "sampler.ode_reference": True,
     "sampler.ode_solver": "euler",
     "sampler.sde_solver": None,
     "optim.step_weighting": "uniform",

@@ -151,13 +151,16 @@ class StageStore:
 
     # --- create / write -----------------------------------------------------------------------
 
-    def create(self, whole: Mapping[str, np.ndarray]) -> None:
-        """Write the zarr metadata of every array and the one-chunk arrays given in `whole`."""
+    def create(self, whole: Mapping[str, np.ndarray], omit: Sequence[str] = ()) -> None:
+        """Write the zarr metadata of every array (less the optional ones in `omit`: the stage is
+        made without them) and the one-chunk arrays given in `whole`."""
         check_json(self.attrs, f"{self.spec.kind} attrs")
+        if bad := [n for n in omit if not self.spec.array(n).optional]:
+            raise ValueError(f"{self.spec.kind}: arrays {bad} are not optional; a stage cannot be made without them")
         # Zarr writes every metadata document; all of them in one call into zarr's event loop (the
         # group with its attrs in one write, the arrays concurrently): one synchronous round trip
         # per array plus one per attribute cost ~2/3 of a small stage's write time.
-        sync(self._create_metadata())
+        sync(self._create_metadata(omit))
         missing = [s.name for s in self.arrays() if not s.per_trajectory and s.name not in whole]
         if missing:
             raise ValueError(f"{self.spec.kind}: arrays {missing} must be given when the stage begins")
@@ -167,7 +170,7 @@ class StageStore:
                 raise ValueError(f"{self.spec.kind}: {name} is written per trajectory, not at begin")
             self._write_chunk(spec, (0,) * len(spec.axes), self._as_stored(name, value, self.shape(name)))
 
-    async def _create_metadata(self) -> None:
+    async def _create_metadata(self, omit: Sequence[str] = ()) -> None:
         group = await zarr.api.asynchronous.open_group(
             store=str(self.path), mode="w", zarr_format=3, attributes=dict(self.attrs)
         )
@@ -187,6 +190,7 @@ class StageStore:
                     write_data=False,
                 )
                 for spec in self.spec.arrays
+                if spec.name not in omit
             )
         )
 
@@ -231,6 +235,8 @@ class StageStore:
             spec = self.spec.array(name)
             if not spec.per_trajectory:
                 raise ValueError(f"{self.spec.kind}.{name} is written when the stage begins, not per trajectory")
+            if not self.has(name):
+                raise ValueError(f"{self.spec.kind}.{name}: this stage was made without it (an optional array)")
             n = len(value)
             if start < 0 or start + n > self.B:
                 raise ValueError(f"{self.spec.kind}.{name}: trajectories {start}..{start + n} outside [0, {self.B})")

@@ -50,9 +50,11 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 4  # 2: rollout.ode_final; 3: bf16 latents stored as bf16 (uint16 bits); 4: rollout.velocities
-# 3 only adds the bf16 latent dtype and 4 an optional array (older rollouts lack it): older runs read unchanged
-READABLE_SCHEMA_VERSIONS = (2, 3, 4)
+SCHEMA_VERSION = 5  # 2: rollout.ode_final; 3: bf16 latents stored as bf16 (uint16 bits); 4: rollout.velocities;
+# 5: rollout.ode_final optional (`sampler.ode_reference: false`)
+# 3 only adds the bf16 latent dtype, 4 an optional array (older rollouts lack it) and 5 makes one optional
+# (older rollouts all have it): older runs read unchanged
+READABLE_SCHEMA_VERSIONS = (2, 3, 4, 5)
 
 # Latent storage dtype for each compute dtype: the same (bf16 as its bits, `BF16_BITS`).
 LATENT_STORAGE_DTYPES: dict[str, str] = {
@@ -134,7 +136,9 @@ ROLLOUT = StoreSpec(
             "latent",
             True,
             "the ODE sample (every step `ode`, same grid) from the trajectory's x_0: the clean "
-            "latent of R_0, the same for every member of a group",
+            "latent of R_0, the same for every member of a group sharing x_0; absent where the run "
+            "sampled no ODE reference (`sampler.ode_reference: false`)",
+            optional=True,
         ),
         ArraySpec(
             "velocities",

@@ -32,7 +32,7 @@ class RolloutData:
     states: np.ndarray  # [n, T+1, C, H, W] float16 or float32 (bf16 runs: float32)
     log_probs: np.ndarray  # [n, T] float32, NaN outside the SDE window
     stds: np.ndarray  # [n, T] float32
-    ode_final: np.ndarray  # [n, C, H, W] the ODE sample from each trajectory's x_0 (shared by its group)
+    ode_final: np.ndarray | None  # [n, C, H, W] the ODE sample from each trajectory's x_0; None: not sampled
     velocities: np.ndarray | None  # [n, T, C, H, W] the velocity of each step at x_k; None: not stored (older runs)
     sigmas: np.ndarray  # [T+1] float32
     seeds: np.ndarray  # [n] int64
@@ -84,10 +84,11 @@ class StageStores:
         kernel_params: Mapping[str, Any],
         attrs: Mapping[str, Any] | None = None,
         resume: str | None = None,
+        omit: Sequence[str] = (),
     ) -> StageWriter:
         """Begin the rollout of `iteration`: the plan (`sigmas [T+1]`, `seeds, prompt_ids, group_ids [B]`)
         is written now; `states`, `log_probs`, `stds`, `ode_final`, `velocities` are written per trajectory
-        with `writer.write`.
+        with `writer.write`, less the optional arrays in `omit` (the stage is made without them).
 
         `latent_shape` is `(C, H, W)`; `latent_dtype` the compute dtype ("float16", "float32",
         "bfloat16" -> stored as float32). Raises StageLockedError if another writer holds the stage.
@@ -114,6 +115,7 @@ class StageStores:
                 ROLLOUT,
                 stage_attrs,
                 {"sigmas": sigmas, "seeds": seeds, "prompt_ids": prompt_ids, "group_ids": group_ids},
+                omit,
             )
         return writer
 
@@ -227,7 +229,7 @@ class StageStores:
             states=store.read("states", trajectories),
             log_probs=store.read("log_probs", trajectories),
             stds=store.read("stds", trajectories),
-            ode_final=store.read("ode_final", trajectories),
+            ode_final=store.read("ode_final", trajectories) if store.has("ode_final") else None,
             velocities=store.read("velocities", trajectories) if store.has("velocities") else None,
             sigmas=store.read("sigmas"),
             seeds=store.read("seeds")[rows],
@@ -274,7 +276,9 @@ class StageStores:
         )
 
 
-def _create(writer: StageWriter, spec: StoreSpec, attrs: dict[str, Any], whole: Mapping[str, Any]) -> None:
+def _create(
+    writer: StageWriter, spec: StoreSpec, attrs: dict[str, Any], whole: Mapping[str, Any], omit: Sequence[str] = ()
+) -> None:
     """Write a new stage's metadata. A resumed attempt's partial keeps its shards only if it was
     begun with the same attributes; otherwise (it cannot be, under the same key, unless the code
     changed) it is started over: an unpublished attempt is not data anyone read."""
@@ -288,7 +292,7 @@ def _create(writer: StageWriter, spec: StoreSpec, attrs: dict[str, Any], whole: 
         fresh_partial(writer.final)
         writer.resumed = False
         writer.drop_store()
-    StageStore(writer.path, spec, attrs).create(whole)  # zarr clears the directory: the ledger comes after
+    StageStore(writer.path, spec, attrs).create(whole, omit)  # zarr clears the directory: the ledger comes after
     if writer.resume is not None:
         open_ledger(writer.ledger, writer.resume)
 

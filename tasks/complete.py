@@ -136,23 +136,24 @@ def scored_states(run: Run, method: str | None, iteration: int) -> tuple[np.ndar
     """Which states `score` evaluates, `k [K]`, and which copy R_T, `copies [n]`.
 
     With a completion: every `k < deterministic_from` and `T` are scored; the states after the SDE
-    window copy R_T. Without one (outcome credit): `k = 0` (the ODE sample of `x_0`) and `T`; the
-    states in between have no reward (NaN in `reward_grid`).
+    window copy R_T. Without one (outcome credit): `k = 0` (the ODE sample of `x_0`, where the
+    rollout sampled it) and `T`; the states in between have no reward (NaN in `reward_grid`).
     """
     T = int(run.stage_manifest(iteration, "rollout")["attrs"]["T"])
     if method is None:
-        return np.array([0, T]), np.zeros(0, np.int64)
+        reference = run.stages.has_array(iteration, "rollout", "ode_final")
+        return np.array([0, T] if reference else [T]), np.zeros(0, np.int64)
     through = int(run.stage_manifest(iteration, completion_stage(method))["attrs"].get(DETERMINISTIC_FROM, T))
     return np.array([*range(through), T]), np.arange(through, T)
 
 
 def clean_latents(run: Run, method: str | None, iteration: int, k: np.ndarray, rows: range | None = None) -> np.ndarray:
     """Latents of the scored states `k` `[n, K, C, H, W]` of trajectories `rows` (all when None):
-    completions, or `ode_final` and `x_T`."""
+    completions, or `ode_final` (k = 0) and `x_T`."""
     some = slice(rows.start, rows.stop) if rows is not None else None
     if method is None:
-        final = run.stages.read_array(iteration, "rollout", "states", some)[
-            :, -1
-        ]  # a trajectory's states are one chunk
+        final = run.stages.read_array(iteration, "rollout", "states", some)[:, -1]  # one chunk a trajectory
+        if len(k) == 1:  # no ODE reference: x_T alone
+            return final[:, None]
         return np.stack([run.stages.read_array(iteration, "rollout", "ode_final", some), final], axis=1)
     return run.stages.read_completion(iteration, method, some).latents[:, k]

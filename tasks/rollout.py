@@ -89,6 +89,7 @@ def compute(run: Run, cfg: Config, iteration: int, noise: float | torch.Tensor, 
             **({"sde_solver": cfg.sampler.sde_solver} if cfg.sampler.sde_solver else {}),
         },
         resume=key,
+        omit=() if cfg.sampler.ode_reference else ("ode_final",),
     )
     with writer:
         done = fan_out(
@@ -127,13 +128,14 @@ def sample_shard(
         pol, cfg, prompts.texts, plan, iteration, noise, range(shard.start // G, shard.stop // G)
     ):
         nfe_ode += chunk.nfe_ode
+        reference = {} if chunk.ode_final is None else {"ode_final": chunk.ode_final.cpu()}
         writer.write(
             int(chunk.rows[0]),
             states=chunk.sde.states.cpu(),
             log_probs=chunk.sde.log_probs.cpu(),
             stds=chunk.sde.stds.cpu(),
-            ode_final=chunk.ode_final.cpu(),
             velocities=chunk.sde.velocities.cpu(),
+            **reference,
         )
         maybe_fail("rollout", shard.start)
     result = {

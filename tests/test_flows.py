@@ -725,6 +725,28 @@ def test_shared_x0_false_gives_each_member_its_own_noise_and_R0(harness, tiny, t
     assert (
         Run.open(shared["run_dir"]).stage_manifest(0, "rollout")["digest"] != run.stage_manifest(0, "rollout")["digest"]
     )
+    # without the ODE reference: no pass, nothing stored, one image a trajectory scored, and the
+    # same training (outcome credit reads R_T only): the same samples, advantages and weights
+    bare = train(
+        overrides=[*overrides, "sampler.shared_x0=false", "sampler.ode_reference=false"], run_dir=str(tmp_path / "bare")
+    )
+    lean = Run.open(bare["run_dir"])
+    assert lean.stage_manifest(0, "rollout")["inputs"]["nfe_ode"] == 0
+    assert not lean.stages.has_array(0, "rollout", "ode_final") and lean.stages.read_rollout(0).ode_final is None
+    assert set(lean.tables.read_rewards(0).column("k").to_pylist()) == {4}
+    assert list(lean.stages.read_images(0, "rollout").k) == [4]
+    assert bool(torch.isnan(lean.tables.reward_grid(0, "jpeg_compressibility")[:, 0]).all())
+    np.testing.assert_array_equal(
+        lean.stages.read_array(0, "rollout", "states"), run.stages.read_array(0, "rollout", "states")
+    )
+    torch.testing.assert_close(lean.tables.reward_grid(0, "jpeg_compressibility")[:, -1], grid[:, -1], rtol=0, atol=0)
+    torch.testing.assert_close(
+        lean.checkpoints.load_checkpoint(0).tensors["lora"],
+        run.checkpoints.load_checkpoint(0).tensors["lora"],
+        rtol=0,
+        atol=0,
+    )
+    assert lean.stage_manifest(0, "rollout")["digest"] != run.stage_manifest(0, "rollout")["digest"]
 
 
 def test_substeps_complete_the_window_s_last_state_by_the_same_method(harness, tiny, tmp_path):

@@ -292,6 +292,26 @@ def test_publish_rules(tmp_path):
     assert run.iterations() == [0]
 
 
+def test_a_rollout_made_without_its_ode_reference(tmp_path):
+    """`sampler.ode_reference: false`: the stage is made without `ode_final` (an optional array),
+    publishes without it and reads it as absent; a required array cannot be left out."""
+    run = Run.create(tmp_path, "r", {})
+    x = rollout_inputs()
+    plan = {k: x[k] for k in ("sigmas", "seeds", "prompt_ids", "group_ids")}
+    common = {**plan, "latent_shape": (C, H, W), "latent_dtype": "float16", "kernel": "sde", "kernel_params": {}}
+    with pytest.raises(ValueError, match=r"\['states'\] are not optional"):
+        run.stages.begin_rollout(0, **common, omit=("states",))
+    with run.stages.begin_rollout(0, **common, omit=("ode_final",)) as w:
+        with pytest.raises(ValueError, match="made without it"):
+            w.write(0, ode_final=x["ode_final"])
+        w.write(0, **{k: x[k] for k in ("states", "log_probs", "stds", "velocities")})
+        w.publish()
+    assert not run.stages.has_array(0, "rollout", "ode_final") and run.stages.has_array(0, "rollout", "states")
+    got = run.stages.read_rollout(0)
+    assert got.ode_final is None and same_bits(got.states, x["states"].numpy())
+    run.verify(0, "rollout")  # the published stage is whole without it
+
+
 def test_runs_with_different_ids_are_isolated(tmp_path):
     a, b = Run.create(tmp_path, "a", {"x": 1}), Run.create(tmp_path, "b", {"x": 2})
     x = rollout_inputs()

@@ -68,7 +68,7 @@ def reference_loop(
             workspace.set_lora(pol, sampler)
         chunks = list(sample_iteration(pol, cfg, prompts.texts, plan, it, noise))  # as the rollout stage samples
         states = torch.cat([c.sde.states for c in chunks])
-        ode_final = torch.cat([c.ode_final for c in chunks])
+        reference = [c.ode_final for c in chunks if c.ode_final is not None]  # none: sampler.ode_reference false
         log_probs = torch.cat([c.sde.log_probs for c in chunks])
         t1 = time.perf_counter()
         nfe_rollout = pol.nfe - nfe0
@@ -81,8 +81,10 @@ def reference_loop(
                 )
             ]
             clean = torch.cat(done)[:, [*range(through), T]]
+        elif reference:
+            clean = torch.stack([torch.cat(reference), states[:, -1]], dim=1)
         else:
-            clean = torch.stack([ode_final, states[:, -1]], dim=1)
+            clean = states[:, -1:]
         workspace.set_lora(pol, trained)
         t2 = time.perf_counter()
         nfe_complete = pol.nfe - nfe0 - nfe_rollout

@@ -277,7 +277,7 @@ def sample_iteration(
 ) -> Iterator[GroupChunk]:
     """The rollout of `iteration` (or of its `groups`): its plan's groups on the `cfg.sampler` grid,
     kernel and SDE window, whole groups per call up to `model.max_batch` rows (`groups_per_call`),
-    with each group's ODE reference."""
+    with each distinct initial noise's ODE reference where `sampler.ode_reference` asks for it."""
     from stepgrpo.runtime.sharding import groups_per_call
 
     G = cfg.run.group_size
@@ -294,7 +294,7 @@ def sample_iteration(
         window=(start, end - start),
         sde_seed=lambda c0: (cfg.run.seed, "sde", iteration, c0),
         groups_per_call=groups_per_call(cfg),
-        ode_reference=True,
+        ode_reference=cfg.sampler.ode_reference,
         progress=f"rollout {iteration}",
         groups=groups,
         shared_x0=cfg.sampler.shared_x0,
