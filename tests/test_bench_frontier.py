@@ -65,3 +65,16 @@ def test_the_frontier_pairs_by_prompt_and_reads_grpo_at_equal_passes(frontier, t
     (row,) = [r for r in a["claims"] if r["paper"] == "DiffusionNFT"]
     assert row["verdict"] == "not reached" and "0.67-0.67x" in row["speed"]
     assert "DiffusionNFT" in frontier.summary_md(a)
+
+
+def test_equal_compute_where_one_seed_s_grpo_record_ends_sooner(frontier):
+    """Every seed read at the latest evaluation all reach; beside it, the seeds that reach the last."""
+    arm = record([], {0: 0.0, 25: 0.05, 50: 0.1, 75: 0.15, 100: 0.2}, 2952)
+    long = record([], {i: 0.001 * i for i in range(0, 401, 25)}, 984)
+    short = record([], {i: 0.001 * i for i in range(0, 201, 25)}, 984)
+    rec = {("nft", 0): arm, ("nft", 1): arm, ("outcome_w3", 0): long, ("outcome_w3", 1): short}
+    # 100 nft iterations = 300 GRPO iterations, which seed 1's record lacks; 75 = 225, read at 200 (-11 %)
+    every = frontier.at_equal_compute(rec, "nft", "outcome_w3", 2, 25, 100)
+    assert every["at"] == 75 and [r[0] for r in every["outcome_read_at"]] == [225, 200]
+    some = frontier.at_equal_compute(rec, "nft", "outcome_w3", 2, 25, 100, every_seed=False)
+    assert some["at"] == 100 and some["outcome_read_at"] == [[300, 1.0]] and list(some["per_seed"]) == ["0"]
