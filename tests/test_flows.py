@@ -747,6 +747,12 @@ def test_shared_x0_false_gives_each_member_its_own_noise_and_R0(harness, tiny, t
         atol=0,
     )
     assert lean.stage_manifest(0, "rollout")["digest"] != run.stage_manifest(0, "rollout")["digest"]
+    # re-scored offline with another reward: the stored x_T images alone
+    from stepgrpo.flows.rescore import rescore
+
+    (scored,) = rescore(bare["run_dir"], "jpeg_incompressibility")["scores"]
+    assert scored["images"] == "stored"
+    assert set(lean.tables.read_rewards(0, "jpeg_incompressibility").column("k").to_pylist()) == {4}
 
 
 def test_substeps_complete_the_window_s_last_state_by_the_same_method(harness, tiny, tmp_path):
