@@ -153,7 +153,7 @@ def clean_latents(run: Run, method: str | None, iteration: int, k: np.ndarray, r
     some = slice(rows.start, rows.stop) if rows is not None else None
     if method is None:
         final = run.stages.read_array(iteration, "rollout", "states", some)[:, -1]  # one chunk a trajectory
-        if len(k) == 1:  # no ODE reference: x_T alone
+        if int(k[0]) != 0:  # k = 0 is the ODE reference's sample: without it, x_T alone
             return final[:, None]
         return np.stack([run.stages.read_array(iteration, "rollout", "ode_final", some), final], axis=1)
     return run.stages.read_completion(iteration, method, some).latents[:, k]
