@@ -178,8 +178,8 @@ class SamplerConfig(_Section):
     """A stochastic multistep solver that takes every step of the rollout instead of `kernel` and
     the SDE window: `sa_solver`, SA-Solver from diffusers' scheduler (AWM's rollouts; its tau is
     `noise`, on 0.3 <= sigma <= 0.9). Its steps have no density under the policy alone (each
-    depends on the solver's history), so only a flow-matching objective (`update.objective` nft,
-    awm), which trains on the final samples, takes it."""
+    depends on the solver's history), so only an objective that trains on the final samples
+    (`update.objective` other than grpo) takes it."""
     eval_steps: int = Field(40, ge=1, le=MAX_STEPS)
     """ODE steps of evaluation sampling (Flow-GRPO evaluates with 40)."""
     shared_x0: bool = True
@@ -440,20 +440,17 @@ class OptimConfig(_Section):
 
 class UpdateConfig(_Section):
     objective: str = Field("grpo", json_schema_extra=_registered("objectives"))
-    """What the update optimizes: a name in `stepgrpo_core.objectives.OBJECTIVES`. `grpo`: PPO-clip
-    on the rollout's transitions (the `optim` section's clip, KL and steps); `nft` (DiffusionNFT) and
-    `awm` (advantage weighted matching): flow matching on fresh forward-noised copies of each
-    sample's clean latent at a few grid times, weighted by the advantage of the step at that time
-    (docs/METHODS.md, "Update objectives"). The `optim` section's AdamW, steps a batch, gradient
-    clip and EMA apply to all."""
+    """What the update optimizes: a name in `stepgrpo_core.objectives.OBJECTIVES` (`stepgrpo config
+    variants` lists them). `grpo`: PPO-clip on the rollout's transitions (the `optim` section's clip,
+    KL and steps); the others: flow matching on fresh forward-noised copies of each sample's clean
+    latent at a few grid times, weighted by the advantage of the step at that time (docs/METHODS.md,
+    "Update objectives"). The `optim` section's AdamW, steps a batch, gradient clip and EMA apply to all."""
     options: dict[str, float | int | str] = Field(default_factory=dict)
-    """The objective's options (`stepgrpo config variants` lists them with the authors' defaults):
-    nft `beta`, `adv_clip`, `kl_beta`; awm `adv_clip`, `advantage_max`, `weighting`, `power`,
-    `clip_range`, `kl_beta`, `ema_beta`."""
+    """The objective's options (`stepgrpo config variants` lists them with the authors' defaults)."""
     times: float | None = Field(None, gt=0)
     """Grid times each sample is trained at: a count, or a fraction of `sampler.steps` when below 1;
-    None: the objective's (nft 0.99, i.e. 9 of 10; awm 6)."""
-    time_rule: Literal["random", "stratified"] | None = None
+    None: the objective's (its `times` fact)."""
+    time_rule: Literal["random", "stratified", "subset"] | None = None
     """How the grid times are drawn (`stepgrpo_core.objectives.grid_times`); None: the objective's
     (nft `random`, awm `stratified`)."""
     time_span: float | None = Field(None, gt=0, le=1)
@@ -463,7 +460,15 @@ class UpdateConfig(_Section):
     """The companion adapter's decay after optimizer step s is `min(rate s, cap)`: its rate (nft,
     the sampling adapter: 0.001; awm, the KL's EMA target: 0.001); None: the objective's."""
     companion_cap: float | None = Field(None, ge=0, lt=1)
-    """The cap of that decay (nft 0.5, awm 0.3); None: the objective's."""
+    """The cap of that decay (nft 0.5, awm 0.3, dgpo 0.3); None: the objective's."""
+    companion_samples_after: int | None = Field(None, ge=0)
+    """The companion adapter samples the rollouts once the run has taken more than this many
+    optimizer steps (DGPO's `switch_ema_ref`: 500 GeneVal, 200 OCR); None: the objective's
+    (`samples_with_companion`: nft always, awm never, dgpo after 500)."""
+    zero_advantage: Literal["keep", "drop"] | None = None
+    """Samples whose advantages are all zero: trained (`keep`: their loss still acts, e.g.
+    DiffusionNFT's pull toward the old policy and every KL term) or left out (`drop`, as Flow-GRPO
+    does); None: as the objective's authors do (grpo drops them; nft, awm and dgpo keep them)."""
 
     @field_validator("objective")
     @classmethod
@@ -474,33 +479,46 @@ class UpdateConfig(_Section):
 
     @model_validator(mode="after")
     def _known_options(self) -> UpdateConfig:
-        from stepgrpo_core.objectives import check_objective_options
+        from stepgrpo_core.objectives import OBJECTIVES, check_objective_options
 
         check_objective_options(self.objective, dict(self.options))
         mine = (self.times, self.time_rule, self.time_span, self.companion_rate, self.companion_cap)
-        if not self.matching and mine != (None,) * 5:
+        if self.companion_samples_after is not None and OBJECTIVES.facts(self.objective)["companion"] is None:
             raise ValueError(
-                "update.times / time_rule / time_span / companion_rate / companion_cap belong to the flow-matching "
-                "objectives (nft, awm); objective grpo trains the rollout's own steps (optim.train_steps)"
+                f"update.companion_samples_after: objective {self.objective!r} keeps no companion adapter to "
+                "sample with"
+            )
+        if self.on_transitions and mine != (None,) * 5:
+            raise ValueError(
+                "update.times / time_rule / time_span / companion_rate / companion_cap belong to the objectives that "
+                f"train on noised copies of the samples; objective {self.objective!r} trains the rollout's own steps "
+                "(optim.train_steps)"
             )
         return self
 
     @property
-    def matching(self) -> bool:
+    def on_transitions(self) -> bool:
+        """The objective trains on the rollout's own transitions (their log-densities: a stochastic
+        step is needed), not on forward-noised copies of the final samples (`OBJECTIVES` fact `rows`)."""
         from stepgrpo_core.objectives import OBJECTIVES
 
-        return bool(OBJECTIVES.facts(self.objective)["matching"])
+        return OBJECTIVES.facts(self.objective)["rows"] == "transitions"
 
     def resolved(self) -> dict[str, Any]:
-        """The matching objective's settings with its registry defaults filled in: `options` (all of
-        them), `times`, `time_rule`, `time_span`, `companion` (the checkpoint group or None), `rate`, `cap`,
-        `samples_with_companion`."""
+        """The objective's settings with its registry facts and defaults filled in: `rows`,
+        `whole_groups`, `keep_zero`, `options` (all of them), `times`, `time_rule`, `time_span`,
+        `companion` (the checkpoint group or None), `rate`, `cap`, `samples_with_companion` (True,
+        False, or the optimizer step after which the companion samples)."""
         from stepgrpo_core.objectives import OBJECTIVES
 
         facts = OBJECTIVES.facts(self.objective)
         rule, n, span = facts["times"] or (None, None, 1.0)
         rate, cap = facts["companion_decay"] or (0.0, 0.0)
+        keep = facts["keeps_zero_advantage"] if self.zero_advantage is None else self.zero_advantage == "keep"
         return {
+            "rows": facts["rows"],
+            "whole_groups": bool(facts["whole_groups"]),
+            "keep_zero": bool(keep),
             "options": {**OBJECTIVES.describe(self.objective)["options"], **self.options},
             "times": self.times if self.times is not None else n,
             "time_rule": self.time_rule or rule,
@@ -508,7 +526,10 @@ class UpdateConfig(_Section):
             "companion": facts["companion"],
             "rate": rate if self.companion_rate is None else self.companion_rate,
             "cap": cap if self.companion_cap is None else self.companion_cap,
-            "samples_with_companion": bool(facts["samples_with_companion"]),
+            "samples_with_companion": facts["samples_with_companion"]
+            if self.companion_samples_after is None
+            else self.companion_samples_after,
+            "companion_moves": facts["companion_moves"],
         }
 
 
@@ -705,18 +726,20 @@ class Config(_Section):
                 "completion.method null"
             )
         from stepgrpo_core.kernels import KERNELS
+        from stepgrpo_core.objectives import OBJECTIVES
 
-        if KERNELS.facts(self.sampler.kernel)["deterministic"] and not self.update.matching:
+        noised = [n for n in OBJECTIVES.names() if OBJECTIVES.facts(n)["rows"] == "noised"]
+        if KERNELS.facts(self.sampler.kernel)["deterministic"] and self.update.on_transitions:
             raise ValueError(
                 f"sampler.kernel {self.sampler.kernel!r} is deterministic: its steps have no density for "
-                "update.objective grpo to train; pick a stochastic kernel (e.g. flow), or a flow-matching "
-                "objective (update.objective=nft or awm) that trains on the final samples"
+                f"update.objective {self.update.objective} to train; pick a stochastic kernel (e.g. flow), or an "
+                f"objective that trains on the final samples (update.objective: one of {', '.join(noised)})"
             )
-        if self.sampler.sde_solver is not None and not self.update.matching:
+        if self.sampler.sde_solver is not None and self.update.on_transitions:
             raise ValueError(
                 f"sampler.sde_solver {self.sampler.sde_solver!r}: its steps have no density of their own (each "
-                "depends on the solver's history) for update.objective grpo to train; use it with a flow-matching "
-                "objective (update.objective=awm or nft), or sample with a kernel"
+                f"depends on the solver's history) for update.objective {self.update.objective} to train; use it "
+                f"with an objective that trains on the final samples ({', '.join(noised)}), or sample with a kernel"
             )
         if (
             KERNELS.facts(self.sampler.kernel)["deterministic"]
@@ -728,17 +751,19 @@ class Config(_Section):
                 "of a group would be the same sample; set sampler.shared_x0=false (each member its own initial noise, "
                 "as DiffusionNFT's ODE rollouts do) or a stochastic kernel"
             )
-        if self.update.matching:
+        if not self.update.on_transitions:
             from stepgrpo_core.objectives import times_count
 
             u = self.update.resolved()
             times_count(str(u["time_rule"]), float(u["times"]), self.sampler.steps, float(u["time_span"]))
+            if u["whole_groups"]:
+                self._groups_whole()
             return self._batch_fits()
         start, end = self.sampler.window()
         for k in self.optim.train_steps or ():
             if not start <= k < end:
                 raise ValueError(f"optim.train_steps: step {k} is outside the SDE window [{start}, {end}) of sampler")
-        if not self.trained_steps() and not self.update.matching:
+        if not self.trained_steps():
             raise ValueError(
                 f"no step is trained: the SDE window [{start}, {end}) holds only the final step, which is not "
                 "trained by default; widen the window or set optim.train_final_step=true"
@@ -749,6 +774,22 @@ class Config(_Section):
                 "optim.ema_decay (a LoRA's reference is the base model, its adapter disabled)"
             )
         return self._batch_fits()
+
+    def _groups_whole(self) -> None:
+        """Refuse a setting that would split a group where the objective reads whole groups."""
+        G, o = self.run.group_size, self.optim
+        if o.micro_batch < G:
+            raise ValueError(
+                f"update.objective {self.update.objective} reads each group whole (its preference weight sums over "
+                f"the group): optim.micro_batch={o.micro_batch} would split groups of run.group_size={G}; set "
+                f"optim.micro_batch >= {G}"
+            )
+        if o.optimizer_steps > self.run.prompts_per_iteration:
+            raise ValueError(
+                f"update.objective {self.update.objective} trains whole groups: optim.optimizer_steps="
+                f"{o.optimizer_steps} exceeds the {self.run.prompts_per_iteration} groups of an iteration "
+                "(run.prompts_per_iteration); lower optim.optimizer_steps"
+            )
 
     def _batch_fits(self) -> Config:
         B = self.run.prompts_per_iteration * self.run.group_size
@@ -767,7 +808,7 @@ class Config(_Section):
     def notes(self) -> list[str]:
         """What a run of this config should be told once before it starts (not errors)."""
         o = self.optim
-        if o.optimizer_steps == 1 and o.inner_epochs == 1 and not self.update.matching:
+        if o.optimizer_steps == 1 and o.inner_epochs == 1 and self.update.on_transitions:
             return [
                 f"optim.clip_range={o.clip_range:g} never acts: one optimizer step on freshly sampled trajectories "
                 "sees every PPO ratio at exactly 1; the clip binds from a batch's second step on "
@@ -777,9 +818,9 @@ class Config(_Section):
 
     def trained_steps(self) -> list[int]:
         """Indices k of the steps whose log-probs enter the loss: `optim.train_steps`, or the SDE
-        window without the final step `T-1` (unless `optim.train_final_step`). A flow-matching
-        objective (`update.objective` nft, awm) trains at grid times of every step: all of them."""
-        if self.update.matching:
+        window without the final step `T-1` (unless `optim.train_final_step`). An objective on
+        noised copies of the samples (`OBJECTIVES` fact `rows`) trains at grid times of every step: all of them."""
+        if not self.update.on_transitions:
             return list(range(self.sampler.steps))
         if self.optim.train_steps:
             return sorted(self.optim.train_steps)

@@ -121,6 +121,8 @@ def test_each_row_carries_its_own_advantage():
 
 
 def test_the_objectives_declare_what_the_update_must_evaluate():
+    assert OBJECTIVES.facts("dgpo")["whole_groups"] and OBJECTIVES.facts("dgpo")["needs_ref"] is True
+    assert OBJECTIVES.facts("grpo")["rows"] == "transitions" and not OBJECTIVES.facts("grpo")["keeps_zero_advantage"]
     assert OBJECTIVES.facts("nft")["needs_old"] and not OBJECTIVES.facts("nft")["needs_ema"]
     assert OBJECTIVES.facts("awm")["needs_ema"] and not OBJECTIVES.facts("awm")["needs_old"]
     with pytest.raises(ValueError, match="weighting"):
@@ -166,7 +168,7 @@ def test_the_companion_follows_the_authors_decay():
 
 
 def test_the_update_weights_each_row_by_its_steps_advantage_at_that_steps_time(tmp_path, monkeypatch):
-    """The update stage's loop (`training.update_matching`) on the tiny model: every row the
+    """The update stage's loop (`training.update`) on the tiny model: every row the
     objective sees is noised to `sigmas[k]` of a step k and carries the scheme's advantage of
     step k for its sample."""
     from stepgrpo.config import load_config
@@ -210,7 +212,7 @@ def test_the_update_weights_each_row_by_its_steps_advantage_at_that_steps_time(t
     )
     opt = training.make_optimizer(pol.trainable_parameters(), cfg)
     companion = workspace.lora_state(pol)
-    out = training.update_matching(pol, opt, cfg, batch, torch.Generator().manual_seed(1), companion)
+    out = training.update(pol, opt, cfg, batch, torch.Generator().manual_seed(1), companion)
     assert out["rows"] == B * 3 and len(seen) == 3 * 2  # 3 times x 2 micro-batches of 2 samples
     grid = sigmas[:T].tolist()
     for x0, t, a in seen:
@@ -219,3 +221,179 @@ def test_the_update_weights_each_row_by_its_steps_advantage_at_that_steps_time(t
             k = min(range(T), key=lambda k: abs(grid[k] - float(t[r])))
             assert float(t[r]) == pytest.approx(grid[k], abs=1e-7)  # a grid time
             assert float(a[r]) == 10.0 * i + k  # that step's advantage of that sample
+
+
+def dgpo_by_hand(b: MatchingBatch, groups: list[int], beta_dpo: float, adv_clip: float, clip: float, kl_beta: float):
+    """DGPO's loss from the formula: a plain loop over the groups, then over the rows."""
+    target = [b.eps[i] - b.x0[i] for i in range(N)]
+    d = [mean_sq(b.v[i].detach() - target[i]) for i in range(N)]
+    d_ref = [mean_sq(b.v_ref[i] - target[i]) for i in range(N)]
+    d_old = [mean_sq(b.v_old[i] - target[i]) for i in range(N)]
+    a = [min(max(float(b.advantages[i]), -adv_clip), adv_clip) for i in range(N)]
+    s = {}
+    for g in set(groups):
+        members = [i for i in range(N) if groups[i] == g]
+        s[g] = sum(beta_dpo * a[i] * (d[i] - d_ref[i]) / len(members) for i in members)
+    total, clipped = 0.0, []
+    for i in range(N):
+        ratio = math.exp(d_old[i] - d[i])
+        clipped.append(ratio > 1 + clip if a[i] > 0 else ratio < 1 - clip)
+        w = 1 / (1 + math.exp(-s[groups[i]]))
+        total += w * a[i] * d[i] / N + kl_beta * mean_sq(b.v[i].detach() - b.v_ref[i]) / N
+    return total, clipped
+
+
+@pytest.mark.parametrize("clip", [1e-2, 0.3])
+def test_dgpo_equals_a_plain_loop_over_its_groups(clip):
+    """The loss value and which rows the clip stops, and the gradient: sigmoid(s_G) A_i grad d_i
+    for the rows the clip lets through, none for the others (s_G is a constant of the step)."""
+    groups = [0, 0, 0, 1, 1, 1]
+    b = batch()
+    b.groups = torch.tensor(groups)
+    g = torch.Generator().manual_seed(3)
+    b.v_old = b.v.detach() + 0.05 * torch.randn(N, C, H, W, dtype=torch.float64, generator=g)
+    out = OBJECTIVES.get("dgpo")(b, clip_range=clip)
+    expected, clipped = dgpo_by_hand(b, groups, 101.0, 5.0, clip, 0.02)
+    assert out.loss.item() == pytest.approx(expected, rel=1e-9)
+    assert out.stats["clip_frac"] == pytest.approx(sum(clipped) / N)
+    assert 0 < sum(clipped) < N or clip == 0.3  # the small clip stops some rows, not all
+    b.v.grad = None
+    OBJECTIVES.get("dgpo")(b, clip_range=clip, kl_beta=0.0).loss.backward()
+    for i in range(N):
+        if clipped[i]:
+            assert float(b.v.grad[i].abs().max()) == 0.0
+        else:
+            assert float(b.v.grad[i].abs().max()) > 0.0
+
+
+def test_dgpo_needs_every_member_of_a_group_and_its_references():
+    b = batch()
+    with pytest.raises(ValueError, match="groups"):
+        OBJECTIVES.get("dgpo")(b)
+    b.groups = torch.tensor([0, 0, 0, 1, 1, 1])
+    b.v_ref = None
+    with pytest.raises(ValueError, match="base model"):
+        OBJECTIVES.get("dgpo")(b)
+
+
+def test_dgpo_weights_a_group_by_how_far_it_already_moved():
+    """s_G rises with the advantage-weighted error above the reference: a group whose good samples
+    the policy fits worse than the base (d > d_ref for A > 0) weighs more than one fitted better."""
+    b = batch()
+    b.groups = torch.tensor([0, 0, 0, 1, 1, 1])
+    b.advantages = torch.tensor([1.0, -1.0, 0.0, 1.0, -1.0, 0.0], dtype=torch.float64)
+    target = b.eps - b.x0
+    v = target.clone()
+    v[0] += 0.5  # group 0's good sample: worse than the reference, which fits it exactly
+    v[3] += 0.0
+    b.v_ref = target.clone()
+    b.v_ref[3] += 0.5  # group 1's good sample: better than the reference
+    b.v, b.v_old = v.requires_grad_(), v.detach()
+    out = OBJECTIVES.get("dgpo")(b, beta_dpo=10.0)
+    # s_0 = 10 / 3 * (1 * (0.25 - 0)), s_1 = 10 / 3 * (1 * (0 - 0.25)): each group's weight on its 3 rows
+    sigmoid = lambda s: 1 / (1 + math.exp(-s))  # noqa: E731
+    assert out.stats["preference_weight"] == pytest.approx((sigmoid(10 * 0.25 / 3) + sigmoid(-10 * 0.25 / 3)) / 2)
+
+
+def test_whole_groups_stay_whole_in_parts_micro_batches_and_ranks():
+    from stepgrpo.loops.rows import group_batches, group_parts
+    from stepgrpo.loops.training import DataParallel
+
+    gids = torch.arange(7).repeat_interleave(3)  # 7 groups of 3
+    rows = torch.arange(21)
+    parts = group_parts(rows, gids, 3, torch.Generator().manual_seed(0))
+    assert sorted(torch.cat(parts).tolist()) == list(range(21))
+    seen = []
+    for part in parts:
+        for mb in group_batches(part, gids, 7):  # at most 7 rows: two groups a micro-batch
+            assert len(mb) <= 7
+            for g in set(gids[mb].tolist()):
+                assert int((gids[mb] == g).sum()) == 3  # every member of each group it holds
+            for r in range(2):
+                mine = DataParallel(r, 2).whole(group_batches(part, gids, 7))
+                seen += [(r, g) for c in mine for g in gids[c].tolist()]
+    owners = {}
+    for r, g in seen:
+        owners.setdefault(g, set()).add(r)
+    assert all(len(o) == 1 for o in owners.values())  # a group is one rank's
+
+
+def test_the_update_loop_reads_facts_never_an_objective_name():
+    """No module of the update branches on an objective's name or the old `matching` switch: the
+    objectives differ only through their registry facts."""
+    import ast
+    from pathlib import Path
+
+    import stepgrpo.loops as loops
+
+    names = set(OBJECTIVES.names())
+    for module in ("training.py", "rows.py", "update.py", "reference.py"):
+        tree = ast.parse((Path(loops.__file__).parent / module).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                assert node.value not in names, f"{module}: the objective name {node.value!r} in the update's code"
+            if isinstance(node, ast.Attribute):
+                assert node.attr != "matching", f"{module}: branches on update.matching"
+
+
+@pytest.mark.parametrize("objective", OBJECTIVES.names())
+def test_every_objective_trains_through_the_one_loop(objective, tmp_path, monkeypatch):
+    """Each registered objective, GRPO included, takes one AdamW step on the tiny model through
+    `training.update`: the weights move, the loss is finite, every trained row went backward; where
+    it reads whole groups, every call holds whole groups whose rows share their time and noise."""
+    from stepgrpo.config import load_config
+    from stepgrpo.loops import training, workspace
+    from stepgrpo.loops.sampling import encode
+    from stepgrpo.shapes.model import build_pipeline, tiny_spec
+
+    path = tmp_path / "tiny"
+    build_pipeline(tiny_spec(), seed=0).save_pretrained(str(path))
+    on_transitions = OBJECTIVES.facts(objective)["rows"] == "transitions"
+    sampler = ["sampler.kernel=flow", "sampler.noise=0.7"]
+    if not on_transitions:
+        sampler = ["sampler.kernel=ode", "sampler.shared_x0=false"]
+    times = [] if on_transitions else ["update.times=2", "update.time_span=1.0"]
+    cfg = load_config(
+        None,
+        [f"model.path={path}", "model.lora_rank=4", "model.guidance_scale=1.0", "sampler.steps=4", *sampler,
+         f"update.objective={objective}", *times, "optim.micro_batch=4", "optim.optimizer_steps=1",
+         "run.prompts_per_iteration=2", "run.group_size=2"],
+    )  # fmt: skip
+    pol = workspace.policy(cfg)
+    workspace.set_lora(pol, workspace.initial_lora(cfg))
+    from stepgrpo.loops.sampling import generator, iteration_plan, sample_iteration
+    from stepgrpo.prompts import prompt_source
+
+    prompts = prompt_source(cfg)
+    plan = iteration_plan(cfg, prompts.splits, 0)
+    chunks = list(sample_iteration(pol, cfg, prompts.texts, plan, 0, cfg.sampler.noise))
+    states = torch.cat([c.sde.states for c in chunks])
+    B, T = states.shape[0], cfg.sampler.steps
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5]).unsqueeze(1).expand(B, T).clone()
+    batch = training.Batch(
+        states, torch.cat([c.sde.log_probs for c in chunks]), adv, torch.from_numpy(plan.group_ids),
+        encode(pol, prompts.texts, plan.prompt_ids), pol.sigmas(T), cfg.sampler.kernel, cfg.sampler.noise,
+    )  # fmt: skip
+    opt = training.make_optimizer(pol.trainable_parameters(), cfg)
+    companion = workspace.lora_state(pol) if workspace.companion_group(cfg) else None
+    before = workspace.lora_state(pol)
+    seen, real = [], OBJECTIVES.get(objective)
+
+    def spy(b, **options):
+        seen.append(b)
+        return real(b, **options)
+
+    if not on_transitions:
+        monkeypatch.setitem(OBJECTIVES._items, objective, spy)
+    out = training.update(pol, opt, cfg, batch, generator(0, "update", 0), companion)
+    if OBJECTIVES.facts(objective)["whole_groups"]:
+        assert seen
+        for b in seen:
+            for g in set(b.groups.tolist()):
+                rows = (b.groups == g).nonzero().reshape(-1)
+                assert len(rows) == cfg.run.group_size
+                assert bool((b.t[rows] == b.t[rows[0]]).all()) and bool((b.eps[rows] == b.eps[rows[0]]).all())
+    assert math.isfinite(out["loss"]) and out["optimizer_steps"] == 1.0
+    assert out["backward_rows"] > 0 and out["trained_trajectories"] == B
+    after = workspace.lora_state(pol)
+    assert any(not torch.equal(before[n], after[n]) for n in before)

@@ -1,4 +1,4 @@
-"""The flow-matching objectives (`update.objective` nft, awm) as pipeline stages: a run killed in
+"""The flow-matching objectives (`update.objective` nft, awm, dgpo) as pipeline stages: a run killed in
 each stage resumes to the bytes of an uninterrupted one (the companion adapter included), the
 reference loop computes what the pipeline stores, a stored run re-scores without a transformer
 call, and step-level credit reaches the loss at the grid time of its step."""
@@ -25,6 +25,14 @@ CASES = {
         "credit.scheme=outcome",
         "optim.optimizer_steps=2",
         "update.times=2",
+    ],
+    # dgpo on DPM-Solver++ rollouts, whole groups of 3, its EMA reference sampling from iteration 1
+    "dgpo": [
+        "update.objective=dgpo",
+        "sampler.ode_solver=dpm2",
+        "credit.scheme=outcome",
+        "update.times=2",
+        "update.companion_samples_after=0",
     ],
 }
 
@@ -99,7 +107,9 @@ def test_a_run_killed_in_each_stage_resumes_bit_identical(objective, clean, tiny
     spec.write_text("")
     _train(overrides, run_dir)
     ours, theirs = checkpoints(run_dir), checkpoints(clean[objective])
-    group = {"nft": "old", "awm": "kl_ema"}[objective]
+    from stepgrpo_core.objectives import OBJECTIVES
+
+    group = OBJECTIVES.facts(objective)["companion"]
     assert {k.split("/")[1] for k in ours} >= {"lora", "optimizer", group}
     assert ours.keys() == theirs.keys()
     if objective == "awm":  # the rollout records the solver that took its steps
@@ -125,6 +135,24 @@ def test_the_reference_loop_computes_what_the_pipeline_stores(objective, clean):
     for i, rec in enumerate(bare):
         digest = run.tables.read_advantages(i).column("options_digest").to_pylist()[0]
         assert torch.equal(rec["advantages"].float(), run.tables.advantage_grid(i, scheme, digest).float()), i
+
+
+def test_dgpo_samples_with_its_ema_reference_after_the_switch(clean):
+    """DGPO's companion (the EMA reference) samples once the run has taken more optimizer steps
+    than `update.companion_samples_after` (0 here: from iteration 1 on), and the trained adapter
+    before."""
+    from stepgrpo.config import validate_config
+    from stepgrpo.loops import workspace
+
+    run = Run.open(clean["dgpo"])
+    cfg = validate_config(run.config)
+    ckpt = run.checkpoints.load_checkpoint(0).tensors
+    before = workspace.lora_before(run, cfg, 1)
+    assert all(torch.equal(before[k], ckpt["old"][k]) for k in before)
+    assert any(not torch.equal(ckpt["old"][k], ckpt["lora"][k]) for k in before)
+    late = cfg.model_copy(update={"update": cfg.update.model_copy(update={"companion_samples_after": 10})})
+    trained = workspace.lora_before(run, late, 1)
+    assert all(torch.equal(trained[k], ckpt["lora"][k]) for k in trained)
 
 
 def test_nft_samples_with_its_old_adapter_and_costs_count_the_backward(clean):

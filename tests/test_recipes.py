@@ -120,7 +120,7 @@ def test_the_recipe_reaches_its_first_rollout(recipe, sd35_like, flux_like, tmp_
     assert [k for k, x in enumerate(stochastic) if x] == [k for k in range(start, end) if k not in ends]
 
 
-@pytest.mark.parametrize("recipe", [r for r in RECIPES if load_config(REPO / "configs" / r).update.matching])
+@pytest.mark.parametrize("recipe", [r for r in RECIPES if not load_config(REPO / "configs" / r).update.on_transitions])
 def test_the_flow_matching_recipes_run_an_update(recipe, sd35_like, flux_like, tmp_path):
     """DiffusionNFT's and AWM's recipes: one iteration through the update, in memory
     (`stepgrpo.loops.reference`), on a tiny random model of their family."""

@@ -13,8 +13,7 @@ storage and tracking (`bench/costs/costs.py` measures that overhead against it).
         clean x_0 of x_k    = complete_chunks(...)       # each state's ODE completion (completion.method)
         R [B, T+1]          = score_images(decode(...))  # the reward of every completed state (R_T: the sample)
         A [B, T]            = assign(scheme, R, groups)  # credit: per-step advantages from R
-        policy              = training.update(...)       # PPO-clip GRPO on the trained steps
-                           (or update_matching)         # DiffusionNFT / AWM (update.objective)
+        policy              = training.update(...)       # update.objective: GRPO, DiffusionNFT, AWM, DGPO
 """
 
 from __future__ import annotations
@@ -54,9 +53,8 @@ def reference_loop(
     _, end = cfg.sampler.window()
     method, noise = cfg.completion.method, cfg.sampler.noise
     ema = workspace.lora_state(pol) if cfg.optim.ema_decay is not None else None
-    # a flow-matching objective's second adapter (nft: it samples; awm: the KL's EMA target)
+    # the objective's second adapter (nft: it samples; awm: the KL's EMA target; dgpo: the clip's anchor)
     companion = workspace.lora_state(pol) if workspace.companion_group(cfg) else None
-    sampler = companion if cfg.update.matching and cfg.update.resolved()["samples_with_companion"] else None
     records = []
     for it in range(iterations):
         t0 = time.perf_counter()
@@ -64,8 +62,8 @@ def reference_loop(
         plan = iteration_plan(cfg, prompts.splits, it)
         sigmas = pol.sigmas(T)
         trained = workspace.lora_state(pol)
-        if sampler is not None:
-            workspace.set_lora(pol, sampler)
+        if companion is not None and workspace.companion_samples(cfg, training.adam_steps(opt)):
+            workspace.set_lora(pol, companion)
         chunks = list(sample_iteration(pol, cfg, prompts.texts, plan, it, noise))  # as the rollout stage samples
         states = torch.cat([c.sde.states for c in chunks])
         reference = [c.ode_final for c in chunks if c.ode_final is not None]  # none: sampler.ode_reference false
@@ -114,10 +112,7 @@ def reference_loop(
             noise,
         )
         shuffle = generator(cfg.run.seed, "update", it)
-        if cfg.update.matching:  # DiffusionNFT / AWM on forward-noised copies of each x_T
-            summary = training.update_matching(pol, opt, cfg, batch, shuffle, companion, ema=ema)
-        else:  # PPO-clip GRPO on the trained steps
-            summary = training.update(pol, opt, cfg, batch, shuffle, ema=ema)
+        summary = training.update(pol, opt, cfg, batch, shuffle, companion, ema=ema)
         t5 = time.perf_counter()
         rec = {
             "iteration": it,

@@ -1,11 +1,12 @@
 """The policy update of one iteration, and what a checkpoint holds.
 
-The math (PPO-clip, the KL to the reference, the step log-densities) is `stepgrpo_core`'s; this
-module only loops: over inner epochs, over `optim.optimizer_steps` parts of the trajectories
-(shuffled by a generator seeded from the run seed and the iteration), and inside each part over
-the trained steps and micro-batches, accumulating one gradient per part (Flow-GRPO accumulates
-over the timesteps and half the batch). `micro_batch` bounds memory only. `Diagnostics` records
-what the update says about learning.
+The math (the objectives' losses, the step log-densities) is `stepgrpo_core`'s; what a row of an
+objective's loss is, `stepgrpo.loops.rows`'s. This module only loops, the same way for every
+objective: over inner epochs, over `optim.optimizer_steps` parts of the trajectories (shuffled by a
+generator seeded from the run seed and the iteration), and inside each part over its cells (a
+trained step or grid time, on a micro-batch), accumulating one gradient per part (Flow-GRPO
+accumulates over the timesteps and half the batch). `micro_batch` bounds memory only.
+`Diagnostics` (GRPO's per-step view) and `RowStats` record what the update says about learning.
 
 A checkpoint is data only (safetensors + JSON): the LoRA weights, the AdamW state flattened to
 named tensors, the EMA of the LoRA weights when enabled, the torch RNG state, and the iteration.
@@ -22,10 +23,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from stepgrpo.config import Config
-from stepgrpo_core.conditioning import take
-from stepgrpo_core.kernels import diffusion_coefficient
-from stepgrpo_core.loss import grpo_loss, step_weights
-from stepgrpo_core.rollout import step_log_prob
 
 # torch's AdamW keeps per-parameter tensors under these names (plus "step").
 ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
@@ -117,6 +114,13 @@ class DataParallel:
             i += len(cs)
         return mine
 
+    def whole(self, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's share of `chunks` taken whole (micro-batches of whole groups): every rank the
+        same number of rows where they share out so, else chunk i to rank i mod world."""
+        owner = _balanced_owners([len(c) for c in chunks], self.world)
+        owner = owner or [i % self.world for i in range(len(chunks))]
+        return [c for c, r in zip(chunks, owner) if r == self.rank]
+
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         """`t` summed over the ranks (a new tensor)."""
         import torch.distributed as dist
@@ -168,84 +172,77 @@ def update(
     cfg: Config,
     batch: Batch,
     generator: torch.Generator,
+    companion: dict[str, torch.Tensor] | None = None,
     ema: dict[str, torch.Tensor] | None = None,
     initial: Mapping[str, torch.Tensor] | None = None,
     signal: dict[str, torch.Tensor] | None = None,
     parallel: DataParallel | None = None,
 ) -> dict[str, Any]:
-    """One iteration's policy update on `batch`; returns its diagnostics (`Diagnostics.summary`).
+    """One iteration's policy update on `batch` under `update.objective`; returns its diagnostics.
 
     Args:
-        generator: shuffles the trajectories (seeded from the run seed and the iteration).
+        generator: shuffles the trajectories and draws the objective's grid times and noise
+            (seeded from the run seed and the iteration).
+        companion: the objective's second adapter (`OBJECTIVES` fact `companion`: DiffusionNFT's
+            and DGPO's old policy, AWM's KL target), moved in place after every optimizer step.
         ema: the EMA of the LoRA weights, updated in place after every optimizer step.
         initial: the LoRA weights before training (for the distance travelled); None skips it.
         signal: the running sums of the two halves' gradients over past iterations (`accumulate_signal`),
             updated in place; empty or None starts them.
         parallel: this process's rank of a data-parallel update (`DataParallel`); None: one process.
 
-    Per inner epoch the trajectories are shuffled and split into `optim.optimizer_steps` parts; each
-    AdamW step takes the mean gradient over one part's trajectories and the trained steps
-    (Flow-GRPO). Trajectories whose advantages are all zero (dropped groups) are skipped.
+    What a row of the loss is comes from the objective's facts (`stepgrpo.loops.rows`): the rollout's
+    transitions at the trained steps (GRPO) or `x_T` noised afresh at grid times (DiffusionNFT, AWM,
+    DGPO). Per inner epoch the trained trajectories are shuffled and split into
+    `optim.optimizer_steps` parts (of whole groups where the objective reads groups); each AdamW step
+    takes the mean gradient over one part's rows (Flow-GRPO accumulates over the timesteps and half
+    the batch). Samples whose advantages are all zero are trained or dropped as the objective's
+    authors do (`update.zero_advantage` overrides). After each AdamW step the EMA moves, and the
+    companion after each step or once after the iteration's last, as its `companion_moves` fact
+    says (`companion_update`, the run's optimizer step counting from 1).
 
-    Data-parallel, every rank draws the same order and parts; each takes its share of each trained
-    step's micro-batches (`DataParallel.micro_batches`: whole ones where they share out evenly, else
-    every `world`-th row), weighs its loss by the whole part's size, and the ranks sum their
-    gradients before clipping: each optimizer step sees the gradient the one-process update sees,
-    up to the order of the float sums, whatever the number of processes.
+    Data-parallel, every rank draws the same order, parts, times and noise; each takes its share of
+    the part's micro-batches (`DataParallel.micro_batches`: whole ones where they share out evenly,
+    else every `world`-th row; whole groups where the objective reads groups), weighs its loss by the
+    whole part's size, and the ranks sum their gradients before clipping: each optimizer step sees
+    the gradient the one-process update sees, up to the order of the float sums.
     """
-    states, old_log_probs, group_ids, cond = batch.states, batch.old_log_probs, batch.group_ids, batch.cond
-    sigmas, kernel, noise = batch.sigmas, batch.kernel, batch.noise
-    advantages = batch.advantages
-    o = cfg.optim
-    steps = [k for k in cfg.trained_steps() if bool(torch.isfinite(old_log_probs[:, k]).all())]
-    adv = torch.nan_to_num(advantages.float(), nan=0.0)
-    rows = torch.nonzero((adv[:, steps] != 0).any(dim=1)).reshape(-1) if steps else torch.zeros(0, dtype=torch.long)
+    from stepgrpo.loops.rows import ROWS
+    from stepgrpo_core.objectives import companion_update
+
+    o, u = cfg.optim, cfg.update.resolved()
+    rows_of = ROWS[u["rows"]](pol, cfg, batch, companion, u["keep_zero"])
+    rows = rows_of.trained()
     trained = pol.trainable_parameters()
     named = {n: p for n, p in pol.transformer.named_parameters() if p.requires_grad}
     before = _flat(trained, grad=False)
-    diag = Diagnostics(steps)
-    # per-step loss weights, mean 1 over the trained steps (`optim.step_weighting`)
-    weight = dict(zip(steps, step_weights(o.step_weighting, kernel, sigmas, noise, steps).tolist()))
-    velocity = update_velocity(pol, o.detach_uncond)
+    diag = Diagnostics(rows_of.steps) if rows_of.signal_check else RowStats()
+    decay = float("nan")
     for epoch in range(o.inner_epochs):
-        parts = shuffled_parts(rows, o.optimizer_steps, generator)
-        for pi, part in enumerate(parts):
+        for pi, part in enumerate(rows_of.parts(rows, generator)):
             first = epoch == 0 and pi == 0
             # The signal check: the first step's trajectories in two halves of whole groups, each
             # half's gradient measured apart (at the same weights, before any optimizer step).
-            halves = _halves(part, group_ids) if first and o.diagnostics else [part]
+            check = first and o.diagnostics and rows_of.signal_check
+            halves = _halves(part, batch.group_ids) if check else [part]
             opt.zero_grad(set_to_none=True)
-            split = parallel.micro_batches if parallel else micro_batches
-            batches = split(halves, o.micro_batch)
-            for k in steps:
+            batches = rows_of.split(halves, o.micro_batch, parallel)
+            for block in rows_of.blocks(part, batches, generator):
                 accumulated = []  # after each half (the signal check)
-                for mine in batches:
-                    for idx in mine:
-                        loss = _step_loss(
-                            pol,
-                            velocity,
-                            cfg,
-                            states[idx],
-                            old_log_probs[idx, k],
-                            adv[idx, k],
-                            take(cond, idx),
-                            sigmas,
-                            k,
-                            kernel,
-                            noise,
-                        )
-                        # the mean over the part's trajectories and the trained steps, whatever the
-                        # micro-batches (each step's loss times its weight, mean weight 1)
-                        (loss.loss * (weight[k] * len(idx) / (len(part) * len(steps)))).backward()
-                        diag.backward_rows += len(idx)
-                        diag.add_loss(k, first, len(idx), loss, part=len(diag.grad_norms))
-                    if first and o.diagnostics:
+                for cells in block.halves:
+                    for cell in cells:
+                        out = rows_of.loss(cell)
+                        # the mean over the part's rows, whatever the micro-batches
+                        (out.loss * cell.weight).backward()
+                        diag.backward_rows += len(cell.idx)
+                        diag.add_loss(cell.col, first, len(cell.idx), out, part=len(diag.grad_norms))
+                    if check:
                         accumulated.append(_flat(trained, grad=True))
                 if accumulated and parallel:  # one sum a step, after both halves: the ranks wait once, for equal work
                     accumulated = list(parallel.sum(torch.stack(accumulated)))
                 for total in accumulated:
                     diag.add_half(total)
-                diag.end_step(k)
+                diag.end_step(block.key)
             if parallel:
                 parallel.sum_grads(trained)
             diag.grad_norms.append(float(torch.nn.utils.clip_grad_norm_(trained, o.max_grad_norm)))
@@ -254,6 +251,10 @@ def update(
             diag.update_norms.append(float((_flat(trained, grad=False) - step_start).norm()))
             if ema is not None and o.ema_decay is not None:
                 ema_update(ema, named, o.ema_decay)
+            if companion is not None and u["companion_moves"] == "step":
+                decay = companion_update(companion, named, adam_steps(opt), float(u["rate"]), float(u["cap"]))
+    if companion is not None and u["companion_moves"] == "iteration" and diag.grad_norms:
+        decay = companion_update(companion, named, adam_steps(opt), float(u["rate"]), float(u["cap"]))
     after = _flat(trained, grad=False)
     diag.iteration_norm = float((after - before).norm())
     if initial is not None:
@@ -263,145 +264,11 @@ def update(
         diag.gather(parallel)
     out = diag.summary()
     out["backward_rows"] = diag.backward_rows
+    if companion is not None:
+        out["companion_decay"] = decay
     if signal is not None and len(diag.halves) == 2:
         out.update(accumulate_signal(signal, *diag.halves))
     return out
-
-
-def update_matching(
-    pol: Policy,
-    opt: torch.optim.Optimizer,
-    cfg: Config,
-    batch: Batch,
-    generator: torch.Generator,
-    companion: dict[str, torch.Tensor] | None = None,
-    ema: dict[str, torch.Tensor] | None = None,
-    initial: Mapping[str, torch.Tensor] | None = None,
-    parallel: DataParallel | None = None,
-) -> dict[str, Any]:
-    """One iteration's update under a flow-matching objective (`update.objective` nft or awm,
-    `stepgrpo_core.objectives`); returns its diagnostics.
-
-    Per inner epoch the trajectories are shuffled and split into `optim.optimizer_steps` parts, as
-    `update` does. For each part, drawn from `generator` in this order: every sample's grid steps
-    (`grid_times`), then one fresh noise per (sample, time); row (i, k) is sample i's clean latent
-    noised to the grid time `sigmas[k]`, weighted by the scheme's advantage of step k
-    (`row_advantages`). The old / EMA velocities come from `companion` (the adapter the checkpoint
-    keeps beside the trained one), the KL's from the base model, all without gradient and before
-    the policy's own forward. After each AdamW step the companion moves toward the trained weights
-    (`companion_update`, the run's optimizer step counting from 1). Data-parallel as `update`: the
-    draws are the part's, whatever the ranks; each rank takes its micro-batches of it.
-    """
-    from stepgrpo_core.objectives import (
-        OBJECTIVES,
-        MatchingBatch,
-        companion_update,
-        grid_times,
-        noised,
-        row_advantages,
-    )
-
-    o, u = cfg.optim, cfg.update.resolved()
-    objective, facts = OBJECTIVES.get(cfg.update.objective), OBJECTIVES.facts(cfg.update.objective)
-    options = u["options"]
-    states, cond, sigmas = batch.states, batch.cond, batch.sigmas
-    x0_all = states[:, -1]
-    T = batch.advantages.shape[1]
-    adv = torch.nan_to_num(batch.advantages.float(), nan=0.0)
-    rows = torch.nonzero((adv != 0).any(dim=1)).reshape(-1)
-    trained = pol.trainable_parameters()
-    named = {n: p for n, p in pol.transformer.named_parameters() if p.requires_grad}
-    before = _flat(trained, grad=False)
-    velocity = update_velocity(pol, o.detach_uncond)
-    wants_ref = facts["needs_ref"] and float(options.get("kl_beta", 0.0)) > 0
-    sums: dict[str, float] = {}
-    seen = backward = 0
-    grad_norms: list[float] = []
-    update_norms: list[float] = []
-    decay = float("nan")
-
-    def other(weights: dict[str, torch.Tensor] | None, x: torch.Tensor, t: torch.Tensor, c: Any) -> torch.Tensor:
-        """The velocity of the adapter `weights` (the trained one restored after), without gradient."""
-        from stepgrpo.loops import workspace
-
-        if weights is None:
-            raise ValueError(f"objective {cfg.update.objective!r} needs its companion adapter")
-        mine = workspace.lora_state(pol)
-        workspace.set_lora(pol, weights)
-        try:
-            return pol.velocity(x, t, c)
-        finally:
-            workspace.set_lora(pol, mine)
-
-    for _epoch in range(o.inner_epochs):
-        parts = shuffled_parts(rows, o.optimizer_steps, generator)
-        for part in parts:
-            ks = grid_times(str(u["time_rule"]), float(u["times"]), T, len(part), generator, float(u["time_span"]))
-            m = ks.shape[1]
-            eps_all = torch.randn((len(part), m, *x0_all.shape[1:]), generator=generator)
-            a_all = row_advantages(adv[part], ks)
-            where = {int(r): j for j, r in enumerate(part.tolist())}
-            opt.zero_grad(set_to_none=True)
-            split = parallel.micro_batches if parallel else micro_batches
-            for mine in split([part], o.micro_batch):
-                for idx in mine:
-                    j = torch.tensor([where[int(r)] for r in idx.tolist()])
-                    c = take(cond, idx)
-                    x0 = x0_all[idx]
-                    for col in range(m):
-                        t = sigmas[ks[j, col].to(sigmas.device)].to(x0.dtype)
-                        eps = eps_all[j, col].to(x0.device, x0.dtype)
-                        x_t = noised(x0, eps, t)
-                        with torch.no_grad():
-                            v_old = other(companion, x_t, t, c) if facts["needs_old"] else None
-                            v_ema = other(companion, x_t, t, c) if facts["needs_ema"] else None
-                            v_ref = None
-                            if wants_ref:
-                                with pol.reference():
-                                    v_ref = pol.velocity(x_t, t, c)
-                        v = velocity(x_t, t, c)
-                        mb = MatchingBatch(x0, eps, t, a_all[j, col].to(x0.device), v, v_old, v_ref, v_ema)
-                        out = objective(mb, **options)
-                        # the mean over the part's (sample, time) rows, whatever the micro-batches
-                        (out.loss * (len(idx) / (len(part) * m))).backward()
-                        backward += len(idx)
-                        seen += len(idx)
-                        for name, value in {"loss": float(out.loss.detach()), **out.stats}.items():
-                            sums[name] = sums.get(name, 0.0) + len(idx) * value
-            if parallel:
-                parallel.sum_grads(trained)
-            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(trained, o.max_grad_norm)))
-            step_start = _flat(trained, grad=False)
-            opt.step()
-            update_norms.append(float((_flat(trained, grad=False) - step_start).norm()))
-            if ema is not None and o.ema_decay is not None:
-                ema_update(ema, named, o.ema_decay)
-            if companion is not None:
-                decay = companion_update(companion, named, adam_steps(opt), float(u["rate"]), float(u["cap"]))
-    if parallel:
-        names = sorted(sums)
-        total = parallel.sum(torch.tensor([float(seen), *(sums[n] for n in names)], dtype=torch.float64)).tolist()
-        seen, sums = int(total[0]), dict(zip(names, total[1:]))
-    after = _flat(trained, grad=False)
-    out: dict[str, Any] = {name: value / seen for name, value in sums.items()} if seen else {}
-    out["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
-    out["update_norms"] = update_norms
-    out["update_norm"] = float((after - before).norm())
-    if initial is not None:
-        out["lora_distance"] = float((after - torch.cat([initial[n].reshape(-1).to(after) for n in named])).norm())
-    out["trained_trajectories"] = float(len(rows))
-    out["optimizer_steps"] = float(len(grad_norms))
-    out["rows"] = float(seen)
-    out["companion_decay"] = decay
-    out["backward_rows"] = backward
-    return out
-
-
-def shuffled_parts(rows: torch.Tensor, steps: int, generator: torch.Generator) -> list[torch.Tensor]:
-    """An inner epoch's trajectories, shuffled by `generator` and split into (at most) `steps`
-    non-empty parts, one an optimizer step."""
-    order = rows[torch.randperm(len(rows), generator=generator)]
-    return [p for p in order.tensor_split(min(steps, max(1, len(order)))) if len(p)]
 
 
 def adam_steps(opt: torch.optim.Optimizer) -> int:
@@ -428,41 +295,6 @@ def accumulate_signal(signal: dict[str, torch.Tensor], a: torch.Tensor, b: torch
         signal[name] = g.float().cpu() if prev is None else prev.mul(SIGNAL_DECAY).add(g.float().cpu())
     signal["n"] = signal.get("n", torch.zeros((), dtype=torch.int64)) + 1
     return {"signal_cosine_window": _cosine(signal["a"], signal["b"]), "signal_iterations": float(signal["n"])}
-
-
-def _step_loss(
-    pol: Policy,
-    velocity: Any,
-    cfg: Config,
-    states: torch.Tensor,
-    old_log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    cond: Any,
-    sigmas: torch.Tensor,
-    k: int,
-    kernel: str,
-    noise: Any,
-) -> Any:
-    """The GRPO loss of step `k` on some trajectories (`states [n, T+1, C, H, W]`, the rest `[n]`)."""
-    o = cfg.optim
-    out = step_log_prob(velocity, states, sigmas, cond, k, kernel, noise)
-    ref_mean = kl_std = None
-    if o.kl_beta > 0:
-        with torch.no_grad(), pol.reference():
-            ref_mean = step_log_prob(pol.velocity, states, sigmas, cond, k, kernel, noise).mean
-        # Flow-GRPO's form divides by the diffusion coefficient, the exact KL by the step's std
-        kl_std = out.std if o.kl_form == "exact" else diffusion_coefficient(kernel, out.std, sigmas[k], sigmas[k + 1])
-    return grpo_loss(
-        out.log_prob,
-        old_log_prob,
-        advantages,
-        clip_range=o.clip_range,
-        adv_clip=o.adv_clip,
-        kl_beta=o.kl_beta,
-        mean=out.mean if ref_mean is not None else None,
-        ref_mean=ref_mean,
-        kl_std=kl_std,
-    )
 
 
 def update_velocity(pol: Policy, detach_uncond: bool):
@@ -554,9 +386,9 @@ class Diagnostics:
         self._last = accumulated
         self._pending.append(delta)
 
-    def end_step(self, k: int) -> None:
+    def end_step(self, k: int | None) -> None:
         """Step `k`'s halves are in: its gradient energy, and the halves' running gradients."""
-        if not self._pending:
+        if not self._pending or k is None:
             return
         self.energy[k] = float(torch.stack(self._pending).sum(0).square().sum())
         self.halves = self._pending if not self.halves else [a + b for a, b in zip(self.halves, self._pending)]
@@ -626,6 +458,50 @@ class Diagnostics:
         out["trained_step_ids"] = list(self.steps)
         out["trained_trajectories"] = float(self.trained_trajectories)
         out["optimizer_steps"] = float(len(self.grad_norms))
+        return out
+
+
+class RowStats:
+    """What one update of a flow-matching objective measured: each statistic its loss reports
+    (`ObjectiveOutput.stats`, and the loss), averaged over the (sample, time) rows; the norms of
+    each optimizer step's change and of the iteration's, the LoRA's distance from its start."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.seen = 0
+        self.halves: list[torch.Tensor] = []  # no signal check
+        self.grad_norms: list[float] = []
+        self.update_norms: list[float] = []
+        self.iteration_norm = float("nan")
+        self.lora_distance = float("nan")
+        self.trained_trajectories = 0
+        self.backward_rows = 0
+
+    def add_loss(self, col: int, first: bool, n: int, out: Any, part: int = 0) -> None:
+        self.seen += n
+        for name, value in {"loss": float(out.loss.detach()), **out.stats}.items():
+            self.sums[name] = self.sums.get(name, 0.0) + n * value
+
+    def add_half(self, accumulated: torch.Tensor) -> None:
+        raise RuntimeError("the signal check reads trained steps; a flow-matching update has none")
+
+    def end_step(self, k: int | None) -> None:
+        pass
+
+    def gather(self, parallel: DataParallel) -> None:
+        names = sorted(self.sums)
+        total = parallel.sum(torch.tensor([float(self.seen), *(self.sums[n] for n in names)], dtype=torch.float64))
+        self.seen, self.sums = int(total[0]), dict(zip(names, total[1:].tolist()))
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {name: value / self.seen for name, value in self.sums.items()} if self.seen else {}
+        out["grad_norm"] = sum(self.grad_norms) / len(self.grad_norms) if self.grad_norms else float("nan")
+        out["update_norms"] = list(self.update_norms)
+        out["update_norm"] = self.iteration_norm
+        out["lora_distance"] = self.lora_distance
+        out["trained_trajectories"] = float(self.trained_trajectories)
+        out["optimizer_steps"] = float(len(self.grad_norms))
+        out["rows"] = float(self.seen)
         return out
 
 

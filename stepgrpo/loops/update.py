@@ -97,22 +97,18 @@ def train(
     if group is not None:  # the objective's second adapter: the previous checkpoint's, the start's at 0
         companion = dict(prev.tensors[group]) if prev is not None else workspace.initial_lora(cfg)
         companion = {n: w.detach().clone() for n, w in companion.items()}
-    if cfg.update.matching:
-        summary = training.update_matching(
-            pol, opt, cfg, batch, shuffle, companion, ema=ema, initial=workspace.initial_lora(cfg), parallel=parallel
-        )
-    else:
-        summary = training.update(
-            pol,
-            opt,
-            cfg,
-            batch,
-            shuffle,
-            ema=ema,
-            initial=workspace.initial_lora(cfg),
-            signal=signal if cfg.optim.diagnostics else None,
-            parallel=parallel,
-        )
+    summary = training.update(
+        pol,
+        opt,
+        cfg,
+        batch,
+        shuffle,
+        companion,
+        ema=ema,
+        initial=workspace.initial_lora(cfg),
+        signal=signal if cfg.optim.diagnostics else None,
+        parallel=parallel,
+    )
     backward = int(summary.pop("backward_rows"))
     if parallel is not None:
         import torch.distributed as dist

@@ -252,20 +252,37 @@ def reward_identity(cfg: RewardConfig) -> dict[str, Any]:
 
 def companion_group(cfg: Config) -> str | None:
     """The checkpoint group of the update objective's second adapter (`old`: DiffusionNFT's
-    sampling policy; `kl_ema`: AWM's KL target), None when it keeps none."""
-    return cfg.update.resolved()["companion"] if cfg.update.matching else None
+    sampling policy, DGPO's clipping anchor; `kl_ema`: AWM's KL target), None when it keeps none."""
+    return cfg.update.resolved()["companion"]
+
+
+def companion_samples(cfg: Config, optimizer_step: int) -> bool:
+    """Whether the companion adapter, rather than the trained one, samples the rollouts once the
+    run has taken `optimizer_step` optimizer steps (`OBJECTIVES` fact `samples_with_companion`:
+    always, never, or after the step it names, as DGPO's `switch_ema_ref`)."""
+    when = cfg.update.resolved()["samples_with_companion"]
+    if isinstance(when, bool):
+        return when
+    return optimizer_step > int(when)
+
+
+def optimizer_step(tensors: dict[str, torch.Tensor]) -> int:
+    """The optimizer steps a checkpoint's AdamW state has taken (its `step`; 0 without one)."""
+    steps = [int(v) for k, v in tensors.items() if k.endswith(".step")]
+    return max(steps, default=0)
 
 
 def lora_before(run: Run, cfg: Config, iteration: int) -> dict[str, torch.Tensor]:
     """The LoRA weights that sample iteration `iteration`: the trained adapter after the previous
     update, or the objective's companion adapter when it is the one that samples (DiffusionNFT's
-    old policy)."""
+    old policy; DGPO's after its switch)."""
     if iteration == 0:
         return initial_lora(cfg)
+    prev = run.checkpoints.load_checkpoint(iteration - 1)
     group = trained_group(cfg)
-    if cfg.update.matching and cfg.update.resolved()["samples_with_companion"]:
+    if companion_group(cfg) and companion_samples(cfg, optimizer_step(prev.tensors.get("optimizer", {}))):
         group = str(companion_group(cfg))
-    return run.checkpoints.load_checkpoint(iteration - 1).tensors[group]
+    return prev.tensors[group]
 
 
 def policy_at(run: Run, cfg: Config, iteration: int) -> Policy:
