@@ -177,7 +177,7 @@ class RunRecord:
     train_strict: list[float]
     iter_seconds: list[float]  # wall seconds of each iteration (checkpoint to checkpoint, evals excluded)
     stage_seconds: list[dict[str, float]]  # rollout / complete / update seconds as the stages recorded them
-    nfe: list[dict[str, int]]  # rollout / complete / update transformer rows (a CFG pair counts once)
+    nfe: list[dict[str, int]]  # rollout / ODE reference / complete / update transformer rows (a CFG pair counts once)
     gains: list[list[float]]  # mean gain g_k per step k (empty without step rewards)
     heldout: list[dict[str, Any]]  # evaluations: iteration (0 = base), reward, strict, sub-scores
     setup_seconds: float  # before iteration 0: psi calibration (other set-up is not training)
@@ -280,6 +280,7 @@ def read_run(run_dir: Path) -> RunRecord:
         nfes.append(
             {
                 "rollout": int(ro["inputs"].get("nfe", 0)),
+                "ode_reference": int(ro["inputs"].get("nfe_ode", 0)),
                 "complete": int(cm["attrs"]["nfe"]) if cm else 0,
                 "update": int(run.stage_manifest(i, "checkpoint")["inputs"].get("nfe", update_nfe)),
             }

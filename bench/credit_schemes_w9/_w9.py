@@ -226,7 +226,12 @@ def record_of(run_dir: Path, argv: list[str]) -> dict[str, Any]:
     from bench._common import read_run
     from bench.credit_schemes._schemes import read_evals  # the same reading as the early-window comparison
 
+    from bench._common import open_run_once
+    from stepgrpo.reporting.costs import iteration_costs
+
     rec = read_run(run_dir)
+    # every stage's passes as it ran (`stepgrpo.reporting.costs`: forwards, and 2 a backward row)
+    costs = iteration_costs(open_run_once(run_dir))
     evals = {}
     for it, e in read_evals(run_dir).items():
         keep = ("label", "prompts", "seeds", "reward_mean", "reward_strict", "sub")
@@ -234,6 +239,8 @@ def record_of(run_dir: Path, argv: list[str]) -> dict[str, Any]:
     return {
         "argv": argv,
         "nfe": [sum(n.values()) for n in rec.nfe],
+        "passes": [int(c["passes"]) for c in costs],
+        "stages": [c["nfe_stages"] | {"backward": (int(c["passes"]) - int(c["nfe"])) // 2} for c in costs],
         "seconds": rec.iter_seconds,
         "setup_seconds": rec.setup_seconds,
         "train_reward": rec.train_reward,

@@ -12,9 +12,10 @@ rerun; the initial noise differs where a recipe gives each image its own (`sampl
 false`), so pairs are by prompt, not by sample.
 
 Compute is counted in forward-equivalent transformer passes (`stepgrpo.reporting.costs`: every
-forward of every stage plus 2 a backward row): a GRPO record stored before backward rows were
-recorded gets its update's backward rows from its NFEs (`grpo_passes`: with `kl_beta` 0 every
-update forward is the policy's and has one backward).
+forward of every stage plus 2 a backward row), stored per stage as each run ran them; a GRPO
+record stored before that has its passes rebuilt from what its config ran (`rebuilt_passes`: its
+NFEs left out the ODE reference, which an earlier reading also left uncharged, 240 passes an
+iteration too few).
 
 Probes (the tuning budget every shapes recipe got: two 50-iteration runs on training seed 0, the
 rule fixed before them: keep the authors' setting unless the other beats it by more than the
@@ -41,6 +42,7 @@ Durable state: one record per finished run (`RECORDS/<arm>/seed_<S>.json`). Resu
 
     .venv/bin/python bench/frontier/frontier.py --probes --jobs 2       # the probes (4 runs, seed 0)
     .venv/bin/python bench/frontier/frontier.py --jobs 2                # the decision (background it)
+    .venv/bin/python bench/frontier/frontier.py --arms dgpo             # one arm's seeds
     .venv/bin/python bench/frontier/frontier.py --report-only           # tables from the records so far
     .venv/bin/python bench/frontier/frontier.py --quick --out DIR       # every path at tiny settings
 """
@@ -48,6 +50,7 @@ Durable state: one record per finished run (`RECORDS/<arm>/seed_<S>.json`). Resu
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -64,23 +67,39 @@ from bench._common import OUT_DIR, ROOT, relative, write_json
 
 DOCS = ROOT / "docs" / "bench"
 RECORDS = DOCS / "frontier" / "runs"
-NFT, AWM = "configs/shapes_nft.yaml", "configs/shapes_awm.yaml"
+NFT, AWM, DGPO = "configs/shapes_nft.yaml", "configs/shapes_awm.yaml", "configs/shapes_dgpo.yaml"
 DENSE = ["completion.method=rollout", "credit.scheme=dense"]
+# What the decision's records ran, spelled out since the recipes moved to the authors' ways (samples
+# whose advantages are all zero trained; AWM's images each from their own noise, no ODE reference,
+# its clip default 1): the records' argv carry these, so they read as what they are.
+AS_RECORDED = {
+    NFT: ["update.zero_advantage=drop"],
+    AWM: [
+        "update.zero_advantage=drop",
+        "sampler.shared_x0=true",
+        "sampler.ode_reference=true",
+        "update.options.clip_range=0.0001",
+    ],
+}
 
 # arm -> (config, overrides)
 ARMS: dict[str, tuple[str, list[str]]] = {
-    "nft": (NFT, []),
-    "awm": (AWM, []),
-    "nft_dense_rollout": (NFT, DENSE),
-    "awm_dense_rollout": (AWM, DENSE),
+    "nft": (NFT, AS_RECORDED[NFT]),
+    "awm": (AWM, AS_RECORDED[AWM]),
+    "nft_dense_rollout": (NFT, [*AS_RECORDED[NFT], *DENSE]),
+    "awm_dense_rollout": (AWM, [*AS_RECORDED[AWM], *DENSE]),
     # after the decision, an explanation to test (not part of the rule): dense normalizes each step's
     # gains to unit scale, so steps that barely change the image weigh as much as the decisive ones;
     # Stepwise-Flow-GRPO's one normalization over all steps keeps their relative scale
-    "nft_stepwise_rollout": (NFT, ["completion.method=rollout", "credit.scheme=stepwise"]),
+    "nft_stepwise_rollout": (NFT, [*AS_RECORDED[NFT], "completion.method=rollout", "credit.scheme=stepwise"]),
+    # the one update loop's round: the recipes as their authors run them, and DGPO
+    "nft_authors": (NFT, []),
+    "awm_authors": (AWM, []),
+    "dgpo": (DGPO, []),
 }
 PROBES: dict[str, tuple[str, list[str]]] = {
-    "nft_beta01": (NFT, ["update.options.beta=0.1"]),
-    "awm_no_kl": (AWM, ["update.options.kl_beta=0.0", "update.options.ema_beta=0.0"]),
+    "nft_beta01": (NFT, [*AS_RECORDED[NFT], "update.options.beta=0.1"]),
+    "awm_no_kl": (AWM, [*AS_RECORDED[AWM], "update.options.kl_beta=0.0", "update.options.ema_beta=0.0"]),
 }
 PROBE_OF = {"nft_beta01": "nft", "awm_no_kl": "awm"}
 PROBE_ITERATIONS, PROBE_RULE = 50, 0.045
@@ -105,8 +124,11 @@ GRPO: dict[str, tuple[str, list[str], list[Path]]] = {
         [DOCS / "credit_schemes_clip" / "runs"],
     ),
 }
-# the GRPO recipes read at equal compute (outcome credit: passes from NFEs, `grpo_passes`)
+# the GRPO recipes read at equal compute (their passes as run, or rebuilt: `grpo_passes`)
 AT_EQUAL_COMPUTE = ("outcome_w3", "outcome_w3_k4")
+# the objectives read against each other at equal passes (the first read at its evaluations, the
+# second at its evaluation nearest in passes): the pick between them rests on these
+BETWEEN = [("awm", "nft"), ("awm_authors", "nft_authors"), ("dgpo", "awm_authors"), ("dgpo", "nft_authors")]
 # the order runs are taken in: seed 0 of the two objectives first (they are also the probes'
 # references), then the probes, then the decision's arms seed by seed (a partial screen still pairs)
 PHASES: list[tuple[tuple[str, ...], int]] = [
@@ -114,6 +136,7 @@ PHASES: list[tuple[tuple[str, ...], int]] = [
     (("nft_beta01", "awm_no_kl"), 1),
     (("nft", "awm", "nft_dense_rollout", "awm_dense_rollout"), 6),
     (("nft_stepwise_rollout",), 3),
+    (("dgpo", "awm_authors", "nft_authors"), 6),
 ]
 FULL = {"iterations": 100, "eval_every": 25, "set": ["run.eval_seeds=8"]}
 QUICK = {
@@ -121,7 +144,7 @@ QUICK = {
     "eval_every": 1,
     "set": ["run.prompts_per_iteration=2", "run.group_size=4", "run.eval_prompts=8", "run.eval_seeds=1"],
 }
-CLAIMED = {"nft": ("DiffusionNFT", 25.0), "awm": ("AWM", 24.0)}
+CLAIMED = {"nft": ("DiffusionNFT", 25.0), "awm": ("AWM", 24.0), "dgpo": ("DGPO", 20.0)}
 
 
 @dataclass
@@ -163,19 +186,11 @@ def settings(a: argparse.Namespace) -> Screen:
     )
 
 
-def queue(seeds: int, probes_only: bool = False) -> list[tuple[str, int]]:
+def queue(seeds: int, probes_only: bool = False, only: list[str] | None = None) -> list[tuple[str, int]]:
     jobs: list[tuple[str, int]] = []
     for arms, n in PHASES[:2] if probes_only else PHASES:
         jobs += [(arm, k) for k in range(min(n, seeds)) for arm in arms if (arm, k) not in jobs]
-    return jobs
-
-
-def passes_of(run_dir: Path) -> list[int]:
-    """Forward-equivalent passes per iteration (`stepgrpo.reporting.costs.iteration_costs`)."""
-    from bench._common import open_run_once
-    from stepgrpo.reporting.costs import iteration_costs
-
-    return [int(c["passes"]) for c in iteration_costs(open_run_once(run_dir))]
+    return [(arm, k) for arm, k in jobs if only is None or arm in only]
 
 
 def train_one(s: Screen, arm: str, seed: int, stepgrpo: Any) -> None:
@@ -190,22 +205,48 @@ def train_one(s: Screen, arm: str, seed: int, stepgrpo: Any) -> None:
     argv = s.argv(arm)
     t0 = time.perf_counter()
     done = run_seed(argv[0], seed, argv[1:], out, stepgrpo)
-    write_json(path, record_of(done["run_dir"], argv) | {"passes": passes_of(done["run_dir"])})
+    write_json(path, record_of(done["run_dir"], argv))  # its passes per stage as they ran
     print(f"{arm} seed {seed}: recorded after {time.perf_counter() - t0:.0f} s", flush=True)
 
 
 # --------------------------------------------------------------------------------- analysis
 
 
-def grpo_passes(r: dict[str, Any], trajectories: int = 64, steps: int = 10, groups: int = 8) -> list[int]:
-    """A GRPO record's passes per iteration: stored, or from its NFEs where it predates them. Its
-    NFEs are the rollout's `B T`, the ODE reference's (one sample a group of shared x0, `groups
-    T`; no completion NFEs for the final-only and rollout completions these records use) and the
-    update's forwards `U`, each with one backward (`kl_beta` 0): passes = NFEs + 2 U."""
+def grpo_passes(r: dict[str, Any]) -> list[int]:
+    """A GRPO record's passes per iteration: stored as its stages ran, or, for a record made before
+    they were, rebuilt from what its config ran (`rebuilt_passes`)."""
     if "passes" in r:
         return list(r["passes"])
-    fixed = trajectories * steps + groups * steps
-    return [n + 2 * (n - fixed) for n in r["nfe"]]
+    return rebuilt_passes(r["argv"], r["nfe"])
+
+
+def rebuilt_passes(argv: list[str], nfe: list[int]) -> list[int]:
+    """The passes of a GRPO record stored with NFEs alone (`nfe`: the rollout's, the completion's
+    and the update's forwards, as `bench._common.read_run` summed them then: without the ODE
+    reference's), from what the config of `argv` ran: the rollout's `B T` forwards, the ODE
+    reference's (`reference_passes`, not in `nfe`), no completion forwards (final-only, or the
+    rollout's own x0 predictions; any other completion is refused), and the update's forwards
+    `U = nfe - B T`, one backward for each of the policy's (`U / 2` with the KL's base forwards):
+    passes = nfe + reference + 2 backward. `tests/test_bench_frontier.py` runs iteration 0 of each
+    GRPO recipe read here and compares."""
+    from stepgrpo.reporting.costs import BACKWARD_PASSES
+
+    rollout, reference, per_backward = _what_ran(tuple(argv))
+    return [n + reference + BACKWARD_PASSES * ((n - rollout) // per_backward) for n in nfe]
+
+
+@functools.lru_cache
+def _what_ran(argv: tuple[str, ...]) -> tuple[int, int, int]:
+    """(rollout forwards, ODE reference forwards, update forwards per backward) an iteration of `argv`."""
+    from stepgrpo.config import load_config
+    from stepgrpo_core.completions import COMPLETIONS, Method
+
+    cfg = load_config(ROOT / argv[0], list(argv[1:]))
+    method = cfg.completion.method
+    if method is not None and not COMPLETIONS.facts(Method.parse(method).name)["rollout_velocity"]:
+        raise ValueError(f"{list(argv)}: completion {method!r} spends forwards a record's NFEs do not separate")
+    rollout = cfg.run.prompts_per_iteration * cfg.run.group_size * cfg.sampler.steps
+    return rollout, reference_passes(list(argv)), 2 if cfg.optim.kl_beta > 0 else 1
 
 
 def load(s: Screen, arm: str, seed: int) -> dict[str, Any] | None:
@@ -244,13 +285,14 @@ def reference_passes(argv: list[str]) -> int:
     """The passes an iteration of the run with `argv` spent on its ODE reference (the ODE sample of
     each distinct initial noise, `stepgrpo.loops.sampling.sample_groups`): a diagnostic in every run
     compared here, whose credit (outcome, or step rewards from the rollout's own x0 predictions)
-    does not read it. A deterministic rollout is its own reference (0)."""
+    does not read it. A deterministic rollout is its own reference, and `sampler.ode_reference: false`
+    samples none (0)."""
     from stepgrpo.config import load_config
     from stepgrpo_core.kernels import KERNELS
 
     cfg = load_config(ROOT / argv[0], argv[1:])
     sp = cfg.sampler
-    if sp.sde_solver is None and KERNELS.facts(sp.kernel)["deterministic"]:
+    if not sp.ode_reference or (sp.sde_solver is None and KERNELS.facts(sp.kernel)["deterministic"]):
         return 0
     return sp.steps * cfg.run.prompts_per_iteration * (1 if sp.shared_x0 else cfg.run.group_size)
 
@@ -317,7 +359,7 @@ def analyse(s: Screen, seeds: int = 6) -> dict[str, Any]:
     names = [*ARMS, *PROBES, *GRPO]
     rec = {(arm, k): r for arm in names for k in range(seeds) if (r := load(s, arm, k))}
     out: dict[str, Any] = {"iterations": N, "arms": {}, "probes": {}, "equal_trajectories": {}}
-    out |= {"equal_compute": {}, "equal_compute_net": {}, "credit": {}, "speed": {}}
+    out |= {"equal_compute": {}, "equal_compute_net": {}, "between": {}, "credit": {}, "speed": {}}
     for arm in [*ARMS, *PROBES]:
         mine = {k: r for (a, k), r in rec.items() if a == arm}
         if not mine:
@@ -361,6 +403,9 @@ def analyse(s: Screen, seeds: int = 6) -> dict[str, Any]:
                   if (sp := speedup(rec[arm, k], rec["outcome_w3", k], N))}  # fmt: skip
         if o_rows:
             out["speed"][arm] = {str(k): {"ratio": round(v[0], 3), "lower_bound": v[1]} for k, v in o_rows.items()}
+    for arm, ref in BETWEEN:
+        if v := at_equal_compute(rec, arm, ref, seeds, s.eval_every, N, every_seed=False):
+            out["between"][f"{arm} - {ref}"] = v
     for name, obj, arm in (
         ("nft", "nft", "nft_dense_rollout"),
         ("awm", "awm", "awm_dense_rollout"),
@@ -449,6 +494,10 @@ def summary_md(a: dict[str, Any]) -> str:
                 f"- {k}{less}, the arm at {v['at']} iterations (GRPO at {at}): {fmt(v)}; "
                 f"beats it: {'yes' if v['beats'] else 'no'}"
             )
+    lines += ["", "#### The objectives against each other at equal passes (the second read nearest, within 15 %)", ""]
+    for k, v in a["between"].items():
+        at = ", ".join(str(i) for i, _ in v["outcome_read_at"])
+        lines.append(f"- {k}, the first at {v['at']} iterations (the second at {at}): {fmt(v)}")
     lines += ["", "#### Step credit inside the objective ((objective + dense@rollout) - objective; last: stepwise)", ""]
     for k, v in a["credit"].items():
         lines.append(f"- {k}: {fmt(v)}; helps: {'yes' if v['helps'] else 'not shown'}")
@@ -473,6 +522,7 @@ def main() -> None:
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="key=value on every run")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--records", type=Path)
+    ap.add_argument("--arms", nargs="+", choices=[*ARMS, *PROBES], help="only these arms (in the queue's order)")
     ap.add_argument("--report-only", action="store_true")
     a = ap.parse_args()
     s = settings(a)
@@ -481,7 +531,7 @@ def main() -> None:
         from bench._warm import Stepgrpo
 
         with Stepgrpo(a.jobs, s.out) as stepgrpo, ThreadPoolExecutor(a.jobs) as pool:
-            list(pool.map(lambda job: train_one(s, *job, stepgrpo), queue(seeds, a.probes)))
+            list(pool.map(lambda job: train_one(s, *job, stepgrpo), queue(seeds, a.probes, a.arms)))
     analysis = analyse(s, seeds)
     dest = s.out if a.quick else RECORDS.parent
     write_json(dest / "analysis.json", analysis)
