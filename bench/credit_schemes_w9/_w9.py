@@ -223,10 +223,8 @@ def settings(a: Any) -> W9:
 def record_of(run_dir: Path, argv: list[str]) -> dict[str, Any]:
     """The durable record of a finished run: costs per iteration, training rewards, and every
     held-out evaluation with its per-sample scores (what pairing needs)."""
-    from bench._common import read_run
+    from bench._common import open_run_once, read_run
     from bench.credit_schemes._schemes import read_evals  # the same reading as the early-window comparison
-
-    from bench._common import open_run_once
     from stepgrpo.reporting.costs import iteration_costs
 
     rec = read_run(run_dir)
