@@ -81,3 +81,29 @@ def test_equal_compute_where_one_seed_s_grpo_record_ends_sooner(frontier):
     assert every["at"] == 75 and [r[0] for r in every["outcome_read_at"]] == [225, 200]
     some = frontier.at_equal_compute(rec, "nft", "outcome_w3", 2, 25, 100, every_seed=False)
     assert some["at"] == 100 and some["outcome_read_at"] == [[300, 1.0]] and list(some["per_seed"]) == ["0"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arm", ["outcome_w3", "outcome_w3_k4"])
+def test_a_grpo_record_s_rebuilt_passes_equal_one_iteration_run_again(arm, frontier, harness, tmp_path):
+    """Iteration 0 of the recipe a kept GRPO record ran, run again through the pipeline (seed 0: the
+    same prompts, noise and update), spends the passes the record's rebuild charges, counted stage
+    by stage as they ran (`stepgrpo.reporting.costs`: rollout, ODE reference, update, backward)."""
+    from bench._common import ROOT
+    from stepgrpo.flows.train import train
+    from stepgrpo.reporting.costs import iteration_costs
+    from stepgrpo.storage.run import Run
+
+    s = frontier.settings(
+        argparse.Namespace(quick=False, out=tmp_path, iterations=None, records=tmp_path / "runs", overrides=[])
+    )
+    s.grpo_dirs = {k: v[2] for k, v in frontier.GRPO.items()}
+    record = json.loads(s.record_path(arm, 0).read_text())
+    assert "passes" not in record  # made before passes were stored: rebuilt
+    argv = s.argv(arm)
+    sets = [x for x in argv[1:] if not x.startswith(("run.iterations=", "run.eval"))]
+    quick = ["run.iterations=1", "run.eval_every=0", "run.eval_prompts=1", "run.eval_seeds=1", "scale.threads=1"]
+    train(config_path=str(ROOT / argv[0]), overrides=[*sets, *quick, "run.seed=0"], run_dir=str(tmp_path / "run"))
+    (ran,) = iteration_costs(Run.open(tmp_path / "run"))
+    assert ran["nfe_stages"]["ode_reference"] == 80
+    assert ran["passes"] == frontier.grpo_passes(record)[0]

@@ -38,6 +38,20 @@ The decision, fixed before the runs (this file's commit is the pre-registration)
 Added after seed 0 of the decision, outside the rule: nft with stepwise@rollout (3 seeds), to test
 why dense@rollout hurt inside nft (its per-step normalization; docs/bench/frontier/README.md).
 
+The one update loop's round (rule fixed in this commit, before any of its runs finished): the
+GRPO records' passes rebuilt from what their configs ran (the ODE reference the first reading left
+uncharged), and three arms of 6 seeds, 100 iterations: `dgpo` (configs/shapes_dgpo.yaml, the
+authors' settings, no probe), and `nft_authors` / `awm_authors` (the shipped recipes now: samples
+with all-zero advantages trained, AWM's images each from their own noise without an ODE reference).
+  - DGPO beats a GRPO recipe (outcome_w3, the clip recipe outcome_w3_k4) per unit of compute if its
+    gain minus the recipe's at equal passes has a prompt-clustered interval above 0;
+  - the pick between two objectives is read at equal passes (the second at its evaluation nearest
+    the first's passes, within 15 %): one is picked over the other only if the interval of the
+    difference is above 0; else the two tie and the README says so;
+  - the departures matter if `nft_authors - nft` or `awm_authors - awm` (equal trajectories) has an
+    interval away from 0; either way the frontier's reading of the objectives uses the authors' arms
+    once their 6 seeds are in.
+
 Durable state: one record per finished run (`RECORDS/<arm>/seed_<S>.json`). Resumable.
 
     .venv/bin/python bench/frontier/frontier.py --probes --jobs 2       # the probes (4 runs, seed 0)
