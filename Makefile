@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: install lint test test-fast demo clean
+.PHONY: install lint test test-fast bench-smoke demo clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,10 +26,18 @@ lint: install
 
 # Two workers, one test file each at a time (a file's fixtures, e.g. its trained run, are built once);
 # most slow tests wait on servers and subprocesses, so two of them share 2 cores well. The slowest 15 at the end.
+# The product's tests; the benchmarks' smoke tests (tests/test_bench_*.py) are `make bench-smoke`.
 test: install lint
 	PREFECT_SERVER_ANALYTICS_ENABLED=false MLFLOW_DISABLE_TELEMETRY=true \
 	PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120 \
-	$(PY) -m pytest -q tests -n 2 --dist loadfile --no-loadscope-reorder --durations=15
+	$(PY) -m pytest -q tests -n 2 --dist loadfile --no-loadscope-reorder --durations=15 \
+	  --ignore-glob='tests/test_bench_*.py'
+
+# The lab's: every benchmark path once at its tiniest settings, and the records' analyses (CI runs both).
+bench-smoke: install
+	PREFECT_SERVER_ANALYTICS_ENABLED=false MLFLOW_DISABLE_TELEMETRY=true \
+	PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120 \
+	$(PY) -m pytest -q tests/test_bench_*.py -n 2 --dist loadfile --no-loadscope-reorder --durations=10
 
 # The edit-test loop: every test not marked slow (no Prefect server, no subprocess run), two at a time.
 test-fast: install

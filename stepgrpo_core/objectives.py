@@ -372,8 +372,11 @@ def dgpo(
     kl_beta: float = 0.02,
     reference: str = "base",
 ) -> ObjectiveOutput:
-    """DGPO: each sample's flow-matching error `d_i = mean |v - (eps - x0)|^2` weighted by its
-    clipped advantage and by its group's preference weight `sigmoid(s_G)`,
+    """DGPO: each sample's flow-matching error weighted by its clipped advantage and by its group's
+    preference weight, which grows with how much worse than the reference the policy fits the
+    group's good samples (and better its bad ones).
+
+    With `d_i = mean |v - (eps - x0)|^2` (over C, H, W):
 
         s_G = beta_dpo / |G| sum_{j in G} A_j (d_j - d_j_ref)     (detached)
         loss = mean_rows sigmoid(s_G(i)) A_i d_i + kl_beta mean |v - v_ref|^2

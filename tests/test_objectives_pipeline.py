@@ -189,3 +189,24 @@ def test_a_stored_nft_run_rescores_without_a_transformer_call(clean, tmp_path):
     assert pol.nfe == before
     names = set(Run.open(copy).tables.read_rewards(0).column("reward_name").to_pylist())
     assert names == {"jpeg_compressibility", "jpeg_incompressibility"}
+
+
+def test_dgpo_over_two_update_processes_keeps_groups_whole_and_matches_one(clean, tiny, tmp_path):
+    """The dgpo run with its last checkpoint removed, resumed with two update processes: a rank takes
+    whole groups only (here each optimizer step's part is one group: one rank computes it while the
+    other has no rows, and the statistics still sum), so each group's preference weight is taken
+    where all its members are, and the update equals the one-process update to float summation order."""
+    import shutil
+
+    run_dir = tmp_path / "two-ranks"
+    shutil.copytree(clean["dgpo"], run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "iter_1")
+    _train([*tiny, *CASES["dgpo"], "scale.update_processes=2"], run_dir)
+    ours, theirs = checkpoints(run_dir), checkpoints(clean["dgpo"])
+    assert Run.open(run_dir).stage_manifest(1, "checkpoint")["inputs"]["processes"] == 2
+    for name in ("iter_1/lora", "iter_1/old"):
+        keys = [k for k in ours if k.startswith(name + "/")]
+        assert keys
+        for k in keys:
+            a, b = ours[k].double(), theirs[k].double()
+            assert float((a - b).norm()) <= 1e-6 * max(float(b.norm()), 1e-12), k

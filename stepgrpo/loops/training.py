@@ -489,8 +489,15 @@ class RowStats:
         pass
 
     def gather(self, parallel: DataParallel) -> None:
-        names = sorted(self.sums)
-        total = parallel.sum(torch.tensor([float(self.seen), *(self.sums[n] for n in names)], dtype=torch.float64))
+        """Sum every rank's statistics (a rank may have had no rows, so no statistic names: the
+        names are the union of the ranks')."""
+        import torch.distributed as dist
+
+        seen: list[list[str] | None] = [None] * parallel.world
+        dist.all_gather_object(seen, sorted(self.sums))
+        names = sorted({n for names in seen for n in names or []})
+        local = [float(self.seen), *(self.sums.get(n, 0.0) for n in names)]
+        total = parallel.sum(torch.tensor(local, dtype=torch.float64))
         self.seen, self.sums = int(total[0]), dict(zip(names, total[1:].tolist()))
 
     def summary(self) -> dict[str, Any]:
