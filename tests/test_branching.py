@@ -1,0 +1,94 @@
+"""Branched rollouts (stepgrpo_core.branching): a group's shared prefix is computed once and
+counted once, its members branch at the group's step with their own noise, and every stored state
+equals the same steps run one by one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stepgrpo_core.branching import branched_rollout, draw_branch_steps
+from stepgrpo_core.calibration import initial_psi
+from stepgrpo_core.rollout import rollout, step_log_prob
+
+SIGMAS = torch.tensor([1.0, 0.95, 0.85, 0.7, 0.5, 0.3, 0.0])  # T = 6
+P, G, T = 3, 4, 6
+
+
+def velocity(x, sigma, cond):
+    """A model-like field that reads its conditioning rows (a row mix-up would show)."""
+    return torch.tanh(x) * cond["scale"].reshape(-1, 1, 1, 1) + sigma.reshape(-1, 1, 1, 1) * x
+
+
+class Counted:
+    def __init__(self) -> None:
+        self.rows = 0
+
+    def __call__(self, x, sigma, cond):
+        self.rows += x.shape[0]
+        return velocity(x, sigma, cond)
+
+
+def make(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x0 = torch.randn(P, 2, 3, 3, generator=g)
+    cond = {"scale": torch.linspace(0.5, 1.5, P).repeat_interleave(G)}  # a group's members share it
+    return x0, cond
+
+
+@pytest.mark.parametrize("kernel", ["flow", "cps", "psi"])
+def test_the_prefix_is_shared_and_counted_once_and_each_state_is_its_step_run_alone(kernel):
+    x0, cond = make()
+    branch = torch.tensor([0, 2, 4])
+    noise = initial_psi(SIGMAS) if kernel == "psi" else 0.7
+    counted = Counted()
+    out = branched_rollout(counted, x0, SIGMAS, cond, G, branch, kernel, noise, torch.Generator().manual_seed(1))
+    # the prefix once a group: b rows, then G (T - b)
+    expected = sum(b + G * (T - b) for b in branch.tolist())
+    assert out.nfe == counted.rows == expected < P * G * T
+    for g, b in enumerate(branch.tolist()):
+        rows = slice(g * G, (g + 1) * G)
+        members = out.states[rows]
+        # before the branch every member holds the group's ODE path from its initial noise
+        ode = rollout(velocity, x0[g : g + 1], SIGMAS, {"scale": cond["scale"][g * G : g * G + 1]}, kernel="ode")
+        torch.testing.assert_close(members[:, : b + 1], ode.states[:, : b + 1].expand(G, -1, -1, -1, -1))
+        # at the branch the members part (each its own noise) ...
+        assert len({tuple(m.flatten().tolist()) for m in members[:, b + 1]}) == G
+        # ... and after it each follows the ODE from its own x_{b+1}
+        rest = rollout(velocity, members[:, b + 1], SIGMAS[b + 1 :], {"scale": cond["scale"][rows]}, kernel="ode")
+        torch.testing.assert_close(members[:, b + 1 :], rest.states)
+        # only the branch step has a density, and the stored transition reproduces it
+        lp = out.log_probs[rows]
+        assert bool(torch.isfinite(lp[:, b]).all()) and int(torch.isfinite(lp).sum()) == G
+        again = step_log_prob(velocity, members, SIGMAS, {"scale": cond["scale"][rows]}, b, kernel, noise)
+        torch.testing.assert_close(again.log_prob, lp[:, b])
+
+
+def test_the_same_seed_gives_the_same_tree_and_another_another():
+    x0, cond = make()
+    branch = torch.tensor([1, 1, 3])
+    a = branched_rollout(velocity, x0, SIGMAS, cond, G, branch, generator=torch.Generator().manual_seed(5))
+    b = branched_rollout(velocity, x0, SIGMAS, cond, G, branch, generator=torch.Generator().manual_seed(5))
+    c = branched_rollout(velocity, x0, SIGMAS, cond, G, branch, generator=torch.Generator().manual_seed(6))
+    assert torch.equal(a.states, b.states) and not torch.equal(a.states, c.states)
+
+
+def test_bad_branches_are_refused_with_the_fix():
+    x0, cond = make()
+    with pytest.raises(ValueError, match=r"\[0, T\) = \[0, 6\)"):
+        branched_rollout(velocity, x0, SIGMAS, cond, G, torch.tensor([0, 6, 1]))
+    with pytest.raises(ValueError, match="one step per group"):
+        branched_rollout(velocity, x0, SIGMAS, cond, G, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="deterministic"):
+        branched_rollout(velocity, x0, SIGMAS, cond, G, torch.tensor([0, 1, 2]), kernel="ode")
+    with pytest.raises(ValueError, match="ode_solver: euler"):
+        branched_rollout(velocity, x0, SIGMAS, cond, G, torch.tensor([0, 1, 2]), ode_step=lambda k, x, v: x)
+    with pytest.raises(ValueError, match="empty"):
+        draw_branch_steps((3, 3), 4, torch.Generator())
+
+
+def test_branch_steps_are_drawn_uniformly_from_their_window():
+    steps = draw_branch_steps((1, 4), 3000, torch.Generator().manual_seed(0))
+    assert set(steps.tolist()) == {1, 2, 3}
+    counts = torch.bincount(steps, minlength=4)[1:].float()
+    assert float((counts / 3000 - 1 / 3).abs().max()) < 0.03
