@@ -170,6 +170,13 @@ class SamplerConfig(_Section):
     """First stochastic step of the SDE window (MixGRPO / Flow-GRPO-Fast); steps outside are ODE."""
     sde_window_size: int | None = Field(None, ge=1)
     """Number of stochastic steps from `sde_window_start`; None means every step."""
+    branch_window: tuple[int, int] | None = None
+    """Branched rollouts (TempFlow-GRPO, `stepgrpo_core.branching`): `[lo, hi]`, and each group's
+    members share the ODE path from the group's initial noise up to the group's branch step, drawn
+    uniformly from steps `lo .. hi - 1` (`[b, b + 1]` fixes it), take that one step with `kernel`,
+    each with its own noise, and the ODE after it. The shared prefix is computed once a group; only
+    the branch step has a density to train, and a group's normalized rewards are that step's
+    sibling advantage (`credit.scheme: outcome`). It replaces the SDE window; None: no branching."""
     ode_solver: Literal["euler", "dpm2"] = "euler"
     """The solver of the rollout's deterministic steps: `euler` (SD3's sampler), or `dpm2`,
     DPM-Solver++ 2M from diffusers' scheduler (DiffusionNFT's 10-step ODE rollouts; multistep, so
@@ -230,6 +237,35 @@ class SamplerConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _branches(self) -> SamplerConfig:
+        from stepgrpo_core.kernels import KERNELS
+
+        if self.branch_window is None:
+            return self
+        lo, hi = self.branch_window
+        if not 0 <= lo < hi <= self.steps:
+            raise ValueError(
+                f"sampler.branch_window [{lo}, {hi}]: the branch steps lo .. hi - 1 must lie in the {self.steps} "
+                f"steps (0 <= lo < hi <= {self.steps})"
+            )
+        fixes = {
+            "sampler.shared_x0 is false: a branched group's members share their initial noise and prefix; set it "
+            "true": not self.shared_x0,
+            f"sampler.kernel {self.kernel!r} is deterministic: the branch step needs a stochastic kernel (e.g. "
+            "flow)": KERNELS.facts(self.kernel)["deterministic"],
+            f"sampler.ode_solver {self.ode_solver!r}: a multistep solver's history would cross the branch; use "
+            "euler": self.ode_solver != "euler",
+            f"sampler.sde_solver {self.sde_solver!r} takes every step; a branched rollout takes one stochastic "
+            "step: unset it": self.sde_solver is not None,
+            "sampler.sde_window_start / sde_window_size: the branch window replaces the SDE window; unset "
+            "them": self.sde_window_start != 0 or self.sde_window_size is not None,
+        }
+        for fix, broken in fixes.items():
+            if broken:
+                raise ValueError(f"sampler.branch_window: {fix}")
+        return self
+
+    @model_validator(mode="after")
     def _window_inside_grid(self) -> SamplerConfig:
         size = self.sde_window_size or self.steps - self.sde_window_start
         if self.sde_window_start >= self.steps or self.sde_window_start + size > self.steps:
@@ -240,7 +276,9 @@ class SamplerConfig(_Section):
         return self
 
     def window(self) -> tuple[int, int]:
-        """The stochastic steps `[start, end)`."""
+        """The stochastic steps `[start, end)` (branched: the steps a group may branch at)."""
+        if self.branch_window is not None:
+            return int(self.branch_window[0]), int(self.branch_window[1])
         size = self.sde_window_size or self.steps - self.sde_window_start
         return self.sde_window_start, self.sde_window_start + size
 
@@ -530,6 +568,7 @@ class UpdateConfig(_Section):
             if self.companion_samples_after is None
             else self.companion_samples_after,
             "companion_moves": facts["companion_moves"],
+            "version": str(facts["version"]),
         }
 
 
@@ -763,6 +802,13 @@ class Config(_Section):
         for k in self.optim.train_steps or ():
             if not start <= k < end:
                 raise ValueError(f"optim.train_steps: step {k} is outside the SDE window [{start}, {end}) of sampler")
+        b = self.sampler.branch_window
+        if b is not None and b[1] == self.sampler.steps and not self.optim.train_final_step:
+            raise ValueError(
+                f"sampler.branch_window [{b[0]}, {b[1]}] reaches the final step, which is not trained by default: a "
+                f"group branching there would train nothing; end the window at {b[1] - 1} or set "
+                "optim.train_final_step=true"
+            )
         if not self.trained_steps():
             raise ValueError(
                 f"no step is trained: the SDE window [{start}, {end}) holds only the final step, which is not "
@@ -855,6 +901,7 @@ STAGE_FIELDS: dict[str, tuple[str, ...]] = {
         "sampler.noise",
         "sampler.sde_window_start",
         "sampler.sde_window_size",
+        "sampler.branch_window",
         "sampler.shared_x0",
         "sampler.ode_reference",
         "sampler.ode_solver",
@@ -899,6 +946,7 @@ KEY_NEUTRAL: dict[str, Any] = {
     "sampler.ode_reference": True,
     "sampler.ode_solver": "euler",
     "sampler.sde_solver": None,
+    "sampler.branch_window": None,
     "optim.step_weighting": "uniform",
     "optim.preset": None,
     "update.objective": "grpo",
@@ -908,6 +956,8 @@ KEY_NEUTRAL: dict[str, Any] = {
     "update.time_span": None,
     "update.companion_rate": None,
     "update.companion_cap": None,
+    "update.companion_samples_after": None,
+    "update.zero_advantage": None,
     "run.eval_protocol": None,
 }
 

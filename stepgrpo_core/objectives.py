@@ -75,6 +75,8 @@ Objective = Callable[..., ObjectiveOutput]
 # cap)`, step the run's optimizer steps so far (`companion_decay`: (rate, cap));
 # `samples_with_companion`: the rollouts are drawn by it rather than by the trained adapter (True),
 # once the run has taken more optimizer steps than this number (an int), or never (False).
+# `version`: what a stored run's update computed changes with it (awm 2: the clip's default became
+# the authors' GenEval 1; `tasks.keys.code_facts`).
 # `times`: how many of the sampler's grid times each sample is trained at, and how they are drawn
 # (`grid_times`): `(rule, n, span)` with n a count, or a fraction of the grid when below 1, and span
 # the share of the grid the times are drawn from.
@@ -92,6 +94,7 @@ OBJECTIVES: Registry[Objective] = Registry(
     companion_moves="step",
     samples_with_companion=False,
     times=None,
+    version="1",
     title=None,  # how a model card names it ("GRPO", "AWM"); None: the entry's name
 )
 
@@ -310,6 +313,7 @@ def awm_log_prob(
     companion="kl_ema",
     companion_decay=(0.001, 0.3),  # scxue/advantage_weighted_matching config/dgx_awm.py: kl_ema_decay 0.3, linear
     companion_moves="iteration",  # scripts/train_sd3_awm.py: the KL's EMA moves once an epoch
+    version="2",
     times=("stratified", 6, 0.9),  # train_timesteps 6, time_type discrete_wo_init, timestep_fraction 0.9
     paper='arXiv 2509.25050, "advantage weighted matching"',
 )

@@ -87,6 +87,14 @@ def code_facts(stage: str, cfg: Config) -> dict[str, Any]:
             facts["completes_window_end"] = True  # stepgrpo_core.completions.completed_through
     if stage == "calibrate" and (start, end) != (0, cfg.sampler.steps):
         facts["calibrates_in_window"] = True
+    if stage == "update":  # the one update loop's round: what the objectives' authors do
+        u = cfg.update.resolved()
+        if u["keep_zero"]:
+            facts["keeps_zero_advantage"] = True  # every earlier update dropped those samples
+        if u["companion"] is not None and u["companion_moves"] != "step":
+            facts["companion_moves"] = u["companion_moves"]  # it moved after every optimizer step
+        if u["version"] != "1":
+            facts["objective_version"] = u["version"]
     return facts
 
 

@@ -394,3 +394,26 @@ def test_a_reward_whose_weights_are_not_here_is_named_before_anything_starts(her
     assert result.exit_code == 1 and f"reward {reward}: " in result.output, result.output
     assert "HF_HUB_OFFLINE is set" in result.output and "hf download" in result.output
     assert not (here / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    "setting, says",
+    [
+        (["sampler.branch_window=[0,11]"], "must lie in the 10 steps"),
+        (["sampler.branch_window=[0,3]", "sampler.shared_x0=false"], "share their initial noise"),
+        (["sampler.branch_window=[0,3]", "sampler.kernel=ode"], "needs a stochastic kernel"),
+        (["sampler.branch_window=[0,3]", "sampler.sde_window_size=3"], "replaces the SDE window"),
+        (["sampler.branch_window=[7,10]"], "reaches the final step"),
+        (["update.objective=dgpo", "sampler.kernel=ode", "sampler.shared_x0=false", "optim.micro_batch=2"],
+         "would split groups"),
+    ],
+)  # fmt: skip
+def test_a_branch_or_group_setting_that_cannot_work_is_refused_before_anything_starts(here, setting, says):
+    """A branched rollout outside the grid, without a shared prefix, without a stochastic step or
+    beside an SDE window, and a whole-group objective whose micro-batch splits a group: one line with
+    the fix, exit 1, no run directory."""
+    sets = [x for s in ["run.runs_root=runs", *setting] for x in ("--set", s)]
+    result = invoke("train", *sets, "--run-id", "x")
+    assert result.exit_code == 1, result.output
+    assert says in result.output and "Traceback" not in result.output
+    assert not (here / "runs").exists()

@@ -96,8 +96,10 @@ class Transitions:
 
     def __init__(self, pol: Policy, cfg: Config, batch: Batch, companion: dict | None, keep_zero: bool) -> None:
         self.pol, self.cfg, self.batch = pol, cfg, batch
-        lp = batch.old_log_probs
-        self.steps = [k for k in cfg.trained_steps() if bool(torch.isfinite(lp[:, k]).all())]
+        # (trajectory, step) pairs with a density: every trajectory at every stochastic step, or, in a
+        # branched rollout, each trajectory at its group's branch step alone
+        self.has = torch.isfinite(batch.old_log_probs).cpu()
+        self.steps = [k for k in cfg.trained_steps() if bool(self.has[:, k].any())]
         self.adv = torch.nan_to_num(batch.advantages.float(), nan=0.0)
         steps = cfg.optim.step_weighting, batch.kernel, batch.sigmas, batch.noise, self.steps
         # per-step loss weights, mean 1 over the trained steps (`optim.step_weighting`)
@@ -106,13 +108,14 @@ class Transitions:
         self.keep_zero = keep_zero
 
     def trained(self) -> torch.Tensor:
-        """The trajectories the update trains: those with an advantage on a trained step (all of
-        them where zero-advantage samples are kept)."""
+        """The trajectories the update trains: those with an advantage on a trained step they have a
+        density at (all of those where zero-advantage samples are kept)."""
         if not self.steps:
             return torch.zeros(0, dtype=torch.long)
-        if self.keep_zero:
-            return torch.arange(len(self.adv))
-        return torch.nonzero((self.adv[:, self.steps] != 0).any(dim=1)).reshape(-1)
+        has = self.has[:, self.steps]
+        if not self.keep_zero:
+            has = has & (self.adv[:, self.steps] != 0).cpu()
+        return torch.nonzero(has.any(dim=1)).reshape(-1)
 
     def parts(self, rows: torch.Tensor, generator: torch.Generator) -> list[torch.Tensor]:
         return shuffled_parts(rows, self.cfg.optim.optimizer_steps, generator)
@@ -121,9 +124,14 @@ class Transitions:
         return parallel.micro_batches(halves, size) if parallel else micro_batches(halves, size)
 
     def blocks(self, part: torch.Tensor, batches: Batches, generator: torch.Generator) -> Iterator[Block]:
-        n = len(part) * len(self.steps)
+        # the part's (trajectory, step) pairs with a density: len(part) x steps unless branched
+        n = int(self.has[part][:, self.steps].sum())
         for k in self.steps:
-            yield Block(k, [[Cell(idx, k, self.weight[k] * len(idx) / n) for idx in mine] for mine in batches])
+            cells = [
+                [Cell(i, k, self.weight[k] * len(i) / n) for idx in mine if len(i := idx[self.has[idx, k]])]
+                for mine in batches
+            ]
+            yield Block(k, cells)
 
     def loss(self, cell: Cell) -> Any:
         b, idx, k = self.batch, cell.idx, cell.col

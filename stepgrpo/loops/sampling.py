@@ -108,6 +108,7 @@ def sample_groups(
     shared_x0: bool = True,
     ode_solver: str = "euler",
     sde_solver: str | None = None,
+    branch_window: tuple[int, int] | None = None,
 ) -> Iterator[GroupChunk]:
     """Sample `len(group_noise)` groups of `group_size` trajectories, `groups_per_call` at a time.
 
@@ -118,9 +119,12 @@ def sample_groups(
     share it; a deterministic kernel's rollout is that sample already). `ode_solver`: the
     deterministic steps' solver (`ODE_SOLVERS`: `euler`, or `dpm2`, DPM-Solver++ 2M). `sde_solver`:
     a stochastic multistep solver that takes every step instead of `kernel` (`SDE_SOLVERS`:
-    `sa_solver`, its tau `noise`), its noise from the same generator. `groups`: only these groups (a
+    `sa_solver`, its tau `noise`), its noise from the same generator. `branch_window`: branched
+    rollouts (`stepgrpo_core.branching`; shared `x_0`), group `g` branching at the step drawn from
+    `generator(*group_noise[g], "branch")`, its prefix sampled once. `groups`: only these groups (a
     shard's; it starts at a call boundary).
     """
+    from stepgrpo_core.branching import branched_rollout, draw_branch_steps
     from stepgrpo_core.kernels import KERNELS
     from stepgrpo_core.rollout import rollout
 
@@ -151,9 +155,13 @@ def sample_groups(
         else:
             step = None if ode_solver == "euler" else ODE_SOLVERS[ode_solver](sigmas)
             kind, deterministic = kernel, bool(KERNELS.facts(kernel)["deterministic"])
-        sde = rollout(
-            pol.velocity, x0, sigmas, cond, kernel=kind, noise=noise, window=window, generator=g, ode_step=step
-        )
+        if branch_window is not None:  # each group's shared prefix once, then its members' branches
+            at = torch.cat([draw_branch_steps(branch_window, 1, generator(*group_noise[c], "branch")) for c in called])
+            sde = branched_rollout(pol.velocity, x0[::G], sigmas, cond, G, at, kernel, noise, g, ode_step=step)
+        else:
+            sde = rollout(
+                pol.velocity, x0, sigmas, cond, kernel=kind, noise=noise, window=window, generator=g, ode_step=step
+            )
         ode_final, nfe_ode = None, 0
         if ode_reference and deterministic:
             ode_final = sde.states[:, -1]  # the rollout is the ODE's own sample: nothing to recompute
@@ -300,6 +308,7 @@ def sample_iteration(
         shared_x0=cfg.sampler.shared_x0,
         ode_solver=cfg.sampler.ode_solver,
         sde_solver=cfg.sampler.sde_solver,
+        branch_window=cfg.sampler.branch_window,
     )
 
 

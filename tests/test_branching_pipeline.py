@@ -1,0 +1,118 @@
+"""Branched rollouts (`sampler.branch_window`) as pipeline stages: a run killed in each stage
+resumes to the bytes of an uninterrupted one, the reference loop computes what the pipeline
+stores, the rollout's transformer rows count each group's shared prefix once, each trajectory has a
+density at its group's branch step alone, and a stored branched run re-scores without a transformer
+call."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from stepgrpo.storage.run import Run
+from test_objectives_pipeline import _train, checkpoints
+
+pytestmark = pytest.mark.slow
+
+T, P, G = 4, 2, 3
+
+
+@pytest.fixture(scope="module")
+def branched(tmp_path_factory) -> list[str]:
+    from stepgrpo.shapes.model import build_pipeline, tiny_spec
+
+    path = tmp_path_factory.mktemp("model") / "tiny-sd3"
+    build_pipeline(tiny_spec(), seed=0).save_pretrained(str(path))
+    return [
+        f"model.path={path}",
+        "model.lora_rank=4",
+        "model.lora_alpha=8",
+        "model.guidance_scale=1.0",
+        f"sampler.steps={T}",
+        "sampler.eval_steps=4",
+        "sampler.kernel=flow",
+        "sampler.branch_window=[0,3]",
+        "completion.method=null",
+        "credit.scheme=outcome",
+        "reward.name=jpeg_compressibility",
+        "run.iterations=2",
+        f"run.prompts_per_iteration={P}",
+        f"run.group_size={G}",
+        "run.eval_prompts=2",
+        "run.eval_seeds=1",
+        "optim.micro_batch=3",
+        "optim.lr=1e-3",
+        "scale.stage_retries=0",
+        "scale.threads=1",  # the runs' bytes are compared
+    ]
+
+
+@pytest.fixture(scope="module")
+def clean(harness, branched, tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("branched") / "run"
+    _train(branched, run_dir)
+    return run_dir
+
+
+def test_each_group_branches_once_and_its_prefix_is_counted_once(clean):
+    run = Run.open(clean)
+    for i in range(2):
+        data = run.stages.read_rollout(i)
+        finite = torch.isfinite(torch.from_numpy(data.log_probs))
+        assert bool((finite.sum(dim=1) == 1).all())  # one density a trajectory: its branch step
+        at = finite.float().argmax(dim=1).reshape(P, G)
+        assert bool((at == at[:, :1]).all())  # the group's members branch at the same step
+        states = torch.from_numpy(data.states).reshape(P, G, T + 1, -1)
+        for g in range(P):
+            b = int(at[g, 0])
+            assert bool((states[g, :, : b + 1] == states[g, :1, : b + 1]).all())  # the shared prefix
+            assert len({tuple(m.tolist()) for m in states[g, :, b + 1]}) == G  # then each its own
+        prefix_once = sum(int(at[g, 0]) + G * (T - int(at[g, 0])) for g in range(P))
+        assert run.stage_manifest(i, "rollout")["inputs"]["nfe"] == prefix_once < P * G * T
+
+
+def test_a_branched_run_killed_in_each_stage_resumes_bit_identical(clean, branched, tmp_path, monkeypatch):
+    run_dir = tmp_path / "killed"
+    spec = tmp_path / "fault"
+    monkeypatch.setenv("STEPGRPO_FAULT", f"@{spec}")
+    for n, (stage, row) in enumerate([("rollout", 0), ("score", 0), ("update", 1)]):
+        spec.write_text(f"raise:{stage}:{row}:{tmp_path / f'fired-{n}'}")
+        with pytest.raises(Exception, match="STEPGRPO_FAULT"):
+            _train(branched, run_dir)
+        assert (tmp_path / f"fired-{n}").exists()
+    spec.write_text("")
+    _train(branched, run_dir)
+    ours, theirs = checkpoints(run_dir), checkpoints(clean)
+    assert ours.keys() == theirs.keys() and ours
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours), [k for k in ours if not torch.equal(ours[k], theirs[k])]
+    a, b = Run.open(run_dir).stages.read_rollout(1), Run.open(clean).stages.read_rollout(1)
+    assert (a.states == b.states).all()
+
+
+def test_the_reference_loop_computes_what_the_pipeline_stores(clean):
+    from stepgrpo.config import validate_config
+    from stepgrpo.loops.reference import reference_loop
+
+    run = Run.open(clean)
+    cfg = validate_config(run.config)
+    for i, rec in enumerate(reference_loop(cfg, cfg.run.iterations)):
+        digest = run.tables.read_advantages(i).column("options_digest").to_pylist()[0]
+        assert torch.equal(rec["advantages"].float(), run.tables.advantage_grid(i, "outcome", digest).float()), i
+
+
+def test_a_stored_branched_run_rescores_without_a_transformer_call(clean, tmp_path):
+    from stepgrpo.config import validate_config
+    from stepgrpo.flows.rescore import rescore
+    from stepgrpo.loops import workspace
+
+    copy = tmp_path / "copy"
+    shutil.copytree(clean, copy)
+    pol = workspace.policy(validate_config(Run.open(copy).config))
+    before = pol.nfe
+    rescore(str(copy), "jpeg_incompressibility")
+    assert pol.nfe == before
+    names = set(Run.open(copy).tables.read_rewards(0).column("reward_name").to_pylist())
+    assert names == {"jpeg_compressibility", "jpeg_incompressibility"}
