@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_objectives_pipeline import _train, checkpoints
 
 from stepgrpo.storage.run import Run
-from test_objectives_pipeline import _train, checkpoints
 
 pytestmark = pytest.mark.slow
 
