@@ -1,12 +1,12 @@
 """The frontier's objectives at SD3.5-Medium's shape: seconds per iteration and transformer passes of
-DiffusionNFT and AWM beside Flow-GRPO's, one iteration each (docs/bench/frontier/README.md; the
+DiffusionNFT, AWM and DGPO beside Flow-GRPO's, one iteration each (docs/bench/frontier/README.md; the
 CPU decision is `bench/frontier/frontier.py`).
 
     python bench/frontier/gpu_frontier.py [--out bench/out/gpu_frontier]   # on a CUDA machine (~5 min, one H100)
     python bench/frontier/gpu_frontier.py --small --device cpu             # every code path at toy sizes, on a CPU
 
-Three recipes as shipped (`configs/diffusionnft_geneval.yaml`, `configs/awm_geneval.yaml`,
-`configs/flow_grpo_pickscore.yaml`), each `--iterations` iterations of `stepgrpo train` on random
+Four recipes as shipped (`configs/diffusionnft_geneval.yaml`, `configs/awm_geneval.yaml`,
+`configs/dgpo_ocr.yaml`, `configs/flow_grpo_pickscore.yaml`), each `--iterations` iterations of `stepgrpo train` on random
 weights of SD3.5-M's transformer shape and a PickScore-shaped reward (`bench/gpu/gpu_train.py`
 builds both; no download; the GenEval detector is not part of what is timed), with
 `--prompts x --group` trajectories an iteration for all three. For each it reads the stored costs
@@ -35,6 +35,7 @@ REPO = Path(__file__).resolve().parents[2]
 RECIPES = {
     "diffusionnft": "configs/diffusionnft_geneval.yaml",
     "awm": "configs/awm_geneval.yaml",
+    "dgpo": "configs/dgpo_ocr.yaml",
     "flow_grpo": "configs/flow_grpo_pickscore.yaml",
 }
 
