@@ -1,0 +1,228 @@
+"""Step credit where a step makes a choice: TempFlow-GRPO's branched rollouts on the shipped model,
+against outcome credit and AWM per unit of compute (`sampler.branch_window`, docs/METHODS.md
+"Branched rollouts").
+
+Every arm is a shipped recipe plus overrides, run as a user runs it (`stepgrpo train`, one torch
+thread, `run.eval_seeds=8`: 126 held-out prompts x 8 noise seeds every 25 iterations). Seed S sees
+the prompts and held-out noise of seed S of every kept record it is compared with; the records of
+the GRPO recipes and of AWM are the frontier's and the clip screen's (no rerun).
+
+Arms (6 seeds, 100 iterations; 300 for the ones the 100-iteration reading leaves open):
+  tempflow     configs/shapes_tempflow.yaml: each group's members share the ODE path from the group's
+               x_0 to its branch step (one of steps 0-2, drawn per group), branch there with their
+               own noise, ODE after; outcome credit over the group is the sibling advantage at the
+               branch step, the only step trained; one AdamW step an iteration (shapes_outcome.yaml's)
+  tempflow_k4  the same with the clip recipe's optimizer (four AdamW steps a batch, clip 1e-4)
+against outcome_w3 (shapes_outcome.yaml: the same window of steps 0-2, every member SDE on all
+three), outcome_w3_k4 (the clip recipe, configs/shapes_outcome_clip.yaml) and AWM (the frontier's
+best objective; its records as the frontier ran them).
+
+Compute: forward-equivalent passes per stage as each run spent them (the shared prefix once a
+group, the ODE reference included; `stepgrpo.reporting.costs`), the GRPO records' rebuilt from
+what their configs ran (`bench/frontier/frontier.py`, `rebuilt_passes`).
+
+The decision, fixed before the runs (this file's commit is the pre-registration):
+  - sibling credit beats outcome credit per unit of compute if tempflow's held-out gain minus
+    outcome_w3's, read at equal passes (outcome_w3 at its evaluation nearest the arm's passes,
+    within 15 %), has a prompt-clustered interval above 0 after 100 iterations; likewise
+    tempflow_k4 against outcome_w3_k4 (the same optimizer on both sides);
+  - at equal trajectories (both after 100 iterations) the same differences are reported beside,
+    not decided on;
+  - against AWM at equal passes: reported, and "picks" only with an interval above 0;
+  - the verdict names the reward (`shapes`, whose first steps decide the reward); a reward the late
+    steps decide too is a separate arm set, not yet run.
+
+Durable state: one record per finished run (`docs/bench/branch_credit/runs/<arm>/seed_<S>.json`).
+Resumable.
+
+    .venv/bin/python -m bench.branch_credit.branch_credit --jobs 1           # the decision (background it)
+    .venv/bin/python -m bench.branch_credit.branch_credit --report-only      # tables from the records so far
+    .venv/bin/python -m bench.branch_credit.branch_credit --quick --out DIR  # every path at tiny settings
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench._common import OUT_DIR, ROOT, relative, write_json
+
+DOCS = ROOT / "docs" / "bench"
+RECORDS = DOCS / "branch_credit" / "runs"
+TEMPFLOW = "configs/shapes_tempflow.yaml"
+CLIP = ["optim.preset=flow_grpo", "optim.optimizer_steps=4", "optim.kl_beta=0.0"]
+ARMS: dict[str, tuple[str, list[str]]] = {"tempflow": (TEMPFLOW, []), "tempflow_k4": (TEMPFLOW, CLIP)}
+# the kept records compared with: name -> (config, overrides, where)
+REFS: dict[str, tuple[str, list[str], list[Path]]] = {
+    "outcome_w3": (
+        "configs/shapes_outcome.yaml",
+        [],
+        [
+            DOCS / "credit_schemes_clip" / "runs",
+            DOCS / "credit_schemes_w9" / "runs",
+            DOCS / "credit_schemes_cheap" / "runs",
+        ],
+    ),
+    "outcome_w3_k4": (
+        "configs/shapes_outcome.yaml",
+        ["optim.optimizer_steps=4", "optim.clip_range=0.0001"],
+        [DOCS / "credit_schemes_clip" / "runs"],
+    ),
+    "awm": (
+        "configs/shapes_awm.yaml",
+        [
+            "update.zero_advantage=drop",
+            "sampler.shared_x0=true",
+            "sampler.ode_reference=true",
+            "update.options.clip_range=0.0001",
+        ],
+        [DOCS / "frontier" / "runs"],
+    ),
+}
+# arm -> the references it is decided against at equal passes (the rule above)
+AGAINST = {"tempflow": ("outcome_w3", "awm"), "tempflow_k4": ("outcome_w3_k4", "awm")}
+FULL = {"iterations": 100, "eval_every": 25, "set": ["run.eval_seeds=8"]}
+QUICK = {
+    "iterations": 2,
+    "eval_every": 1,
+    "set": ["run.prompts_per_iteration=2", "run.group_size=4", "run.eval_prompts=8", "run.eval_seeds=1"],
+}
+
+
+@dataclass
+class Screen:
+    iterations: int
+    eval_every: int
+    overrides: list[str]
+    out: Path
+    records: Path
+    ref_dirs: dict[str, list[Path]] = field(default_factory=dict)
+
+    def argv(self, arm: str) -> list[str]:
+        config, sets = ARMS[arm] if arm in ARMS else REFS[arm][:2]
+        return [
+            config,
+            *self.overrides,
+            *sets,
+            f"run.iterations={self.iterations}",
+            f"run.eval_every={self.eval_every}",
+        ]
+
+    def load(self, arm: str, seed: int) -> dict[str, Any] | None:
+        from bench.credit_schemes_w9._w9 import covers
+
+        for d in [self.records, *self.ref_dirs.get(arm, [])]:
+            p = d / arm / f"seed_{seed}.json"
+            if p.is_file() and covers((r := json.loads(p.read_text()))["argv"], self.argv(arm)):
+                return r
+        return None
+
+
+def settings(a: argparse.Namespace) -> Screen:
+    p = QUICK if a.quick else FULL
+    out = (a.out or OUT_DIR / ("branch_credit_quick" if a.quick else "branch_credit")).resolve()
+    return Screen(
+        iterations=a.iterations or p["iterations"],
+        eval_every=p["eval_every"],
+        overrides=list(p["set"]),
+        out=out,
+        records=(a.records or (out / "records" if a.quick else RECORDS)).resolve(),
+        ref_dirs={} if a.quick else {k: v[2] for k, v in REFS.items()},
+    )
+
+
+def train_one(s: Screen, arm: str, seed: int, stepgrpo: Any) -> None:
+    from bench.credit_schemes_w9._w9 import record_of
+    from bench.learning.learning import run_seed
+
+    if s.load(arm, seed) is not None:
+        return
+    out = s.out / arm
+    out.mkdir(parents=True, exist_ok=True)
+    argv = s.argv(arm)
+    t0 = time.perf_counter()
+    done = run_seed(argv[0], seed, argv[1:], out, stepgrpo)
+    write_json(s.records / arm / f"seed_{seed}.json", record_of(done["run_dir"], argv))  # passes per stage as run
+    print(f"{arm} seed {seed}: recorded after {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+def analyse(s: Screen, seeds: int = 6) -> dict[str, Any]:
+    from bench.credit_schemes_clip.clip import pooled
+    from bench.frontier.frontier import at_equal_compute, contrast, grpo_passes
+
+    N = s.iterations
+    rec = {(a, k): r for a in [*ARMS, *REFS] for k in range(seeds) if (r := s.load(a, k))}
+    out: dict[str, Any] = {"iterations": N, "arms": {}, "equal_trajectories": {}, "equal_passes": {}}
+    for arm in ARMS:
+        mine = {k: r for (a, k), r in rec.items() if a == arm}
+        if not mine:
+            continue
+        gains = {k: c["mean"] for k, r in mine.items() if (c := contrast(r, N, None, 0))}
+        out["arms"][arm] = {
+            "seeds": sorted(mine),
+            "gain": {str(k): v for k, v in gains.items()},
+            "passes_per_iteration": sum(sum(grpo_passes(r)[:N]) / N for r in mine.values()) / len(mine),
+        }
+        for ref in AGAINST[arm]:
+            rows = {k: c for k in range(seeds) if (arm, k) in rec and (ref, k) in rec
+                    if (c := contrast(rec[arm, k], N, rec[ref, k], N))}  # fmt: skip
+            if rows:
+                out["equal_trajectories"][f"{arm} - {ref}"] = pooled(rows)
+            if v := at_equal_compute(rec, arm, ref, seeds, s.eval_every, N, every_seed=False):
+                out["equal_passes"][f"{arm} - {ref}"] = v | {"beats": bool(v["prompts"]["lo"] > 0)}
+    return out
+
+
+def summary_md(a: dict[str, Any]) -> str:
+    from bench.frontier.frontier import fmt
+
+    N = a["iterations"]
+    lines = [f"### Branched rollouts after {N} iterations (held-out gain over each run's base)", ""]
+    lines += ["| arm | seeds | gain per seed | passes / iteration |", "|---|---|---|---|"]
+    for arm, v in a["arms"].items():
+        g = ", ".join(f"{x:+.3f}" for x in v["gain"].values())
+        lines.append(f"| {arm} | {len(v['seeds'])} | {g} | {v['passes_per_iteration']:.0f} |")
+    lines += ["", "#### Equal trajectories (both after the same iterations)", ""]
+    lines += [f"- {k}: {fmt(v)}" for k, v in a["equal_trajectories"].items()]
+    lines += ["", "#### Equal passes (the reference at its evaluation nearest the arm's passes, within 15 %)", ""]
+    for k, v in a["equal_passes"].items():
+        at = ", ".join(str(i) for i, _ in v["outcome_read_at"])
+        lines.append(f"- {k}, the arm at {v['at']} iterations (the reference at {at}): {fmt(v)}; beats it: "
+                     f"{'yes' if v['beats'] else 'no'}")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="every path at tiny settings")
+    ap.add_argument("--iterations", type=int)
+    ap.add_argument("--seeds", type=int, help="at most this many seeds an arm")
+    ap.add_argument("--arms", nargs="+", choices=list(ARMS))
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once (one torch thread each)")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--records", type=Path)
+    ap.add_argument("--report-only", action="store_true")
+    a = ap.parse_args()
+    s = settings(a)
+    seeds = a.seeds or (1 if a.quick else 6)
+    if not a.report_only:
+        from bench._warm import Stepgrpo
+
+        jobs = [(arm, k) for k in range(seeds) for arm in (a.arms or ARMS)]
+        with Stepgrpo(a.jobs, s.out) as stepgrpo, ThreadPoolExecutor(a.jobs) as pool:
+            list(pool.map(lambda job: train_one(s, *job, stepgrpo), jobs))
+    analysis = analyse(s, seeds)
+    dest = s.out if a.quick else RECORDS.parent
+    write_json(dest / "analysis.json", analysis)
+    (dest / "summary.md").write_text(summary_md(analysis))
+    print((dest / "summary.md").read_text())
+    print(f"wrote {relative(dest)}/summary.md and analysis.json")
+
+
+if __name__ == "__main__":
+    main()
