@@ -6,10 +6,10 @@ CPU decision is `bench/frontier/frontier.py`).
     python bench/frontier/gpu_frontier.py --small --device cpu             # every code path at toy sizes, on a CPU
 
 Four recipes as shipped (`configs/diffusionnft_geneval.yaml`, `configs/awm_geneval.yaml`,
-`configs/dgpo_ocr.yaml`, `configs/flow_grpo_pickscore.yaml`), each `--iterations` iterations of `stepgrpo train` on random
-weights of SD3.5-M's transformer shape and a PickScore-shaped reward (`bench/gpu/gpu_train.py`
-builds both; no download; the GenEval detector is not part of what is timed), with
-`--prompts x --group` trajectories an iteration for all three. For each it reads the stored costs
+`configs/dgpo_ocr.yaml`, `configs/flow_grpo_pickscore.yaml`), each `--iterations` iterations of
+`stepgrpo train` on random weights of SD3.5-M's transformer shape and a PickScore-shaped reward
+(`bench/gpu/gpu_train.py` builds both; no download; the GenEval detector is not part of what is
+timed), with `--prompts x --group` trajectories an iteration for all four. For each it reads the stored costs
 (`stepgrpo.reporting.costs.iteration_costs`): seconds per stage and NFEs per stage, and the
 forward-equivalent passes (a backward row = 2 forwards). Output: `results.json` and `report.txt`
 in `--out`.
