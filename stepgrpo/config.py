@@ -14,6 +14,7 @@ a rollout and changing the credit scheme never invalidates a score.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -542,8 +543,10 @@ class UpdateConfig(_Section):
 
         return OBJECTIVES.facts(self.objective)["rows"] == "transitions"
 
+    @functools.cached_property
     def resolved(self) -> dict[str, Any]:
-        """The objective's settings with its registry facts and defaults filled in: `rows`,
+        """The objective's settings with its registry facts and defaults filled in, parsed once (a
+        section is frozen; read it, do not change it): `rows`,
         `whole_groups`, `keep_zero`, `options` (all of them), `times`, `time_rule`, `time_span`,
         `companion` (the checkpoint group or None), `rate`, `cap`, `samples_with_companion` (True,
         False, or the optimizer step after which the companion samples)."""
@@ -793,7 +796,7 @@ class Config(_Section):
         if not self.update.on_transitions:
             from stepgrpo_core.objectives import times_count
 
-            u = self.update.resolved()
+            u = self.update.resolved
             times_count(str(u["time_rule"]), float(u["times"]), self.sampler.steps, float(u["time_span"]))
             if u["whole_groups"]:
                 self._groups_whole()

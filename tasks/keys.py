@@ -88,7 +88,7 @@ def code_facts(stage: str, cfg: Config) -> dict[str, Any]:
     if stage == "calibrate" and (start, end) != (0, cfg.sampler.steps):
         facts["calibrates_in_window"] = True
     if stage == "update":  # the one update loop's round: what the objectives' authors do
-        u = cfg.update.resolved()
+        u = cfg.update.resolved
         if u["keep_zero"]:
             facts["keeps_zero_advantage"] = True  # every earlier update dropped those samples
         if u["companion"] is not None and u["companion_moves"] != "step":

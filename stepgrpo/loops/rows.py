@@ -156,7 +156,7 @@ class Noised:
     signal_check = False
 
     def __init__(self, pol: Policy, cfg: Config, batch: Batch, companion: dict | None, keep_zero: bool) -> None:
-        u = cfg.update.resolved()
+        u = cfg.update.resolved
         self.pol, self.cfg, self.batch, self.u, self.companion = pol, cfg, batch, u, companion
         self.objective = OBJECTIVES.get(cfg.update.objective)
         self.facts = OBJECTIVES.facts(cfg.update.objective)

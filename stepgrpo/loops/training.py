@@ -210,7 +210,7 @@ def update(
     from stepgrpo.loops.rows import ROWS
     from stepgrpo_core.objectives import companion_update
 
-    o, u = cfg.optim, cfg.update.resolved()
+    o, u = cfg.optim, cfg.update.resolved
     rows_of = ROWS[u["rows"]](pol, cfg, batch, companion, u["keep_zero"])
     rows = rows_of.trained()
     trained = pol.trainable_parameters()

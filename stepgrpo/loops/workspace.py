@@ -253,14 +253,14 @@ def reward_identity(cfg: RewardConfig) -> dict[str, Any]:
 def companion_group(cfg: Config) -> str | None:
     """The checkpoint group of the update objective's second adapter (`old`: DiffusionNFT's
     sampling policy, DGPO's clipping anchor; `kl_ema`: AWM's KL target), None when it keeps none."""
-    return cfg.update.resolved()["companion"]
+    return cfg.update.resolved["companion"]
 
 
 def companion_samples(cfg: Config, optimizer_step: int) -> bool:
     """Whether the companion adapter, rather than the trained one, samples the rollouts once the
     run has taken `optimizer_step` optimizer steps (`OBJECTIVES` fact `samples_with_companion`:
     always, never, or after the step it names, as DGPO's `switch_ema_ref`)."""
-    when = cfg.update.resolved()["samples_with_companion"]
+    when = cfg.update.resolved["samples_with_companion"]
     if isinstance(when, bool):
         return when
     return optimizer_step > int(when)
