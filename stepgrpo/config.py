@@ -178,6 +178,13 @@ class SamplerConfig(_Section):
     each with its own noise, and the ODE after it. The shared prefix is computed once a group; only
     the branch step has a density to train, and a group's normalized rewards are that step's
     sibling advantage (`credit.scheme: outcome`). It replaces the SDE window; None: no branching."""
+    branch_tree: list[tuple[int, int]] | None = None
+    """Tree rollouts (BranchGRPO, `stepgrpo_core.branching.tree_rollout`): `[[step, factor], ...]`,
+    steps increasing, the factors' product `run.group_size`: each group's root follows the ODE from
+    its initial noise, and at each step every node splits into `factor` children, each taking that
+    step with `kernel` and its own noise, then the ODE on. Every node is computed once; each branch
+    transition is trained once. `credit.scheme: tree` credits it (BranchGRPO's tree advantage). It
+    replaces the SDE window; None: no tree."""
     ode_solver: Literal["euler", "dpm2"] = "euler"
     """The solver of the rollout's deterministic steps: `euler` (SD3's sampler), or `dpm2`,
     DPM-Solver++ 2M from diffusers' scheduler (DiffusionNFT's 10-step ODE rollouts; multistep, so
@@ -241,14 +248,29 @@ class SamplerConfig(_Section):
     def _branches(self) -> SamplerConfig:
         from stepgrpo_core.kernels import KERNELS
 
-        if self.branch_window is None:
+        if self.branch_window is None and self.branch_tree is None:
             return self
-        lo, hi = self.branch_window
-        if not 0 <= lo < hi <= self.steps:
+        name = "sampler.branch_window" if self.branch_tree is None else "sampler.branch_tree"
+        if self.branch_window is not None and self.branch_tree is not None:
             raise ValueError(
-                f"sampler.branch_window [{lo}, {hi}]: the branch steps lo .. hi - 1 must lie in the {self.steps} "
-                f"steps (0 <= lo < hi <= {self.steps})"
+                "sampler.branch_window and sampler.branch_tree: one branches at a step, the other a tree; set one"
             )
+        if self.branch_window is not None:
+            lo, hi = self.branch_window
+            if not 0 <= lo < hi <= self.steps:
+                raise ValueError(
+                    f"sampler.branch_window [{lo}, {hi}]: the branch steps lo .. hi - 1 must lie in the {self.steps} "
+                    f"steps (0 <= lo < hi <= {self.steps})"
+                )
+        else:
+            steps = [b for b, _ in self.branch_tree]
+            if not steps or steps != sorted(set(steps)) or steps[0] < 0 or steps[-1] >= self.steps:
+                raise ValueError(
+                    f"sampler.branch_tree {self.branch_tree}: [step, factor] pairs, steps increasing within the "
+                    f"{self.steps} steps"
+                )
+            if any(f < 2 for _, f in self.branch_tree):
+                raise ValueError(f"sampler.branch_tree {self.branch_tree}: every factor at least 2 (a node's children)")
         fixes = {
             "sampler.shared_x0 is false: a branched group's members share their initial noise and prefix; set it "
             "true": not self.shared_x0,
@@ -263,7 +285,7 @@ class SamplerConfig(_Section):
         }
         for fix, broken in fixes.items():
             if broken:
-                raise ValueError(f"sampler.branch_window: {fix}")
+                raise ValueError(f"{name}: {fix.replace('sampler.branch_window', name)}")
         return self
 
     @model_validator(mode="after")
@@ -280,6 +302,8 @@ class SamplerConfig(_Section):
         """The stochastic steps `[start, end)` (branched: the steps a group may branch at)."""
         if self.branch_window is not None:
             return int(self.branch_window[0]), int(self.branch_window[1])
+        if self.branch_tree is not None:
+            return int(self.branch_tree[0][0]), int(self.branch_tree[-1][0]) + 1
         size = self.sde_window_size or self.steps - self.sde_window_start
         return self.sde_window_start, self.sde_window_start + size
 
@@ -805,12 +829,27 @@ class Config(_Section):
         for k in self.optim.train_steps or ():
             if not start <= k < end:
                 raise ValueError(f"optim.train_steps: step {k} is outside the SDE window [{start}, {end}) of sampler")
-        b = self.sampler.branch_window
+        if (tree := self.sampler.branch_tree) is not None:
+            import math
+
+            if math.prod(f for _, f in tree) != self.run.group_size:
+                raise ValueError(
+                    f"sampler.branch_tree {tree}: its factors' product ({math.prod(f for _, f in tree)}) must be "
+                    f"run.group_size ({self.run.group_size}), the leaves of a group's tree"
+                )
+        from stepgrpo_core.credit import reads_tree
+
+        if reads_tree(self.credit.scheme) and tree is None:
+            raise ValueError(
+                f"credit.scheme {self.credit.scheme} reads the rollout's tree: set sampler.branch_tree (or pick "
+                "another scheme)"
+            )
+        b = self.sampler.window() if self.sampler.branch_window or tree else None
         if b is not None and b[1] == self.sampler.steps and not self.optim.train_final_step:
             raise ValueError(
-                f"sampler.branch_window [{b[0]}, {b[1]}] reaches the final step, which is not trained by default: a "
-                f"group branching there would train nothing; end the window at {b[1] - 1} or set "
-                "optim.train_final_step=true"
+                f"the branch steps {list(range(*b)) if tree is None else [s for s, _ in tree]} reach the final step, "
+                "which is not trained by default: a branch there would train nothing; end them before step "
+                f"{b[1] - 1} or set optim.train_final_step=true"
             )
         if not self.trained_steps():
             raise ValueError(
@@ -905,6 +944,7 @@ STAGE_FIELDS: dict[str, tuple[str, ...]] = {
         "sampler.sde_window_start",
         "sampler.sde_window_size",
         "sampler.branch_window",
+        "sampler.branch_tree",
         "sampler.shared_x0",
         "sampler.ode_reference",
         "sampler.ode_solver",
@@ -950,6 +990,7 @@ KEY_NEUTRAL: dict[str, Any] = {
     "sampler.ode_solver": "euler",
     "sampler.sde_solver": None,
     "sampler.branch_window": None,
+    "sampler.branch_tree": None,
     "optim.step_weighting": "uniform",
     "optim.preset": None,
     "update.objective": "grpo",

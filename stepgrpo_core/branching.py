@@ -119,3 +119,75 @@ def draw_branch_steps(window: tuple[int, int], groups: int, generator: torch.Gen
     if not 0 <= lo < hi:
         raise ValueError(f"branch window [{lo}, {hi}) is empty")
     return torch.randint(lo, hi, (groups,), generator=generator)
+
+
+@torch.no_grad()
+def tree_rollout(
+    velocity: Velocity,
+    x0: torch.Tensor,
+    sigmas: torch.Tensor,
+    cond: Any,
+    tree: list[tuple[int, int]],
+    kernel: str = "flow",
+    noise: float | torch.Tensor = 0.7,
+    generator: torch.Generator | None = None,
+) -> Rollout:
+    """Sample `P` groups as trees (BranchGRPO, arXiv 2509.06040): each group's root follows the ODE
+    from its initial noise; at each `(b_d, f_d)` of `tree` (steps increasing) every node splits into
+    `f_d` children that take step `b_d` with the kernel, each with its own noise, and the ODE on to
+    the next branch step (the last to `x_T`). The leaves are the group's `G = prod f_d` trajectories,
+    in tree order (leaf `l`'s ancestor at depth `d` is `l // (G / (f_1 ... f_d))` within its group).
+
+    Every node is computed once (`Rollout.nfe`), and every branch transition has its density stored
+    once, at the first leaf under the child it made (its other leaves carry NaN there), so an update
+    trains each transition once. `cond`: leading dim `B = P G` (a group's members share a prompt).
+    """
+    KERNELS.validate(kernel)
+    if KERNELS.facts(kernel)["deterministic"]:
+        raise ValueError(f"kernel {kernel!r} is deterministic: a tree's branch steps need a stochastic kernel")
+    s = check_sigmas(sigmas).to(x0.device)
+    T, P = s.shape[0] - 1, x0.shape[0]
+    steps = [int(b) for b, _ in tree]
+    factors = [int(f) for _, f in tree]
+    if not tree or any(f < 2 for f in factors) or steps != sorted(set(steps)) or not 0 <= steps[0] <= steps[-1] < T:
+        raise ValueError(f"tree {tree}: (step, factor) pairs with steps increasing in [0, {T}) and factors >= 2")
+    G = 1
+    for f in factors:
+        G *= f
+    per_step = bool(KERNELS.facts(kernel)["per_step"])
+    B = P * G
+    states = torch.empty((B, T + 1, *x0.shape[1:]), dtype=x0.dtype, device=x0.device)
+    velocities = torch.empty((B, T, *x0.shape[1:]), dtype=x0.dtype, device=x0.device)
+    log_probs = torch.full((B, T), float("nan"), device=x0.device)
+    stds = torch.zeros(B, T, device=x0.device)
+    leaves = G  # leaves under each current node
+    nodes = torch.arange(P) * G  # the first leaf of each current node
+    x, k, nfe = x0, 0, 0
+    states[:, 0] = x0.repeat_interleave(G, dim=0)
+
+    def fill(seg: Rollout, start: int, under: int) -> None:
+        """The states after `start` of a segment run on the current nodes, onto their leaves."""
+        n = seg.states.shape[1] - 1
+        states[:, start + 1 : start + n + 1] = seg.states[:, 1:].repeat_interleave(under, dim=0)
+        velocities[:, start : start + n] = seg.velocities.repeat_interleave(under, dim=0)
+
+    for b, f in zip(steps, factors):
+        if b > k:  # the ODE from step k to the branch step, each node once
+            seg = rollout(velocity, x, s[k : b + 1], take(cond, nodes), kernel="ode")
+            fill(seg, k, leaves)
+            x, nfe = seg.states[:, -1], nfe + seg.nfe
+        leaves //= f
+        nodes = (nodes[:, None] + torch.arange(f) * leaves).reshape(-1)
+        tail = noise[b : b + 1] if per_step else noise
+        seg = rollout(
+            velocity, x.repeat_interleave(f, dim=0), s[b : b + 2], take(cond, nodes), kernel=kernel, noise=tail,
+            generator=generator,
+        )  # fmt: skip
+        fill(seg, b, leaves)
+        log_probs[nodes, b], stds[nodes, b] = seg.log_probs[:, 0], seg.stds[:, 0]
+        x, k, nfe = seg.states[:, -1], b + 1, nfe + seg.nfe
+    if k < T:
+        seg = rollout(velocity, x, s[k:], take(cond, nodes), kernel="ode")
+        fill(seg, k, leaves)
+        nfe += seg.nfe
+    return Rollout(states, log_probs, stds, nfe, velocities)

@@ -37,8 +37,9 @@ from .registry import PluginError, Registry, takes_positional
 
 STD_EPS = 1e-4  # added to every std of a normalization (Flow-GRPO's 1e-4)
 # Keywords `assign` supplies from the run, not from `credit.options`: `trained [T]` bool, the steps
-# the update trains (a scheme that declares it reads it; its stored advantages name the steps).
-CONTEXT = ("trained",)
+# the update trains (a scheme that declares it reads it; its stored advantages name the steps);
+# `tree`, the rollout's branching `[(step, factor), ...]` (`sampler.branch_tree`; None unbranched).
+CONTEXT = ("trained", "tree")
 # TP-GRPO's sampling mini-batch: the authors' SD3 launch config samples 9 images a GPU batch, and
 # their code balances the turning points within each such batch (METHODS.md, scheme 4).
 TP_SAMPLE_BATCH = 9
@@ -141,6 +142,35 @@ def outcome(rewards, gains, groups: Groups, global_std: bool = True):
     else:
         adv = groups.normalize(final)
     return adv.expand_as(gains).clone(), _no_turning(gains)
+
+
+@SCHEMES.register("tree", step_rewards=False, paper='arXiv 2509.06040, "tree-based advantage estimator"')
+def tree(rewards, gains, groups: Groups, tree: list[tuple[int, int]] | None = None):
+    """BranchGRPO: the rollout is a tree a group (`sampler.branch_tree`, leaves in tree order); each
+    node's value is the mean reward of the leaves under it, and at each branch step `b_d` the value
+    of the child a trajectory went through, normalized over the group's children at that depth,
+    is the advantage of that step (0 at every other step, which has no density). The leaf rewards
+    are fused with equal weights: the paper's path-probability weights need the transitions'
+    densities, which the credit stage does not read."""
+    if not tree:
+        raise ValueError("credit.scheme tree reads the rollout's tree: set sampler.branch_tree")
+    final = rewards[:, -1]
+    B, G = final.shape[0], 1
+    for _, f in tree:
+        G *= int(f)
+    if bool((groups.sizes != G).any()):
+        raise ValueError(f"credit.scheme tree: every group must hold the tree's {G} leaves")
+    order = torch.argsort(groups.index * B + torch.arange(B, device=final.device))  # rows group by group
+    leaves = final[order].reshape(groups.count, G)  # [n, G], tree order within each group
+    adv = torch.zeros_like(gains)
+    under = G
+    for b, f in tree:
+        under //= int(f)
+        value = leaves.reshape(groups.count, G // under, under).mean(dim=2)  # [n, nodes at this depth]
+        shifted = value - value[:, :1]  # exact zero for a group whose nodes are equal (see Groups.normalize)
+        z = (shifted - shifted.mean(dim=1, keepdim=True)) / (shifted.std(dim=1, correction=0, keepdim=True) + STD_EPS)
+        adv[order, int(b)] = z.repeat_interleave(under, dim=1).reshape(-1)
+    return adv, _no_turning(gains)
 
 
 # version 2: normalized over the trained steps only (version 1: over all B x T gains, the untrained
@@ -304,10 +334,16 @@ def check_options(scheme: str, options: Mapping[str, object]) -> None:
     runs. Raises ValueError."""
     if (problem := unknown_options(scheme, options)) is not None:
         raise ValueError(problem)
+    tree = [(0, 2)] if reads_tree(scheme) else None  # the tiny batch's one group as a one-split tree
     try:
-        assign(scheme, torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), **options)
+        assign(scheme, torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), tree=tree, **options)
     except (TypeError, ValueError) as err:
         raise ValueError(f"credit.options of scheme {scheme!r}: {err}") from None
+
+
+def reads_tree(scheme: str) -> bool:
+    """Whether `scheme` declares the `tree` keyword (it credits a tree rollout's nodes)."""
+    return "tree" in inspect.signature(SCHEMES.get(scheme)).parameters
 
 
 def reads_trained(scheme: str) -> bool:
@@ -316,7 +352,12 @@ def reads_trained(scheme: str) -> bool:
 
 
 def assign(
-    scheme: str, rewards: torch.Tensor, group_ids: torch.Tensor, trained: torch.Tensor | None = None, **options
+    scheme: str,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    trained: torch.Tensor | None = None,
+    tree: list[tuple[int, int]] | None = None,
+    **options,
 ) -> Credit:
     """Advantages of every step under credit `scheme` (module doc).
 
@@ -326,6 +367,8 @@ def assign(
         group_ids: `[B]` int64, equal for trajectories of the same prompt (sharing `x_0`).
         trained: `[T]` bool, the steps the update trains (None: every step); passed to a scheme
             that declares `trained` (`CONTEXT`).
+        tree: the rollout's branching `[(step, factor), ...]` (`sampler.branch_tree`), passed to a
+            scheme that declares `tree`.
         options: the scheme's options (`scheme_options(scheme)`); unknown ones are rejected.
 
     Returns `Credit` (advantages `[B, T]` fp32, gains, turning mask, keep mask, drop counts).
@@ -349,6 +392,8 @@ def assign(
     if trained is not None and (trained.shape != (gains.shape[1],) or not bool(trained.any())):
         raise ValueError(f"trained must be a [T={gains.shape[1]}] bool mask with at least one step")
     context = {"trained": trained.cpu().bool()} if trained is not None and reads_trained(scheme) else {}
+    if reads_tree(scheme):
+        context["tree"] = [tuple(map(int, node)) for node in tree] if tree else None
     out = fn(rewards, gains, groups, **options, **context)
     advantages, turn = out if isinstance(out, tuple) else (out, _no_turning(gains))  # a plug-in may return A alone
     if not isinstance(advantages, torch.Tensor) or advantages.shape != gains.shape:

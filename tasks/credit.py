@@ -98,4 +98,4 @@ def _assign(run: Run, cfg: Config, iteration: int, reward_name: str, reward_vers
             )
         rewards = rewards[:, -1:].expand_as(rewards).clone()  # the scheme reads R_T only
     group_ids = torch.from_numpy(run.stages.read_array(iteration, "rollout", "group_ids")).long()
-    return assign(scheme, rewards, group_ids, training.trained_mask(cfg), **cfg.credit.options)
+    return assign(scheme, rewards, group_ids, training.trained_mask(cfg), cfg.sampler.branch_tree, **cfg.credit.options)

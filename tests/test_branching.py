@@ -92,3 +92,52 @@ def test_branch_steps_are_drawn_uniformly_from_their_window():
     assert set(steps.tolist()) == {1, 2, 3}
     counts = torch.bincount(steps, minlength=4)[1:].float()
     assert float((counts / 3000 - 1 / 3).abs().max()) < 0.03
+
+
+def test_a_tree_computes_each_node_once_and_stores_each_branch_transition_once():
+    from stepgrpo_core.branching import tree_rollout
+
+    x0, _ = make()
+    tree = [(1, 2), (3, 2)]  # G = 4 leaves a group: 2 children at step 1, each 2 at step 3
+    cond = {"scale": torch.linspace(0.5, 1.5, P).repeat_interleave(4)}
+    counted = Counted()
+    out = tree_rollout(counted, x0, SIGMAS, cond, tree, generator=torch.Generator().manual_seed(2))
+    # root: steps 0 (1 row); depth 1: steps 1-2 (2 rows); depth 2: steps 3-5 (4 rows), a group
+    assert out.nfe == counted.rows == P * (1 * 1 + 2 * 2 + 4 * 3)
+    for g in range(P):
+        leaves = out.states[g * 4 : (g + 1) * 4]
+        assert bool((leaves[:, :2] == leaves[:1, :2]).all())  # the root's path, to x_1
+        assert torch.equal(leaves[0, :4], leaves[1, :4]) and torch.equal(leaves[2, :4], leaves[3, :4])  # siblings
+        assert not torch.equal(leaves[0, 2], leaves[2, 2])  # the two children of the first branch part
+        assert not torch.equal(leaves[0, 4], leaves[1, 4])  # and each child's two at the second
+        lp = out.log_probs[g * 4 : (g + 1) * 4]
+        # step 1: one transition per child (leaves 0 and 2); step 3: one per leaf
+        assert torch.isfinite(lp[:, 1]).tolist() == [True, False, True, False]
+        assert torch.isfinite(lp[:, 3]).tolist() == [True] * 4
+        assert int(torch.isfinite(lp).sum()) == 6
+        rows = slice(g * 4, (g + 1) * 4)
+        again = step_log_prob(velocity, leaves, SIGMAS, {"scale": cond["scale"][rows]}, 3, "flow", 0.7)
+        torch.testing.assert_close(again.log_prob, lp[:, 3])
+        rest = rollout(velocity, leaves[:, 4], SIGMAS[4:], {"scale": cond["scale"][rows]}, kernel="ode")
+        torch.testing.assert_close(leaves[:, 4:], rest.states)
+    with pytest.raises(ValueError, match="steps increasing"):
+        tree_rollout(velocity, x0, SIGMAS, cond, [(3, 2), (1, 2)])
+
+
+def test_the_tree_advantage_is_each_node_s_mean_leaf_reward_normalized_over_its_depth():
+    """BranchGRPO's estimator by hand on one group of 4 leaves, split at steps 1 and 3 (T = 4)."""
+    from stepgrpo_core.credit import STD_EPS, assign
+
+    R = torch.tensor([1.0, 2.0, 3.0, 5.0])
+    rewards = torch.zeros(4, 5)
+    rewards[:, -1] = R
+    out = assign("tree", rewards, torch.zeros(4, dtype=torch.long), tree=[(1, 2), (3, 2)])
+    # depth 1: the two children hold leaves (1, 2) and (3, 5): means 1.5 and 4, normalized -1 and +1
+    d1 = torch.tensor([1.5, 1.5, 4.0, 4.0])
+    torch.testing.assert_close(out.advantages[:, 1], (d1 - 2.75) / (1.25 + STD_EPS))
+    # depth 2: the leaves themselves, normalized over the group's 4
+    std = float(R.std(correction=0))
+    torch.testing.assert_close(out.advantages[:, 3], (R - 2.75) / (std + STD_EPS))
+    assert bool((out.advantages[:, [0, 2]] == 0).all())  # no branch there, no density, no credit
+    with pytest.raises(ValueError, match="sampler.branch_tree"):
+        assign("tree", rewards, torch.zeros(4, dtype=torch.long))

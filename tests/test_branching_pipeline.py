@@ -116,3 +116,46 @@ def test_a_stored_branched_run_rescores_without_a_transformer_call(clean, tmp_pa
     assert pol.nfe == before
     names = set(Run.open(copy).tables.read_rewards(0).column("reward_name").to_pylist())
     assert names == {"jpeg_compressibility", "jpeg_incompressibility"}
+
+
+@pytest.fixture(scope="module")
+def tree_settings(branched) -> list[str]:
+    # G = 4 leaves a group: two children at step 0, each two at step 2 (T = 4)
+    sets = [s for s in branched if not s.startswith(("sampler.branch_window", "run.group_size", "credit.scheme"))]
+    return [*sets, "sampler.branch_tree=[[0,2],[2,2]]", "run.group_size=4", "credit.scheme=tree", "optim.micro_batch=4"]
+
+
+@pytest.fixture(scope="module")
+def tree_run(harness, tree_settings, tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("tree") / "run"
+    _train(tree_settings, run_dir)
+    return run_dir
+
+
+def test_a_tree_run_computes_each_node_once_and_credits_each_depth(tree_run):
+    from stepgrpo_core.credit import assign
+
+    run = Run.open(tree_run)
+    data = run.stages.read_rollout(0)
+    # a group: the root 0 steps before its split at 0, 2 children x 2 steps, 4 leaves x 2 steps
+    assert run.stage_manifest(0, "rollout")["inputs"]["nfe"] == P * (2 * 2 + 4 * 2) < P * 4 * T
+    finite = torch.isfinite(torch.from_numpy(data.log_probs))
+    assert finite[:, 0].tolist() == [True, False, True, False] * P  # one density per child at step 0
+    assert bool(finite[:, 2].all()) and int(finite.sum()) == P * 6
+    digest = run.tables.read_advantages(0).column("options_digest").to_pylist()[0]
+    stored = run.tables.advantage_grid(0, "tree", digest).float()
+    final = run.tables.reward_grid(0, "jpeg_compressibility", "1")[:, -1:].float()  # a final-only run: R_T
+    rewards = final.expand(P * 4, T + 1)
+    by_hand = assign("tree", rewards, torch.arange(P).repeat_interleave(4), tree=[(0, 2), (2, 2)]).advantages
+    torch.testing.assert_close(stored, by_hand)
+
+
+def test_a_tree_run_killed_in_its_update_resumes_bit_identical(tree_run, tree_settings, tmp_path, monkeypatch):
+    run_dir = tmp_path / "killed"
+    monkeypatch.setenv("STEPGRPO_FAULT", f"raise:update:1:{tmp_path / 'fired'}")
+    with pytest.raises(Exception, match="STEPGRPO_FAULT"):
+        _train(tree_settings, run_dir)
+    monkeypatch.delenv("STEPGRPO_FAULT")
+    _train(tree_settings, run_dir)
+    ours, theirs = checkpoints(run_dir), checkpoints(tree_run)
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)

@@ -19,7 +19,7 @@ from stepgrpo.loops.scoring import decode_distinct, reward_images, score_images
 from stepgrpo.reporting.report import track
 from stepgrpo_core.completions import completed_through
 from stepgrpo_core.conditioning import take
-from stepgrpo_core.credit import SCHEMES, assign
+from stepgrpo_core.credit import SCHEMES, assign, reads_tree
 from stepgrpo_core.loss import step_weights
 from stepgrpo_core.quality import GradientSums, TrueValues, continue_states, gradient_check, true_advantages
 from stepgrpo_core.rollout import step_log_prob
@@ -200,7 +200,10 @@ def judged_tables(
             if reads_steps and not step_rewards:
                 skipped.append(f"{s}: needs a reward for every state; this run was scored on final samples only")
                 continue
-            adv = assign(s, grid.float(), group_ids, mask, **options).advantages.double()
+            if reads_tree(s) and cfg.sampler.branch_tree is None:
+                skipped.append(f"{s}: credits a tree rollout's nodes; this run's rollout is no tree")
+                continue
+            adv = assign(s, grid.float(), group_ids, mask, cfg.sampler.branch_tree, **options).advantages.double()
             name = s if method == cfg.completion.method else f"{s}:{method}"
             tables[name] = adv.clamp(-cfg.optim.adv_clip, cfg.optim.adv_clip)
     return tables, skipped

@@ -99,7 +99,9 @@ def reference_loop(
         else:
             grid = scored[:, -1:].expand(B, T + 1).clone()  # outcome reads R_T only
         groups = torch.from_numpy(plan.group_ids).long()
-        credit = assign(cfg.credit.scheme, grid, groups, training.trained_mask(cfg), **cfg.credit.options)
+        credit = assign(
+            cfg.credit.scheme, grid, groups, training.trained_mask(cfg), cfg.sampler.branch_tree, **cfg.credit.options
+        )
         t4 = time.perf_counter()
         batch = training.Batch(
             states,

@@ -109,6 +109,7 @@ def sample_groups(
     ode_solver: str = "euler",
     sde_solver: str | None = None,
     branch_window: tuple[int, int] | None = None,
+    branch_tree: list[tuple[int, int]] | None = None,
 ) -> Iterator[GroupChunk]:
     """Sample `len(group_noise)` groups of `group_size` trajectories, `groups_per_call` at a time.
 
@@ -121,10 +122,11 @@ def sample_groups(
     a stochastic multistep solver that takes every step instead of `kernel` (`SDE_SOLVERS`:
     `sa_solver`, its tau `noise`), its noise from the same generator. `branch_window`: branched
     rollouts (`stepgrpo_core.branching`; shared `x_0`), group `g` branching at the step drawn from
-    `generator(*group_noise[g], "branch")`, its prefix sampled once. `groups`: only these groups (a
-    shard's; it starts at a call boundary).
+    `generator(*group_noise[g], "branch")`, its prefix sampled once; `branch_tree`: each group a tree
+    (`tree_rollout`), every node once. `groups`: only these groups (a shard's; it starts at a call
+    boundary).
     """
-    from stepgrpo_core.branching import branched_rollout, draw_branch_steps
+    from stepgrpo_core.branching import branched_rollout, draw_branch_steps, tree_rollout
     from stepgrpo_core.kernels import KERNELS
     from stepgrpo_core.rollout import rollout
 
@@ -155,7 +157,9 @@ def sample_groups(
         else:
             step = None if ode_solver == "euler" else ODE_SOLVERS[ode_solver](sigmas)
             kind, deterministic = kernel, bool(KERNELS.facts(kernel)["deterministic"])
-        if branch_window is not None:  # each group's shared prefix once, then its members' branches
+        if branch_tree is not None:  # each group a tree, every node once
+            sde = tree_rollout(pol.velocity, x0[::G], sigmas, cond, branch_tree, kernel, noise, g)
+        elif branch_window is not None:  # each group's shared prefix once, then its members' branches
             at = torch.cat([draw_branch_steps(branch_window, 1, generator(*group_noise[c], "branch")) for c in called])
             sde = branched_rollout(pol.velocity, x0[::G], sigmas, cond, G, at, kernel, noise, g, ode_step=step)
         else:
@@ -309,6 +313,7 @@ def sample_iteration(
         ode_solver=cfg.sampler.ode_solver,
         sde_solver=cfg.sampler.sde_solver,
         branch_window=cfg.sampler.branch_window,
+        branch_tree=cfg.sampler.branch_tree,
     )
 
 
