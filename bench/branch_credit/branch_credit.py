@@ -13,6 +13,10 @@ Arms (6 seeds, 100 iterations; 300 for the ones the 100-iteration reading leaves
                own noise, ODE after; outcome credit over the group is the sibling advantage at the
                branch step, the only step trained; one AdamW step an iteration (shapes_outcome.yaml's)
   tempflow_k4  the same with the clip recipe's optimizer (four AdamW steps a batch, clip 1e-4)
+  tree         configs/shapes_tree.yaml (added after tempflow's first seed, decided by the same rule
+               against outcome_w3): each group a binary tree split at steps 0, 1 and 2, every node
+               once, BranchGRPO's tree advantage (each node's mean leaf reward normalized over its
+               depth), each branch transition trained once
 against outcome_w3 (shapes_outcome.yaml: the same window of steps 0-2, every member SDE on all
 three), outcome_w3_k4 (the clip recipe, configs/shapes_outcome_clip.yaml) and AWM (the frontier's
 best objective; its records as the frontier ran them).
@@ -56,7 +60,11 @@ DOCS = ROOT / "docs" / "bench"
 RECORDS = DOCS / "branch_credit" / "runs"
 TEMPFLOW = "configs/shapes_tempflow.yaml"
 CLIP = ["optim.preset=flow_grpo", "optim.optimizer_steps=4", "optim.kl_beta=0.0"]
-ARMS: dict[str, tuple[str, list[str]]] = {"tempflow": (TEMPFLOW, []), "tempflow_k4": (TEMPFLOW, CLIP)}
+ARMS: dict[str, tuple[str, list[str]]] = {
+    "tempflow": (TEMPFLOW, []),
+    "tempflow_k4": (TEMPFLOW, CLIP),
+    "tree": ("configs/shapes_tree.yaml", []),  # added after the first tempflow runs, under the same rule
+}
 # the kept records compared with: name -> (config, overrides, where)
 REFS: dict[str, tuple[str, list[str], list[Path]]] = {
     "outcome_w3": (
@@ -85,7 +93,7 @@ REFS: dict[str, tuple[str, list[str], list[Path]]] = {
     ),
 }
 # arm -> the references it is decided against at equal passes (the rule above)
-AGAINST = {"tempflow": ("outcome_w3", "awm"), "tempflow_k4": ("outcome_w3_k4", "awm")}
+AGAINST = {"tempflow": ("outcome_w3", "awm"), "tempflow_k4": ("outcome_w3_k4", "awm"), "tree": ("outcome_w3", "awm")}
 FULL = {"iterations": 100, "eval_every": 25, "set": ["run.eval_seeds=8"]}
 QUICK = {
     "iterations": 2,
