@@ -128,6 +128,7 @@ def sample_shard(
         pol, cfg, prompts.texts, plan, iteration, noise, range(shard.start // G, shard.stop // G)
     ):
         nfe_ode += chunk.nfe_ode
+        check_finite(chunk.sde, cfg, iteration)
         reference = {} if chunk.ode_final is None else {"ode_final": chunk.ode_final.cpu()}
         writer.write(
             int(chunk.rows[0]),
@@ -145,6 +146,20 @@ def sample_shard(
         "worker": workspace.worker(),
     }
     record(writer.ledger, shard, key, result)
+
+
+def check_finite(sde: Any, cfg: Config, iteration: int) -> None:
+    """Fail the stage, before anything is written, where sampling produced a non-finite state or a
+    stochastic step a non-finite log-density (a noise too large for the grid overflows): stored, the
+    update would find nothing to train and the run would end as if it had."""
+    bad_state = ~torch.isfinite(sde.states.reshape(*sde.states.shape[:2], -1)).all(dim=2)  # [n, T+1]
+    bad_step = (sde.stds > 0) & ~torch.isfinite(sde.log_probs)  # [n, T]
+    if bool(bad_state.any()) or bool(bad_step.any()):
+        k = int(torch.nonzero(bad_state.any(dim=0) if bool(bad_state.any()) else bad_step.any(dim=0))[0])
+        raise StageError(
+            f"iteration {iteration} rollout: non-finite values from step {k} on (sampler.kernel {cfg.sampler.kernel}, "
+            f"sampler.noise {cfg.sampler.noise:g}): lower sampler.noise (Flow-GRPO samples with 0.7)"
+        )
 
 
 def stored(run: Run, iteration: int, verify: bool = False) -> RolloutResult:

@@ -418,3 +418,28 @@ def test_a_branch_or_group_setting_that_cannot_work_is_refused_before_anything_s
     assert result.exit_code == 1, result.output
     assert says in result.output and "Traceback" not in result.output
     assert not (here / "runs").exists()
+
+
+def test_a_rollout_that_overflows_fails_its_stage_naming_the_noise():
+    """`sampler.noise` far beyond any recipe's (1e6 where Flow-GRPO samples with 0.7) overflows the
+    shipped model's states: the rollout stage fails before writing, naming the field to lower; a
+    sane noise passes, and the NaN of a deterministic step (no density) is no failure."""
+    from stepgrpo.config import load_config
+    from stepgrpo.errors import StageError
+    from stepgrpo.loops import workspace
+    from stepgrpo.loops.sampling import iteration_plan, sample_iteration
+    from stepgrpo.prompts import prompt_source
+    from stepgrpo.tasks.rollout import check_finite
+
+    for noise, fails in ((0.7, False), (1e6, True)):
+        sets = ["run.prompts_per_iteration=1", "run.group_size=2", f"sampler.noise={noise}"]
+        cfg = load_config(None, sets)
+        pol = workspace.policy(cfg)
+        workspace.set_lora(pol, workspace.initial_lora(cfg))
+        prompts = prompt_source(cfg)
+        (chunk,) = sample_iteration(pol, cfg, prompts.texts, iteration_plan(cfg, prompts.splits, 0), 0, noise)
+        if fails:
+            with pytest.raises(StageError, match=r"lower sampler.noise"):
+                check_finite(chunk.sde, cfg, 0)
+        else:
+            check_finite(chunk.sde, cfg, 0)

@@ -232,6 +232,11 @@ def update(
                 for cells in block.halves:
                     for cell in cells:
                         out = rows_of.loss(cell)
+                        if not bool(torch.isfinite(out.loss)):
+                            raise FloatingPointError(
+                                f"the update's loss is {float(out.loss)} at step {cell.col} of {len(cell.idx)} rows "
+                                f"(optim.lr {o.lr:g}, update.objective {cfg.update.objective}): lower optim.lr"
+                            )
                         # the mean over the part's rows, whatever the micro-batches
                         (out.loss * cell.weight).backward()
                         diag.backward_rows += len(cell.idx)
