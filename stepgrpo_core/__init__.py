@@ -14,8 +14,9 @@ pytree whose tensor leaves have leading dim B (see `conditioning.take`).
 
 Modules: `kernels` (transition kernels, log-density), `rollout` (sampling, re-scoring stored
 steps), `completions` (ODE completion of every state), `credit` (advantages from step rewards),
-`calibration` (DenseGRPO psi), `loss` (PPO-clip GRPO loss), `objectives` (DiffusionNFT and AWM on
-forward-noised copies), `registry`, `variants` (every registry's entries in one table).
+`calibration` (DenseGRPO psi), `loss` (PPO-clip GRPO loss), `objectives` (the update objectives:
+GRPO, and DiffusionNFT, AWM and DGPO on forward-noised copies), `branching` (branched and tree
+rollouts), `registry`, `variants` (every registry's entries in one table).
 
 The papers, cited where their formulas are implemented (by arXiv id and the equation, or the
 component by the paper's own name where we cite no equation number):
@@ -31,7 +32,11 @@ component by the paper's own name where we cite no equation number):
     PPO                 arXiv 1707.06347  Schulman et al. 2017, Proximal Policy Optimization Algorithms
     GRPO                arXiv 2402.03300  Shao et al. 2024, DeepSeekMath (Group Relative Policy Optimization)
     MixGRPO             arXiv 2507.21802  Li et al. 2025, MixGRPO: mixed ODE-SDE sampling (the SDE window)
-    TempFlow-GRPO       arXiv 2508.04324  per-step loss weighting by the step's noise
+    TempFlow-GRPO       arXiv 2508.04324  branched rollouts; per-step loss weighting by the step's noise
+    BranchGRPO          arXiv 2509.06040  tree rollouts and the tree advantage
+    DiffusionNFT        arXiv 2509.16117  Zheng et al. 2025, negative-aware fine-tuning (objective `nft`)
+    AWM                 arXiv 2509.25050  Xue et al. 2025, advantage weighted matching (objective `awm`)
+    DGPO                arXiv 2510.08425  Luo et al. 2025, direct group preference optimization (objective `dgpo`)
 """
 
 from .calibration import initial_psi, update_psi
