@@ -296,8 +296,8 @@ def test_dgpo_weights_a_group_by_how_far_it_already_moved():
 
 
 def test_whole_groups_stay_whole_in_parts_micro_batches_and_ranks():
+    from stepgrpo.loops.batching import DataParallel
     from stepgrpo.loops.rows import group_batches, group_parts
-    from stepgrpo.loops.training import DataParallel
 
     gids = torch.arange(7).repeat_interleave(3)  # 7 groups of 3
     rows = torch.arange(21)

@@ -249,7 +249,8 @@ def test_signal_cosine_is_the_cosine_of_the_two_halves_gradients():
 
 
 def test_whole_micro_batches_go_to_ranks_only_where_they_share_out_evenly():
-    owners = training._balanced_owners
+    from stepgrpo.loops.batching import _balanced_owners as owners
+
     assert owners([4, 2, 4, 2], 2) == [0, 0, 1, 1]  # the 4s first, then each 2 to the lighter rank
     assert owners([4, 4, 4], 2) is None  # 8 rows against 4: every other row of each instead
     assert owners([8], 2) is None  # fewer micro-batches than ranks

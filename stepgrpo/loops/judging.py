@@ -142,7 +142,7 @@ def gradient_sums(
     noise: float | torch.Tensor,
 ) -> tuple[dict[str, torch.Tensor], int]:
     """Per-group sums of `A s` for every table, from one LoRA score per trained row (`GradientSums`)."""
-    from stepgrpo.loops.training import update_velocity
+    from stepgrpo.loops.batching import update_velocity
 
     params = pol.trainable_parameters()
     velocity = update_velocity(pol, cfg.optim.detach_uncond)  # the velocity the update differentiates

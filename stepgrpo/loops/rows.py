@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from stepgrpo.config import Config
-from stepgrpo.loops.training import micro_batches, update_velocity
+from stepgrpo.loops.batching import micro_batches, update_velocity
 from stepgrpo_core.conditioning import take
 from stepgrpo_core.kernels import diffusion_coefficient
 from stepgrpo_core.loss import grpo_loss, step_weights
@@ -35,7 +35,7 @@ from stepgrpo_core.objectives import OBJECTIVES, MatchingBatch, grid_times, nois
 from stepgrpo_core.rollout import step_log_prob
 
 if TYPE_CHECKING:
-    from stepgrpo.loops.training import Batch, DataParallel
+    from stepgrpo.loops.batching import Batch, DataParallel
     from stepgrpo.policy import Policy
 
 

@@ -17,12 +17,18 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from stepgrpo.config import Config
+from stepgrpo.loops.batching import (  # noqa: F401  (the update's API, as it was)
+    Batch,
+    DataParallel,
+    flat_params,
+    micro_batches,
+    update_velocity,
+)
 
 # torch's AdamW keeps per-parameter tensors under these names (plus "step").
 ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
@@ -66,104 +72,6 @@ def ema_update(ema: dict[str, torch.Tensor], weights: Mapping[str, torch.Tensor]
 
 def rng_tensor() -> torch.Tensor:
     return torch.random.get_rng_state().clone()
-
-
-def micro_batches(halves: Sequence[torch.Tensor], size: int) -> list[list[torch.Tensor]]:
-    """The micro-batches of one trained step, per half of the part: each half's rows in runs of `size`."""
-    return [[c for c in h.split(size) if len(c)] for h in halves]
-
-
-def _balanced_owners(sizes: Sequence[int], world: int) -> list[int] | None:
-    """A rank for each micro-batch of `sizes` rows such that every rank gets the same number of
-    rows (the largest first, each to the least loaded rank, ties to the lowest), or None when
-    whole micro-batches cannot share out so."""
-    total = sum(sizes)
-    if total % world or len(sizes) < world:
-        return None
-    load, owner = [0] * world, [0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        r = min(range(world), key=lambda r: load[r])
-        owner[i], load[r] = r, load[r] + sizes[i]
-    return owner if max(load) == total // world else None
-
-
-class DataParallel:
-    """One rank of a data-parallel update over a `torch.distributed` process group (gloo on CPU,
-    NCCL on GPUs): which rows are this rank's, and the sums across ranks."""
-
-    def __init__(self, rank: int, world: int, device: str | torch.device = "cpu") -> None:
-        self.rank, self.world, self.device = rank, world, torch.device(device)
-
-    def mine(self, rows: torch.Tensor) -> torch.Tensor:
-        """This rank's share of `rows`: every `world`-th, from its rank."""
-        return rows[self.rank :: self.world]
-
-    def micro_batches(self, halves: Sequence[torch.Tensor], size: int) -> list[list[torch.Tensor]]:
-        """This rank's micro-batches of one trained step, per half of the part (`micro_batches`):
-        whole micro-batches where they share out evenly over the ranks (every rank the same number of
-        rows), else every `world`-th row of each half, in micro-batches. A forward pass on a micro-batch of
-        `size` rows costs less than two on `size / 2`, so whole ones are taken where they balance."""
-        chunks = micro_batches(halves, size)
-        sizes = [len(c) for cs in chunks for c in cs]
-        owner = _balanced_owners(sizes, self.world)
-        if owner is None:
-            return micro_batches([self.mine(h) for h in halves], size)  # a rank may have no row of a half
-        mine, i = [], 0
-        for cs in chunks:
-            mine.append([c for j, c in enumerate(cs) if owner[i + j] == self.rank])
-            i += len(cs)
-        return mine
-
-    def whole(self, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
-        """This rank's share of `chunks` taken whole (micro-batches of whole groups): every rank the
-        same number of rows where they share out so, else chunk i to rank i mod world."""
-        owner = _balanced_owners([len(c) for c in chunks], self.world)
-        owner = owner or [i % self.world for i in range(len(chunks))]
-        return [c for c, r in zip(chunks, owner) if r == self.rank]
-
-    def sum(self, t: torch.Tensor) -> torch.Tensor:
-        """`t` summed over the ranks (a new tensor)."""
-        import torch.distributed as dist
-
-        out = t.detach().to(self.device, copy=True)
-        dist.all_reduce(out, op=dist.ReduceOp.SUM)
-        return out.to(t.device)
-
-    def sum_grads(self, params: Sequence[torch.nn.Parameter]) -> None:
-        """Replace every parameter's gradient by its sum over the ranks: one all-reduce of the
-        flattened gradients (a rank with no rows in a part contributes zeros)."""
-        total = self.sum(_flat(params, grad=True))
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.grad = total[offset : offset + n].view_as(p).to(p.dtype)
-            offset += n
-
-    def extreme(self, value: float, which: str) -> float:
-        import torch.distributed as dist
-
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN if which == "min" else dist.ReduceOp.MAX)
-        return float(t)
-
-
-@dataclass(frozen=True)
-class Batch:
-    """An iteration's stored trajectories, as the update reads them.
-
-    states: `[B, T+1, C, H, W]`; old_log_probs: `[B, T]` (NaN: not trainable); advantages: `[B, T]`
-    (NaN: no credit); group_ids: `[B]`; cond: conditioning pytree with leading dim `B`;
-    sigmas: `[T+1]`; kernel, noise: the rollout's kernel and its noise (a float or the psi table).
-    """
-
-    states: torch.Tensor
-    old_log_probs: torch.Tensor
-    advantages: torch.Tensor
-    group_ids: torch.Tensor
-    cond: Any
-    sigmas: torch.Tensor
-    kernel: str
-    noise: float | torch.Tensor
 
 
 def update(
@@ -215,7 +123,7 @@ def update(
     rows = rows_of.trained()
     trained = pol.trainable_parameters()
     named = {n: p for n, p in pol.transformer.named_parameters() if p.requires_grad}
-    before = _flat(trained, grad=False)
+    before = flat_params(trained, grad=False)
     diag = Diagnostics(rows_of.steps) if rows_of.signal_check else RowStats()
     decay = float("nan")
     for epoch in range(o.inner_epochs):
@@ -242,7 +150,7 @@ def update(
                         diag.backward_rows += len(cell.idx)
                         diag.add_loss(cell.col, first, len(cell.idx), out, part=len(diag.grad_norms))
                     if check:
-                        accumulated.append(_flat(trained, grad=True))
+                        accumulated.append(flat_params(trained, grad=True))
                 if accumulated and parallel:  # one sum a step, after both halves: the ranks wait once, for equal work
                     accumulated = list(parallel.sum(torch.stack(accumulated)))
                 for total in accumulated:
@@ -251,16 +159,16 @@ def update(
             if parallel:
                 parallel.sum_grads(trained)
             diag.grad_norms.append(float(torch.nn.utils.clip_grad_norm_(trained, o.max_grad_norm)))
-            step_start = _flat(trained, grad=False)
+            step_start = flat_params(trained, grad=False)
             opt.step()
-            diag.update_norms.append(float((_flat(trained, grad=False) - step_start).norm()))
+            diag.update_norms.append(float((flat_params(trained, grad=False) - step_start).norm()))
             if ema is not None and o.ema_decay is not None:
                 ema_update(ema, named, o.ema_decay)
             if companion is not None and u["companion_moves"] == "step":
                 decay = companion_update(companion, named, adam_steps(opt), float(u["rate"]), float(u["cap"]))
     if companion is not None and u["companion_moves"] == "iteration" and diag.grad_norms:
         decay = companion_update(companion, named, adam_steps(opt), float(u["rate"]), float(u["cap"]))
-    after = _flat(trained, grad=False)
+    after = flat_params(trained, grad=False)
     diag.iteration_norm = float((after - before).norm())
     if initial is not None:
         diag.lora_distance = float((after - torch.cat([initial[n].reshape(-1).to(after) for n in named])).norm())
@@ -300,27 +208,6 @@ def accumulate_signal(signal: dict[str, torch.Tensor], a: torch.Tensor, b: torch
         signal[name] = g.float().cpu() if prev is None else prev.mul(SIGNAL_DECAY).add(g.float().cpu())
     signal["n"] = signal.get("n", torch.zeros((), dtype=torch.int64)) + 1
     return {"signal_cosine_window": _cosine(signal["a"], signal["b"]), "signal_iterations": float(signal["n"])}
-
-
-def update_velocity(pol: Policy, detach_uncond: bool):
-    """The policy's velocity, with CFG's unconditional branch detached when asked (Flow-GRPO)."""
-    if not detach_uncond or not hasattr(pol, "detached_uncond"):
-        return pol.velocity
-
-    def velocity(x, sigma, cond):
-        with pol.detached_uncond():
-            return pol.velocity(x, sigma, cond)
-
-    return velocity
-
-
-def _flat(params: Sequence[torch.nn.Parameter], grad: bool) -> torch.Tensor:
-    """The parameters (or their gradients; zeros where none) as one fp32 vector."""
-    parts = []
-    for p in params:
-        t = p.grad if grad else p.detach()
-        parts.append(torch.zeros(p.numel(), device=p.device) if t is None else t.detach().reshape(-1).float())
-    return torch.cat(parts) if parts else torch.zeros(0)
 
 
 def _halves(part: torch.Tensor, group_ids: torch.Tensor) -> list[torch.Tensor]:
