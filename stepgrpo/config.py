@@ -282,6 +282,8 @@ class SamplerConfig(_Section):
             "step: unset it": self.sde_solver is not None,
             "sampler.sde_window_start / sde_window_size: the branch window replaces the SDE window; unset "
             "them": self.sde_window_start != 0 or self.sde_window_size is not None,
+            f"sampler.kernel {self.kernel!r} is calibrated on unbranched rollouts over the SDE window; use flow "
+            "or cps": KERNELS.facts(self.kernel)["calibrated"],
         }
         for fix, broken in fixes.items():
             if broken:
