@@ -17,6 +17,9 @@ Arms (6 seeds, 100 iterations; 300 for the ones the 100-iteration reading leaves
                against outcome_w3): each group a binary tree split at steps 0, 1 and 2, every node
                once, BranchGRPO's tree advantage (each node's mean leaf reward normalized over its
                depth), each branch transition trained once
+  on jpeg_compressibility, a reward the late steps decide too (added with the tree arm), 3 seeds:
+  tempflow_jpeg (branch steps 0-8) and tree_jpeg (splits at 2, 5, 8) against outcome_jpeg (outcome
+  credit with every member stochastic on steps 0-8), decided by the same rule
 against outcome_w3 (shapes_outcome.yaml: the same window of steps 0-2, every member SDE on all
 three), outcome_w3_k4 (the clip recipe, configs/shapes_outcome_clip.yaml) and AWM (the frontier's
 best objective; its records as the frontier ran them).
@@ -60,11 +63,17 @@ DOCS = ROOT / "docs" / "bench"
 RECORDS = DOCS / "branch_credit" / "runs"
 TEMPFLOW = "configs/shapes_tempflow.yaml"
 CLIP = ["optim.preset=flow_grpo", "optim.optimizer_steps=4", "optim.kl_beta=0.0"]
+JPEG = ["reward.name=jpeg_compressibility"]
 ARMS: dict[str, tuple[str, list[str]]] = {
     "tempflow": (TEMPFLOW, []),
     "tempflow_k4": (TEMPFLOW, CLIP),
     "tree": ("configs/shapes_tree.yaml", []),  # added after the first tempflow runs, under the same rule
+    # a reward the late steps decide too (added with the tree arm, before any of its runs): 3 seeds
+    "outcome_jpeg": ("configs/shapes_outcome.yaml", [*JPEG, "sampler.sde_window_size=9"]),
+    "tempflow_jpeg": (TEMPFLOW, [*JPEG, "sampler.branch_window=[0,9]"]),
+    "tree_jpeg": ("configs/shapes_tree.yaml", [*JPEG, "sampler.branch_tree=[[2,2],[5,2],[8,2]]"]),
 }
+SEEDS = {"outcome_jpeg": 3, "tempflow_jpeg": 3, "tree_jpeg": 3}  # the others: 6
 # the kept records compared with: name -> (config, overrides, where)
 REFS: dict[str, tuple[str, list[str], list[Path]]] = {
     "outcome_w3": (
@@ -93,7 +102,14 @@ REFS: dict[str, tuple[str, list[str], list[Path]]] = {
     ),
 }
 # arm -> the references it is decided against at equal passes (the rule above)
-AGAINST = {"tempflow": ("outcome_w3", "awm"), "tempflow_k4": ("outcome_w3_k4", "awm"), "tree": ("outcome_w3", "awm")}
+AGAINST = {
+    "tempflow": ("outcome_w3", "awm"),
+    "tempflow_k4": ("outcome_w3_k4", "awm"),
+    "tree": ("outcome_w3", "awm"),
+    "outcome_jpeg": (),
+    "tempflow_jpeg": ("outcome_jpeg",),
+    "tree_jpeg": ("outcome_jpeg",),
+}
 FULL = {"iterations": 100, "eval_every": 25, "set": ["run.eval_seeds=8"]}
 QUICK = {
     "iterations": 2,
@@ -221,7 +237,8 @@ def main() -> None:
     if not a.report_only:
         from bench._warm import Stepgrpo
 
-        jobs = [(arm, k) for k in range(seeds) for arm in (a.arms or ARMS)]
+        arms = a.arms or list(ARMS)
+        jobs = [(arm, k) for k in range(seeds) for arm in arms if k < SEEDS.get(arm, seeds)]
         with Stepgrpo(a.jobs, s.out) as stepgrpo, ThreadPoolExecutor(a.jobs) as pool:
             list(pool.map(lambda job: train_one(s, *job, stepgrpo), jobs))
     analysis = analyse(s, seeds)
