@@ -242,6 +242,12 @@ class SamplerConfig(_Section):
                     f"sampler.sde_solver {self.sde_solver!r} reads sampler.noise as its tau, one number; kernel "
                     f"{self.kernel!r} makes it a per-step table: leave sampler.kernel at flow"
                 )
+            if self.noise == 0 and self.shared_x0:
+                raise ValueError(
+                    f"sampler.sde_solver {self.sde_solver!r} with sampler.noise 0 adds no noise: with sampler.shared_x0 "
+                    "every member of a group would be the same sample, and nothing could be learned; set "
+                    "sampler.noise > 0 (AWM samples with 0.4) or sampler.shared_x0=false"
+                )
         return self
 
     @model_validator(mode="after")
@@ -649,6 +655,16 @@ class RunConfig(_Section):
 
     runs_root: str = "runs"
     """Directory that holds run directories `<runs_root>/<run_id>/`."""
+
+    @field_validator("runs_root")
+    @classmethod
+    def _no_tilde(cls, v: str) -> str:
+        if v.startswith("~"):
+            raise ValueError(
+                f"run.runs_root {v!r} starts with '~', which only a shell expands: write the directory out "
+                "(e.g. $HOME/... on the command line, or an absolute path in the YAML)"
+            )
+        return v
 
     def evaluates_after(self, iteration: int) -> bool:
         """Whether a held-out evaluation follows iteration `iteration` (every `eval_every`, and the last)."""

@@ -443,3 +443,20 @@ def test_a_rollout_that_overflows_fails_its_stage_naming_the_noise():
                 check_finite(chunk.sde, cfg, 0)
         else:
             check_finite(chunk.sde, cfg, 0)
+
+
+@pytest.mark.parametrize(
+    "setting, says",
+    [
+        (["run.runs_root=~/runs"], "which only a shell expands"),
+        (["sampler.sde_solver=sa_solver", "sampler.noise=0", "update.objective=awm"], "the same sample"),
+    ],
+)
+def test_a_setting_that_would_silently_go_wrong_is_refused(here, setting, says):
+    """A runs root spelled with '~' (which would become a directory named '~') and an SA-Solver
+    rollout without noise whose group members would all be one sample: refused, one line, exit 1."""
+    sets = [x for s in setting for x in ("--set", s)]
+    result = invoke("train", *sets, "--run-id", "x")
+    assert result.exit_code == 1, result.output
+    assert says in result.output and "Traceback" not in result.output
+    assert not (here / "~").exists() and not (here / "runs").exists()
