@@ -244,7 +244,8 @@ class SamplerConfig(_Section):
                 )
             if self.noise == 0 and self.shared_x0:
                 raise ValueError(
-                    f"sampler.sde_solver {self.sde_solver!r} with sampler.noise 0 adds no noise: with sampler.shared_x0 "
+                    f"sampler.sde_solver {self.sde_solver!r} with sampler.noise 0 adds no noise: with "
+                    "sampler.shared_x0 "
                     "every member of a group would be the same sample, and nothing could be learned; set "
                     "sampler.noise > 0 (AWM samples with 0.4) or sampler.shared_x0=false"
                 )

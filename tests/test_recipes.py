@@ -63,6 +63,8 @@ def small_settings(recipe: str, sd35_like, flux_like, tmp_path) -> list[str]:
     # one group: as many optimizer steps as it can split into (none where the objective reads whole groups)
     steps = 1 if shipped.update.resolved["whole_groups"] else min(shipped.optim.optimizer_steps, 2)
     small += [f"optim.optimizer_steps={steps}", f"run.runs_root={tmp_path}"]
+    if shipped.sampler.branch_tree:  # a tree of 2 leaves: its first split alone
+        small.append(f"sampler.branch_tree=[[{shipped.sampler.branch_tree[0][0]},2]]")
     if "FLUX" in shipped.model.path:
         small[1:2] = [f"model.path={flux_like}", "model.resolution=32"]
     elif shipped.model.path != "models/shapes":
@@ -119,7 +121,7 @@ def test_the_recipe_reaches_its_first_rollout(recipe, sd35_like, flux_like, tmp_
     # an ODE rollout (DiffusionNFT) or a multistep solver's (AWM's SA-Solver): no step has a density of its own
     if KERNELS.facts(cfg.sampler.kernel)["deterministic"] or cfg.sampler.sde_solver:
         start = end = 0
-    if cfg.sampler.branch_window is not None:  # branched: one density, at the group's step of the window
+    if cfg.sampler.branch_window is not None or cfg.sampler.branch_tree:  # branched: one density, at its step
         (b,) = [k for k, x in enumerate(stochastic) if x]
         assert start <= b < end
         return
