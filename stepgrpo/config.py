@@ -14,7 +14,6 @@ a rollout and changing the credit scheme never invalidates a score.
 from __future__ import annotations
 
 import copy
-import functools
 import hashlib
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -576,10 +575,10 @@ class UpdateConfig(_Section):
 
         return OBJECTIVES.facts(self.objective)["rows"] == "transitions"
 
-    @functools.cached_property
+    @property
     def resolved(self) -> dict[str, Any]:
-        """The objective's settings with its registry facts and defaults filled in, parsed once (a
-        section is frozen; read it, do not change it): `rows`,
+        """The objective's settings with its registry facts and defaults filled in (computed on each
+        read: a cached copy would go stale in a `model_copy(update=...)`, which validates nothing): `rows`,
         `whole_groups`, `keep_zero`, `options` (all of them), `times`, `time_rule`, `time_span`,
         `companion` (the checkpoint group or None), `rate`, `cap`, `samples_with_companion` (True,
         False, or the optimizer step after which the companion samples)."""

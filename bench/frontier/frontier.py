@@ -142,7 +142,15 @@ GRPO: dict[str, tuple[str, list[str], list[Path]]] = {
 AT_EQUAL_COMPUTE = ("outcome_w3", "outcome_w3_k4")
 # the objectives read against each other at equal passes (the first read at its evaluations, the
 # second at its evaluation nearest in passes): the pick between them rests on these
-BETWEEN = [("awm", "nft"), ("awm_authors", "nft_authors"), ("dgpo", "awm_authors"), ("dgpo", "nft_authors")]
+BETWEEN = [
+    ("awm", "nft"),
+    ("awm_authors", "nft_authors"),
+    ("dgpo", "awm_authors"),
+    ("dgpo", "nft_authors"),
+    # beside the authors' arms, against the decision's records (6 seeds each)
+    ("dgpo", "awm"),
+    ("dgpo", "nft"),
+]
 # the order runs are taken in: seed 0 of the two objectives first (they are also the probes'
 # references), then the probes, then the decision's arms seed by seed (a partial screen still pairs)
 PHASES: list[tuple[tuple[str, ...], int]] = [
