@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -214,7 +215,7 @@ def evaluate(
         for key in ("image_mean", "score_mean", "strict_mean"):
             if key in r:
                 lines.append(f"  {key.replace('_', ' ')}: {r[key]:.4f}")
-        lines.append(f"evidence: {res['bundle']} (stepgrpo inspect RUN --verify checks it)")
+        lines.append(f"evidence: {res['bundle']} (stepgrpo inspect {shlex.quote(str(run))} --verify checks it)")
         shell.console.print("\n".join(lines))
         return
     out = shell.call_offline(api.evaluate, run, iteration=iteration, overrides=list(set_ or []))

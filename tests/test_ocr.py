@@ -56,3 +56,15 @@ def test_tiny_images_are_read(ocr):
 def test_prompt_without_quotes_is_an_error(ocr):
     with pytest.raises(ValueError, match="double quotes"):
         ocr(torch.ones(1, 3, 32, 32), ["no quotes here"], [{}])
+
+
+def test_a_missing_extra_names_the_install_a_user_of_the_package_runs(monkeypatch):
+    """Without rapidocr the reward says how to install the extra from the package index (and, apart,
+    from a checkout): a user's own project has no `.[ocr]` of stepgrpo's."""
+    import sys
+
+    from stepgrpo.rewards import ocr
+
+    monkeypatch.setitem(sys.modules, "rapidocr_onnxruntime", None)
+    with pytest.raises(ImportError, match=r"pip install 'stepgrpo\[ocr\]'"):
+        ocr.OcrReward()

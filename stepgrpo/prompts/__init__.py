@@ -98,7 +98,10 @@ def read_hub_prompts(spec: str) -> tuple[list[str], list[dict[str, Any]]]:
     try:
         import datasets  # pyright: ignore[reportMissingImports]  (the optional [datasets] extra)
     except ImportError:
-        raise StageError(f"prompt source {spec!r} needs the `datasets` package: pip install -e '.[datasets]'") from None
+        raise StageError(
+            f"prompt source {spec!r} needs the `datasets` package: pip install 'stepgrpo[datasets]' (in a checkout: "
+            "pip install -e '.[datasets]')"
+        ) from None
     try:
         data = datasets.load_dataset(name, split=split or "train")
     except Exception as err:  # offline, gated, unknown id or split: the library's own message

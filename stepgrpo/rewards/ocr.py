@@ -70,7 +70,8 @@ class OcrReward:
         except ImportError as err:
             raise ImportError(
                 "the ocr reward needs rapidocr-onnxruntime; install it with "
-                "`pip install -e '.[ocr]'` (the wheel includes the PP-OCR weights)"
+                "`pip install 'stepgrpo[ocr]'` (in a checkout of stepgrpo: `pip install -e '.[ocr]'`; the "
+                "package includes the PP-OCR weights)"
             ) from err
         self.engine = RapidOCR()
 

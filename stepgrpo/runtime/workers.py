@@ -144,7 +144,8 @@ def check_ray_installed() -> None:
         import ray  # noqa: F401
     except ImportError:
         raise StageError(
-            "scale.workers=ray needs Ray: pip install -e '.[ray]' (or set scale.workers=process)"
+            "scale.workers=ray needs Ray: pip install 'stepgrpo[ray]' (in a checkout: pip install -e '.[ray]'), "
+            "or set scale.workers=process"
         ) from None
 
 
