@@ -1434,6 +1434,10 @@ def test_the_exported_lora_is_readable_carries_a_model_card_and_pushes_to_the_hu
     exec(use, namespace)
     adapters = namespace["pipe"].get_list_adapters()
     assert adapters and any(adapters.values()), adapters
+    # and it samples as the run evaluated: the run's steps and guidance
+    stored = yaml.safe_load((lora / "config.yaml").read_text())
+    assert f"num_inference_steps={stored['sampler']['eval_steps']}" in use and namespace["image"].size
+    assert "pipe.fuse_lora()" in card and 'pipe.save_pretrained("merged")' in card
 
     pushed: dict = {}
 

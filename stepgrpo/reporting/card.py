@@ -142,6 +142,17 @@ def model_card(
         "",
         *load,
         'pipe.load_lora_weights("path/to/this/folder")  # or the hub repository it was pushed to',
+        "# sampled as the run evaluated it: its steps and guidance",
+        f'image = pipe("{example_prompt(cfg)}", num_inference_steps={cfg.sampler.eval_steps}, '
+        f"guidance_scale={cfg.model.guidance_scale:g}).images[0]",
+        "```",
+        "",
+        "To merge the LoRA into the base weights and save a pipeline that needs no adapter:",
+        "",
+        "```python",
+        "pipe.fuse_lora()",
+        "pipe.unload_lora_weights()",
+        'pipe.save_pretrained("merged")',
         "```",
         "",
         "## Made by",
@@ -155,6 +166,11 @@ def model_card(
         "",
     ]
     return "\n".join(lines)
+
+
+def example_prompt(cfg: Config) -> str:
+    """A prompt to show the Use block with: the task's own kind of prompt where it is known."""
+    return "a red circle above a blue square" if cfg.run.prompts == "shapes" else "a photo of a cat"
 
 
 def run_note(cfg: Config, evaluations: list[Mapping[str, Any]], nfe: float) -> str:
