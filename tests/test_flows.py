@@ -1483,8 +1483,13 @@ def test_export_rebuilds_a_deleted_lora_and_exports_an_earlier_checkpoint(traine
     done = CliRunner().invoke(app, ["export", str(run_dir), "--iteration", "0", "--out", str(early)])
     assert done.exit_code == 0, done.output
     assert (early / "pytorch_lora_weights.safetensors").read_bytes() != weights and (early / "README.md").is_file()
-    # its card: the evaluations up to iteration 0 (the base alone here: no gain to report yet)
-    assert "Paired gain" not in (early / "README.md").read_text()
+    # its card: iteration 0 was not evaluated, so it claims no "after training" number and shows no
+    # samples of another checkpoint; its title and iterations are the checkpoint's, not the run's
+    card = (early / "README.md").read_text()
+    assert "Paired gain" not in card and "after training" not in card
+    assert "This checkpoint (iter_0) was not evaluated" in card and "--iteration 0" in card
+    assert "after iteration 0 of 2" in card and "| iterations | 1 of the run's 2 x" in card
+    assert not (early / "samples.png").exists()
     assert "Paired gain" in (run_dir / "lora" / "README.md").read_text()
 
 

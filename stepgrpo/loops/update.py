@@ -288,6 +288,7 @@ def export_lora(
     evaluations: list[dict[str, Any]] | None = None,
     grid: Path | None = None,
     folder: Path | None = None,
+    label_iteration: int | None = None,
 ) -> Path:
     """Write the weights after `iteration` (their EMA when enabled): the LoRA as `<run>/lora/`, in the
     format `StableDiffusion3Pipeline.load_lora_weights` reads; with full fine-tuning the transformer
@@ -309,7 +310,8 @@ def export_lora(
         pol.save_lora(out)
     from stepgrpo.reporting.card import protocol_reports
 
-    write_card(out, cfg, run.run_id, evaluations or [], grid, protocol_reports(run, {"base", f"iter_{iteration}"}))
+    reports = protocol_reports(run, {"base", f"iter_{iteration}"})
+    write_card(out, cfg, run.run_id, evaluations or [], grid, reports, label_iteration)
     if folder is None:
         run.seal_export(out.name)  # `inspect --verify` finds a damaged export
     return out
@@ -338,8 +340,10 @@ def export_iteration(run: Any, stored_cfg: Config, iteration: int | None, folder
             "give --out DIR (the run's lora/ stays the final one)"
         )
     records = [r for r in stored_evaluations(run) if r["label"] == "base" or int(r["label"][5:]) <= iteration]
-    grid = Path(run.path) / records[-1]["grid"] if records else None
-    return export_lora(run, stored_cfg, iteration, records, grid, folder)
+    # the samples and the "after training" number are this checkpoint's, or none (not evaluated)
+    evaluated = bool(records) and records[-1]["label"] == f"iter_{iteration}"
+    grid = Path(run.path) / records[-1]["grid"] if evaluated else None
+    return export_lora(run, stored_cfg, iteration, records, grid, folder, iteration)
 
 
 if __name__ == "__main__":

@@ -56,9 +56,13 @@ def model_card(
     evaluations: list[Mapping[str, Any]],
     samples: bool,
     protocols: list[Mapping[str, Any]] | None = None,
+    iteration: int | None = None,
 ) -> str:
     """The card's text; `evaluations`: the run's held-out records, base first; `protocols`: the
-    reports of its evaluations under a paper's protocol (`protocol_reports`)."""
+    reports of its evaluations under a paper's protocol (`protocol_reports`); `iteration`: the
+    checkpoint's, where it is not the run's last (an earlier iteration's export)."""
+    early = iteration is not None and iteration + 1 != cfg.run.iterations
+    label = f"iter_{iteration}" if iteration is not None else None
     kind, base = base_of(cfg.model.path)
     flux = "flux" in base.lower()
     meta: dict[str, Any] = {"base_model": base} if kind == "hub" else {}
@@ -99,7 +103,8 @@ def model_card(
         yaml.safe_dump(meta, sort_keys=False).strip(),
         "---",
         "",
-        f"# {run_id}: {'an' if objective[0] in 'AEIOU' else 'a'} {objective} LoRA for `{base}`",
+        f"# {run_id}: {'an' if objective[0] in 'AEIOU' else 'a'} {objective} LoRA for `{base}`"
+        + (f", after iteration {iteration} of {cfg.run.iterations}" if early else ""),
         "",
         f"Trained with stepgrpo's {objective} (`update.objective: {cfg.update.objective}`), "
         f"credit scheme **{scheme}**.",
@@ -109,7 +114,9 @@ def model_card(
         f"| base model | {described[kind]} |",
         f"| reward | `{cfg.reward.name}`{' ' + str(dict(cfg.reward.options)) if cfg.reward.options else ''} |",
         f"| credit | `{cfg.credit.scheme}`{' ' + str(dict(cfg.credit.options)) if cfg.credit.options else ''} |",
-        f"| iterations | {run.iterations} x {run.prompts_per_iteration} prompts x {run.group_size} samples |",
+        f"| iterations | {(iteration + 1) if early else run.iterations}"
+        + (f" of the run's {run.iterations}" if early else "")
+        + f" x {run.prompts_per_iteration} prompts x {run.group_size} samples |",
         f"| sampler | {sampler.steps} steps, "
         + (
             f"{sampler.sde_solver} |"
@@ -120,7 +127,7 @@ def model_card(
         "",
         "## Held-out reward",
         "",
-        *held_out(evaluations),
+        *held_out(evaluations, label),
         "",
     ]
     if protocols:
@@ -202,12 +209,18 @@ def no_t5(base: str) -> str:
     return ""
 
 
-def held_out(evaluations: list[Mapping[str, Any]]) -> list[str]:
-    """The base and final held-out reward, and the paired gain with its 95 % interval."""
+def held_out(evaluations: list[Mapping[str, Any]], label: str | None = None) -> list[str]:
+    """The base and final held-out reward, and the paired gain with its 95 % interval; with `label`
+    (the checkpoint's, `iter_N`), only that checkpoint's evaluation counts as "after training"."""
     if not evaluations:
         return ["Not evaluated."]
     first, last = evaluations[0], evaluations[-1]
     where = f"{first.get('prompts')} held-out prompts x {first.get('seeds')} seeds, `{first.get('reward_name')}`"
+    if label is not None and last.get("label") != label:
+        return [
+            f"On {where}: base {first['reward_mean']:.4f}. This checkpoint ({label}) was not evaluated: "
+            f"`stepgrpo evaluate RUN --iteration {label.removeprefix('iter_')}` measures it."
+        ]
     out = [f"On {where}: base {first['reward_mean']:.4f}, after training {last['reward_mean']:.4f}."]
     gain = paired_gain(first, last) if len(evaluations) > 1 else None
     if gain is not None:
@@ -243,14 +256,16 @@ def write_card(
     evaluations: list[Mapping[str, Any]],
     grid: Path | None,
     protocols: list[Mapping[str, Any]] | None = None,
+    iteration: int | None = None,
 ) -> None:
-    """The card, the sample grid and the config into an export folder (files anyone can read)."""
+    """The card, the sample grid and the config into an export folder (files anyone can read);
+    `iteration`: the exported checkpoint's (`model_card`)."""
     from stepgrpo.storage.publish import write_file_atomic
 
     if grid is not None and grid.is_file():
         write_file_atomic(folder / SAMPLES, grid.read_bytes())
     write_file_atomic(folder / CONFIG, yaml.safe_dump(portable(cfg), sort_keys=False).encode())
-    card = model_card(cfg, run_id, evaluations, samples=grid is not None and grid.is_file(), protocols=protocols)
+    card = model_card(cfg, run_id, evaluations, grid is not None and grid.is_file(), protocols, iteration)
     write_file_atomic(folder / CARD, card.encode())
 
 
