@@ -6,6 +6,7 @@ from typing import Any
 
 from prefect import flow
 
+from stepgrpo.errors import StageError
 from stepgrpo.flows.progress import evaluation_record, log_offline, name_flow_run, run_name_from_parameters
 from stepgrpo.runs import latest_checkpoint, owned_stored
 from stepgrpo.runtime import environment
@@ -49,13 +50,39 @@ def protocol_config(cfg: Any, name: str, overrides: list[str] | None = None) -> 
     return validate_config(apply_overrides(cfg.model_dump(mode="json"), [*settings, *(overrides or [])]))
 
 
+def bundle_report(folder: Any, expected: dict[str, Any]) -> dict[str, Any]:
+    """The report of the existing (verified) bundle `folder`, refused with what differs unless it is
+    the evidence `expected` names: this run, checkpoint label and digest, protocol and overrides (a
+    bundle copied from another run, or two swapped, is no evidence of this checkpoint)."""
+    import json
+
+    try:
+        report = json.loads((folder / "report.json").read_text())
+    except (OSError, ValueError, RecursionError) as err:
+        raise StageError(
+            f"{folder}/report.json is no report ({type(err).__name__}): move the bundle aside and evaluate again"
+        ) from None
+    if not isinstance(report, dict):
+        raise StageError(f"{folder}/report.json is no report (a JSON {type(report).__name__}): move the bundle aside")
+    protocol = report.get("protocol")
+    found = {k: report.get(k) for k in expected} | {
+        "protocol": protocol.get("name") if isinstance(protocol, dict) else None
+    }
+    differ = [k for k in expected if found[k] != expected[k]]
+    if differ:
+        said = "; ".join(f"{k} {found[k]!r}, this checkpoint's {expected[k]!r}" for k in differ)
+        raise StageError(
+            f"the evidence bundle {folder} is not this checkpoint's ({said}): move it aside and evaluate again"
+        )
+    return report
+
+
 def protocol_bundle(
     stored: Any, cfg: Any, name: str, iteration: int, overrides: list[str], images: bool = False
 ) -> tuple[Any, dict[str, Any]]:
     """The evidence bundle of the policy after `iteration` (-1: the base model) under protocol
     `name`, `cfg` carrying its settings (`protocol_config`): an existing bundle of the same name is
     verified and read, else the evaluation runs and the bundle is written; returns (folder, report)."""
-    import json
     from pathlib import Path
 
     from stepgrpo.config import digest_of
@@ -68,9 +95,20 @@ def protocol_bundle(
     label = "base" if iteration < 0 else f"iter_{iteration}"
     bundle = f"{p.name}-{label}" + (f"-{digest_of(sorted(overrides))[:8]}" if overrides else "")
     final = stored.inside(Path(stored.path) / stored.EVIDENCE_DIR / bundle)
-    if final.is_dir():
+    if final.is_dir() or final.is_symlink():
         verify_bundle(final)
-        return final, json.loads((final / "report.json").read_text())
+        expected = {
+            "run_id": stored.run_id,
+            "label": label,
+            "checkpoint_digest": None if checkpoint is None else checkpoint.digest,
+            "protocol": p.name,
+            "overrides": list(overrides),
+        }
+        return final, bundle_report(final, expected)
+    if final.exists():
+        raise StageError(
+            f"{final} is in the way of the evidence bundle (not a folder): move it aside and evaluate again"
+        )
     report, rows, pngs = protocol_loop.evaluate(stored, cfg, p, None if iteration < 0 else iteration, images)
     report |= {
         "run_id": stored.run_id,

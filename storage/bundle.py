@@ -16,6 +16,7 @@ from stepgrpo.storage.errors import CorruptChunkError, StorageError
 from stepgrpo.storage.publish import partial_path
 
 CHECKSUMS = "CHECKSUMS.sha256"
+MAX_LISTING = 1 << 20  # bytes: a checksum list longer than this is no bundle's (a line is ~70 bytes a file)
 
 
 def _digest(path: Path) -> str:
@@ -47,16 +48,29 @@ def write_bundle(final: Path, files: Mapping[str, bytes]) -> Path:
 
 def verify_bundle(folder: Path) -> int:
     """Check every file of the bundle against its checksum list; returns the number checked.
-    A changed, missing or unlisted file is a `CorruptChunkError` naming it."""
+    A changed, missing or unlisted file is a `CorruptChunkError` naming it; so is a bundle folder or
+    list that is a link, a list beyond `MAX_LISTING` bytes, and a listed name that is not a relative
+    path inside the bundle (nothing outside it is ever read)."""
     listing = folder / CHECKSUMS
-    if not listing.is_file():
+    if folder.is_symlink():
+        raise CorruptChunkError(f"{folder} is a link: an evidence bundle is a folder of the run, not a pointer to one")
+    if listing.is_symlink() or not listing.is_file():
         raise CorruptChunkError(f"{folder} has no {CHECKSUMS}: not an evidence bundle, or a damaged one")
+    if listing.stat().st_size > MAX_LISTING:
+        raise CorruptChunkError(f"{listing} is {listing.stat().st_size} bytes: no bundle's checksum list is that long")
     expected: dict[str, str] = {}
-    for number, line in enumerate(listing.read_text().splitlines(), 1):
+    for number, line in enumerate(listing.read_text(errors="replace").splitlines(), 1):
         digest, sep, name = line.partition("  ")
         if not sep or len(digest) != 64:
             raise CorruptChunkError(f"{listing}:{number} is not '<sha256>  <path>'")
+        rel = Path(name)
+        if not name or rel.is_absolute() or ".." in rel.parts or name == CHECKSUMS:
+            raise CorruptChunkError(f"{listing}:{number} names {name!r}: a bundle lists relative paths inside it")
         expected[name] = digest
+    for name in expected:  # nothing is read through a link out of the bundle
+        folders = [folder / d for d in Path(name).parents if d != Path(".")]  # the folders it sits in
+        if any(d.is_symlink() for d in folders):
+            raise CorruptChunkError(f"{folder / name} is reached through a link: a bundle's files are its own")
     present = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() or p.is_symlink()}
     present.discard(CHECKSUMS)
     for name in sorted(present - set(expected)):

@@ -1652,3 +1652,15 @@ def test_evaluate_under_the_shapes_protocol_writes_a_bundle_with_the_same_bytes_
     logged = {a.path for a in client.list_artifacts(mlrun.info.run_id, "evidence/shapes-base")}
     assert "evidence/shapes-base/samples.jsonl" in logged and "evidence/shapes-base/CHECKSUMS.sha256" in logged
     assert json.loads((bundle / "report.json").read_text())["results"] == report["results"]
+    # a bundle another run made, copied in under this name (its checksums whole): no evidence of this
+    # checkpoint; evaluate refuses it naming what differs, and the card leaves it out
+    from stepgrpo.storage.bundle import CHECKSUMS, write_bundle
+
+    shutil.move(bundle, tmp_path / "second")
+    files = {p.relative_to(tmp_path / "second").as_posix(): p.read_bytes() for p in (tmp_path / "second").rglob("*")
+             if p.is_file() and p.name != CHECKSUMS}  # fmt: skip
+    files["report.json"] = json.dumps(report | {"run_id": "another-run"}).encode()
+    write_bundle(bundle, files)
+    with pytest.raises(Exception, match=r"not this checkpoint's \(run_id 'another-run'"):
+        evaluate_protocol(run=str(copy), protocol="shapes", iteration=-1)
+    assert protocol_reports(Run.open(copy), {"base"}) == []

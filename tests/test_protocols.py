@@ -124,6 +124,38 @@ def test_a_bundle_fails_its_check_after_one_byte_changes(tmp_path):
         write_bundle(folder, {"a": b""})
 
 
+@pytest.mark.parametrize(
+    "line, says",
+    [
+        ("0" * 64 + "  /proc/self/pagemap", "a bundle lists relative paths inside it"),
+        ("0" * 64 + "  ../other/report.json", "a bundle lists relative paths inside it"),
+        ("0" * 64 + "  linked/report.json", "reached through a link"),
+    ],
+)
+def test_a_bundle_reads_nothing_outside_itself(tmp_path, line, says):
+    """A checksum list naming a file outside the bundle (an absolute path, `..`, a linked folder) is
+    refused before anything is read; so are a linked bundle folder and an oversized list."""
+    from stepgrpo.storage.bundle import CHECKSUMS, MAX_LISTING, verify_bundle, write_bundle
+    from stepgrpo.storage.errors import CorruptChunkError
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "report.json").write_text("{}")
+    folder = write_bundle(tmp_path / "b", {"report.json": b"{}"})
+    (folder / "linked").symlink_to(outside, target_is_directory=True)
+    (folder / CHECKSUMS).write_text(line + "\n")
+    with pytest.raises(CorruptChunkError, match=says):
+        verify_bundle(folder)
+    link = tmp_path / "link"
+    link.symlink_to(write_bundle(tmp_path / "c", {"report.json": b"{}"}), target_is_directory=True)
+    with pytest.raises(CorruptChunkError, match="is a link"):
+        verify_bundle(link)
+    big = write_bundle(tmp_path / "d", {"report.json": b"{}"})
+    (big / CHECKSUMS).write_bytes(b"x" * (MAX_LISTING + 1))
+    with pytest.raises(CorruptChunkError, match="no bundle's checksum list is that long"):
+        verify_bundle(big)
+
+
 def test_run_eval_protocol_names_a_protocol_and_its_file_is_checked_before_training(tmp_path, monkeypatch):
     from stepgrpo.checks import check_config
     from stepgrpo.config import load_config

@@ -241,9 +241,16 @@ def protocol_reports(run: Any, labels: set[str]) -> list[dict[str, Any]]:
     for folder in sorted((Path(run.path) / run.EVIDENCE_DIR).glob("[!.]*")):
         try:
             verify_bundle(folder)
-        except StorageError:
+            report = json.loads((folder / "report.json").read_text())
+        except (StorageError, OSError, ValueError, RecursionError):
             continue
-        report = json.loads((folder / "report.json").read_text())
+        # only this run's bundles, each under its own name (a copied or swapped one is left out)
+        if not isinstance(report, dict) or report.get("run_id") != run.run_id:
+            continue
+        protocol = report.get("protocol")
+        name = protocol.get("name") if isinstance(protocol, dict) else None
+        if not folder.name.startswith(f"{name}-{report.get('label')}"):
+            continue
         if report.get("label") in labels:
             out.append(report)
     return out
