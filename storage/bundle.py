@@ -46,6 +46,25 @@ def write_bundle(final: Path, files: Mapping[str, bytes]) -> Path:
     return final
 
 
+def verify_owner(folder: Path, run_id: str) -> None:
+    """A verified bundle's `report.json` says it is `run_id`'s, made under the folder's name
+    (`<protocol>-<label>...`): a bundle copied in from another run, or renamed, is refused."""
+    import json
+
+    try:
+        report = json.loads((folder / "report.json").read_text())
+    except (OSError, ValueError, RecursionError) as err:
+        raise CorruptChunkError(f"{folder}/report.json is no report ({type(err).__name__})") from None
+    if not isinstance(report, dict):
+        raise CorruptChunkError(f"{folder}/report.json is no report (a JSON {type(report).__name__})")
+    protocol = report.get("protocol")
+    name = f"{protocol.get('name') if isinstance(protocol, dict) else None}-{report.get('label')}"
+    if report.get("run_id") != run_id:
+        raise CorruptChunkError(f"{folder} is run {report.get('run_id')!r}'s evidence, not this run's ({run_id!r})")
+    if not folder.name.startswith(name):
+        raise CorruptChunkError(f"{folder} holds the evidence of {name!r}: a bundle renamed or swapped")
+
+
 def verify_bundle(folder: Path) -> int:
     """Check every file of the bundle against its checksum list; returns the number checked.
     A changed, missing or unlisted file is a `CorruptChunkError` naming it; so is a bundle folder or

@@ -520,9 +520,10 @@ class Run:
                 elif item[0] == "record":
                     read_json(item[1], "record")  # parses, and matches its seal
                 elif item[0] == "bundle":
-                    from stepgrpo.storage.bundle import verify_bundle
+                    from stepgrpo.storage.bundle import verify_bundle, verify_owner
 
                     verify_bundle(item[1])
+                    verify_owner(item[1], self.run_id)
                 else:
                     self.verify(*item)
             except StorageError as err:

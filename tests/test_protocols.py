@@ -190,3 +190,20 @@ def test_a_bundle_goes_to_wandb_as_an_artifact(tmp_path, monkeypatch):
     assert ("evidence-shapes-base", "evidence", ["report.json"]) in [
         (a.name, a.type, [e.path for e in a.manifest.contents]) for a in artifacts
     ]
+
+
+def test_a_bundle_is_its_run_s_under_its_own_name(tmp_path):
+    from stepgrpo.storage.bundle import verify_owner, write_bundle
+    from stepgrpo.storage.errors import CorruptChunkError
+
+    report = {"run_id": "r1", "label": "iter_3", "protocol": {"name": "geneval"}}
+    ok = write_bundle(tmp_path / "geneval-iter_3", {"report.json": json.dumps(report).encode()})
+    verify_owner(ok, "r1")
+    with pytest.raises(CorruptChunkError, match="run 'r1''s evidence, not this run's"):
+        verify_owner(ok, "r2")
+    swapped = write_bundle(tmp_path / "geneval-iter_5", {"report.json": json.dumps(report).encode()})
+    with pytest.raises(CorruptChunkError, match="renamed or swapped"):
+        verify_owner(swapped, "r1")
+    odd = write_bundle(tmp_path / "geneval-base", {"report.json": b"[1, 2]"})
+    with pytest.raises(CorruptChunkError, match="no report"):
+        verify_owner(odd, "r1")
