@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stepgrpo.config import UpdateConfig
 from stepgrpo.results import UpdateStats
 from stepgrpo.storage.errors import StorageError
 from stepgrpo.storage.publish import read_json
@@ -88,6 +89,10 @@ def list_runs(root: Path) -> list[RunRow]:
             total = int(cfg.get("run", {}).get("iterations", 0))
             method = cfg.get("completion", {}).get("method")
             scheme = str(cfg.get("credit", {}).get("scheme", "")) + (f" @ {method}" if method else "")
+            # the update objective's name beside the credit where it is not the default's (PPO-clip GRPO)
+            objective = (cfg.get("update") or {}).get("objective")
+            if objective and objective != UpdateConfig.model_fields["objective"].default:
+                scheme = f"{objective}, {scheme}"
         except (OSError, ValueError, KeyError, TypeError, AttributeError, StorageError) as err:
             rows.append(RunRow(path.name, error=str(err)))
             continue

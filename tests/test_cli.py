@@ -152,6 +152,11 @@ def test_runs_lists_scheme_and_status_and_refuses_a_missing_root(tmp_path, monke
     monkeypatch.setattr(cli, "console", Console(width=200))  # one line a run, whatever the terminal
     listed = runner.invoke(app, ["runs", "--root", str(tmp_path / "runs")])
     assert listed.exit_code == 0 and "dense @ rollout" in listed.output and "stopped at 0/3" in listed.output
+    awm = load_config(
+        None, ["update.objective=awm", "sampler.kernel=flow", "completion.method=null", "credit.scheme=outcome"]
+    )
+    Run.create(tmp_path / "runs", "a", awm.model_dump(mode="json"))
+    assert "awm, outcome" in runner.invoke(app, ["runs", "--root", str(tmp_path / "runs")]).output
     with owned(path):  # while a process owns the run
         assert (
             "running" in runner.invoke(app, ["runs", "--root", str(tmp_path / "runs")], env={"COLUMNS": "200"}).output
