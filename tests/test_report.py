@@ -108,3 +108,16 @@ def test_the_compare_chart_labels_every_run(tmp_path):
         plt.Figure.savefig = real
     assert captured["labels"] == ["seed-0 (outcome@final)", "seed-1 (outcome@final)"]
     assert len(captured["colours"]) == 1 and (tmp_path / "c.png").is_file()
+
+
+def test_an_iteration_line_shows_what_the_objective_measured():
+    """GRPO's line: its clip and signal check; an objective without a per-step signal check (AWM):
+    its loss and clip, no GRPO diagnostics printed as n/a; no ODE reward where none was sampled."""
+    from stepgrpo.reporting.report import iteration_line
+
+    grpo = {"iteration": 3, "reward_mean": 0.7, "ode_reward_mean": 0.71, "clip_frac": 0.004, "signal_cosine": 0.08}
+    line = iteration_line(grpo | {"loss": 0.1, "lora_distance": 0.01})
+    assert "signal cos +0.080" in line and "(ODE 0.7100)" in line
+    awm = iteration_line({"iteration": 3, "reward_mean": 0.7, "loss": -0.2, "clip_frac": 0.0, "lora_distance": 0.01})
+    assert "signal" not in awm and "n/a" not in awm and "ODE" not in awm
+    assert "loss -0.2000, clip_frac 0.000" in awm

@@ -117,9 +117,11 @@ def iteration_line(row: Mapping[str, Any]) -> str:
         v = row.get(key)
         return format(v, fmt) if isinstance(v, int | float) and math.isfinite(v) else "n/a"
 
-    head = f"iteration {row['iteration']}: reward {num('reward_mean', '.4f')} (ODE {num('ode_reward_mean', '.4f')}), "
-    if row.get("clip_frac") is None and row.get("loss") is not None:  # a flow-matching objective: no ratio to clip
-        return head + f"loss {num('loss', '.4f')}, LoRA moved {num('lora_distance', '.4f')}"
+    ode = f" (ODE {num('ode_reward_mean', '.4f')})" if row.get("ode_reward_mean") is not None else ""
+    head = f"iteration {row['iteration']}: reward {num('reward_mean', '.4f')}{ode}, "
+    if row.get("signal_cosine") is None and row.get("loss") is not None:  # no per-step signal check: its loss
+        clip = f"clip_frac {num('clip_frac', '.3f')}, " if row.get("clip_frac") is not None else ""
+        return head + f"loss {num('loss', '.4f')}, {clip}LoRA moved {num('lora_distance', '.4f')}"
     return head + (
         f"clip_frac {num('clip_frac', '.3f')}, signal cos {num('signal_cosine', '+.3f')} "
         f"(20 it. {num('signal_cosine_window', '+.3f')}), "
