@@ -10,6 +10,7 @@ import json
 import re
 import threading
 import time
+from pathlib import Path
 
 import prefect  # noqa: F401  (Prefect binds its log handlers at import: not inside CliRunner's streams)
 import pytest
@@ -59,6 +60,15 @@ def test_a_pinned_source_is_read_only_from_a_verified_copy(fixture_pin, tmp_path
     path.write_bytes(BYTES.replace(b"two", b"six"))  # the cache is not trusted over its hash
     with pytest.raises(StageError, match="the cached copy .* has sha256 .* delete it and fetch again"):
         prompt_source(cfg)
+
+
+def test_a_source_that_never_ends_is_refused_without_reading_it_whole(fixture_pin, monkeypatch):
+    """`prompts fetch --from /dev/zero` (or any file past the bound): refused after `MAX_BYTES`, not
+    read into memory; nothing written."""
+    monkeypatch.setattr(pinned, "MAX_BYTES", 1 << 16)
+    with pytest.raises(StageError, match="larger than .* no pinned prompt file is"):
+        pinned.fetch("fixture", Path("/dev/zero"))
+    assert not pinned.cached_path("fixture").exists()
 
 
 def test_fetch_downloads_from_the_pinned_commit_and_checks_the_bytes(fixture_pin, monkeypatch):

@@ -24,6 +24,16 @@ from pathlib import Path
 from stepgrpo.errors import StageError
 
 PREFIX = "pinned:"
+MAX_BYTES = 16 << 20  # a pinned prompt file is well under 1 MB; anything past this is not one (nor read whole)
+
+
+def read_bounded(path: Path, what: str) -> bytes:
+    """At most `MAX_BYTES` of `path` (a device or a huge file is refused, not read into memory)."""
+    with open(path, "rb") as fh:
+        data = fh.read(MAX_BYTES + 1)
+    if len(data) > MAX_BYTES:
+        raise StageError(f"{what} {path} is larger than {MAX_BYTES >> 20} MiB: no pinned prompt file is")
+    return data
 
 
 @dataclass(frozen=True)
@@ -116,7 +126,7 @@ def verified(name: str) -> Path:
             f"{PREFIX}{name} ({f.source}) is not in the cache ({path}): fetch it once with "
             f"`stepgrpo prompts fetch {name}` (or `--from FILE` with a copy you have)"
         )
-    digest = sha256_of(path.read_bytes())
+    digest = sha256_of(read_bounded(path, f"{PREFIX}{name}: the cached copy"))
     if digest != f.sha256:
         raise StageError(
             f"{PREFIX}{name}: the cached copy {path} has sha256 {digest}, the pinned file {f.sha256}: "
@@ -130,16 +140,22 @@ def fetch(name: str, source: Path | None = None, timeout: float = 60.0) -> Path:
     commit; refused unless they hash to the pinned value (nothing is written then). Returns its path."""
     f = pinned(name)
     if source is not None:
-        data, origin = Path(source).read_bytes(), str(source)
+        data, origin = read_bounded(Path(source), f"{PREFIX}{name}: --from"), str(source)
     else:
         import httpx
 
         try:
-            response = httpx.get(f.url, timeout=timeout, follow_redirects=True)
-            response.raise_for_status()
+            with httpx.stream("GET", f.url, timeout=timeout, follow_redirects=True) as response:
+                response.raise_for_status()
+                chunks, size = [], 0
+                for chunk in response.iter_bytes():
+                    chunks.append(chunk)
+                    size += len(chunk)
+                    if size > MAX_BYTES:
+                        raise StageError(f"{PREFIX}{name}: {f.url} is larger than {MAX_BYTES >> 20} MiB: not the file")
         except httpx.HTTPError as err:
             raise StageError(f"{PREFIX}{name}: could not download {f.url} ({type(err).__name__}: {err})") from None
-        data, origin = response.content, f.url
+        data, origin = b"".join(chunks), f.url
     digest = sha256_of(data)
     if digest != f.sha256:
         raise StageError(
