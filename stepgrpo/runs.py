@@ -148,7 +148,9 @@ def resolve_run_dir(cfg: Config, run_dir: str | None = None, run_id: str | None 
             f"run id {run_id!r} is not one name (letters, digits, _ . -, not starting with . or -): a run id names "
             f"a directory inside run.runs_root ({cfg.run.runs_root}); give a path with --run-dir instead"
         )
-    return (Path(cfg.run.runs_root) / run_id).resolve()
+    path = (Path(cfg.run.runs_root) / run_id).resolve()
+    _not_a_file(path, f"--run-id {run_id}: run.runs_root's", "a run id whose directory it may make or resume")
+    return path
 
 
 def _not_a_file(path: Path, what: str, wanted: str) -> None:

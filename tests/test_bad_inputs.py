@@ -460,3 +460,11 @@ def test_a_setting_that_would_silently_go_wrong_is_refused(here, setting, says):
     assert result.exit_code == 1, result.output
     assert says in result.output and "Traceback" not in result.output
     assert not (here / "~").exists() and not (here / "runs").exists()
+
+
+def test_a_run_id_naming_a_file_is_refused_in_its_own_words(here):
+    (here / "runs").mkdir()
+    (here / "runs" / "x").write_text("not a run")
+    result = invoke("train", "--set", "run.runs_root=runs", "--run-id", "x")
+    assert result.exit_code == 1 and "--run-id x" in result.output and "--run-dir" not in result.output
+    assert (here / "runs" / "x").read_text() == "not a run"
