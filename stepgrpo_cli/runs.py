@@ -111,39 +111,47 @@ def compare(
         typer.Option("--out", help="Write the chart here (PNG; needs matplotlib: stepgrpo\\[plots]).", metavar="FILE"),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the curves as JSON.", metavar="")] = False,
+    x: Annotated[
+        str | None,
+        typer.Option(
+            "--x",
+            help="The compute axis: passes, nfe or seconds (default: passes where every run has them).",
+            metavar="AXIS",
+        ),
+    ] = None,
 ) -> None:
-    """RUNS at equal compute: each evaluation's held-out reward against the training NFEs spent
-    before it, one row a run (scheme @ completion, NFEs, base and last reward, paired gain); with
+    """RUNS at equal compute: each evaluation's held-out reward against the training compute spent
+    before it (forward + 2 x backward passes by default), one row a run read at the largest budget
+    every run reached (its evaluation there, its paired gain over its base), beside its last; with
     --out, the chart, a colour a recipe."""
-    shell.call(_compare, runs, out, as_json)
+    shell.call(_compare, runs, out, as_json, x)
 
 
-def _compare(runs: list[str], out: Path | None, as_json: bool) -> None:
-    from stepgrpo.reporting.compare import chart, compare
+def _compare(runs: list[str], out: Path | None, as_json: bool, x: str | None = None) -> None:
+    from stepgrpo.reporting.compare import at_equal, axis_for, chart, compare
     from stepgrpo.storage.run import Run, find_run
 
     opened = [Run.open(find_run(r)) for r in runs]
     curves = compare(opened)
+    axis = axis_for(curves, x)
+    budget, read = at_equal(curves, axis)
     if as_json:
-        shell.console.print_json(json.dumps(curves))
+        shell.console.print_json(json.dumps({"axis": axis, "budget": budget, "runs": curves}))
     else:
-        table = Table("run", "recipe", "NFEs", "passes (fwd + 2 bwd)", "held-out: base", "last", "paired gain [95 %]")
-        for c in curves:
+        table = Table(
+            "run", "recipe", f"{axis} (last)", "held-out: base", "last",
+            f"at equal {axis} ({budget:g}): evaluation", "reward", "paired gain [95 %]",
+            title=f"at equal {axis}: every run read at its last evaluation within {budget:g}",
+        )  # fmt: skip
+        for c, p in zip(curves, read):
             first, last = c["points"][0], c["points"][-1]
-            gain = "" if c["gain"] is None else "{:+.4f} [{:+.4f}, {:+.4f}]".format(*c["gain"])
-            table.add_row(
-                c["run_id"],
-                c["recipe"],
-                str(last["nfe"]),
-                "n/a" if last.get("passes") is None else str(last["passes"]),
-                f"{first['reward_mean']:.4f}",
-                f"{last['reward_mean']:.4f}",
-                gain,
-            )
+            gain = "" if p is None or p["gain"] is None else "{:+.4f} [{:+.4f}, {:+.4f}]".format(*p["gain"])
+            row = [c["run_id"], c["recipe"], f"{last[axis]:g}", f"{first['reward_mean']:.4f}"]
+            table.add_row(*row, f"{last['reward_mean']:.4f}", p["label"], f"{p['reward_mean']:.4f}", gain)
         shell.console.print(table)
     if out is not None:
         reward = (opened[0].config.get("reward") or {}).get("name", "reward")
-        shell.console.print(f"chart: {chart(curves, out, reward)}", highlight=False, soft_wrap=True)
+        shell.console.print(f"chart: {chart(curves, out, reward, axis)}", highlight=False, soft_wrap=True)
 
 
 def export(

@@ -1586,10 +1586,14 @@ def test_compare_puts_runs_side_by_side_at_equal_compute(trained, tmp_path, monk
     run_dir = Path(trained["run_dir"])
     result = CliRunner().invoke(app, ["compare", str(run_dir), "--json"])
     assert result.exit_code == 0, result.output
-    (curve,) = json.loads(result.output)
-    spent = sum(row["nfe"] for row in iteration_costs(Run.open(run_dir)))
+    out = json.loads(result.output)
+    (curve,) = out["runs"]
+    costs = iteration_costs(Run.open(run_dir))
+    spent, passes = sum(row["nfe"] for row in costs), sum(row["passes"] for row in costs)
     assert curve["recipe"] == "stepwise@remaining"
     assert [(p["label"], p["nfe"]) for p in curve["points"]] == [("base", 0), ("iter_1", spent)]
+    # the default axis: forward + 2 x backward passes, the budget every run reached
+    assert out["axis"] == "passes" and out["budget"] == passes == curve["points"][-1]["passes"]
     assert [p["reward_mean"] for p in curve["points"]] == [e["reward_mean"] for e in trained["evaluations"]]
     chart = tmp_path / "compare.png"
     from rich.console import Console
@@ -1601,6 +1605,9 @@ def test_compare_puts_runs_side_by_side_at_equal_compute(trained, tmp_path, monk
     )
     assert result.exit_code == 0, result.output
     assert "stepwise@remaining" in result.output and Image.open(chart).size[0] > 400
+    assert "at equal passes" in result.output
+    bad = CliRunner().invoke(app, ["compare", str(run_dir), "--x", "hours"])
+    assert bad.exit_code != 0 and "one of passes, nfe, seconds" in bad.output
 
 
 def test_evaluate_under_the_shapes_protocol_writes_a_bundle_with_the_same_bytes_each_time(trained, tmp_path):

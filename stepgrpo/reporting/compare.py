@@ -1,7 +1,9 @@
-"""Runs side by side at equal compute: each evaluation's held-out reward against the transformer
-NFEs the run had spent on training before it (`stepgrpo compare RUN...`), read from the stored
-runs alone (evaluation records, stage manifests), so runs of any scheme, tracked anywhere or
-nowhere, compare the same way. The chart colours runs by scheme @ completion."""
+"""Runs side by side at equal compute: each evaluation's held-out reward against the compute the
+run had spent on training before it (`stepgrpo compare RUN...`: forward-equivalent passes by
+default, or NFEs or seconds), read from the stored runs alone (evaluation records, stage
+manifests), so runs of any scheme or objective, tracked anywhere or nowhere, compare the same way.
+`at_equal` reads every run at the largest budget all of them reached. The chart colours runs by
+recipe."""
 
 from __future__ import annotations
 
@@ -36,10 +38,14 @@ def curve(run: Run) -> dict[str, Any]:
         i = None if record["label"] == "base" else int(record["label"].removeprefix("iter_"))
         if i is None or i in spent:
             records.append((record, (0, 0.0, 0) if i is None else spent[i]))
+    base = records[0][0] if records else None
     points = [
-        {"label": r["label"], "nfe": n, "passes": p, "seconds": round(s, 3), "reward_mean": r["reward_mean"]}
+        {
+            "label": r["label"], "nfe": n, "passes": p, "seconds": round(s, 3), "reward_mean": r["reward_mean"],
+            "gain": paired_gain(base, r) if base is not None and r is not base else None,
+        }
         for r, (n, s, p) in records
-    ]
+    ]  # fmt: skip
     gain = paired_gain(records[0][0], records[-1][0]) if len(records) > 1 else None
     return {"run_id": run.run_id, "recipe": recipe, "points": points, "gain": gain}
 
@@ -48,9 +54,37 @@ def compare(runs: Sequence[Run]) -> list[dict[str, Any]]:
     return [curve(run) for run in runs]
 
 
-def chart(curves: list[dict[str, Any]], out: Path, reward: str) -> Path:
-    """The held-out reward against cumulative training NFEs, one line a run labelled by its id, a
-    colour a recipe (runs of one recipe told apart by line style and marker)."""
+AXES = {
+    "passes": "forward-equivalent passes (forwards + 2 per backward row)",
+    "nfe": "transformer NFEs",
+    "seconds": "seconds",
+}
+
+
+def axis_for(curves: list[dict[str, Any]], x: str | None) -> str:
+    """The compute axis: `x`, or passes where every run recorded them (the one unit that compares
+    objectives whose updates differ), else NFEs. `x=passes` on a run stored before backward passes
+    were recorded is refused."""
+    have = all(p["passes"] is not None for c in curves for p in c["points"])
+    if x is None:
+        return "passes" if have else "nfe"
+    if x not in AXES:
+        raise ValueError(f"--x {x!r}: one of {', '.join(AXES)}")
+    if x == "passes" and not have:
+        raise ValueError("--x passes: a run was stored before backward passes were recorded; use --x nfe")
+    return x
+
+
+def at_equal(curves: list[dict[str, Any]], x: str) -> tuple[float, list[dict[str, Any] | None]]:
+    """The largest budget of `x` every run reached (the smallest of their last evaluations'), and each
+    run's last evaluation within it (None where only its base is)."""
+    budget = min(c["points"][-1][x] for c in curves)
+    return budget, [[p for p in c["points"] if p[x] <= budget][-1] for c in curves]
+
+
+def chart(curves: list[dict[str, Any]], out: Path, reward: str, x: str = "nfe") -> Path:
+    """The held-out reward against cumulative training compute `x` (`AXES`), one line a run labelled
+    by its id, a colour a recipe (runs of one recipe told apart by line style and marker)."""
     try:
         import matplotlib
 
@@ -66,17 +100,17 @@ def chart(curves: list[dict[str, Any]], out: Path, reward: str) -> Path:
     nth: dict[str, int] = {}
     for c in curves:  # a colour a recipe; each run of it its own line style and marker, labelled by run id
         i = nth[c["recipe"]] = nth.get(c["recipe"], -1) + 1
-        xs = [p["nfe"] for p in c["points"]]
+        xs = [p[x] for p in c["points"]]
         ys = [p["reward_mean"] for p in c["points"]]
         ax.plot(
             xs, ys, styles[i % len(styles)], marker=markers[i % len(markers)], ms=3, color=colours[c["recipe"]],
             label=f"{c['run_id']} ({c['recipe']})", alpha=0.85,
         )  # fmt: skip
-    ax.set_xlabel("transformer NFEs spent on training (cumulative)")
+    ax.set_xlabel(f"{AXES[x]} spent on training (cumulative)")
     ax.set_ylabel(f"held-out reward ({reward})")
     ax.set_title("held-out reward at equal compute")
     ax.grid(alpha=0.3)
-    ax.legend(title="run (scheme @ completion)", fontsize=7)
+    ax.legend(title="run (recipe)", fontsize=7)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)
