@@ -1194,11 +1194,21 @@ def config_file(path: str | Path) -> Path:
 
 
 def shipped_recipes() -> list[tuple[str, str]]:
-    """The shipped recipes: `(name, the first line of its header comment)`, by name."""
+    """The shipped recipes: `(name, the first sentence of its header comment)`, by name (the
+    sentence whole, over as many comment lines as it takes)."""
     out = []
     for path in sorted(SHIPPED_CONFIGS.glob("*.yaml")):
-        first = next((line for line in path.read_text().splitlines() if line.startswith("#")), "")
-        out.append((path.stem, first.lstrip("# ").strip()))
+        words: list[str] = []
+        for line in path.read_text().splitlines():
+            if not line.startswith("#"):
+                break
+            text = line.lstrip("#").strip()
+            if not text and words:
+                break  # the end of the first paragraph
+            words.append(text)
+        paragraph = " ".join(w for w in words if w)
+        end = paragraph.find(". ")
+        out.append((path.stem, paragraph if end < 0 else paragraph[: end + 1]))
     return out
 
 

@@ -246,6 +246,10 @@ def test_config_list_names_every_shipped_recipe_and_a_checkout_path_points_to_it
     assert listed.exit_code == 0
     for path in SHIPPED_CONFIGS.glob("*.yaml"):
         assert path.stem in listed.output
+    from stepgrpo.config import shipped_recipes
+
+    for name, about in shipped_recipes():  # a whole sentence each, not a line cut mid-sentence
+        assert about.endswith((".", ")")), (name, about)
     monkeypatch.chdir(tmp_path)  # a user's project: no configs/ here
     wrong = runner.invoke(app, ["config", "show", "--config", "configs/shapes_dense.yaml"])
     assert wrong.exit_code == 1 and "`--config shapes_dense`" in wrong.output
