@@ -412,3 +412,18 @@ def test_a_servers_default_body_limit_fits_its_largest_batch():
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.mark.parametrize(
+    "body, says",
+    [("[" * 100_000 + "]" * 100_000, "RecursionError"), ('{"n": ' + "9" * 5000 + "}", "ValueError")],
+)
+def test_an_answer_too_deep_or_too_long_a_number_is_named_with_its_server(body, says):
+    """JSON that Python will not parse (nesting past its recursion limit, an integer past its digit
+    limit): one error naming the server, not a raw traceback."""
+    url, sock, _ = _answering([(200, body)])
+    try:
+        with pytest.raises(StageError, match=f"{re.escape(url)}.*not a reward's JSON \\({says}"):
+            HttpReward(url, "r", "1", retries=0).check()
+    finally:
+        sock.close()

@@ -232,8 +232,9 @@ class HttpReward:
             raise StageError(f"{where} answered {status}: {_error_text(text)}")
         try:
             return json.loads(data)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise RuntimeError(f"{where} answered something that is not JSON ({err})") from None
+        except (ValueError, RecursionError) as err:  # not JSON, an integer past Python's digits, nesting too deep
+            raise StageError(f"{where} answered something that is not a reward's JSON ({type(err).__name__}: "
+                             f"{str(err)[:200]})") from None  # fmt: skip
 
     def _exchange(self, path: str, body: dict[str, Any] | None, limit: int) -> tuple[int, bytes]:
         """The request on httpx: the answer's status and at most `limit` of its bytes (a longer
@@ -361,7 +362,7 @@ def _error_text(text: str) -> str:
     """The server's own error message: `error` (this server) or `detail` (FastAPI's validation)."""
     try:
         answer = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return text[:500]
     if isinstance(answer, dict) and ("error" in answer or "detail" in answer):
         return str(answer.get("error", answer.get("detail")))[:2000]
