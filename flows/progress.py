@@ -15,7 +15,7 @@ from stepgrpo.reporting import report
 from stepgrpo.reporting.card import run_note
 from stepgrpo.reporting.costs import iteration_cost
 from stepgrpo.reporting.live import TrainingView
-from stepgrpo.reporting.metrics import BY_NFE, eval_metrics, iteration_metrics, iteration_row
+from stepgrpo.reporting.metrics import BY_NFE, BY_PASSES, eval_metrics, iteration_metrics, iteration_row
 from stepgrpo.reporting.tracking import comparison_tags, experiment_name, start_tracker
 from stepgrpo.results import (
     CompleteResult,
@@ -166,6 +166,7 @@ class TrainingLog:
         # the same held-out reward with the cumulative training NFEs as its step: MLflow's default
         # x-axis (step) then compares runs of any scheme at equal compute, with no chart settings
         self.tracker.log_by_compute(BY_NFE, ev.reward_mean, self.cost[0], step)
+        self.tracker.log_by_compute(BY_PASSES, ev.reward_mean, self.cost[2], step, unit="passes")  # objectives compare
         with Image.open(self.evaluations[-1]["grid"]) as grid:
             self.tracker.log_image(preview(grid).convert("RGB"), key="eval", step=step)
 

@@ -176,6 +176,11 @@ def test_train_runs_every_stage_and_tracks_it(trained):
     evals = [m.value for m in sorted(client.get_metric_history(mlrun.info.run_id, "eval/mean"), key=lambda m: m.step)]
     by_nfe = sorted((m.step, m.value) for m in client.get_metric_history(mlrun.info.run_id, "heldout/reward_by_nfe"))
     assert by_nfe == [(0, evals[0]), (int(hist["cost/nfe_total"][-1]), evals[-1])]
+    # and with the cumulative passes (forwards + 2 per backward row): the axis objectives compare on
+    by_passes = sorted(
+        (m.step, m.value) for m in client.get_metric_history(mlrun.info.run_id, "heldout/reward_by_passes")
+    )
+    assert by_passes == [(0, evals[0]), (int(hist["cost/passes_total"][-1]), evals[-1])]
     assert mlrun.data.tags["stepgrpo.recipe"].startswith("stepwise@")
     # the run's description at the top of its page: the recipe and the held-out reward, not 84 params
     note = mlrun.data.tags["mlflow.note.content"]
@@ -1539,6 +1544,8 @@ def test_a_run_tracked_with_wandb_logs_its_metrics_by_compute_offline(harness, t
     evals = [e["reward_mean"] for e in out["evaluations"]]
     by_nfe = [(row["heldout/nfe_total"], row["heldout/reward_by_nfe"]) for row in rows]
     assert [r for _, r in by_nfe] == pytest.approx(evals) and by_nfe[0][0] == 0 < by_nfe[1][0]
+    by_passes = [(row["heldout/passes_total"], row["heldout/reward_by_passes"]) for row in rows]
+    assert [r for _, r in by_passes] == pytest.approx(evals) and by_passes[0][0] == 0 < by_passes[1][0]
     from stepgrpo.reporting.costs import iteration_costs
     from stepgrpo.storage.run import Run
 

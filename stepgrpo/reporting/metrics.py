@@ -17,6 +17,7 @@ from stepgrpo.results import (
 )
 
 BY_NFE = "heldout/reward_by_nfe"  # logged at step = cumulative training NFEs (`TrainingLog.evaluation`)
+BY_PASSES = "heldout/reward_by_passes"  # logged at step = cumulative forward-equivalent passes
 
 
 def eval_metrics(ev: EvaluateResult) -> dict[str, float]:

@@ -288,7 +288,7 @@ class Tracker:
             self._logged[key] = {m.step for m in history}
         return self._logged[key]
 
-    def log_by_compute(self, key: str, value: float, compute: float, step: int) -> None:
+    def log_by_compute(self, key: str, value: float, compute: float, step: int, unit: str = "nfe") -> None:
         """`key` against `compute` (cumulative training NFEs): logged at step = int(compute), so
         MLflow's default x-axis (step) compares runs at equal compute with no chart setting."""
         self.log_metrics({key: value}, step=int(compute))

@@ -19,6 +19,7 @@ from typing import Any
 from PIL import Image
 
 COMPUTE_AXIS = "heldout/nfe_total"  # the x-axis of the by-compute series (`log_by_compute`)
+AXES = {"nfe": COMPUTE_AXIS, "passes": "heldout/passes_total"}  # each compute unit's x-axis
 
 
 def labels(tags: Mapping[str, str]) -> list[str]:
@@ -65,7 +66,8 @@ class WandbTracker:
             config={k: str(v) for k, v in (tags or {}).items()} | {"run_dir": str(run_dir)},
             settings=wandb.Settings(silent=True, console="off"),
         )
-        run.define_metric(COMPUTE_AXIS)
+        for axis in AXES.values():
+            run.define_metric(axis)
         return cls(run, resumed=bool(run.resumed))
 
     def __enter__(self) -> WandbTracker:
@@ -91,10 +93,10 @@ class WandbTracker:
             self.run.log(rows, step=step)
             self._next = step
 
-    def log_by_compute(self, key: str, value: float, compute: float, step: int) -> None:
-        """`key` plotted against `compute` (cumulative training NFEs) as its own x-axis."""
-        self.run.define_metric(key, step_metric=COMPUTE_AXIS)
-        self.log_metrics({key: value, COMPUTE_AXIS: compute}, step)
+    def log_by_compute(self, key: str, value: float, compute: float, step: int, unit: str = "nfe") -> None:
+        """`key` plotted against `compute` (cumulative training NFEs, or passes) as its own x-axis."""
+        self.run.define_metric(key, step_metric=AXES[unit])
+        self.log_metrics({key: value, AXES[unit]: compute}, step)
 
     def log_image(self, image: Image.Image, key: str, step: int) -> None:
         import wandb
