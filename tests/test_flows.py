@@ -1638,6 +1638,8 @@ def test_evaluate_under_the_shapes_protocol_writes_a_bundle_with_the_same_bytes_
     report = out["report"]
     assert report["prompts"] == 126 and report["pairs"] == 252 and report["samples_per_prompt"] == {"2": 126}
     assert report["protocol"]["name"] == "shapes" and "sha256" in report["seeds_rule"]
+    shared = (bundle / "config.json").read_text()  # no path of this machine in evidence one shares
+    assert str(Path(trained["model_path"]).parent) not in shared and str(tmp_path) not in shared
     env = json.loads((bundle / "environment.json").read_text())
     assert {"stepgrpo", "packages", "device", "wall_seconds"} <= set(env) and env["packages"]["torch"]
     rows = [json.loads(line) for line in (bundle / "samples.jsonl").read_text().splitlines()]

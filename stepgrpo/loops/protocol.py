@@ -156,11 +156,14 @@ def environment(cfg: Config, seconds: float) -> dict[str, Any]:
 def bundle_files(
     report: dict[str, Any], rows: list[dict[str, Any]], images: dict[str, bytes], cfg: Config, env: dict[str, Any]
 ) -> dict[str, bytes]:
-    """The bundle's files (`stepgrpo.storage.bundle.write_bundle` adds the checksum list)."""
+    """The bundle's files (`stepgrpo.storage.bundle.write_bundle` adds the checksum list); the config
+    as the model card publishes it (`portable`: no path of this machine in evidence one shares)."""
+    from stepgrpo.reporting.card import portable
+
     return {
         "report.json": (json.dumps(report, indent=1, sort_keys=True) + "\n").encode(),
         "samples.jsonl": "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows).encode(),
-        "config.json": (cfg.model_dump_json(indent=1) + "\n").encode(),
+        "config.json": (json.dumps(portable(cfg), indent=1) + "\n").encode(),
         "environment.json": (json.dumps(env, indent=1, sort_keys=True) + "\n").encode(),
         **images,
     }
