@@ -104,7 +104,13 @@ def protocol_bundle(
             "protocol": p.name,
             "overrides": list(overrides),
         }
-        return final, bundle_report(final, expected)
+        report = bundle_report(final, expected)
+        if images and not (final / "images").is_dir():
+            raise StageError(
+                f"the evidence bundle {final} was made without its images: move it aside and evaluate again with "
+                "--images (a bundle is never changed in place)"
+            )
+        return final, report
     if final.exists():
         raise StageError(
             f"{final} is in the way of the evidence bundle (not a folder): move it aside and evaluate again"

@@ -1673,6 +1673,8 @@ def test_evaluate_under_the_shapes_protocol_writes_a_bundle_with_the_same_bytes_
     # checkpoint; evaluate refuses it naming what differs, and the card leaves it out
     from stepgrpo.storage.bundle import CHECKSUMS, write_bundle
 
+    with pytest.raises(Exception, match="made without its images"):  # --images never returns it silently
+        evaluate_protocol(run=str(copy), protocol="shapes", iteration=-1, images=True)
     shutil.move(bundle, tmp_path / "second")
     files = {p.relative_to(tmp_path / "second").as_posix(): p.read_bytes() for p in (tmp_path / "second").rglob("*")
              if p.is_file() and p.name != CHECKSUMS}  # fmt: skip
