@@ -181,14 +181,18 @@ def evaluate_protocol(
     """`run`'s policy after `iteration` under a paper's evaluation protocol (`stepgrpo.prompts.protocols`):
     `{"bundle": its evidence folder, "report": the numbers}`. The protocol's prompt file is checked
     (pinned: cached and matching its hash) before any server starts or model loads."""
-    from stepgrpo.checks import check_checkpoint, check_run
+    from stepgrpo.checks import check_checkpoint, check_reward_weights, check_run
     from stepgrpo.prompts import find_prompt_file
     from stepgrpo.prompts.protocols import protocol as named
+    from stepgrpo.storage.run import Run
 
     p = named(protocol)
     if p.prompts != "shapes":
         find_prompt_file(p.prompts)  # a missing or mismatched pinned file: one line, now
     path = check_run(str(run), overrides=list(overrides))
+    reward = Run.open(path).config.get("reward") or {}  # the scorer's weights, as the evaluation will load them
+    options = dict(reward.get("options") or {}) if reward.get("name") == p.reward else {}
+    check_reward_weights(p.reward, options, where=f"protocol {p.name}'s scorer")
     check_checkpoint(path, iteration)
     with session.offline_log(path), session.prefect_server(heartbeats=False):
         from stepgrpo.flows.evaluate import evaluate_protocol as flow

@@ -161,8 +161,11 @@ def check_config(cfg: Config, calibrated: bool = False) -> None:
         from stepgrpo.prompts import find_prompt_file
         from stepgrpo.prompts.protocols import protocol
 
-        if (source := protocol(cfg.run.eval_protocol).prompts) != "shapes":
-            find_prompt_file(source)
+        p = protocol(cfg.run.eval_protocol)
+        if p.prompts != "shapes":
+            find_prompt_file(p.prompts)
+        options = dict(cfg.reward.options) if cfg.reward.name == p.reward else {}
+        check_reward_weights(p.reward, options, where=f"run.eval_protocol {p.name}'s scorer")
     if not prompts.ids("train"):
         raise StageError(
             f"run.prompts {cfg.run.prompts!r} holds no prompt: one prompt a line (.txt), "

@@ -166,6 +166,16 @@ def test_run_eval_protocol_names_a_protocol_and_its_file_is_checked_before_train
     cfg = load_config(None, ["run.eval_protocol=pickscore"])
     with pytest.raises(StageError, match="stepgrpo prompts fetch pickscore"):
         check_config(cfg)
+    # its prompt file present, its scorer's weights not to be had (offline): refused now, naming them
+    import huggingface_hub
+
+    from stepgrpo import prompts
+
+    monkeypatch.setattr(prompts, "find_prompt_file", lambda source: None)
+    monkeypatch.setattr(huggingface_hub, "is_offline_mode", lambda: True)
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *a, **k: None, raising=False)
+    with pytest.raises(StageError, match="run.eval_protocol pickscore's scorer pickscore"):
+        check_config(cfg)
 
 
 def test_a_bundle_goes_to_wandb_as_an_artifact(tmp_path, monkeypatch):
