@@ -140,6 +140,8 @@ GRPO: dict[str, tuple[str, list[str], list[Path]]] = {
 }
 # the GRPO recipes read at equal compute (their passes as run, or rebuilt: `grpo_passes`)
 AT_EQUAL_COMPUTE = ("outcome_w3", "outcome_w3_k4")
+# the recipes as their authors run them against the decision's records (the rule: "the departures")
+DEPARTURES = [("nft_authors", "nft"), ("awm_authors", "awm")]
 # the objectives read against each other at equal passes (the first read at its evaluations, the
 # second at its evaluation nearest in passes): the pick between them rests on these
 BETWEEN = [
@@ -381,7 +383,7 @@ def analyse(s: Screen, seeds: int = 6) -> dict[str, Any]:
     names = [*ARMS, *PROBES, *GRPO]
     rec = {(arm, k): r for arm in names for k in range(seeds) if (r := load(s, arm, k))}
     out: dict[str, Any] = {"iterations": N, "arms": {}, "probes": {}, "equal_trajectories": {}}
-    out |= {"equal_compute": {}, "equal_compute_net": {}, "between": {}, "credit": {}, "speed": {}}
+    out |= {"equal_compute": {}, "equal_compute_net": {}, "between": {}, "departures": {}, "credit": {}, "speed": {}}
     for arm in [*ARMS, *PROBES]:
         mine = {k: r for (a, k), r in rec.items() if a == arm}
         if not mine:
@@ -428,6 +430,11 @@ def analyse(s: Screen, seeds: int = 6) -> dict[str, Any]:
     for arm, ref in BETWEEN:
         if v := at_equal_compute(rec, arm, ref, seeds, s.eval_every, N, every_seed=False):
             out["between"][f"{arm} - {ref}"] = v
+    for arm, ref in DEPARTURES:  # the authors' ways against the decision's records, same seeds and trajectories
+        rows = {k: c for k in range(seeds) if (arm, k) in rec and (ref, k) in rec
+                if (c := contrast(rec[arm, k], N, rec[ref, k], N))}  # fmt: skip
+        if rows:
+            out["departures"][f"{arm} - {ref}"] = pooled(rows)
     for name, obj, arm in (
         ("nft", "nft", "nft_dense_rollout"),
         ("awm", "awm", "awm_dense_rollout"),
@@ -520,6 +527,8 @@ def summary_md(a: dict[str, Any]) -> str:
     for k, v in a["between"].items():
         at = ", ".join(str(i) for i, _ in v["outcome_read_at"])
         lines.append(f"- {k}, the first at {v['at']} iterations (the second at {at}): {fmt(v)}")
+    lines += ["", "#### The authors' ways against the decision's records (equal trajectories, same seeds)", ""]
+    lines += [f"- {k}: {fmt(v)}" for k, v in a["departures"].items()]
     lines += ["", "#### Step credit inside the objective ((objective + dense@rollout) - objective; last: stepwise)", ""]
     for k, v in a["credit"].items():
         lines.append(f"- {k}: {fmt(v)}; helps: {'yes' if v['helps'] else 'not shown'}")
