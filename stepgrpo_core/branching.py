@@ -78,11 +78,7 @@ def branched_rollout(
     if bool((branch < 0).any()) or bool((branch >= T).any()):
         raise ValueError(f"branch steps {branch.tolist()} must lie in [0, T) = [0, {T})")
     per_step = bool(KERNELS.facts(kernel)["per_step"])
-    B = P * G
-    states = torch.empty((B, T + 1, *x0.shape[1:]), dtype=x0.dtype, device=x0.device)
-    velocities = torch.empty((B, T, *x0.shape[1:]), dtype=x0.dtype, device=x0.device)
-    log_probs = torch.full((B, T), float("nan"), device=x0.device)
-    stds = torch.zeros(B, T, device=x0.device)
+    states, velocities, log_probs, stds = _blank(x0, P * G, T)
     nfe = 0
     for b in sorted(set(branch.tolist())):
         groups = torch.nonzero(branch == b).reshape(-1)
@@ -110,6 +106,18 @@ def branched_rollout(
         stds[rows, b:] = branched.stds
         nfe += branched.nfe
     return Rollout(states, log_probs, stds, nfe, velocities)
+
+
+def _blank(x0: torch.Tensor, B: int, T: int) -> tuple[torch.Tensor, ...]:
+    """A branched rollout's outputs before they are filled: states `[B, T+1, ...]` and velocities
+    `[B, T, ...]` (dtype of `x0`), log-probs NaN and stds 0 `[B, T]` (no density until a branch step)."""
+    shape = x0.shape[1:]
+    return (
+        torch.empty((B, T + 1, *shape), dtype=x0.dtype, device=x0.device),
+        torch.empty((B, T, *shape), dtype=x0.dtype, device=x0.device),
+        torch.full((B, T), float("nan"), device=x0.device),
+        torch.zeros(B, T, device=x0.device),
+    )
 
 
 def draw_branch_steps(window: tuple[int, int], groups: int, generator: torch.Generator) -> torch.Tensor:
@@ -155,11 +163,7 @@ def tree_rollout(
     for f in factors:
         G *= f
     per_step = bool(KERNELS.facts(kernel)["per_step"])
-    B = P * G
-    states = torch.empty((B, T + 1, *x0.shape[1:]), dtype=x0.dtype, device=x0.device)
-    velocities = torch.empty((B, T, *x0.shape[1:]), dtype=x0.dtype, device=x0.device)
-    log_probs = torch.full((B, T), float("nan"), device=x0.device)
-    stds = torch.zeros(B, T, device=x0.device)
+    states, velocities, log_probs, stds = _blank(x0, P * G, T)
     leaves = G  # leaves under each current node
     nodes = torch.arange(P) * G  # the first leaf of each current node
     x, k, nfe = x0, 0, 0
