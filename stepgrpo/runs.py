@@ -232,6 +232,14 @@ def check_length(cfg: Config, run: Run) -> None:
     """A run is extended by a larger `run.iterations`, never shortened: its export is the weights of
     its last iteration, which a shorter resume would overwrite with an earlier one's."""
     trained = run.iterations("checkpoint")
+    gaps = sorted(set(range(max(trained, default=-1) + 1)) - set(trained))
+    if gaps and max(trained) >= cfg.run.iterations:  # a checkpoint past a gap: not this run's own sequence
+        stray = [i for i in trained if i > gaps[0]]
+        raise StageError(
+            f"run {run.run_id} holds checkpoints {stray} after the missing iteration {gaps[0]}: they are not this "
+            f"run's (a copy or a stray folder); move checkpoints/iter_{stray[0]} and the others aside, then resume "
+            "with the same command (`stepgrpo inspect RUN --verify` names what is damaged)"
+        )
     if trained and cfg.run.iterations < max(trained) + 1:
         raise StageError(
             f"run.iterations={cfg.run.iterations} is fewer than the {max(trained) + 1} iterations run {run.run_id} "

@@ -468,3 +468,20 @@ def test_a_run_id_naming_a_file_is_refused_in_its_own_words(here):
     result = invoke("train", "--set", "run.runs_root=runs", "--run-id", "x")
     assert result.exit_code == 1 and "--run-id x" in result.output and "--run-dir" not in result.output
     assert (here / "runs" / "x").read_text() == "not a run"
+
+
+def test_a_stray_checkpoint_past_a_gap_is_named_not_read_as_a_longer_run():
+    """A 2-iteration run with checkpoints 0 and 7 (a copied folder): the resume names the stray one
+    and the fix, instead of asking for more iterations."""
+    from stepgrpo.config import load_config
+    from stepgrpo.errors import StageError
+    from stepgrpo.runs import check_length
+
+    class Stored:
+        run_id = "r"
+
+        def iterations(self, stage):
+            return [0, 7]
+
+    with pytest.raises(StageError, match=r"checkpoints \[7\] after the missing iteration 1.*move checkpoints/iter_7"):
+        check_length(load_config(None, ["run.iterations=2"]), Stored())
