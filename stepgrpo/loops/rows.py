@@ -198,8 +198,8 @@ class Noised:
         # the units that share a draw: each sample, or each group (its members share times and noise)
         if self.whole_groups:
             gids = self.batch.group_ids[part]
-            order = list(dict.fromkeys(gids.tolist()))
-            unit = torch.tensor([order.index(g) for g in gids.tolist()])
+            position = {g: i for i, g in enumerate(dict.fromkeys(gids.tolist()))}  # each group's unit, in order
+            unit = torch.tensor([position[g] for g in gids.tolist()])
         else:
             unit = torch.arange(len(part))
         n_units = int(unit.max()) + 1 if len(unit) else 0
