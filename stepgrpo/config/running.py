@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from stepgrpo.config._section import Section
 
@@ -145,6 +145,29 @@ class ScaleConfig(Section):
     update_gpus: float | None = Field(None, ge=0)
     """With `ray`: Ray GPUs each update rank holds for the run; None: 1 with `model.device: cuda`,
     else 0. Below 1 (and `gpus_per_shard` below 1) a rank and a shard share a GPU."""
+    update_sharding: Literal["none", "fsdp"] = "none"
+    """`none`: every update rank holds the whole policy and its AdamW state, and one all-reduce a
+    step sums the gradients (enough for LoRA). `fsdp`: the trained transformer (and a full
+    fine-tune's reference copy) sharded over the `update_processes` ranks with PyTorch's FSDP2, per
+    block: each rank holds 1 / world of the weights, gradients and AdamW moments (full fine-tuning
+    past one GPU's memory; docs/SCALING.md, "Sharded update"). The checkpoints are the same whole
+    safetensors either way, so a run resumes with either setting and any number of ranks."""
+    update_offload: bool = False
+    """With `update_sharding: fsdp` on GPUs: keep the shards and AdamW's state in host memory (FSDP2's
+    CPU offload; AdamW then steps on the CPU); slower, for a model whose shards do not fit."""
+
+    @model_validator(mode="after")
+    def _sharding(self) -> ScaleConfig:
+        if self.update_sharding == "fsdp" and self.update_processes < 2:
+            raise ValueError(
+                "scale.update_sharding: fsdp shards the update over its ranks, and scale.update_processes is 1: "
+                "set scale.update_processes to 2 or more (or leave update_sharding at none)"
+            )
+        if self.update_offload and self.update_sharding != "fsdp":
+            raise ValueError(
+                "scale.update_offload keeps a sharded update's shards in host memory: set scale.update_sharding: fsdp"
+            )
+        return self
 
 
 class TrackingConfig(Section):

@@ -46,6 +46,15 @@ class Config(Section):
     """Where the training run's metrics, images and LoRA are tracked: MLflow or W&B."""
 
     @model_validator(mode="after")
+    def _offload_from_a_gpu(self) -> Config:
+        if self.scale.update_offload and not self.model.device.startswith("cuda"):
+            raise ValueError(
+                f"scale.update_offload moves a sharded update's shards from GPU to host memory, and model.device is "
+                f"{self.model.device!r}: they are in host memory already (leave update_offload false)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _steps_in_grid(self) -> Config:
         from stepgrpo_core.completions import COMPLETIONS
         from stepgrpo_core.credit import SCHEMES

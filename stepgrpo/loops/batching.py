@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from stepgrpo.policy.shards import local_shard
+
 if TYPE_CHECKING:
     from stepgrpo.policy import Policy
 
@@ -88,6 +90,22 @@ class DataParallel:
             p.grad = total[offset : offset + n].view_as(p).to(p.dtype)
             offset += n
 
+    def even(self, cells: list[Any], filler: Any) -> list[Any]:
+        """`cells` as they are: the ranks' passes need not match (only the sharded update's do)."""
+        return cells
+
+    def norm(self, v: torch.Tensor) -> float:
+        """The norm of `v`, a vector every rank holds whole."""
+        return float(v.norm())
+
+    def gradient(self, params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
+        """This rank's gradient as one fp32 vector (summed across ranks by `across`)."""
+        return flat_params(params, grad=True)
+
+    def across(self, vectors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each of the ranks' vectors (e.g. half-gradients) summed across the ranks: one all-reduce."""
+        return list(self.sum(torch.stack(vectors)))
+
     def extreme(self, value: float, which: str) -> float:
         import torch.distributed as dist
 
@@ -128,9 +146,12 @@ def update_velocity(pol: Policy, detach_uncond: bool):
 
 
 def flat_params(params: Sequence[torch.nn.Parameter], grad: bool) -> torch.Tensor:
-    """The parameters (or their gradients; zeros where none) as one fp32 vector."""
+    """The parameters (or their gradients; zeros where none) as one fp32 vector: of a sharded
+    update (`stepgrpo.loops.sharding`), this rank's shards of them."""
     parts = []
     for p in params:
         t = p.grad if grad else p.detach()
-        parts.append(torch.zeros(p.numel(), device=p.device) if t is None else t.detach().reshape(-1).float())
+        if t is None:
+            t = torch.zeros(local_shard(p).numel(), device=local_shard(p).device)
+        parts.append(local_shard(t).detach().reshape(-1).float())
     return torch.cat(parts) if parts else torch.zeros(0)

@@ -47,6 +47,7 @@ class Cell:
     idx: torch.Tensor  # [n] long: trajectories of the batch
     col: int  # the trained step k (transitions), or the column of the part's grid times (noised)
     weight: float  # the cell's share of the part's mean loss
+    filler: bool = False  # a sharded update's pass of weight 0, keeping the ranks' passes equal
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,11 @@ class Transitions:
             ]
             yield Block(k, cells)
 
+    def filler(self, part: torch.Tensor, block: Block) -> Cell:
+        """A cell of weight 0 at the block's step (a sharded update's rank with fewer cells runs it)."""
+        k = int(block.key)  # type: ignore[arg-type]
+        return Cell(part[self.has[part, k]][:1], k, 0.0, filler=True)
+
     def loss(self, cell: Cell) -> Any:
         b, idx, k = self.batch, cell.idx, cell.col
         return _step_loss(
@@ -211,6 +217,10 @@ class Noised:
         self.where = {int(r): j for j, r in enumerate(part.tolist())}
         cells = [Cell(idx, col, len(idx) / (len(part) * m)) for mine in batches for idx in mine for col in range(m)]
         yield Block(None, [cells])
+
+    def filler(self, part: torch.Tensor, block: Block) -> Cell:
+        """A cell of weight 0 (a sharded update's rank with fewer cells runs it): the part's first sample."""
+        return Cell(part[:1], 0, 0.0, filler=True)
 
     def loss(self, cell: Cell) -> Any:
         b, idx, col = self.batch, cell.idx, cell.col

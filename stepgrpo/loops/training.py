@@ -29,6 +29,7 @@ from stepgrpo.loops.batching import (  # noqa: F401  (the update's API, as it wa
     micro_batches,
     update_velocity,
 )
+from stepgrpo.policy.shards import local_shard
 
 # torch's AdamW keeps per-parameter tensors under these names (plus "step").
 ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
@@ -50,6 +51,8 @@ def optimizer_tensors(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     out = {}
     for idx, state in opt.state_dict()["state"].items():
         for name, value in state.items():
+            if hasattr(value, "full_tensor"):  # a sharded update's moment: made whole (every rank calls this)
+                value = value.full_tensor().cpu()
             out[f"{idx}.{name}"] = torch.as_tensor(value).detach().clone()
     return out
 
@@ -59,6 +62,15 @@ def load_optimizer_tensors(opt: torch.optim.Optimizer, tensors: Mapping[str, tor
     for key, value in tensors.items():
         idx, name = key.split(".", 1)
         state.setdefault(int(idx), {})[name] = value.clone()
+    params = [p for group in opt.param_groups for p in group["params"]]
+    for idx, moments in state.items():  # a sharded update's moments: this rank's shards of the whole ones
+        p = params[idx]
+        if hasattr(p, "device_mesh"):
+            from torch.distributed.tensor import distribute_tensor
+
+            for name, value in moments.items():
+                if value.shape == p.shape and value.dim():
+                    moments[name] = distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)
     sd = opt.state_dict()
     sd["state"] = state
     opt.load_state_dict(sd)
@@ -122,7 +134,9 @@ def update(
     rows_of = ROWS[u["rows"]](pol, cfg, batch, companion, u["keep_zero"])
     rows = rows_of.trained()
     trained = pol.trainable_parameters()
-    named = {n: p for n, p in pol.transformer.named_parameters() if p.requires_grad}
+    # by name, what the EMA and the companion follow: a sharded update's local shards
+    named = {n: local_shard(p) for n, p in pol.transformer.named_parameters() if p.requires_grad}
+    norm = parallel.norm if parallel else (lambda v: float(v.norm()))
     before = flat_params(trained, grad=False)
     diag = Diagnostics(rows_of.steps) if rows_of.signal_check else RowStats()
     decay = float("nan")
@@ -138,6 +152,8 @@ def update(
             for block in rows_of.blocks(part, batches, generator):
                 accumulated = []  # after each half (the signal check)
                 for cells in block.halves:
+                    if parallel:  # a sharded update's ranks run equal passes (filler cells weigh 0)
+                        cells = parallel.even(cells, lambda: rows_of.filler(part, block))
                     for cell in cells:
                         out = rows_of.loss(cell)
                         if not bool(torch.isfinite(out.loss)):
@@ -147,21 +163,23 @@ def update(
                             )
                         # the mean over the part's rows, whatever the micro-batches
                         (out.loss * cell.weight).backward()
+                        if cell.filler:
+                            continue
                         diag.backward_rows += len(cell.idx)
                         diag.add_loss(cell.col, first, len(cell.idx), out, part=len(diag.grad_norms))
                     if check:
-                        accumulated.append(flat_params(trained, grad=True))
+                        accumulated.append(parallel.gradient(trained) if parallel else flat_params(trained, grad=True))
                 if accumulated and parallel:  # one sum a step, after both halves: the ranks wait once, for equal work
-                    accumulated = list(parallel.sum(torch.stack(accumulated)))
+                    accumulated = parallel.across(accumulated)
                 for total in accumulated:
                     diag.add_half(total)
                 diag.end_step(block.key)
             if parallel:
                 parallel.sum_grads(trained)
-            diag.grad_norms.append(float(torch.nn.utils.clip_grad_norm_(trained, o.max_grad_norm)))
+            diag.grad_norms.append(float(local_shard(torch.nn.utils.clip_grad_norm_(trained, o.max_grad_norm))))
             step_start = flat_params(trained, grad=False)
             opt.step()
-            diag.update_norms.append(float((flat_params(trained, grad=False) - step_start).norm()))
+            diag.update_norms.append(norm(flat_params(trained, grad=False) - step_start))
             if ema is not None and o.ema_decay is not None:
                 ema_update(ema, named, o.ema_decay)
             if companion is not None and u["companion_moves"] == "step":
@@ -169,9 +187,9 @@ def update(
     if companion is not None and u["companion_moves"] == "iteration" and diag.grad_norms:
         decay = companion_update(companion, named, adam_steps(opt), float(u["rate"]), float(u["cap"]))
     after = flat_params(trained, grad=False)
-    diag.iteration_norm = float((after - before).norm())
+    diag.iteration_norm = norm(after - before)
     if initial is not None:
-        diag.lora_distance = float((after - torch.cat([initial[n].reshape(-1).to(after) for n in named])).norm())
+        diag.lora_distance = norm(after - torch.cat([initial[n].reshape(-1).to(after) for n in named]))
     diag.trained_trajectories = len(rows)
     if parallel:
         diag.gather(parallel)

@@ -43,7 +43,7 @@ import torch
 
 from stepgrpo.config import Config, validate_config
 from stepgrpo.errors import StageError
-from stepgrpo.loops import training, workspace
+from stepgrpo.loops import sharding, training, workspace
 from stepgrpo.loops.sampling import encode, generator, stored_noise
 from stepgrpo.prompts import stored_prompts
 from stepgrpo.runtime import parallel as ranks
@@ -65,6 +65,12 @@ def train(
     data-parallel update publishes; every rank computes the same weights)."""
     t0 = time.perf_counter()
     pol = workspace.policy(cfg)
+    sharded = isinstance(parallel, sharding.Sharded)
+    if sharded:
+        sharding.shard_policy(pol, cfg, parallel.world)
+    params = {n: p for n, p in pol.transformer.named_parameters() if p.requires_grad}
+    # a sharded update's EMA, companion and initial weights are this rank's shards of them
+    cut = functools.partial(sharding.shards, params=params) if sharded else dict
     nfe0 = pol.nfe
     opt = training.make_optimizer(pol.trainable_parameters(), cfg, iteration)
     ema, signal, prev = None, {}, None
@@ -74,7 +80,7 @@ def train(
         prev = run.checkpoints.load_checkpoint(iteration - 1)
         workspace.set_lora(pol, prev.tensors[workspace.trained_group(cfg)])
         training.load_optimizer_tensors(opt, prev.tensors.get("optimizer", {}))
-        ema = prev.tensors.get("ema")
+        ema = cut(prev.tensors["ema"]) if "ema" in prev.tensors else None
         signal = dict(prev.tensors.get("signal", {}))
     if cfg.optim.ema_decay is not None and ema is None:
         ema = workspace.lora_state(pol)
@@ -96,7 +102,7 @@ def train(
     companion = None
     if group is not None:  # the objective's second adapter: the previous checkpoint's, the start's at 0
         companion = dict(prev.tensors[group]) if prev is not None else workspace.initial_lora(cfg)
-        companion = {n: w.detach().clone() for n, w in companion.items()}
+        companion = {n: w.detach().clone() for n, w in cut(companion).items()}
     summary = training.update(
         pol,
         opt,
@@ -105,11 +111,24 @@ def train(
         shuffle,
         companion,
         ema=ema,
-        initial=workspace.initial_lora(cfg),
+        initial=cut(workspace.initial_lora(cfg)),
         signal=signal if cfg.optim.diagnostics else None,
         parallel=parallel,
     )
     backward = int(summary.pop("backward_rows"))
+    # whole tensors, as an unsharded update holds them (a sharded one gathers its shards: every rank)
+    join = functools.partial(sharding.gathered, params=params) if sharded else dict
+    tensors = {
+        workspace.trained_group(cfg): join(workspace.lora_state(pol)),
+        "optimizer": training.optimizer_tensors(opt),
+        "rng": {"update": shuffle.get_state()},  # the update's only random source, after it
+    }
+    if ema is not None:
+        tensors["ema"] = join(ema)
+    if signal:
+        tensors["signal"] = signal
+    if group is not None and companion is not None:
+        tensors[group] = join(companion)
     if parallel is not None:
         import torch.distributed as dist
 
@@ -118,17 +137,6 @@ def train(
         dist.all_gather_object(ranks_seen, workspace.worker())  # who computed it, and what each has loaded
         if parallel.rank != 0:
             return
-    tensors = {
-        workspace.trained_group(cfg): workspace.lora_state(pol),
-        "optimizer": training.optimizer_tensors(opt),
-        "rng": {"update": shuffle.get_state()},  # the update's only random source, after it
-    }
-    if ema is not None:
-        tensors["ema"] = ema
-    if signal:
-        tensors["signal"] = signal
-    if group is not None and companion is not None:
-        tensors[group] = companion
     if parallel is None:
         maybe_fail("update", iteration)  # tests: killed after the update, before it is published
     # nfe: the update's transformer forwards (rows); backward: rows through a backward pass (a
@@ -136,6 +144,8 @@ def train(
     inputs = {"key": key, "seconds": time.perf_counter() - t0, "nfe": pol.nfe - nfe0, "backward": backward}
     if parallel is not None:
         inputs["processes"] = parallel.world
+        if sharded:
+            inputs["sharding"] = "fsdp"
         inputs["ranks"] = ranks_seen
     # timings and counters go in the manifest, not the digested files: equal inputs, equal checkpoint bytes
     run.checkpoints.save_checkpoint(iteration, tensors, training.checkpoint_state(iteration, summary), inputs=inputs)
@@ -235,7 +245,13 @@ class Rank:
         if backend is None:  # the ranks of one node (RankPool)
             backend = group_backend(gpu, torch.cuda.device_count() / world if gpu else 0.0)
         self.cfg, self.rank, self.world, self.pinned, self.backend = cfg, rank, world, False, backend
-        self.parallel = training.DataParallel(rank, world, cfg.model.device if backend == "nccl" else "cpu")
+        if cfg.scale.update_sharding == "fsdp" and gpu and backend != "nccl":
+            raise StageError(
+                f"scale.update_sharding: fsdp needs a GPU for each of its {world} ranks (NCCL), and this node has "
+                f"{torch.cuda.device_count()}: set scale.update_processes to at most the GPUs, or update_sharding: none"
+            )
+        kind = sharding.Sharded if cfg.scale.update_sharding == "fsdp" else training.DataParallel
+        self.parallel = kind(rank, world, cfg.model.device if backend == "nccl" else "cpu")
 
     def __call__(self, command: dict[str, Any]) -> dict[str, Any]:
         import torch.distributed as dist

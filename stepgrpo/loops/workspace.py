@@ -24,6 +24,7 @@ import torch
 
 from stepgrpo.config import Config, ModelConfig, RewardConfig, digest_of
 from stepgrpo.paths import SHIPPED_ROOT
+from stepgrpo.policy.shards import copy_into, local_shard
 
 if TYPE_CHECKING:
     from stepgrpo.policy import Policy
@@ -167,12 +168,13 @@ def initial_lora(cfg: Config) -> dict[str, torch.Tensor]:
 
 
 def lora_state(pol: Policy) -> dict[str, torch.Tensor]:
-    """Trainable weights (the LoRA's, or all with full fine-tuning) by parameter name, detached copies."""
-    return {n: p.detach().clone() for n, p in pol.transformer.named_parameters() if p.requires_grad}
+    """Trainable weights (the LoRA's, or all with full fine-tuning) by parameter name, detached copies
+    (of a sharded update's policy: this rank's shards, `stepgrpo.loops.sharding`)."""
+    return {n: local_shard(p).detach().clone() for n, p in pol.transformer.named_parameters() if p.requires_grad}
 
 
 def set_lora(pol: Policy, weights: dict[str, torch.Tensor]) -> None:
-    """Copy `weights` (from `lora_state`) into the policy's adapter."""
+    """Copy `weights` (from `lora_state`, or whole tensors from a checkpoint) into the policy's adapter."""
     params = {n: p for n, p in pol.transformer.named_parameters() if p.requires_grad}
     if set(params) != set(weights):
         missing = sorted(set(params) - set(weights))[:3]
@@ -181,7 +183,7 @@ def set_lora(pol: Policy, weights: dict[str, torch.Tensor]) -> None:
         )
     with torch.no_grad():
         for n, p in params.items():
-            p.copy_(weights[n].to(p.device, p.dtype))
+            copy_into(p, weights[n])
 
 
 _decoders: dict[str, Any] = {}

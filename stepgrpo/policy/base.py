@@ -26,6 +26,7 @@ from stepgrpo.paths import SHIPPED_MODEL, SHIPPED_ROOT
 from stepgrpo.policy import lora as lora_lib
 from stepgrpo.policy.devices import resolve_device, resolve_dtype
 from stepgrpo.policy.lora import LoraSpec
+from stepgrpo.policy.shards import copy_into
 
 DEFAULT_MODEL = SHIPPED_ROOT / SHIPPED_MODEL
 DEFAULT_MAX_BATCH = 64
@@ -370,7 +371,7 @@ class TransformerPolicy:
             raise ValueError("set_reference is for a fully fine-tuned policy; a LoRA's reference is its base model")
         with torch.no_grad():
             for name, p in self._reference.named_parameters():
-                p.copy_(weights[name].to(p.dtype))
+                copy_into(p, weights[name])  # whole, or a sharded update's shard
 
     @contextlib.contextmanager
     def detached_uncond(self, enabled: bool = True) -> Iterator[Self]:
