@@ -212,6 +212,34 @@ def check_scale(cfg: Config) -> None:
             f"scale.update_processes={cfg.scale.update_processes} exceeds the trajectories of an iteration: "
             "each process needs at least one"
         )
+    check_memory(cfg)
+
+
+def check_memory(cfg: Config, capacity: int | None = None) -> None:
+    """On a GPU, the update's states (`stepgrpo.runtime.memory`) must fit in its memory (`capacity`
+    bytes; None: the device's as torch reports it). A hub id that is not local is not fetched for this."""
+    if not cfg.model.device.startswith("cuda"):
+        return
+    from stepgrpo.loops.workspace import resolve_model_path
+    from stepgrpo.runtime import memory
+
+    if capacity is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            return
+        capacity = torch.cuda.get_device_properties(torch.device(cfg.model.device)).total_memory
+    try:
+        root = Path(resolve_model_path(cfg.model.path))
+    except Exception:  # noqa: BLE001  (check_model names a missing model)
+        return
+    counts = memory.model_counts(root, cfg.model.lora_rank, tuple(cfg.model.lora_targets)) if root.is_dir() else None
+    if counts is None:
+        return
+    try:
+        memory.check_fits(cfg, counts, capacity)
+    except ValueError as err:
+        raise StageError(str(err)) from None
 
 
 def check_calibrated(cfg: Config) -> None:

@@ -94,9 +94,13 @@ class DataParallel:
         """`cells` as they are: the ranks' passes need not match (only the sharded update's do)."""
         return cells
 
-    def norm(self, v: torch.Tensor) -> float:
-        """The norm of `v`, a vector every rank holds whole."""
-        return float(v.norm())
+    def total(self, value: float) -> float:
+        """A sum over the whole weights, from this rank's part of it: every rank holds them whole."""
+        return value
+
+    def dot(self, a: torch.Tensor, b: torch.Tensor) -> float:
+        """The dot product of two vectors every rank holds whole (in float64)."""
+        return float(a.double() @ b.double())
 
     def gradient(self, params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
         """This rank's gradient as one fp32 vector (summed across ranks by `across`)."""

@@ -23,15 +23,14 @@ dtype. `scale.update_offload` keeps the shards (and so AdamW's step) in host mem
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from stepgrpo.loops.batching import DataParallel
-from stepgrpo.policy.shards import is_sharded, local_shard, shard_like, whole
+from stepgrpo.loops.batching import DataParallel, flat_params
+from stepgrpo.policy.shards import is_sharded, local_shard, shard_like
 
 if TYPE_CHECKING:
     from stepgrpo.config import Config
@@ -39,8 +38,13 @@ if TYPE_CHECKING:
 
 
 def shards(weights: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`weights` (whole tensors by parameter name) cut to this rank's shards of `params`."""
-    return {n: shard_like(w, params[n]).clone() if is_sharded(params[n]) else w for n, w in weights.items()}
+    """`weights` (whole tensors by parameter name, or already this rank's shards) as this rank's
+    shards of `params`."""
+    out = {}
+    for n, w in weights.items():
+        p = params[n]
+        out[n] = shard_like(w, p).clone() if is_sharded(p) and w.shape != local_shard(p).shape else w
+    return out
 
 
 def gathered(weights: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -107,18 +111,48 @@ class Sharded(DataParallel):
         most = int(self.extreme(float(len(cells)), "max"))
         return cells + [filler() for _ in range(most - len(cells))]
 
-    def norm(self, v: torch.Tensor) -> float:
-        """The norm of the vector whose shards the ranks hold (`v`: this rank's)."""
-        return math.sqrt(float(self.sum(v.double().pow(2).sum().reshape(1))))
+    def total(self, value: float) -> float:
+        """A sum over the whole weights from each rank's sum over its shards: their sum."""
+        return float(self.sum(torch.tensor([value], dtype=torch.float64)))
+
+    def dot(self, a: torch.Tensor, b: torch.Tensor) -> float:
+        """The dot product of two vectors whose shards the ranks hold (`a`, `b`: this rank's)."""
+        return float(self.sum((a.double() @ b.double()).reshape(1)))
 
     def gradient(self, params: Sequence[nn.Parameter]) -> torch.Tensor:
-        """The whole summed gradient as one fp32 vector, in the parameters' order (a collective)."""
-        parts = []
-        for p in params:
-            g = p.grad
-            parts.append(torch.zeros(p.numel()) if g is None else whole(g).detach().reshape(-1).float().cpu())
-        return torch.cat(parts) if parts else torch.zeros(0)
+        """This rank's shards of the gradient, already summed over the ranks, as one fp32 vector."""
+        return flat_params(params, grad=True)
 
     def across(self, vectors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The half-gradients, already summed (`gradient`)."""
+        """The half-gradients' shards, already summed (`gradient`)."""
         return vectors
+
+
+def local_vector(v: torch.Tensor, params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A flat vector over whole `params` (in their order: the signal check's sums) as this rank's
+    flat vector over its shards of them."""
+    parts, at = [], 0
+    for p in params:
+        n = p.numel()
+        parts.append(shard_like(v[at : at + n].reshape(p.shape), p).reshape(-1).float())
+        at += n
+    return torch.cat(parts) if parts else v
+
+
+def whole_vector(v: torch.Tensor, params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """This rank's flat vector over its shards of `params` made whole again, in the parameters'
+    order (a collective: every rank calls it), on the CPU."""
+    from torch.distributed.tensor import DTensor
+
+    parts, at = [], 0
+    for p in params:
+        mine = local_shard(p)
+        n = mine.numel()
+        piece = v[at : at + n].reshape(mine.shape).to(mine.device)
+        at += n
+        if is_sharded(p):
+            piece = DTensor.from_local(
+                piece, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+            ).full_tensor()
+        parts.append(piece.reshape(-1).float().cpu())
+    return torch.cat(parts) if parts else v

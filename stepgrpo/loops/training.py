@@ -136,9 +136,10 @@ def update(
     trained = pol.trainable_parameters()
     # by name, what the EMA and the companion follow: a sharded update's local shards
     named = {n: local_shard(p) for n, p in pol.transformer.named_parameters() if p.requires_grad}
-    norm = parallel.norm if parallel else (lambda v: float(v.norm()))
-    before = flat_params(trained, grad=False)
-    diag = Diagnostics(rows_of.steps) if rows_of.signal_check else RowStats()
+    over_ranks = parallel.total if parallel else float  # a sum of this rank's squares, over the ranks' shards
+    before = _snapshot(trained)
+    dot = parallel.dot if parallel else _dot
+    diag = Diagnostics(rows_of.steps, dot) if rows_of.signal_check else RowStats()
     decay = float("nan")
     for epoch in range(o.inner_epochs):
         for pi, part in enumerate(rows_of.parts(rows, generator)):
@@ -177,19 +178,20 @@ def update(
             if parallel:
                 parallel.sum_grads(trained)
             diag.grad_norms.append(float(local_shard(torch.nn.utils.clip_grad_norm_(trained, o.max_grad_norm))))
-            step_start = flat_params(trained, grad=False)
+            step_start = _snapshot(trained)
             opt.step()
-            diag.update_norms.append(norm(flat_params(trained, grad=False) - step_start))
+            diag.update_norms.append(math.sqrt(over_ranks(_squared_distance(trained, step_start))))
+            del step_start
             if ema is not None and o.ema_decay is not None:
                 ema_update(ema, named, o.ema_decay)
             if companion is not None and u["companion_moves"] == "step":
                 decay = companion_update(companion, named, adam_steps(opt), float(u["rate"]), float(u["cap"]))
     if companion is not None and u["companion_moves"] == "iteration" and diag.grad_norms:
         decay = companion_update(companion, named, adam_steps(opt), float(u["rate"]), float(u["cap"]))
-    after = flat_params(trained, grad=False)
-    diag.iteration_norm = norm(after - before)
+    diag.iteration_norm = math.sqrt(over_ranks(_squared_distance(trained, before)))
+    del before
     if initial is not None:
-        diag.lora_distance = norm(after - torch.cat([initial[n].reshape(-1).to(after) for n in named]))
+        diag.lora_distance = math.sqrt(over_ranks(_squared_distance(trained, [initial[n] for n in named])))
     diag.trained_trajectories = len(rows)
     if parallel:
         diag.gather(parallel)
@@ -198,7 +200,7 @@ def update(
     if companion is not None:
         out["companion_decay"] = decay
     if signal is not None and len(diag.halves) == 2:
-        out.update(accumulate_signal(signal, *diag.halves))
+        out.update(accumulate_signal(signal, *diag.halves, dot=dot))
     return out
 
 
@@ -218,14 +220,17 @@ def adam_steps(opt: torch.optim.Optimizer) -> int:
 SIGNAL_DECAY = 0.95
 
 
-def accumulate_signal(signal: dict[str, torch.Tensor], a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
+def accumulate_signal(
+    signal: dict[str, torch.Tensor], a: torch.Tensor, b: torch.Tensor, dot: Any = None
+) -> dict[str, float]:
     """`signal["a"|"b"] = decay * signal + half gradient`, `signal["n"]` counts iterations; returns
     `signal_cosine_window` (the cosine of the two sums) and `signal_iterations`."""
     for name, g in (("a", a), ("b", b)):
         prev = signal.get(name)
         signal[name] = g.float().cpu() if prev is None else prev.mul(SIGNAL_DECAY).add(g.float().cpu())
     signal["n"] = signal.get("n", torch.zeros((), dtype=torch.int64)) + 1
-    return {"signal_cosine_window": _cosine(signal["a"], signal["b"]), "signal_iterations": float(signal["n"])}
+    cosine = _cosine(signal["a"], signal["b"], dot or _dot)
+    return {"signal_cosine_window": cosine, "signal_iterations": float(signal["n"])}
 
 
 def _halves(part: torch.Tensor, group_ids: torch.Tensor) -> list[torch.Tensor]:
@@ -254,7 +259,8 @@ class Diagnostics:
     every row; the norm of each optimizer step's change and the LoRA's distance from its start.
     """
 
-    def __init__(self, steps: Sequence[int]) -> None:
+    def __init__(self, steps: Sequence[int], dot: Any = None) -> None:
+        self.dot = dot or _dot  # a sharded update's vectors are shards: their dot products are summed over ranks
         self.steps = list(steps)
         self.rows: dict[tuple[int, bool], float] = {}
         self.sums: dict[str, dict[tuple[int, bool], float]] = {"clip_frac": {}, "zero_grad_frac": {}}
@@ -300,7 +306,8 @@ class Diagnostics:
         """Step `k`'s halves are in: its gradient energy, and the halves' running gradients."""
         if not self._pending or k is None:
             return
-        self.energy[k] = float(torch.stack(self._pending).sum(0).square().sum())
+        step = torch.stack(self._pending).sum(0)
+        self.energy[k] = self.dot(step, step)
         self.halves = self._pending if not self.halves else [a + b for a, b in zip(self.halves, self._pending)]
         self._pending = []
 
@@ -359,7 +366,7 @@ class Diagnostics:
         out["grad_energy_share"] = [
             self.energy[k] / total if total > 0 and k in self.energy else float("nan") for k in self.steps
         ]
-        out["signal_cosine"] = _cosine(*self.halves) if len(self.halves) == 2 else float("nan")
+        out["signal_cosine"] = _cosine(*self.halves, self.dot) if len(self.halves) == 2 else float("nan")
         out["grad_norm"] = sum(self.grad_norms) / len(self.grad_norms) if self.grad_norms else float("nan")
         out["update_norms"] = list(self.update_norms)
         out["update_norm"] = self.iteration_norm
@@ -422,9 +429,27 @@ class RowStats:
         return out
 
 
-def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    denom = float(a.norm() * b.norm())
-    return float(a @ b) / denom if denom > 0 else float("nan")
+def _snapshot(params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """A copy of the parameters (a sharded update's local shards), in their dtype: what a norm of a
+    step is measured from, without one flat fp32 vector of them all."""
+    return [local_shard(p).detach().clone() for p in params]
+
+
+def _squared_distance(params: Sequence[torch.nn.Parameter], ref: Sequence[torch.Tensor]) -> float:
+    """sum over `params` of ||p - ref||^2 (this rank's shards; float64), one parameter at a time."""
+    out = 0.0
+    for p, r in zip(params, ref, strict=True):
+        out += float((local_shard(p).detach().double() - r.to(local_shard(p).device).double()).square().sum())
+    return out
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(a.double() @ b.double())
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor, dot: Any = _dot) -> float:
+    denom = math.sqrt(dot(a, a) * dot(b, b))
+    return dot(a, b) / denom if denom > 0 else float("nan")
 
 
 def checkpoint_state(iteration: int, summary: Mapping[str, Any]) -> dict[str, Any]:

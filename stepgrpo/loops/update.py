@@ -46,6 +46,7 @@ from stepgrpo.errors import StageError
 from stepgrpo.loops import sharding, training, workspace
 from stepgrpo.loops.sampling import encode, generator, stored_noise
 from stepgrpo.prompts import stored_prompts
+from stepgrpo.runtime import memory
 from stepgrpo.runtime import parallel as ranks
 from stepgrpo.runtime.environment import pin_threads
 from stepgrpo.runtime.faults import maybe_fail
@@ -71,17 +72,29 @@ def train(
     params = {n: p for n, p in pol.transformer.named_parameters() if p.requires_grad}
     # a sharded update's EMA, companion and initial weights are this rank's shards of them
     cut = functools.partial(sharding.shards, params=params) if sharded else dict
+    if sharded:
+        workspace.keep_initial_shards(cfg, cut)
     nfe0 = pol.nfe
     opt = training.make_optimizer(pol.trainable_parameters(), cfg, iteration)
     ema, signal, prev = None, {}, None
+    group = workspace.companion_group(cfg)
+    companion = None
     if iteration == 0:
-        workspace.set_lora(pol, workspace.initial_lora(cfg))
+        workspace.set_lora(pol, workspace.initial_weights(cfg))
     else:  # the previous checkpoint, read and verified once: its weights, AdamW state, EMA and sums
         prev = run.checkpoints.load_checkpoint(iteration - 1)
         workspace.set_lora(pol, prev.tensors[workspace.trained_group(cfg)])
         training.load_optimizer_tensors(opt, prev.tensors.get("optimizer", {}))
         ema = cut(prev.tensors["ema"]) if "ema" in prev.tensors else None
         signal = dict(prev.tensors.get("signal", {}))
+        if sharded:  # its running sums as this rank's shards of them
+            signal.update(
+                {h: sharding.local_vector(signal[h], list(params.values())) for h in ("a", "b") if h in signal}
+            )
+    if group is not None:  # the objective's second adapter: the previous checkpoint's, the start's at 0
+        companion = dict(prev.tensors[group]) if prev is not None else workspace.initial_lora(cfg)
+        companion = {n: w.detach().clone() for n, w in cut(companion).items()}
+    prev = None  # what the update needs of it is taken: its whole tensors are not kept through the update
     if cfg.optim.ema_decay is not None and ema is None:
         ema = workspace.lora_state(pol)
     if cfg.optim.kl_reference == "ema":
@@ -98,11 +111,6 @@ def train(
         noise=stored_noise(data.kernel_params, pol.device),
     )
     shuffle = generator(cfg.run.seed, "update", iteration)
-    group = workspace.companion_group(cfg)
-    companion = None
-    if group is not None:  # the objective's second adapter: the previous checkpoint's, the start's at 0
-        companion = dict(prev.tensors[group]) if prev is not None else workspace.initial_lora(cfg)
-        companion = {n: w.detach().clone() for n, w in cut(companion).items()}
     summary = training.update(
         pol,
         opt,
@@ -111,11 +119,12 @@ def train(
         shuffle,
         companion,
         ema=ema,
-        initial=cut(workspace.initial_lora(cfg)),
+        initial=workspace.initial_weights(cfg),
         signal=signal if cfg.optim.diagnostics else None,
         parallel=parallel,
     )
     backward = int(summary.pop("backward_rows"))
+    used = memory.usage(audit=os.environ.get(MEMORY_AUDIT_ENV) == "1")  # before any whole tensor is gathered
     # whole tensors, as an unsharded update holds them (a sharded one gathers its shards: every rank)
     join = functools.partial(sharding.gathered, params=params) if sharded else dict
     tensors = {
@@ -126,7 +135,11 @@ def train(
     if ema is not None:
         tensors["ema"] = join(ema)
     if signal:
-        tensors["signal"] = signal
+        tensors["signal"] = dict(signal)
+        if sharded:
+            tensors["signal"].update(
+                {h: sharding.whole_vector(signal[h], list(params.values())) for h in ("a", "b") if h in signal}
+            )
     if group is not None and companion is not None:
         tensors[group] = join(companion)
     if parallel is not None:
@@ -134,7 +147,8 @@ def train(
 
         backward = int(parallel.sum(torch.tensor([float(backward)], dtype=torch.float64)))
         ranks_seen: list[dict | None] = [None] * parallel.world
-        dist.all_gather_object(ranks_seen, workspace.worker())  # who computed it, and what each has loaded
+        # who computed it, what each has loaded, the memory each used
+        dist.all_gather_object(ranks_seen, {**workspace.worker(), "memory": used})
         if parallel.rank != 0:
             return
     if parallel is None:
@@ -142,6 +156,8 @@ def train(
     # nfe: the update's transformer forwards (rows); backward: rows through a backward pass (a
     # backward costs about two forwards: `stepgrpo.reporting.costs`)
     inputs = {"key": key, "seconds": time.perf_counter() - t0, "nfe": pol.nfe - nfe0, "backward": backward}
+    if parallel is None:
+        inputs["memory"] = used
     if parallel is not None:
         inputs["processes"] = parallel.world
         if sharded:
@@ -150,6 +166,9 @@ def train(
     # timings and counters go in the manifest, not the digested files: equal inputs, equal checkpoint bytes
     run.checkpoints.save_checkpoint(iteration, tensors, training.checkpoint_state(iteration, summary), inputs=inputs)
 
+
+# set to 1: each update also records the bytes its live tensors hold (`memory.usage`; bench/scale/sharded.py)
+MEMORY_AUDIT_ENV = "STEPGRPO_MEMORY_AUDIT"
 
 _kept: dict[str, ranks.RankPool] | None = None  # the run's ranks, by config (`kept_ranks`)
 

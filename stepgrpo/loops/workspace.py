@@ -167,6 +167,22 @@ def initial_lora(cfg: Config) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in _policies[policy_key(cfg.model, cfg.run.seed)][1].items()}
 
 
+def initial_weights(cfg: Config) -> dict[str, torch.Tensor]:
+    """`initial_lora`'s weights themselves, not a copy: for reading only (a sharded update's rank
+    holds its shards of them, `keep_initial_shards`)."""
+    policy(cfg)
+    return dict(_policies[policy_key(cfg.model, cfg.run.seed)][1])
+
+
+def keep_initial_shards(cfg: Config, cut: Any) -> None:
+    """A sharded update's rank keeps only its shards of the initial trained weights (`cut`: whole
+    tensors to this rank's shards), as it keeps only its shards of the weights."""
+    with _lock:
+        key = policy_key(cfg.model, cfg.run.seed)
+        pol, initial = _policies[key]
+        _policies[key] = (pol, cut(initial))
+
+
 def lora_state(pol: Policy) -> dict[str, torch.Tensor]:
     """Trainable weights (the LoRA's, or all with full fine-tuning) by parameter name, detached copies
     (of a sharded update's policy: this rank's shards, `stepgrpo.loops.sharding`)."""
