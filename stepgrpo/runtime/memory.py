@@ -170,6 +170,8 @@ def check_fits(cfg: Config, counts: ModelCounts, capacity: int) -> None:
             fixes.append("scale.update_offload: true")
     if cfg.model.finetune == "full":
         fixes.append("model.finetune: lora")
+    if need.get("signal sums"):
+        fixes.append(f"optim.diagnostics: false (its signal check holds {2 * need['signal sums'] / GIB:.1f} GiB)")
     raise ValueError(
         f"the update's states need {total / GIB:.1f} GiB a rank ({terms} GiB; before activations) and the GPU has "
         f"{capacity / GIB:.1f} GiB: set {', or '.join(fixes)} (docs/SCALING.md, 'Sharded update')"
