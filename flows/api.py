@@ -10,15 +10,15 @@ else a kept one (`stepgrpo server start`), else a temporary one for the Python p
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stepgrpo.flows import session
+from stepgrpo.flows.outcomes import QualityCheck, TrainResult
 
 if TYPE_CHECKING:  # imported where used: `import stepgrpo` (every module of it does) stays cheap
     from stepgrpo.config import Config
-    from stepgrpo.results import CreditResult, EvaluateResult, Gain, QualityResult, ScoreResult
+    from stepgrpo.results import CreditResult, EvaluateResult, ScoreResult
     from stepgrpo.storage.run import Run
 
 __all__ = [
@@ -42,28 +42,6 @@ class Interrupted(KeyboardInterrupt):
     def __init__(self, run_dir: Path) -> None:
         super().__init__(f"run {run_dir.name} interrupted")
         self.run_dir = run_dir
-
-
-@dataclass(frozen=True)
-class TrainResult:
-    """A finished `train`: where the run is, and what it measured."""
-
-    run_id: str
-    run_dir: Path
-    tracking_uri: str  # the MLflow store of the run
-    evaluations: list[EvaluateResult]  # held-out evaluations, base first
-    iterations: list[dict[str, Any]]  # one row per iteration (training reward, PPO diagnostics)
-
-    def gain(self) -> Gain | None:
-        """The paired held-out gain of the last evaluation over the base (`Gain`: mean, 95 % interval,
-        clustered by prompt), None with fewer than two evaluations."""
-        from stepgrpo.reporting.report import paired_gain
-        from stepgrpo.results import Gain
-
-        if len(self.evaluations) < 2:
-            return None
-        found = paired_gain(self.evaluations[0].record(), self.evaluations[-1].record())
-        return None if found is None else Gain(*found)
 
 
 def train(
@@ -200,15 +178,6 @@ def evaluate_protocol(
         return session.owned_run(
             path, flow, run=str(path), protocol=protocol, iteration=iteration, overrides=list(overrides), images=images
         )
-
-
-@dataclass(frozen=True)
-class QualityCheck:
-    """A credit-quality check: its result, the record it stored in the run, and the run's directory."""
-
-    result: QualityResult
-    record: Path
-    run_dir: Path
 
 
 def credit_quality(
