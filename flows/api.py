@@ -61,10 +61,11 @@ def train(
         run_dir: Or the run directory itself.
     """
     from stepgrpo.checks import check_train
+    from stepgrpo.config import user_set
     from stepgrpo.results import EvaluateResult
 
     cfg = session.config_of(config, overrides)
-    path = check_train(cfg, str(run_dir) if run_dir is not None else None, run_id)
+    path = check_train(cfg, str(run_dir) if run_dir is not None else None, run_id, user_set=user_set(config, overrides))
     try:
         with session.prefect_server():
             from stepgrpo.flows.train import train as train_flow

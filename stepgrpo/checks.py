@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -256,15 +257,18 @@ def check_calibrated(cfg: Config) -> None:
         raise StageError("calibration needs step rewards: set completion.method (DenseGRPO uses 'remaining')")
 
 
-def check_train(cfg: Config, run_dir: str | None, run_id: str | None, calibrated: bool = False) -> Path:
+def check_train(
+    cfg: Config, run_dir: str | None, run_id: str | None, calibrated: bool = False, user_set: Collection[str] = ()
+) -> Path:
     """A training (or calibration) command's input, before its flow and Prefect server start:
-    the config, and the run directory it resumes or makes (returned)."""
+    the config, and the run directory it resumes or makes (returned). `user_set`: the config keys the
+    user set themselves (`stepgrpo.config.user_set`), which the notes speak to."""
     from stepgrpo.runs import check_resumable, resolve_run_dir
 
     check_config(cfg, calibrated=calibrated)
     path = resolve_run_dir(cfg, run_dir, run_id)
     check_resumable(cfg, path)
-    for line in cfg.notes():
+    for line in cfg.notes(user_set):
         print(f"note: {line}")
     return path
 

@@ -291,12 +291,23 @@ def test_a_papers_optimizer_preset_is_written_where_it_is_named(tmp_path):
     assert not [k for k in stage_fields(load_config(None), "update") if "preset" in k]
 
 
-def test_a_clip_that_cannot_act_says_so():
-    one = load_config(None, ["optim.optimizer_steps=1", "optim.clip_range=0.01"])
-    (note,) = one.notes()
+def test_a_clip_that_cannot_act_says_so_where_the_user_set_it(tmp_path):
+    from stepgrpo.config import config_file, user_set
+
+    sets = ["optim.optimizer_steps=1", "optim.clip_range=0.01"]
+    (note,) = load_config(None, sets).notes(user_set(None, sets))
     assert "optim.clip_range=0.01 never acts" in note and "optimizer_steps" in note
-    assert load_config(None, ["optim.optimizer_steps=2"]).notes() == []
-    assert load_config(None, ["optim.optimizer_steps=1", "optim.inner_epochs=2"]).notes() == []
+    assert load_config(None, ["optim.optimizer_steps=2"]).notes(user_set(None, ["optim.clip_range=0.2"])) == []
+    one_step = ["optim.optimizer_steps=1", "optim.inner_epochs=2"]
+    assert load_config(None, one_step).notes(user_set(None, [*one_step, "optim.clip_range=0.2"])) == []
+    # a shipped recipe's own clip is not questioned; the user's file on top of it, or a --set, is
+    shipped = load_config("shapes_dense")
+    assert shipped.optim.optimizer_steps == 1 and shipped.notes(user_set("shapes_dense")) == []
+    assert shipped.notes(user_set("shapes_dense", ["optim.clip_range=0.05"]))
+    (tmp_path / "mine.yaml").write_text(f"base: {config_file('shapes_dense')}\noptim:\n  clip_range: 0.02\n")
+    assert load_config(tmp_path / "mine.yaml").notes(user_set(tmp_path / "mine.yaml"))
+    (tmp_path / "lr.yaml").write_text(f"base: {config_file('shapes_dense')}\noptim:\n  lr: 1e-4\n")
+    assert load_config(tmp_path / "lr.yaml").notes(user_set(tmp_path / "lr.yaml")) == []
 
 
 def test_yaml_aliases_are_followed_within_a_bound():

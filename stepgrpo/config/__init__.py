@@ -28,6 +28,7 @@ from stepgrpo.config.files import (
     load_config,
     load_yaml,
     shipped_recipes,
+    user_set,
     validate_config,
 )
 from stepgrpo.config.running import CurriculumConfig, RunConfig, ScaleConfig, StorageConfig, TrackingConfig
@@ -72,5 +73,6 @@ __all__ = [
     "load_yaml",
     "shipped_recipes",
     "stage_fields",
+    "user_set",
     "validate_config",
 ]

@@ -48,6 +48,34 @@ def config_from(
     return validate_config(apply_overrides(data, overrides))
 
 
+def user_set(config: Any, overrides: Sequence[str] = ()) -> set[str]:
+    """The `section.field` keys the user set themselves: in their own config files (a shipped recipe,
+    or a shipped base under their file, is not theirs), in a mapping they passed, and in overrides.
+    A typed `Config` tells none. What `Config.notes` speaks to."""
+    keys: set[str] = set()
+    if isinstance(config, str | Path):
+        path: Path | None = config_file(config)
+        seen: set[Path] = set()
+        while path is not None and path.is_file() and path.resolve() not in seen:
+            seen.add(path.resolve())
+            if SHIPPED_CONFIGS.resolve() in path.resolve().parents:
+                break  # a shipped recipe and what it stands on
+            loaded = load_yaml(path.read_text(), str(path)) or {}
+            if not isinstance(loaded, Mapping):
+                break
+            keys |= _section_keys(loaded)
+            base = loaded.get(BASE_KEY)
+            path = path.parent / base if isinstance(base, str) else None
+    elif isinstance(config, Mapping):
+        keys |= _section_keys(config)
+    keys |= {item.partition("=")[0].strip() for item in overrides or ()}
+    return keys
+
+
+def _section_keys(data: Mapping[str, Any]) -> set[str]:
+    return {f"{s}.{k}" for s, sec in data.items() if isinstance(sec, Mapping) for k in sec}
+
+
 PLUGIN_SECTIONS = ("reward", "credit")  # the sections whose names may be plug-in references
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 import yaml
@@ -169,9 +169,13 @@ class Config(Section):
             )
         return self
 
-    def notes(self) -> list[str]:
-        """What a run of this config should be told once before it starts (not errors)."""
+    def notes(self, user_set: Collection[str] = ()) -> list[str]:
+        """What a run of this config should be told once before it starts (not errors), about what the
+        user set themselves (`user_set`: `section.field` keys; a shipped recipe's own values are not
+        questioned)."""
         o = self.optim
+        if "optim.clip_range" not in user_set:
+            return []
         if o.optimizer_steps == 1 and o.inner_epochs == 1 and self.update.on_transitions:
             return [
                 f"optim.clip_range={o.clip_range:g} never acts: one optimizer step on freshly sampled trajectories "
