@@ -234,7 +234,10 @@ def quality_checks(run: Run) -> tuple[list[QualityCheck], list[Damaged]]:
 
 def run_json(run: Run) -> dict[str, Any]:
     """The run for scripts (`stepgrpo inspect --json`): each iteration's NFEs and seconds per stage
-    (`stepgrpo.reporting.costs.iteration_costs`) and every evaluation's headline numbers."""
+    (`stepgrpo.reporting.costs.iteration_costs`), each trained iteration's learning diagnostics (the
+    update's `UpdateStats`: loss terms, clipping by optimizer step and trained step, the signal
+    check, the weights' movement; what `inspect`'s diagnostics table shows) and every evaluation's
+    headline numbers."""
     from stepgrpo.reporting.costs import iteration_costs
 
     keep = ("label", "reward_mean", "reward_strict", "prompts", "seeds", "nfe", "seconds")
@@ -251,6 +254,9 @@ def run_json(run: Run) -> dict[str, Any]:
         "completion": (cfg.get("completion") or {}).get("method"),
         "reward": (cfg.get("reward") or {}).get("name"),
         "iterations": iteration_costs(run),
+        "diagnostics": [
+            {"iteration": r.iteration, **r.stats.model_dump(mode="json")} for r in diagnostics(run, None)[0]
+        ],
         "evaluations": evals,
     }
 

@@ -21,6 +21,7 @@ from stepgrpo.errors import StageError
 from stepgrpo.loops import workspace
 from stepgrpo.loops.sampling import encode
 from stepgrpo.prompts import stored_prompts
+from stepgrpo.results import UpdateStats
 from stepgrpo.rewards.base import RewardOutput
 from stepgrpo.storage.publish import options_digest
 
@@ -827,8 +828,14 @@ def test_rollout_step_rewards_cost_no_transformer_call_and_rescore_without_one(
     cond = encode(pol, stored_prompts(run).texts, data.prompt_ids)
     v = pol.velocity(x, torch.full((6,), float(sigmas[1])), cond)
     torch.testing.assert_close(v, torch.from_numpy(data.velocities[:, 1]), rtol=1e-4, atol=1e-5)
-    costs = [it["nfe_stages"] for it in json.loads(_cli_json(out["run_dir"]))["iterations"]]
+    listed = json.loads(_cli_json(out["run_dir"]))
+    costs = [it["nfe_stages"] for it in listed["iterations"]]
     assert costs[0]["complete"] == 0 and costs[0]["rollout"] == 6 * 4
+    # the diagnostics table's numbers, clipping included, for scripts
+    (diag,) = listed["diagnostics"]
+    assert diag["iteration"] == 0 and "clip_frac_first" in diag and "clip_frac_later_by_step" in diag
+    stored = Run.open(out["run_dir"]).checkpoint_state(0)["update"]
+    assert diag["clip_frac_first"] == UpdateStats.model_validate(stored).clip_frac_first
 
     copy = tmp_path / "copy"
     shutil.copytree(out["run_dir"], copy)
