@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stepgrpo.flows import session
-from stepgrpo.flows.outcomes import QualityCheck, TrainResult
+from stepgrpo.flows.outcomes import Interrupted, QualityCheck, TrainResult
+from stepgrpo.flows.stored import compare, export
 
 if TYPE_CHECKING:  # imported where used: `import stepgrpo` (every module of it does) stays cheap
     from stepgrpo.config import Config
@@ -26,22 +27,16 @@ __all__ = [
     "QualityCheck",
     "TrainResult",
     "calibrate",
+    "compare",
     "credit",
     "credit_quality",
     "evaluate",
+    "evaluate_protocol",
+    "export",
     "open_run",
     "rescore",
     "train",
 ]
-
-
-class Interrupted(KeyboardInterrupt):
-    """Ctrl-C (or SIGTERM) stopped a training run; `train` with the same config and `run_dir`
-    resumes it at its first unfinished stage."""
-
-    def __init__(self, run_dir: Path) -> None:
-        super().__init__(f"run {run_dir.name} interrupted")
-        self.run_dir = run_dir
 
 
 def train(
@@ -134,9 +129,14 @@ def credit(
     return [CreditResult.model_validate(a) for a in out["advantages"]]
 
 
-def evaluate(run: str | Path, *, iteration: int | None = None, overrides: Sequence[str] = ()) -> EvaluateResult:
+def evaluate(
+    run: str | Path, *, iteration: int | None = None, overrides: Sequence[str] = (), protocol: str | None = None
+) -> EvaluateResult | dict[str, Any]:
     """Held-out reward of `run`'s policy after `iteration` (default: the latest checkpoint; -1:
-    the base model); `overrides` may change evaluation settings (`run.eval_prompts=32`)."""
+    the base model); `overrides` may change evaluation settings (`run.eval_prompts=32`). With
+    `protocol`, a paper's protocol instead (`evaluate_protocol`: its evidence bundle and report)."""
+    if protocol is not None:
+        return evaluate_protocol(run, protocol, iteration=iteration, overrides=overrides)
     from stepgrpo.checks import check_checkpoint, check_run
     from stepgrpo.results import EvaluateResult
 

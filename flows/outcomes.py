@@ -1,4 +1,4 @@
-"""What the Python entry's training and credit-quality calls return (`stepgrpo.flows.api`): a
+"""What the Python entry's training and credit-quality calls return or raise (`stepgrpo.flows.api`): a
 finished run's place and measurements, a credit-quality check's result and record. Light to import:
 the result types they hold are imported where used."""
 
@@ -10,6 +10,15 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from stepgrpo.results import EvaluateResult, Gain, QualityResult
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM) stopped a training run; `train` with the same config and `run_dir`
+    resumes it at its first unfinished stage."""
+
+    def __init__(self, run_dir: Path) -> None:
+        super().__init__(f"run {run_dir.name} interrupted")
+        self.run_dir = run_dir
 
 
 @dataclass(frozen=True)

@@ -128,13 +128,12 @@ def compare(
 
 
 def _compare(runs: list[str], out: Path | None, as_json: bool, x: str | None = None) -> None:
-    from stepgrpo.reporting.compare import at_equal, axis_for, chart, compare
+    from stepgrpo.flows.api import compare
+    from stepgrpo.reporting.compare import chart
     from stepgrpo.storage.run import Run, find_run
 
-    opened = [Run.open(find_run(r)) for r in runs]
-    curves = compare(opened)
-    axis = axis_for(curves, x)
-    budget, read = at_equal(curves, axis)
+    found = compare(runs, x=x)
+    axis, budget, curves, read = found["axis"], found["budget"], found["runs"], found["read"]
     if as_json:
         shell.console.print_json(json.dumps({"axis": axis, "budget": budget, "runs": curves}))
     else:
@@ -150,7 +149,7 @@ def _compare(runs: list[str], out: Path | None, as_json: bool, x: str | None = N
             table.add_row(*row, f"{last['reward_mean']:.4f}", p["label"], f"{p['reward_mean']:.4f}", gain)
         shell.console.print(table)
     if out is not None:
-        reward = (opened[0].config.get("reward") or {}).get("name", "reward")
+        reward = (Run.open(find_run(runs[0])).config.get("reward") or {}).get("name", "reward")
         shell.console.print(f"chart: {chart(curves, out, reward, axis)}", highlight=False, soft_wrap=True)
 
 
@@ -177,14 +176,9 @@ def export(
 
 
 def _export(run: str, repo: str | None, private: bool, iteration: int | None, out: Path | None) -> None:
-    from stepgrpo.loops.update import export_iteration
-    from stepgrpo.reporting.card import push_to_hub
-    from stepgrpo.runs import open_stored, owned
+    from stepgrpo.flows.api import export
 
-    stored, cfg = open_stored(run)
-    with owned(stored.path):
-        folder = export_iteration(stored, cfg, iteration, out)
+    folder = export(run, iteration=iteration, out=out, push_to_hub=repo, private=private)
     shell.console.print(f"export: {folder} (model card {folder / 'README.md'})", highlight=False, soft_wrap=True)
     if repo is not None:
-        url = push_to_hub(folder, repo, private, f"stepgrpo export of run {stored.run_id}")
-        shell.console.print(f"pushed to {url}", highlight=False, soft_wrap=True)
+        shell.console.print(f"uploaded to the hub repository {repo}", highlight=False, soft_wrap=True)

@@ -43,6 +43,7 @@ TINY = [
     "sampler.sde_window_size=2",
 ]
 TRAINING = {"train", "demo", "calibrate"}  # the commands that take the tiny settings
+NOISED_TINY = ["update.times=2"]  # and, for an objective on noised copies, its grid times within the tiny steps
 SMALL = {"credit-quality": ["--continuations", "2"]}  # and the tiny flags of the others
 
 
@@ -148,7 +149,11 @@ def test_a_python_block_runs(block, server, tmp_path):
     preamble = (
         "import stepgrpo.flows.session as _s\n"
         "_config_of = _s.config_of\n"
-        f"_s.config_of = lambda config, overrides: _config_of(config, [*overrides, *{TINY!r}])\n"
+        "def _noised(config, overrides):\n"
+        "    return [] if _config_of(config, list(overrides)).update.on_transitions else "
+        f"{NOISED_TINY!r}\n"
+        f"_tiny = {TINY!r}\n"
+        "_s.config_of = lambda config, sets: _config_of(config, [*sets, *_tiny, *_noised(config, sets)])\n"
         "import stepgrpo as _g\n"
         "_quality = _g.credit_quality\n"
         "_g.credit_quality = lambda *a, **k: _quality(*a, **{'continuations': 2, **k})\n"
@@ -177,8 +182,19 @@ def test_a_shell_block_runs(block, server, tmp_path):
     for argv in commands(block):
         args = stepgrpo_args(argv)
         if args and args[0] in TRAINING:
-            args = [*args, *[a for s in TINY for a in ("--set", s)]]
+            args = [*args, *[a for s in [*TINY, *noised_tiny(args)] for a in ("--set", s)]]
         elif args and args[0] in SMALL:
             args = [*args, *SMALL[args[0]]]
         done = subprocess.run([str(script), *args], cwd=work, env=server, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, f"{block.name}: {shlex.join(argv)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+
+
+def noised_tiny(args: list[str]) -> list[str]:
+    """`NOISED_TINY` where the command's `--config` trains an objective on noised copies (AWM, DiffusionNFT)."""
+    from stepgrpo.config import load_config
+
+    if "--config" not in args:
+        return []
+    name = args[args.index("--config") + 1]
+    path = Path(name) if (REPO / name).is_file() else name
+    return [] if load_config(REPO / path if isinstance(path, Path) else path).update.on_transitions else NOISED_TINY

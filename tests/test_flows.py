@@ -1690,3 +1690,19 @@ def test_evaluate_under_the_shapes_protocol_writes_a_bundle_with_the_same_bytes_
     with pytest.raises(Exception, match=r"not this checkpoint's \(run_id 'another-run'"):
         evaluate_protocol(run=str(copy), protocol="shapes", iteration=-1)
     assert protocol_reports(Run.open(copy), {"base"}) == []
+
+
+def test_the_python_api_exports_compares_and_evaluates_a_protocol(trained, tmp_path, monkeypatch):
+    """`stepgrpo.export`, `stepgrpo.compare` and `stepgrpo.evaluate(protocol=)`: what the commands do."""
+    import stepgrpo
+    from stepgrpo.flows import api
+
+    folder = stepgrpo.export(trained["run_dir"], iteration=0, out=tmp_path / "iter0")
+    assert folder == tmp_path / "iter0" and (folder / "README.md").is_file()
+    found = stepgrpo.compare([trained["run_dir"], trained["run_dir"]], x="nfe")
+    assert found["axis"] == "nfe" and len(found["runs"]) == len(found["read"]) == 2
+    assert found["read"][0]["reward_mean"] == found["read"][1]["reward_mean"]
+    asked = {}
+    monkeypatch.setattr(api, "evaluate_protocol", lambda run, protocol, **kw: asked.update(kw, protocol=protocol) or 7)
+    assert stepgrpo.evaluate(trained["run_dir"], protocol="shapes", iteration=0) == 7
+    assert asked == {"protocol": "shapes", "iteration": 0, "overrides": ()}
