@@ -61,11 +61,13 @@ config_app = typer.Typer(
 
 @config_app.command("list", cls=shell.Command)
 def config_list() -> None:
-    """The shipped recipes, one line each: `--config NAME` trains one."""
-    from stepgrpo.config import shipped_recipes
+    """The shipped recipes, one line each: `--config NAME` trains one; `*` marks where to start."""
+    from stepgrpo.config import START_HERE, shipped_recipes
 
     for name, about in shipped_recipes():
-        shell.console.print(f"{name:28s} {about}", highlight=False, soft_wrap=True)
+        mark = "*" if name == START_HERE[0] else " "
+        shell.console.print(f"{mark} {name:28s} {about}", highlight=False, soft_wrap=True)
+    shell.console.print(f"\n* start here: {START_HERE[0]}, {START_HERE[1]}", highlight=False, soft_wrap=True)
 
 
 @config_app.command("variants", cls=shell.Command)

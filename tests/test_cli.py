@@ -250,6 +250,15 @@ def test_config_list_names_every_shipped_recipe_and_a_checkout_path_points_to_it
 
     for name, about in shipped_recipes():  # a whole sentence each, not a line cut mid-sentence
         assert about.endswith((".", ")")), (name, about)
+    from stepgrpo.config import START_HERE
+
+    # where a newcomer starts: one shipped recipe, marked on its line and named below
+    assert (SHIPPED_CONFIGS / f"{START_HERE[0]}.yaml").is_file()
+    marked = [
+        line.split()[1] for line in listed.output.splitlines() if line.startswith("* ") and "start here" not in line
+    ]
+    assert marked == [START_HERE[0]]
+    assert f"start here: {START_HERE[0]}" in listed.output
     monkeypatch.chdir(tmp_path)  # a user's project: no configs/ here
     wrong = runner.invoke(app, ["config", "show", "--config", "configs/shapes_dense.yaml"])
     assert wrong.exit_code == 1 and "`--config shapes_dense`" in wrong.output

@@ -81,6 +81,16 @@ def test_ranks_on_two_nodes_compute_the_one_process_update_and_a_killed_rank_is_
     assert float((a - b).norm() / a.norm()) < 1e-6  # the one-process update's
 
 
+def test_the_sharded_update_on_two_nodes_computes_the_one_process_update(harness, tiny, reference, tmp_path, nodes):
+    """`scale.update_sharding: fsdp` over Ray actors on two nodes: FSDP2 over the actors' gloo group."""
+    run = resumed_at_iteration_1(reference, tmp_path / "sharded")
+    _train(tiny, run, *TWO_NODES, "scale.update_sharding=fsdp")
+    inputs = Run.open(run).stage_manifest(1, "checkpoint")["inputs"]
+    assert inputs["sharding"] == "fsdp" and len({w["node"] for w in inputs["ranks"]}) == 2
+    a, b = lora(reference, 1), lora(run, 1)
+    assert float((a - b).norm() / a.norm()) < 1e-6
+
+
 def ray_ranks(make, n: int, cpus: float, shared_dir, **options):
     """`RayRanks` of `n` ranks of `cpus` CPUs, one a node (strict_spread), beside shards of 0.5 CPU."""
     from stepgrpo.runtime.workers import RayRanks

@@ -20,6 +20,7 @@ from stepgrpo.config._section import CODE_SALT, DEFAULT_MODEL, MAX_STEPS, MAX_TR
 from stepgrpo.config.files import (
     BASE_KEY,
     PLUGIN_SECTIONS,
+    START_HERE,
     allow_plugins,
     apply_overrides,
     config_file,
@@ -46,6 +47,7 @@ __all__ = [
     "OPTIMIZER_PRESETS",
     "PLUGIN_SECTIONS",
     "STAGE_FIELDS",
+    "START_HERE",
     "CalibrationConfig",
     "CompletionConfig",
     "Config",

@@ -163,6 +163,11 @@ def config_file(path: str | Path) -> Path:
     raise ConfigError(f"config {str(path)!r} is neither a file nor a shipped config; the shipped ones: {names}")
 
 
+# The shipped recipe a newcomer starts from, and why (docs/bench/frontier/README.md: the most held-out
+# reward per forward + backward pass on the shipped model, level with shapes_nft).
+START_HERE = ("shapes_awm", "the most held-out reward per unit of compute on the shipped model (tied with shapes_nft)")
+
+
 def shipped_recipes() -> list[tuple[str, str]]:
     """The shipped recipes: `(name, the first sentence of its header comment)`, by name (the
     sentence whole, over as many comment lines as it takes)."""
