@@ -115,12 +115,17 @@ def ode(x, v, sigma, sigma_next, noise):
     return x + v * (sigma_next - sigma), torch.zeros_like(sigma)
 
 
-@KERNELS.register(
-    "flow", noise=("a", 0.0, math.inf), euler_maruyama=True, paper='arXiv 2505.05470, "ODE-to-SDE conversion"'
+@KERNELS.register(  # a < sqrt(2): the first step's mean keeps a positive share of x (docstring)
+    "flow", noise=("a", 0.0, math.sqrt(2.0)), euler_maruyama=True, paper='arXiv 2505.05470, "ODE-to-SDE conversion"'
 )
 def flow(x, v, sigma, sigma_next, noise):
     """Flow-GRPO SDE step; `noise` is `a` (default 0.7). arXiv 2505.05470, "ODE-to-SDE conversion":
-    the reverse SDE with the flow's score and its Euler-Maruyama step, `sigma_t = a sqrt(t / (1 - t))`."""
+    the reverse SDE with the flow's score and its Euler-Maruyama step, `sigma_t = a sqrt(t / (1 - t))`.
+
+    `a` is bounded by sqrt(2): the mean's coefficient on `x` is `1 + a^2 dt / (2 (1 - s_d))`, which on
+    the first step (`s = 1`, `s_d = s'`, `dt = s' - 1`) is `1 - a^2 / 2` on every grid: 0 at `a = sqrt(2)`
+    (the state's signal dropped) and negative above it (flipped; `a = 70`, a typed percent, overflows
+    within a few steps). Flow-GRPO uses 0.7."""
     return _sde_moments(x, v, sigma, sigma_next, flow_scale(sigma, sigma_next, noise))
 
 

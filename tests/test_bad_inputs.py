@@ -420,29 +420,34 @@ def test_a_branch_or_group_setting_that_cannot_work_is_refused_before_anything_s
     assert not (here / "runs").exists()
 
 
-def test_a_rollout_that_overflows_fails_its_stage_naming_the_noise():
-    """`sampler.noise` far beyond any recipe's (1e6 where Flow-GRPO samples with 0.7) overflows the
-    shipped model's states: the rollout stage fails before writing, naming the field to lower; a
-    sane noise passes, and the NaN of a deterministic step (no density) is no failure."""
-    from stepgrpo.config import load_config
+def test_a_noise_out_of_its_kernels_range_is_refused_and_an_overflow_fails_its_stage():
+    """`sampler.noise` past its kernel's range (70 typed for 0.7; flow's `a` >= sqrt(2) drops or flips
+    the state on the first step) is refused when the config is built. A rollout that still produces
+    non-finite values (a calibrated psi table, a model's own overflow) fails the rollout stage before
+    it writes, naming the field; a sane rollout passes, and the NaN of a deterministic step (no
+    density) is no failure."""
+    from types import SimpleNamespace
+
+    from stepgrpo.config import ConfigError, load_config
     from stepgrpo.errors import StageError
     from stepgrpo.loops import workspace
     from stepgrpo.loops.sampling import iteration_plan, sample_iteration
     from stepgrpo.prompts import prompt_source
     from stepgrpo.tasks.rollout import check_finite
 
-    for noise, fails in ((0.7, False), (1e6, True)):
-        sets = ["run.prompts_per_iteration=1", "run.group_size=2", f"sampler.noise={noise}"]
-        cfg = load_config(None, sets)
-        pol = workspace.policy(cfg)
-        workspace.set_lora(pol, workspace.initial_lora(cfg))
-        prompts = prompt_source(cfg)
-        (chunk,) = sample_iteration(pol, cfg, prompts.texts, iteration_plan(cfg, prompts.splits, 0), 0, noise)
-        if fails:
-            with pytest.raises(StageError, match=r"lower sampler.noise"):
-                check_finite(chunk.sde, cfg, 0)
-        else:
-            check_finite(chunk.sde, cfg, 0)
+    for sets in (["sampler.noise=70"], ["sampler.noise=1.5"], ["sampler.kernel=cps", "sampler.noise=2"]):
+        with pytest.raises(ConfigError, match=r"sampler.noise=.*takes its a in \[0, "):
+            load_config(None, sets)
+    cfg = load_config(None, ["run.prompts_per_iteration=1", "run.group_size=2", "sampler.noise=0.7"])
+    pol = workspace.policy(cfg)
+    workspace.set_lora(pol, workspace.initial_lora(cfg))
+    prompts = prompt_source(cfg)
+    (chunk,) = sample_iteration(pol, cfg, prompts.texts, iteration_plan(cfg, prompts.splits, 0), 0, 0.7)
+    check_finite(chunk.sde, cfg, 0)
+    states = chunk.sde.states.clone()
+    states[0, 3] = float("inf")  # what an overflow from step 3 on leaves
+    with pytest.raises(StageError, match=r"non-finite values from step 3 on .* lower sampler.noise"):
+        check_finite(SimpleNamespace(states=states, stds=chunk.sde.stds, log_probs=chunk.sde.log_probs), cfg, 0)
 
 
 @pytest.mark.parametrize(

@@ -65,7 +65,8 @@ class SamplerConfig(Section):
     kernel: str = Field("flow", json_schema_extra=registered("kernels"))
     """Transition kernel of the stochastic steps: a name in `stepgrpo_core.kernels.KERNELS`."""
     noise: float = Field(0.7, ge=0.0)
-    """Kernel noise parameter: `a` for flow / cps (0.7), `eta` for ddim (1.0); unused by ode and psi."""
+    """Kernel noise parameter: `a` for flow (0.7; below sqrt 2) and cps (0.7; at most 1), `eta` for ddim
+    (1.0; at most 1); unused by ode and psi. Checked against the kernel's range."""
     sde_window_start: int = Field(0, ge=0)
     """First stochastic step of the SDE window (MixGRPO / Flow-GRPO-Fast); steps outside are ODE."""
     sde_window_size: int | None = Field(None, ge=1)
@@ -115,6 +116,20 @@ class SamplerConfig(Section):
         from stepgrpo_core.kernels import KERNELS
 
         return KERNELS.validate(v)
+
+    @model_validator(mode="after")
+    def _noise_in_range(self) -> SamplerConfig:
+        from stepgrpo_core.kernels import KERNELS
+
+        spec = KERNELS.facts(self.kernel)["noise"]
+        if spec is not None and not spec[1] <= self.noise <= spec[2]:
+            name, lo, hi = spec
+            raise ValueError(
+                f"sampler.noise={self.noise:g}: kernel {self.kernel!r} takes its {name} in [{lo:g}, {hi:g}] "
+                f"(stepgrpo_core.kernels, {self.kernel!r}'s docstring says why); the recipes use 0.7 for flow / cps, "
+                "1.0 for ddim"
+            )
+        return self
 
     @model_validator(mode="after")
     def _solver_needs_ode(self) -> SamplerConfig:
