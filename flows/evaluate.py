@@ -89,14 +89,24 @@ def protocol_bundle(
     from stepgrpo.loops import protocol as protocol_loop
     from stepgrpo.prompts.protocols import protocol
     from stepgrpo.storage.bundle import verify_bundle, write_bundle
+    from stepgrpo.storage.errors import CorruptChunkError
 
     p = protocol(name)
     checkpoint = None if iteration < 0 else update.stored(stored, iteration, verify=True)
     label = "base" if iteration < 0 else f"iter_{iteration}"
     bundle = f"{p.name}-{label}" + (f"-{digest_of(sorted(overrides))[:8]}" if overrides else "")
     final = stored.inside(Path(stored.path) / stored.EVIDENCE_DIR / bundle)
+    if final.is_dir() and not final.is_symlink():
+        try:
+            verify_bundle(final)
+        except CorruptChunkError as err:  # damaged: kept aside, never deleted, and evaluated again
+            aside = stored.set_aside_file(final)
+            print(
+                f"note: the evidence bundle {final.name} was damaged ({err}); kept aside as {aside.name}, "
+                "evaluating again"
+            )
     if final.is_dir() or final.is_symlink():
-        verify_bundle(final)
+        verify_bundle(final)  # a link is refused, never followed or moved
         expected = {
             "run_id": stored.run_id,
             "label": label,

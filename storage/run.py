@@ -439,7 +439,9 @@ class Run:
             items += [(f"{folder}/{p.name}", ("record", p)) for p in sorted((self.path / folder).glob("*.json"))]
         evidence = self.path / self.EVIDENCE_DIR
         items += [
-            (f"{self.EVIDENCE_DIR}/{p.name}", ("bundle", p)) for p in sorted(evidence.glob("[!.]*")) if p.is_dir()
+            (f"{self.EVIDENCE_DIR}/{p.name}", ("bundle", p))
+            for p in sorted(evidence.glob("[!.]*"))
+            if p.is_dir() and ".damaged-" not in p.name  # a damaged bundle kept aside is known to be
         ]
         return items
 

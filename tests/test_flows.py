@@ -1690,6 +1690,18 @@ def test_evaluate_under_the_shapes_protocol_writes_a_bundle_with_the_same_bytes_
     with pytest.raises(Exception, match=r"not this checkpoint's \(run_id 'another-run'"):
         evaluate_protocol(run=str(copy), protocol="shapes", iteration=-1)
     assert protocol_reports(Run.open(copy), {"base"}) == []
+    # a damaged bundle (one byte changed) is kept aside, never deleted, and evaluated again
+    shutil.rmtree(bundle)
+    shutil.move(tmp_path / "second", bundle)
+    damaged = bytearray((bundle / "samples.jsonl").read_bytes())
+    damaged[10] ^= 1
+    (bundle / "samples.jsonl").write_bytes(bytes(damaged))
+    evaluate_protocol(run=str(copy), protocol="shapes", iteration=-1)
+    (aside,) = (copy / "evidence").glob("shapes-base.damaged-*")
+    assert (aside / "samples.jsonl").read_bytes() == bytes(damaged)
+    assert (bundle / "samples.jsonl").read_bytes() == first  # computed again, the same bytes
+    assert not Run.open(copy).verify_all()  # the kept-aside copy is known damaged, not reported again
+    assert len(protocol_reports(Run.open(copy), {"base"})) == 1
 
 
 def test_the_python_api_exports_compares_and_evaluates_a_protocol(trained, tmp_path, monkeypatch):

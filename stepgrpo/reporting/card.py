@@ -239,6 +239,8 @@ def protocol_reports(run: Any, labels: set[str]) -> list[dict[str, Any]]:
 
     out = []
     for folder in sorted((Path(run.path) / run.EVIDENCE_DIR).glob("[!.]*")):
+        if ".damaged-" in folder.name:  # kept aside by a later evaluation
+            continue
         try:
             verify_bundle(folder)
             report = json.loads((folder / "report.json").read_text())
