@@ -8,6 +8,7 @@ The difference is activations and the allocator's slack, which the formula leave
 
     python -m bench.scale.gpu_sharded                      # every GPU of the node (1 GPU: FSDP2 over one rank)
     python -m bench.scale.gpu_sharded --ranks 8 --rows 2
+    python -m bench.scale.gpu_sharded --offload            # the shards and AdamW's state in host memory
     python -m bench.scale.gpu_sharded --small --device cpu --ranks 2     # the script's own check, on CPUs (gloo)
 """
 
@@ -61,9 +62,10 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, store: str, out: 
     torch.set_default_dtype(torch.float32)
     reference = copy.deepcopy(model).requires_grad_(False)
     pol = SimpleNamespace(transformer=model, _reference=reference, device=device, dtype=dtype)
-    cfg = load_config(
-        None, ["model.finetune=full", f"scale.update_processes={max(world, 2)}", "scale.update_sharding=fsdp"]
-    )
+    sets = ["model.finetune=full", f"scale.update_processes={max(world, 2)}", "scale.update_sharding=fsdp"]
+    if args.offload:  # FSDP2's CPU offload: the shards and AdamW's state in host memory
+        sets += ["model.device=cuda", "scale.update_offload=true"]
+    cfg = load_config(None, sets)
     t0 = time.perf_counter()
     shard_policy(pol, cfg, world)
     if gpu:
@@ -90,7 +92,12 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, store: str, out: 
     step_s = time.perf_counter() - t1
     P, block, lora = transformer_counts(config, 32, ("to_q",))
     states = update_states(
-        ModelCounts(P, block, lora, 0), dtype="bfloat16" if gpu else "float32", full=True, shards=world, gpu=gpu
+        ModelCounts(P, block, lora, 0),
+        dtype="bfloat16" if gpu else "float32",
+        full=True,
+        shards=world,
+        offload=args.offload,
+        gpu=gpu,
     )["device"]
     states = {k: v for k, v in states.items() if k not in ("initial", "snapshots", "signal sums", "signal halves")}
     result = {
@@ -117,7 +124,10 @@ def main() -> None:
     ap.add_argument("--ranks", type=int)
     ap.add_argument("--rows", type=int, default=2)
     ap.add_argument("--small", action="store_true", help="a toy transformer (the script's own check)")
+    ap.add_argument("--offload", action="store_true", help="with FSDP2's CPU offload (GPU only)")
     args = ap.parse_args()
+    if args.offload and args.device != "cuda":
+        raise SystemExit("--offload moves the shards from GPU to host memory: it needs --device cuda")
     world = args.ranks or (torch.cuda.device_count() if args.device == "cuda" else 2)
     if args.device == "cuda" and world > torch.cuda.device_count():
         raise SystemExit(f"--ranks {world}: this node has {torch.cuda.device_count()} GPUs (one a rank)")
