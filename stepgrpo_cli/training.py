@@ -76,8 +76,9 @@ def config_variants(
         bool, typer.Option("--markdown", help="As the Markdown table of docs/METHODS.md.", metavar="")
     ] = False,
 ) -> None:
-    """The built-in kernels, completion methods, credit schemes and rewards: how a config names each,
-    its options, its paper, what it does (read from the registries, the only list)."""
+    """Every family a config names: the built-in kernels, completion methods, credit schemes,
+    objectives and rewards, the optimizer presets and the evaluation protocols: how a config names
+    each, its options, its paper, what it does (read from the registries and tables, the only lists)."""
     from rich.table import Table
 
     from stepgrpo.rewards import REWARDS
@@ -93,6 +94,15 @@ def config_variants(
             d = registry.describe(name)
             options = ", ".join(f"{k}={v}" for k, v in d["options"].items())
             table.add_row(heading, d["pattern"], options, d["paper"] or "", d["summary"])
+    from stepgrpo.config import OPTIMIZER_PRESETS
+    from stepgrpo.prompts.protocols import PROTOCOLS
+
+    for name, (fields, source) in OPTIMIZER_PRESETS.items():
+        what = "optim fields " + ", ".join(f"{k}={v:g}" for k, v in fields.items())
+        table.add_row("optimizer preset", f"optim.preset: {name}", "", source, what + ".")
+    for name, p in PROTOCOLS.items():
+        what = f"{p.reward} on {p.prompts}, {p.samples} a prompt, {p.steps} steps, CFG {p.guidance:g}."
+        table.add_row("evaluation protocol", f"--protocol {name}", "", p.paper, what)
     shell.console.print(table)
 
 

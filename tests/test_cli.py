@@ -279,3 +279,22 @@ def test_runs_shows_an_extended_run_at_its_own_length(tmp_path, monkeypatch):
         run.checkpoints.save_checkpoint(i, {"lora": {"a.weight": torch.ones(1)}}, {"iteration": i})
     listed = runner.invoke(app, ["runs", "--root", str(tmp_path)])
     assert listed.exit_code == 0 and "2/2" in listed.output and "2/1" not in listed.output
+
+
+def test_config_variants_lists_every_family_a_config_names():
+    """Kernels, completions, schemes, objectives and rewards from their registries, and the optimizer
+    presets and evaluation protocols from their tables: every entry of each, whatever they hold."""
+    from stepgrpo.config import OPTIMIZER_PRESETS
+    from stepgrpo.prompts.protocols import PROTOCOLS
+    from stepgrpo.rewards import REWARDS
+    from stepgrpo_core.variants import core_registries
+
+    listed = runner.invoke(app, ["config", "variants"], env={"COLUMNS": "400"})
+    assert listed.exit_code == 0, listed.output
+    for registry in [*core_registries().values(), REWARDS]:
+        for name in registry.names():
+            assert registry.describe(name)["pattern"] in listed.output
+    for name in OPTIMIZER_PRESETS:
+        assert f"optim.preset: {name}" in listed.output
+    for name in PROTOCOLS:
+        assert f"--protocol {name}" in listed.output
