@@ -281,15 +281,20 @@ def test_runs_shows_an_extended_run_at_its_own_length(tmp_path, monkeypatch):
     assert listed.exit_code == 0 and "2/2" in listed.output and "2/1" not in listed.output
 
 
-def test_config_variants_lists_every_family_a_config_names():
+def test_config_variants_lists_every_family_a_config_names(monkeypatch):
     """Kernels, completions, schemes, objectives and rewards from their registries, and the optimizer
     presets and evaluation protocols from their tables: every entry of each, whatever they hold."""
+    from rich.console import Console
+
     from stepgrpo.config import OPTIMIZER_PRESETS
+    from stepgrpo_cli import shell
+
+    monkeypatch.setattr(shell, "console", Console(width=1000))  # every cell on one line
     from stepgrpo.prompts.protocols import PROTOCOLS
     from stepgrpo.rewards import REWARDS
     from stepgrpo_core.variants import core_registries
 
-    listed = runner.invoke(app, ["config", "variants"], env={"COLUMNS": "400"})
+    listed = runner.invoke(app, ["config", "variants"])
     assert listed.exit_code == 0, listed.output
     for registry in [*core_registries().values(), REWARDS]:
         for name in registry.names():

@@ -77,9 +77,9 @@ def test_the_sharded_lora_update_matches_and_a_killed_rank_reruns_to_the_same_by
 
 LORA_A = "transformer_blocks.0.attn.to_q.lora_A.default.weight"
 
-# unequal shares: parts of 5 and 4 trajectories in micro-batches of 2, so one rank has a micro-batch
-# more than the other at some steps and the other runs a filler pass
-UNEVEN = ("optim.optimizer_steps=5", "optim.micro_batch=2")
+# unequal shares: 12 trajectories in 4 parts of 3, a micro-batch a trajectory, so one rank has a cell
+# more than the other at every step and the other runs a filler pass
+UNEVEN = ("run.prompts_per_iteration=4", "optim.optimizer_steps=4", "optim.micro_batch=1")
 LIGHT = ("completion.method=null", "credit.scheme=outcome", "run.eval_prompts=2", "run.eval_seeds=1")
 CASES = {
     # every weight trained; the KL reference is the frozen copy, sharded the same way
