@@ -17,7 +17,7 @@ and S the shards (`scale.update_processes` with `update_sharding: fsdp`, else 1)
     signal halves  8 T / S        ... and its two half-gradients, fp32, while the update runs
     snapshots      2 T b / S      the weights at the iteration's and the step's start (its norms), while it runs
     gathered       2 B c          sharded only: the largest block B whole while it runs, and the next one prefetched
-    encoders       E c            the text encoders and the VAE, whole on every rank
+    encoders       E b            the text encoders and the VAE, whole on every rank (not sharded, not cast)
 
 where c is the compute dtype (bf16 where FSDP's mixed precision casts fp32 shards on a GPU). With
 `scale.update_offload` the sharded terms live in host memory and the GPU holds the gathered blocks
@@ -127,7 +127,7 @@ def update_states(
         "signal halves": 8 * T // S if signal else 0,
         "snapshots": 2 * T * b // S,
     }
-    whole = {"gathered": 2 * counts.block * c if S > 1 else 0, "encoders": counts.encoders * c}
+    whole = {"gathered": 2 * counts.block * c if S > 1 else 0, "encoders": counts.encoders * b}
     # `TRANSIENT` terms are held while the update runs, not after it
     if offload:
         return {"device": whole, "host": sharded}
