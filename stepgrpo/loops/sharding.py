@@ -9,9 +9,10 @@ What changes against the all-reduce update (`stepgrpo.loops.batching.DataParalle
 - every FSDP forward and backward is a collective, so every rank must run the same number of them:
   where a rank has fewer cells in a half than another, it runs the difference as filler cells of
   weight 0 (a forward and a backward that add nothing; `Sharded.even`);
-- the weights the loop reads (the EMA, the companion adapter, the initial weights, the norms) are
-  each rank's local shards; norms are summed over the ranks; the signal check's two half-gradients
-  are gathered whole, in the parameters' order;
+- what the loop keeps beside the weights (the EMA, the companion adapter, the initial weights, the
+  signal check's half-gradients and running sums) is each rank's local shards of it; norms and dot
+  products are sums over the ranks' shards (`Sharded.total`, `Sharded.dot`), and the signal check's
+  sums are made whole, in the parameters' order, only for the checkpoint (`whole_vector`);
 - a checkpoint holds whole tensors, gathered from the shards before rank 0 writes them
   (`gathered`), the same safetensors an unsharded run writes: a run resumes under any sharding and
   any number of ranks (the shards are cut again from the whole tensors), and loads into diffusers.
