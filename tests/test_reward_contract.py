@@ -427,3 +427,21 @@ def test_an_answer_too_deep_or_too_long_a_number_is_named_with_its_server(body, 
             HttpReward(url, "r", "1", retries=0).check()
     finally:
         sock.close()
+
+
+def test_a_request_s_images_are_held_once_at_a_byte_a_channel():
+    """The server decodes a request's PNGs straight into one uint8 tensor, the client's exact pixels
+    (the reward gets them as floats a call's rows at a time): 48 incompressible 512 px images, a
+    48 MiB body, are held as 36 MiB, not as 144 MiB of float32 beside their decoded copies."""
+    import numpy as np
+
+    from stepgrpo.rewards.remote import decode_images, encode_images
+    from stepgrpo.runtime.memory import held_bytes
+
+    rng = np.random.default_rng(0)
+    pixels = torch.from_numpy(rng.integers(0, 256, (48, 3, 512, 512), dtype=np.uint8))
+    encoded = encode_images(pixels.float() / 255.0)
+    before = held_bytes()
+    decoded = decode_images(encoded, 512)
+    assert decoded.dtype == torch.uint8 and torch.equal(decoded, pixels)
+    assert held_bytes() - before <= 48 * 3 * 512 * 512 + (1 << 20)

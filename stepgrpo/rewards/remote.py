@@ -45,7 +45,7 @@ import torch
 from PIL import Image
 
 from stepgrpo.errors import StageError
-from stepgrpo.images import dequantize, quantize
+from stepgrpo.images import quantize
 from stepgrpo.rewards.base import REWARDS, RewardOutput
 
 MAX_BODY = 1 << 30  # bytes a server reads from one request, at most (`body_limit` sizes the default)
@@ -89,10 +89,12 @@ def encode_images(images: torch.Tensor) -> list[str]:
 
 
 def decode_images(encoded: Sequence[str], resolution: int | None = None) -> torch.Tensor:
-    """base64 PNG -> `[N, 3, H, W]` float32 in [0, 1] (exactly the client's 8-bit images). Every
-    image's size is read from its header and checked before any is decoded: against `resolution`
-    (a side) when given, and bounded (`MAX_IMAGE_PIXELS`, `MAX_REQUEST_PIXELS`): a small request of
-    huge PNGs must not allocate gigabytes."""
+    """base64 PNG -> `[N, 3, H, W]` uint8: the client's 8-bit images (`dequantize` makes them the
+    reward's float input, a batch at a time). Every image's size is read from its header and checked
+    before any is decoded: against `resolution` (a side) when given, and bounded (`MAX_IMAGE_PIXELS`,
+    `MAX_REQUEST_PIXELS`): a small request of huge PNGs must not allocate gigabytes. Each image is
+    decoded straight into its row of the result and its PNG bytes let go: the request's pixels are
+    held once, at a byte a channel."""
     opened, total = [], 0
     for i, e in enumerate(encoded):
         try:
@@ -123,8 +125,12 @@ def decode_images(encoded: Sequence[str], resolution: int | None = None) -> torc
         opened.append(image)
     if len({im.size for im in opened}) > 1:
         raise ValueError(f"the images of one request differ in size: {sorted({im.size for im in opened})}")
-    arrays = [np.asarray(im.convert("RGB")) for im in opened]
-    return dequantize(torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous())
+    width, height = opened[0].size if opened else (0, 0)
+    out = torch.empty((len(opened), 3, height, width), dtype=torch.uint8)
+    for i in range(len(opened)):
+        im, opened[i] = opened[i], None  # its PNG bytes go with it once decoded
+        out[i] = torch.from_numpy(np.array(im.convert("RGB"))).permute(2, 0, 1)
+    return out
 
 
 TRANSIENT_STATUS = (429, 502, 503, 504)  # answers worth another try: the server is busy or restarting

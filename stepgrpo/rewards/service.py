@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, Field
 
+from stepgrpo.images import dequantize
 from stepgrpo.rewards.base import Reward, RewardOutput, checked
 from stepgrpo.rewards.remote import PROTOCOL, TOKEN_ENV, body_limit, decode_images, image_id
 
@@ -133,9 +134,8 @@ class Batcher:
         for c0 in range(0, len(images), self.max_batch):
             rows = slice(c0, c0 + self.max_batch)
             self.calls += 1
-            parts.append(
-                checked(self.reward(images[rows], prompts[rows], metadata[rows]), len(images[rows]), self.reward.name)
-            )
+            chunk = dequantize(images[rows])  # the reward's float input, one call's rows at a time
+            parts.append(checked(self.reward(chunk, prompts[rows], metadata[rows]), len(chunk), self.reward.name))
         whole = _cat(parts)
         out, c0 = [], 0
         for r in batch:
