@@ -1,6 +1,6 @@
 """A policy's weights when the update shards them (`stepgrpo.loops.sharding`: FSDP2 turns each
-parameter into a `DTensor` of which a rank holds one shard): this rank's part of a tensor, a whole
-tensor gathered from the parts, and a whole tensor copied into a parameter as its shard. On a
+parameter into a `DTensor` of which a rank holds one shard): this rank's part of a tensor, and a
+whole tensor cut to, or copied into, a parameter's shard. On a
 policy that is not sharded each of these is the plain operation."""
 
 from __future__ import annotations
@@ -17,11 +17,6 @@ def is_sharded(t: torch.Tensor) -> bool:
 def local_shard(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of `t` (a sharded tensor's local shard; any other tensor itself)."""
     return t.to_local() if is_sharded(t) else t
-
-
-def whole(t: torch.Tensor) -> torch.Tensor:
-    """`t` whole (for a sharded tensor a collective: every rank must call it)."""
-    return t.full_tensor() if is_sharded(t) else t
 
 
 def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
