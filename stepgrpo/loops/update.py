@@ -125,6 +125,11 @@ def train(
     )
     backward = int(summary.pop("backward_rows"))
     used = memory.usage(audit=os.environ.get(MEMORY_AUDIT_ENV) == "1")  # before any whole tensor is gathered
+    ranks_seen: list[dict | None] = []
+    if parallel is not None and not sharded:  # the all-reduce update's other ranks publish nothing
+        backward, ranks_seen = _meet(parallel, backward, used)
+        if parallel.rank != 0:
+            return
     # whole tensors, as an unsharded update holds them (a sharded one gathers its shards: every rank)
     join = functools.partial(sharding.gathered, params=params) if sharded else dict
     tensors = {
@@ -142,13 +147,8 @@ def train(
             )
     if group is not None and companion is not None:
         tensors[group] = join(companion)
-    if parallel is not None:
-        import torch.distributed as dist
-
-        backward = int(parallel.sum(torch.tensor([float(backward)], dtype=torch.float64)))
-        ranks_seen: list[dict | None] = [None] * parallel.world
-        # who computed it, what each has loaded, the memory each used
-        dist.all_gather_object(ranks_seen, {**workspace.worker(), "memory": used})
+    if sharded:
+        backward, ranks_seen = _meet(parallel, backward, used)
         if parallel.rank != 0:
             return
     if parallel is None:
@@ -165,6 +165,17 @@ def train(
         inputs["ranks"] = ranks_seen
     # timings and counters go in the manifest, not the digested files: equal inputs, equal checkpoint bytes
     run.checkpoints.save_checkpoint(iteration, tensors, training.checkpoint_state(iteration, summary), inputs=inputs)
+
+
+def _meet(parallel: training.DataParallel, backward: int, used: dict) -> tuple[int, list[dict | None]]:
+    """Every rank's backward rows summed, and who computed the update: each rank's process, the
+    models it has loaded and the memory it used (a collective: every rank calls it)."""
+    import torch.distributed as dist
+
+    total = int(parallel.sum(torch.tensor([float(backward)], dtype=torch.float64)))
+    seen: list[dict | None] = [None] * parallel.world
+    dist.all_gather_object(seen, {**workspace.worker(), "memory": used})
+    return total, seen
 
 
 # set to 1: each update also records the bytes its live tensors hold (`memory.usage`; bench/scale/sharded.py)
