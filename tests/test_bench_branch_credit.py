@@ -26,7 +26,7 @@ def test_sibling_credit_is_read_against_outcome_at_equal_passes(tmp_path):
     from bench.branch_credit import branch_credit as bc
 
     s = bc.settings(argparse.Namespace(quick=False, out=tmp_path, iterations=None, records=tmp_path / "runs"))
-    s.ref_dirs = {"outcome_w3": [tmp_path / "grpo"]}
+    s.kept = {"outcome_w3": [tmp_path / "grpo"]}
     # outcome_w3: 808 NFEs stored an iteration -> 1224 passes rebuilt; tempflow 612 passes an iteration:
     # its 100 iterations (61,200) are outcome's 50
     grpo = record(s.argv("outcome_w3"), {i: 0.001 * i for i in range(0, 401, 25)}, 808, key="nfe")

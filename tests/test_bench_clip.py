@@ -77,11 +77,11 @@ def test_a_record_of_other_settings_is_not_read(clip, tmp_path):
     rec = json.loads(path.read_text())
     rec["argv"] = [x.replace("optimizer_steps=4", "optimizer_steps=2") for x in rec["argv"]]
     path.write_text(json.dumps(rec))
-    assert clip.load(s, "outcome_w9_k4", 0) is None
+    assert s.load("outcome_w9_k4", 0) is None
 
 
 def test_the_two_level_bootstrap_carries_both_spreads(clip):
-    from bench.credit_schemes._schemes import two_level
+    from bench._lib.stats import two_level
 
     assert two_level({0: [0.01] * 5, 1: [0.01] * 5}) == pytest.approx((0.01, 0.01, 0.01))
     m, lo, hi = two_level({0: [0.0, 0.02] * 10, 1: [0.01, 0.03] * 10, 2: [0.02, 0.04] * 10})

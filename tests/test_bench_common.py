@@ -1,4 +1,4 @@
-"""`bench/_common.setup_env`: a benchmark's `--out` holds everything it makes, its Prefect home too."""
+"""`bench._lib.common.setup_env`: a benchmark's `--out` holds everything it makes, its Prefect home too."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ def test_a_benchmark_keeps_its_prefect_home_under_its_out_directory(tmp_path):
     script = f"""
 import json, os
 from pathlib import Path
-from bench import _common
-_common.setup_env(Path({str(out)!r}))
+from bench._lib import common
+common.setup_env(Path({str(out)!r}))
 print(json.dumps({{k: os.environ[k] for k in ("PREFECT_HOME", "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS")}}))
 """
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_HOME"}
@@ -36,7 +36,7 @@ print(json.dumps({{k: os.environ[k] for k in ("PREFECT_HOME", "PREFECT_SERVER_EP
 
 
 def test_the_statistics_helpers_say_what_they_compute():
-    from bench._common import first_reach, mean_ci, moving_average
+    from bench._lib.common import first_reach, mean_ci, moving_average
 
     m, lo, hi = mean_ci([0.1, 0.2, 0.3, float("nan")])  # NaN skipped: three seeds
     assert m == pytest.approx(0.2) and lo < 0.2 < hi
@@ -49,7 +49,7 @@ def test_the_statistics_helpers_say_what_they_compute():
 def test_a_record_is_written_whole_and_names_paths_from_the_repository(tmp_path):
     import numpy as np
 
-    from bench._common import ROOT, relative, write_json
+    from bench._lib.common import ROOT, relative, write_json
 
     path = tmp_path / "deep" / "record.json"
     write_json(path, {"b": np.float32(0.5), "a": np.arange(3)})

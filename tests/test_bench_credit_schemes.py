@@ -16,15 +16,15 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "bench" / "credit_schemes" / "credit_schemes.py"
 
 
 @pytest.mark.skipif(not (ROOT / "models" / "shapes" / "model_index.json").is_file(), reason="needs the shipped model")
 def test_the_credit_scheme_benchmark_runs_and_reports_from_its_runs(tmp_path, server):
     # one Prefect server for its 10 `stepgrpo train` runs (else each starts a temporary one)
     env = {**server, "STEPGRPO_THREADS": "1"}
-    cmd = [sys.executable, str(SCRIPT), "--quick", "--jobs", "2", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=840)
+    cmd = [sys.executable, "-m", "bench.credit_schemes.credit_schemes", "--quick", "--jobs", "2"]
+    cmd += ["--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=840)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for name in ("summary.md", "claims.md", "heldout.csv", "curves.csv", "gains.csv", "ablations.csv", "heldout.png"):
         assert (tmp_path / name).is_file(), name
@@ -62,7 +62,7 @@ def test_the_credit_scheme_benchmark_runs_and_reports_from_its_runs(tmp_path, se
     assert a["sde_gap"]["stepwise"] and a["sde_gap"]["stepwise_ddim"]
 
     # a second call reads the finished runs back and trains nothing
-    again = subprocess.run(cmd + ["--report-only"], capture_output=True, text=True, env=env, timeout=300)
+    again = subprocess.run(cmd + ["--report-only"], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads((tmp_path / "analysis.json").read_text())["equal_trajectories"] == eq
 

@@ -35,7 +35,7 @@ def test_the_frontier_pairs_by_prompt_and_reads_grpo_at_equal_passes(frontier, t
     s = frontier.settings(
         argparse.Namespace(quick=False, out=tmp_path, iterations=None, records=tmp_path / "runs", overrides=[])
     )
-    s.grpo_dirs = {"outcome_w3": [tmp_path / "grpo"]}
+    s.kept = {"outcome_w3": [tmp_path / "grpo"]}
     # GRPO: 808 NFEs an iteration stored = the rollout's 640 + 168 update forwards (56 kept x 3
     # steps), the ODE reference's 80 not in them -> 808 + 80 + 2 x 168 = 1224 passes
     grpo = record(s.argv("outcome_w3"), {i: 0.001 * i for i in range(0, 401, 25)}, 808, key="nfe")
@@ -89,7 +89,7 @@ def test_a_grpo_record_s_rebuilt_passes_equal_one_iteration_run_again(arm, front
     """Iteration 0 of the recipe a kept GRPO record ran, run again through the pipeline (seed 0: the
     same prompts, noise and update), spends the passes the record's rebuild charges, counted stage
     by stage as they ran (`stepgrpo.reporting.costs`: rollout, ODE reference, update, backward)."""
-    from bench._common import ROOT
+    from bench._lib.common import ROOT
     from stepgrpo.flows.train import train
     from stepgrpo.reporting.costs import iteration_costs
     from stepgrpo.storage.run import Run
@@ -97,7 +97,7 @@ def test_a_grpo_record_s_rebuilt_passes_equal_one_iteration_run_again(arm, front
     s = frontier.settings(
         argparse.Namespace(quick=False, out=tmp_path, iterations=None, records=tmp_path / "runs", overrides=[])
     )
-    s.grpo_dirs = {k: v[2] for k, v in frontier.GRPO.items()}
+    s.kept = {k: v[2] for k, v in frontier.GRPO.items()}
     record = json.loads(s.record_path(arm, 0).read_text())
     assert "passes" not in record  # made before passes were stored: rebuilt
     argv = s.argv(arm)

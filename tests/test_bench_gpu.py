@@ -20,8 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_gpu_script_runs_end_to_end_on_the_cpu(tmp_path):
     env = {**os.environ, "STEPGRPO_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "gpu" / "gpu.py"), "--device", "cpu", "--small", "--out", str(tmp_path)],
+        [sys.executable, "-m", "bench.gpu.gpu", "--device", "cpu", "--small", "--out", str(tmp_path)],
         capture_output=True,
+        cwd=ROOT,
         text=True,
         env=env,
         timeout=600,
@@ -40,7 +41,8 @@ def test_the_end_to_end_iteration_script_runs_on_the_cpu(tmp_path, server):
     proc = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "bench" / "gpu" / "gpu_train.py"),
+            "-m",
+            "bench.gpu.gpu_train",
             "--small",
             "--device",
             "cpu",
@@ -49,6 +51,7 @@ def test_the_end_to_end_iteration_script_runs_on_the_cpu(tmp_path, server):
         ]
         + ["--prompts", "2", "--group", "2", "--recipe", str(ROOT / "configs" / "stepwise_pickscore.yaml")],
         capture_output=True,
+        cwd=ROOT,
         text=True,
         env=env,
         timeout=900,

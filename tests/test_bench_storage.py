@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_the_sd35_storage_benchmark_stores_both_stages(tmp_path):
     out = tmp_path / "storage.json"
-    cmd = [sys.executable, "bench/storage/storage_sd35.py", "--trajectories", "30", "--shard", "12"]
+    cmd = [sys.executable, "-m", "bench.storage.storage_sd35", "--trajectories", "30", "--shard", "12"]
     cmd += ["--dir", str(tmp_path)]
     proc = subprocess.run([*cmd, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

@@ -1,4 +1,4 @@
-"""`bench/credit_schemes/credit_schemes.py --regime w9` (`bench/credit_schemes_w9/_w9.py`) read from records
+"""`python -m bench.credit_schemes_w9.w9` (`bench/_lib/window.py`) read from records
 made by hand: the pairing by seed, the equal-compute reading of an outcome arm at its first evaluation with at least
 the arm's cost (flagged when it ran short), the claims and the report. Training itself is the same
 `stepgrpo train` as the early-window comparison's (tests/test_bench_credit_schemes.py)."""
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def w9():
-    from bench.credit_schemes_w9 import _w9
+    from bench._lib import window as _w9
 
     return _w9
 
@@ -167,7 +167,7 @@ def test_claims_v2_puts_each_claim_beside_its_early_window_row(w9, tmp_path):
 
 
 def test_the_cheap_regime_borrows_the_outcome_records_that_cover_its_runs(w9, tmp_path):
-    """`--regime cheap`: outcome records of the papers' regime are read where they hold the run asked
+    """The cheap regime: outcome records of the papers' regime are read where they hold the run asked
     for (the same argv, or more iterations of a constant learning rate); the cheap arm's own are
     written to its own records; claims v3 puts each claim beside version 2's."""
     a = argparse.Namespace(

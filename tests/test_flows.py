@@ -862,10 +862,10 @@ def test_rollout_step_rewards_cost_no_transformer_call_and_rescore_without_one(
 
 
 def test_the_oracle_bound_trains_on_monte_carlo_true_advantages(harness, tiny, tmp_path):
-    """bench/oracle/_oracle.py (benchmark only): every state's value from continuations with common random
+    """bench/_lib/oracle.py (benchmark only): every state's value from continuations with common random
     numbers, stored as value rows; the oracle scheme's advantages through the ordinary credit stage
     are `A*` at outcome's scale on the trained steps; the update trains on them."""
-    from bench.oracle._oracle import ORACLE, oracle_train
+    from bench._lib.oracle import ORACLE, oracle_train
     from stepgrpo.storage.run import Run
     from stepgrpo_core.quality import oracle_advantages
     from stepgrpo_core.registry import allow

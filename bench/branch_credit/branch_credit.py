@@ -50,14 +50,13 @@ Resumable.
 from __future__ import annotations
 
 import argparse
-import json
-import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench._common import OUT_DIR, ROOT, relative, write_json
+from bench._lib.common import ROOT
+from bench._lib.compute import at_equal_compute, contrast, fmt_pooled, grpo_passes
+from bench._lib.runner import Screen, screen, screen_arguments
+from bench._lib.stats import pooled
 
 DOCS = ROOT / "docs" / "bench"
 RECORDS = DOCS / "branch_credit" / "runs"
@@ -110,75 +109,14 @@ AGAINST = {
     "tempflow_jpeg": ("outcome_jpeg",),
     "tree_jpeg": ("outcome_jpeg",),
 }
-FULL = {"iterations": 100, "eval_every": 25, "set": ["run.eval_seeds=8"]}
-QUICK = {
-    "iterations": 2,
-    "eval_every": 1,
-    "set": ["run.prompts_per_iteration=2", "run.group_size=4", "run.eval_prompts=8", "run.eval_seeds=1"],
-}
-
-
-@dataclass
-class Screen:
-    iterations: int
-    eval_every: int
-    overrides: list[str]
-    out: Path
-    records: Path
-    ref_dirs: dict[str, list[Path]] = field(default_factory=dict)
-
-    def argv(self, arm: str) -> list[str]:
-        config, sets = ARMS[arm] if arm in ARMS else REFS[arm][:2]
-        return [
-            config,
-            *self.overrides,
-            *sets,
-            f"run.iterations={self.iterations}",
-            f"run.eval_every={self.eval_every}",
-        ]
-
-    def load(self, arm: str, seed: int) -> dict[str, Any] | None:
-        from bench.credit_schemes_w9._w9 import covers
-
-        for d in [self.records, *self.ref_dirs.get(arm, [])]:
-            p = d / arm / f"seed_{seed}.json"
-            if p.is_file() and covers((r := json.loads(p.read_text()))["argv"], self.argv(arm)):
-                return r
-        return None
 
 
 def settings(a: argparse.Namespace) -> Screen:
-    p = QUICK if a.quick else FULL
-    out = (a.out or OUT_DIR / ("branch_credit_quick" if a.quick else "branch_credit")).resolve()
-    return Screen(
-        iterations=a.iterations or p["iterations"],
-        eval_every=p["eval_every"],
-        overrides=list(p["set"]),
-        out=out,
-        records=(a.records or (out / "records" if a.quick else RECORDS)).resolve(),
-        ref_dirs={} if a.quick else {k: v[2] for k, v in REFS.items()},
-    )
-
-
-def train_one(s: Screen, arm: str, seed: int, stepgrpo: Any) -> None:
-    from bench.credit_schemes_w9._w9 import record_of
-    from bench.learning.learning import run_seed
-
-    if s.load(arm, seed) is not None:
-        return
-    out = s.out / arm
-    out.mkdir(parents=True, exist_ok=True)
-    argv = s.argv(arm)
-    t0 = time.perf_counter()
-    done = run_seed(argv[0], seed, argv[1:], out, stepgrpo)
-    write_json(s.records / arm / f"seed_{seed}.json", record_of(done["run_dir"], argv))  # passes per stage as run
-    print(f"{arm} seed {seed}: recorded after {time.perf_counter() - t0:.0f} s", flush=True)
+    recipes = ARMS | {arm: v[:2] for arm, v in REFS.items()}
+    return screen(a, "branch_credit", recipes, RECORDS, kept={k: v[2] for k, v in REFS.items()})
 
 
 def analyse(s: Screen, seeds: int = 6) -> dict[str, Any]:
-    from bench.credit_schemes_clip.clip import pooled
-    from bench.frontier.frontier import at_equal_compute, contrast, grpo_passes
-
     N = s.iterations
     rec = {(a, k): r for a in [*ARMS, *REFS] for k in range(seeds) if (r := s.load(a, k))}
     out: dict[str, Any] = {"iterations": N, "arms": {}, "equal_trajectories": {}, "equal_passes": {}}
@@ -203,8 +141,6 @@ def analyse(s: Screen, seeds: int = 6) -> dict[str, Any]:
 
 
 def summary_md(a: dict[str, Any]) -> str:
-    from bench.frontier.frontier import fmt
-
     N = a["iterations"]
     lines = [f"### Branched rollouts after {N} iterations (held-out gain over each run's base)", ""]
     lines += ["| arm | seeds | gain per seed | passes / iteration |", "|---|---|---|---|"]
@@ -212,41 +148,24 @@ def summary_md(a: dict[str, Any]) -> str:
         g = ", ".join(f"{x:+.3f}" for x in v["gain"].values())
         lines.append(f"| {arm} | {len(v['seeds'])} | {g} | {v['passes_per_iteration']:.0f} |")
     lines += ["", "#### Equal trajectories (both after the same iterations)", ""]
-    lines += [f"- {k}: {fmt(v)}" for k, v in a["equal_trajectories"].items()]
+    lines += [f"- {k}: {fmt_pooled(v)}" for k, v in a["equal_trajectories"].items()]
     lines += ["", "#### Equal passes (the reference at its evaluation nearest the arm's passes, within 15 %)", ""]
     for k, v in a["equal_passes"].items():
         at = ", ".join(str(i) for i, _ in v["outcome_read_at"])
-        lines.append(f"- {k}, the arm at {v['at']} iterations (the reference at {at}): {fmt(v)}; beats it: "
+        lines.append(f"- {k}, the arm at {v['at']} iterations (the reference at {at}): {fmt_pooled(v)}; beats it: "
                      f"{'yes' if v['beats'] else 'no'}")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="every path at tiny settings")
-    ap.add_argument("--iterations", type=int)
-    ap.add_argument("--seeds", type=int, help="at most this many seeds an arm")
-    ap.add_argument("--arms", nargs="+", choices=list(ARMS))
-    ap.add_argument("--jobs", type=int, default=1, help="runs at once (one torch thread each)")
-    ap.add_argument("--out", type=Path)
-    ap.add_argument("--records", type=Path)
-    ap.add_argument("--report-only", action="store_true")
-    a = ap.parse_args()
+    a = screen_arguments(__doc__.split("\n\n")[0], list(ARMS)).parse_args()
     s = settings(a)
     seeds = a.seeds or (1 if a.quick else 6)
     if not a.report_only:
-        from bench._warm import Stepgrpo
-
         arms = a.arms or list(ARMS)
-        jobs = [(arm, k) for k in range(seeds) for arm in arms if k < SEEDS.get(arm, seeds)]
-        with Stepgrpo(a.jobs, s.out) as stepgrpo, ThreadPoolExecutor(a.jobs) as pool:
-            list(pool.map(lambda job: train_one(s, *job, stepgrpo), jobs))
+        s.run([(arm, k) for k in range(seeds) for arm in arms if k < SEEDS.get(arm, seeds)], a.jobs)
     analysis = analyse(s, seeds)
-    dest = s.out if a.quick else RECORDS.parent
-    write_json(dest / "analysis.json", analysis)
-    (dest / "summary.md").write_text(summary_md(analysis))
-    print((dest / "summary.md").read_text())
-    print(f"wrote {relative(dest)}/summary.md and analysis.json")
+    s.report(analysis, summary_md(analysis))
 
 
 if __name__ == "__main__":

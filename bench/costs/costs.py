@@ -20,7 +20,7 @@ On the shipped `models/shapes` model (CPU unless `--device`), with the benchmark
    on a copy of the run without them, from a VAE decode of the stored latents.
 6. The store against raw writes: `bench/storage/storage.py` (a realistic SD3 rollout), its output quoted.
 
-    python bench/costs/costs.py [--iterations 3] [--prompts 4] [--group-size 4] [--threads 1]
+    python -m bench.costs.costs [--iterations 3] [--prompts 4] [--group-size 4] [--threads 1]
 """
 
 from __future__ import annotations
@@ -33,11 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-if __name__ == "__main__":  # `python bench/costs/costs.py`: the repository, not bench/, first on the path
-    sys.path[0] = str(Path(__file__).resolve().parents[2])
-
 from bench import _common
-from bench._common import COMMON, OUT_DIR, ROOT, write_json
+from bench._lib.common import COMMON, OUT_DIR, ROOT, write_json
 
 METHODS = (None, "remaining", "substeps:2", "tweedie")
 SCHEMES = ("outcome", "stepwise", "dense", "turning_point")

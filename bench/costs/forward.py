@@ -13,7 +13,7 @@ The model is the shipped `models/shapes`; if it has not been built yet, a random
 of the same architecture (`ModelSpec()`, same cost per forward) stands in and the header says so.
 No CFG (guidance 1): one transformer row per NFE, so the ratios compare like with like.
 
-    python bench/costs/forward.py [--batch-sizes 8 32 64 128] [--steps 10] [--trajectories 8]
+    python -m bench.costs.forward [--batch-sizes 8 32 64 128] [--steps 10] [--trajectories 8]
 """
 
 from __future__ import annotations

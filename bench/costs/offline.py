@@ -1,7 +1,7 @@
 """The offline commands end to end: each started the way a user starts it, with Prefect's
 temporary server (the default) and with a kept server (`stepgrpo server start`), in one run.
 
-    python bench/costs/offline.py [--out DIR] [--repeats 3]
+    python -m bench.costs.offline [--out DIR] [--repeats 3]
 
 It trains one small iteration of the shipped DenseGRPO recipe (not timed), then times, as whole
 processes, `stepgrpo inspect`, `rescore --reward jpeg_compressibility` and
@@ -21,10 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-if __name__ == "__main__":  # `python bench/costs/offline.py`: the repository, not bench/, first on the path
-    sys.path[0] = str(Path(__file__).resolve().parents[2])
-
-from bench._common import OUT_DIR, ROOT, setup_env
+from bench._lib.common import OUT_DIR, ROOT, setup_env
 
 STEPGRPO = [sys.executable, "-m", "stepgrpo_cli"]
 COMMANDS = {

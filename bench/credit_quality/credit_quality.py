@@ -14,9 +14,9 @@ resumable: a stored iteration and a stored check are reused. Written to `--out` 
 `steps.csv` (the per-step table), `screen.png` (cosine per scheme per configuration, with
 intervals) and `summary.md` (the table and the regimes read off it).
 
-    .venv/bin/python bench/credit_quality/credit_quality.py                 # the screen of docs/BENCHMARKS.md (~1 h)
-    .venv/bin/python bench/credit_quality/credit_quality.py --quick         # every path at tiny settings (~2 min)
-    .venv/bin/python bench/credit_quality/credit_quality.py --methods       # the estimators judged per NFE (below)
+    .venv/bin/python -m bench.credit_quality.credit_quality                 # the screen of docs/BENCHMARKS.md (~1 h)
+    .venv/bin/python -m bench.credit_quality.credit_quality --quick         # every path at tiny settings (~2 min)
+    .venv/bin/python -m bench.credit_quality.credit_quality --methods       # the estimators judged per NFE (below)
 
 `--methods`: the same stored iterations (a = 0.7) judged with the step rewards of every completion
 method (`stepgrpo credit-quality --method`: `remaining`, `substeps:1/2/3/5`, `tweedie`, `rollout`,
@@ -35,13 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-if (
-    __name__ == "__main__"
-):  # `python bench/credit_quality/credit_quality.py`: the repository, not bench/, first on the path
-    sys.path[0] = str(Path(__file__).resolve().parents[2])
-
-from bench._common import ROOT, machine, relative, write_json
-from bench._warm import Stepgrpo
+from bench._lib.common import ROOT, machine, relative, write_json
+from bench._lib.warm import Stepgrpo
 
 WINDOWS = (3, 6, 9)
 NOISES = (0.5, 0.7)

@@ -3,7 +3,7 @@ equal compute, with the papers' ablations and a table of their claims.
 
 Every run is one `stepgrpo train --config configs/shapes_<scheme>.yaml --set run.seed=S` (one
 torch thread, exactly what a user runs; `bench/learning/learning.py` runs it in a warm worker process,
-`bench/_warm.py`). The
+`bench/_lib/warm.py`). The
 four schemes share everything but their credit: the shipped model and `shapes` reward, 8 prompts x
 8 samples an iteration, the `flow` SDE on steps 0-2, one AdamW step an iteration. Seed `S` of
 every scheme sees the same prompts and initial noise in every iteration, and its held-out
@@ -29,10 +29,10 @@ stated rule), `heldout.csv`, `curves.csv`, `gains.csv`, `ablations.csv`, `sde_ga
 `gain_heatmap.png`, `ablations.png`. Runs are resumable: a finished run is read back, not redone;
 `--report-only` only reads and reports.
 
-    .venv/bin/python bench/credit_schemes/credit_schemes.py --jobs 2      # the comparison of docs/BENCHMARKS.md
-    .venv/bin/python bench/credit_schemes/credit_schemes.py --quick       # every path at tiny settings (~2 min)
-    python bench/credit_schemes/credit_schemes.py --gpu                   # on a CUDA machine: 8x the trajectories
-    .venv/bin/python bench/credit_schemes/credit_schemes.py --regime w9   # the papers' regime (_w9.py), resumable
+    .venv/bin/python -m bench.credit_schemes.credit_schemes --jobs 2      # the comparison of docs/BENCHMARKS.md
+    .venv/bin/python -m bench.credit_schemes.credit_schemes --quick       # every path at tiny settings (~2 min)
+    python -m bench.credit_schemes.credit_schemes --gpu                   # on a CUDA machine: 8x the trajectories
+    .venv/bin/python -m bench.credit_schemes_w9.w9       # the papers' regime (docs/bench/credit_schemes_w9), resumable
 """
 
 from __future__ import annotations
@@ -43,22 +43,16 @@ import csv
 import json
 import math
 import statistics
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-if (
-    __name__ == "__main__"
-):  # `python bench/credit_schemes/credit_schemes.py`: the repository, not bench/, first on the path
-    sys.path[0] = str(Path(__file__).resolve().parents[2])
-
-from bench._common import OUT_DIR, machine, mean_ci, read_run, relative, write_json
-from bench._warm import Stepgrpo
-from bench.credit_schemes._schemes import ci, claims_md, crossing, fmt, paired, read_evals, verdict
-from bench.learning.learning import run_seed
+from bench._lib.common import OUT_DIR, machine, mean_ci, read_run, relative, write_json
+from bench._lib.runner import run_seed
+from bench._lib.stats import ci, claims_md, crossing, fmt, paired, read_evals, verdict
+from bench._lib.warm import Stepgrpo
 
 # name -> (shipped config, overrides on it)
 CONFIGS: dict[str, tuple[str, list[str]]] = {
@@ -897,29 +891,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--jobs", type=int, help="runs at once (one torch thread each)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--report-only", action="store_true", help="read the finished runs and report")
-    ap.add_argument(
-        "--regime",
-        choices=("w3", "w9", "cheap"),
-        default="w3",
-        help="w3: the shipped early-window recipes and the papers' ablations (default); "
-        "w9: the papers' 9-step window against outcome at W9 and W3 (bench/credit_schemes_w9/_w9.py)",
-    )
-    ap.add_argument("--records", type=Path, help="--regime w9: where the finished runs' records are kept")
     return ap
 
 
 def main() -> None:
     ap = parser()
     a = ap.parse_args()
-    if a.regime in ("w9", "cheap"):
-        if a.gpu and not a.report_only:
-            import torch
-
-            if not torch.cuda.is_available():
-                ap.error("--gpu needs a CUDA GPU (torch sees none); on a CPU run the default or --quick")
-        from bench.credit_schemes_w9 import _w9
-
-        return _w9.main(a)
     s = settings(a)
     if a.gpu and not a.report_only:
         import torch

@@ -6,7 +6,7 @@ rule, re-implemented here) split and ranked by each turning point's `R_T - R_k` 
 one-signed batch; version 2 (`stepgrpo_core.credit`, as the authors' code) splits and ranks by
 the trajectory's `R_T - R_0` and keeps every turning point of a one-signed batch.
 
-    python bench/credit_schemes/turning_points.py [--batches 10] [--seed 0]
+    python -m bench.credit_schemes.turning_points [--batches 10] [--seed 0]
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """What an iteration of step-level credit from the rollout's own predictions costs against outcome's,
 measured in one run: transformer NFEs and seconds per stage (`stepgrpo inspect --json`).
 
-    .venv/bin/python bench/credit_schemes_cheap/cheap_cost.py   # W = 9: outcome, dense@rollout, dense@remaining
-    .venv/bin/python bench/credit_schemes_cheap/cheap_cost.py --quick       # every path at tiny settings
+    .venv/bin/python -m bench.credit_schemes_cheap.cheap_cost   # W = 9: outcome, dense@rollout, dense@remaining
+    .venv/bin/python -m bench.credit_schemes_cheap.cheap_cost --quick       # every path at tiny settings
 
 The arms are trained in turns, `--chunk` iterations at a time (each run extended by the same command
 with more `run.iterations`), so a load that comes and goes falls on all of them alike; one torch
@@ -19,13 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-if (
-    __name__ == "__main__"
-):  # `python bench/credit_schemes_cheap/cheap_cost.py`: the repository, not bench/, first on the path
-    sys.path[0] = str(Path(__file__).resolve().parents[2])
-
-from bench._common import ROOT, machine, relative, write_json
-from bench._warm import Stepgrpo
+from bench._lib.common import ROOT, machine, relative, write_json
+from bench._lib.warm import Stepgrpo
 
 ARMS = {
     "outcome_w9": ["--config", "configs/shapes_outcome_w9.yaml"],

@@ -37,15 +37,15 @@ Durable state: one record per finished run (`RECORDS/<arm>/seed_<S>.json`: argv,
 training rewards, every held-out evaluation's per-sample scores, and the update's clip diagnostics
 per iteration). Run directories (`--out`) are scratch. Resumable: a recorded run is skipped.
 
-    .venv/bin/python bench/credit_schemes_clip/clip.py --jobs 2            # the screen (background it; ~10 core-hours)
-    .venv/bin/python bench/credit_schemes_clip/clip.py --report-only        # the tables from the records so far
-    .venv/bin/python bench/credit_schemes_clip/clip.py --arms outcome_w3_k4 --iterations 300 --seeds 3
-    .venv/bin/python bench/credit_schemes_clip/clip.py --arms outcome_w3 --iterations 400
+    .venv/bin/python -m bench.credit_schemes_clip.clip --jobs 2            # the screen (background it; ~10 core-hours)
+    .venv/bin/python -m bench.credit_schemes_clip.clip --report-only        # the tables from the records so far
+    .venv/bin/python -m bench.credit_schemes_clip.clip --arms outcome_w3_k4 --iterations 300 --seeds 3
+    .venv/bin/python -m bench.credit_schemes_clip.clip --arms outcome_w3 --iterations 400
                                      # the shipped recipe's kept records of seeds 3-5 (175 iterations) made
                                      # longer, here (the frontier reads its objectives against them at equal passes)
                                      # the shipped window's candidate over the shipped recipe's 300 iterations
                                      # (read with --report-only --iterations 300 --seeds 3: summary_300.md)
-    .venv/bin/python bench/credit_schemes_clip/clip.py --quick --out DIR    # every path at tiny settings
+    .venv/bin/python -m bench.credit_schemes_clip.clip --quick --out DIR    # every path at tiny settings
 """
 
 from __future__ import annotations
@@ -53,17 +53,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-if __name__ == "__main__":  # `python bench/credit_schemes_clip/clip.py`: the repository, not bench/, first on the path
-    sys.path[0] = str(Path(__file__).resolve().parents[2])
-
-from bench._common import OUT_DIR, ROOT, mean_ci, relative, write_json
+from bench._lib.common import ROOT
+from bench._lib.runner import FULL, QUICK, Screen, screen, screen_arguments
+from bench._lib.stats import by_prompt, pooled
 
 DOCS = ROOT / "docs" / "bench"
 RECORDS = DOCS / "credit_schemes_clip" / "runs"
@@ -123,60 +118,17 @@ PHASES: list[tuple[tuple[str, ...], int]] = [
 # overrides), read against the one-step oracle of docs/bench/credit_schemes_oracle at 50 iterations
 ORACLE_ARM, ORACLE_ONE_STEP = "oracle_w9_k4", DOCS / "credit_schemes_oracle" / "runs" / "oracle_w9"
 ORACLE_SEEDS, ORACLE_ITERATIONS = 3, 50
-FULL = {"iterations": 100, "eval_every": 25, "set": ["run.eval_seeds=8"]}
-QUICK = {
-    "iterations": 2,
-    "eval_every": 1,
-    "set": ["run.prompts_per_iteration=2", "run.group_size=4", "run.eval_prompts=8", "run.eval_seeds=1"],
-}
 
 
-@dataclass
-class Screen:
-    iterations: int
-    eval_every: int
-    overrides: list[str]
-    out: Path
-    records: Path
-    quick: bool = False
-    one_step_dirs: dict[str, list[Path]] = field(default_factory=dict)
-
-    def argv(self, arm: str) -> list[str]:
-        config, sets = (ARMS[arm][0], ARMS[arm][1]) if arm in ARMS else ONE_STEP[arm][:2]
-        return [
-            config,
-            *self.overrides,
-            *sets,
-            f"run.iterations={self.iterations}",
-            f"run.eval_every={self.eval_every}",
-        ]
-
-    def record_path(self, arm: str, seed: int) -> Path:
-        """The arm's record of `seed`: this screen's own, or (a one-step arm) a kept record that covers it."""
-        from bench.credit_schemes_w9._w9 import covers
-
-        for d in [self.records, *self.one_step_dirs.get(arm, [])]:
-            p = d / arm / f"seed_{seed}.json"
-            if p.is_file() and covers(json.loads(p.read_text())["argv"], self.argv(arm)):
-                return p
-        return self.records / arm / f"seed_{seed}.json"
+def recipes() -> dict[str, tuple[str, list[str]]]:
+    return {arm: (v[0], v[1]) for arm, v in ARMS.items()} | {arm: v[:2] for arm, v in ONE_STEP.items()}
 
 
 def settings(a: argparse.Namespace) -> Screen:
-    p = QUICK if a.quick else FULL
-    out = (a.out or OUT_DIR / ("clip_quick" if a.quick else "clip")).resolve()
-    return Screen(
-        iterations=a.iterations or p["iterations"],
-        eval_every=p["eval_every"],
-        overrides=list(p["set"]) + a.overrides,
-        out=out,
-        records=(a.records or (out / "records" if a.quick else RECORDS)).resolve(),
-        quick=a.quick,
-        one_step_dirs={} if a.quick else {k: v[2] for k, v in ONE_STEP.items()},
-    )
+    return screen(a, "clip", recipes(), RECORDS, kept={k: v[2] for k, v in ONE_STEP.items()})
 
 
-def queue(s: Screen, seeds: int | None = None, only: list[str] | None = None) -> list[tuple[str, int]]:
+def queue(seeds: int | None = None, only: list[str] | None = None) -> list[tuple[str, int]]:
     """The runs in the order they are taken (`only`: just these arms)."""
     jobs = []
     for arms, n in PHASES:
@@ -185,9 +137,9 @@ def queue(s: Screen, seeds: int | None = None, only: list[str] | None = None) ->
     return jobs
 
 
-def update_diagnostics(run_dir: Path) -> list[dict[str, Any]]:
-    """The update's clip diagnostics of every iteration (its checkpoint's state)."""
-    from bench._common import open_run_once
+def update_diagnostics(run_dir: Path) -> dict[str, Any]:
+    """The update's clip diagnostics of every iteration (its checkpoint's state), kept in the record."""
+    from bench._lib.common import open_run_once
 
     run = open_run_once(run_dir)
     keep = ("clip_frac", "zero_grad_frac", "clip_frac_later", "zero_grad_frac_later", "approx_kl", "ratio_std")
@@ -198,48 +150,15 @@ def update_diagnostics(run_dir: Path) -> list[dict[str, Any]]:
         for k in ("clip_frac_by_part", "zero_grad_frac_by_part", "clip_frac_later_by_step"):
             row[k] = u.get(k)
         rows.append(row)
-    return rows
-
-
-def train_one(s: Screen, arm: str, seed: int, stepgrpo: Any) -> None:
-    from bench.credit_schemes_w9._w9 import covers, record_of
-    from bench.learning.learning import run_seed
-
-    path = s.record_path(arm, seed)
-    if path.is_file() and covers(json.loads(path.read_text())["argv"], s.argv(arm)):
-        return
-    out = s.out / arm
-    out.mkdir(parents=True, exist_ok=True)
-    argv = s.argv(arm)
-    t0 = time.perf_counter()
-    done = run_seed(argv[0], seed, argv[1:], out, stepgrpo)
-    rec = record_of(done["run_dir"], argv) | {"update": update_diagnostics(done["run_dir"])}
-    write_json(path, rec)
-    print(f"{arm} seed {seed}: recorded after {time.perf_counter() - t0:.0f} s", flush=True)
+    return {"update": rows}
 
 
 # --------------------------------------------------------------------------------- analysis
 
 
-def load(s: Screen, arm: str, seed: int) -> dict[str, Any] | None:
-    from bench.credit_schemes_w9._w9 import covers
-
-    p = s.record_path(arm, seed)
-    if not p.is_file():
-        return None
-    r = json.loads(p.read_text())
-    return r if covers(r["argv"], s.argv(arm)) else None
-
-
 def scores(r: dict[str, Any], it: int) -> tuple[list[float], int]:
     e = r["evals"][str(it)]
     return e["scores"], int(e["prompts"])
-
-
-def by_prompt(values: list[float], prompts: int) -> list[float]:
-    """Per-sample values (seed-major) averaged over each prompt's noise seeds."""
-    seeds = len(values) // prompts
-    return [sum(values[j * prompts + p] for j in range(seeds)) / seeds for p in range(prompts)]
 
 
 def contrast(runs: list[tuple[Any, ...]], it: int) -> dict[str, Any] | None:
@@ -261,28 +180,9 @@ def contrast(runs: list[tuple[Any, ...]], it: int) -> dict[str, Any] | None:
     return {"mean": sum(per_prompt) / len(per_prompt), "prompts": per_prompt}
 
 
-def pooled(rows: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """Per seed, over seeds (t-interval), and clustered by prompt (each prompt averaged over seeds)."""
-    from bench.credit_schemes._schemes import two_level
-    from stepgrpo.reporting.report import mean_interval
-
-    seeds = sorted(rows)
-    out: dict[str, Any] = {"per_seed": {str(k): rows[k]["mean"] for k in seeds}, "n": len(seeds)}
-    m, lo, hi = mean_ci([rows[k]["mean"] for k in seeds])
-    out["seeds"] = {"mean": m, "lo": lo, "hi": hi}
-    if seeds:
-        P = len(rows[seeds[0]]["prompts"])
-        per_prompt = [sum(rows[k]["prompts"][p] for k in seeds) / len(seeds) for p in range(P)]
-        m, lo, hi = mean_interval(per_prompt)
-        out["prompts"] = {"mean": m, "lo": lo, "hi": hi}
-        m, lo, hi = two_level({k: rows[k]["prompts"] for k in seeds})
-        out["bootstrap"] = {"mean": m, "lo": lo, "hi": hi}
-    return out
-
-
 def analyse(s: Screen, seeds: int = 6) -> dict[str, Any]:
     N = s.iterations
-    rec = {(arm, k): r for arm in [*ARMS, *ONE_STEP] for k in range(seeds) if (r := load(s, arm, k))}
+    rec = {(arm, k): r for arm in [*ARMS, *ONE_STEP] for k in range(seeds) if (r := s.load(arm, k))}
     out: dict[str, Any] = {"iterations": N, "arms": {}, "vs_one_step": {}, "credit": {}, "k2_vs_k4": {}}
     for arm in [*ARMS, *ONE_STEP]:
         mine = {k: r for (a, k), r in rec.items() if a == arm}
@@ -345,11 +245,11 @@ def oracle_did(s: Screen, rec: dict[tuple[str, int], dict[str, Any]]) -> dict[st
 
 def train_oracle(s: Screen, seed: int) -> None:
     """One oracle run where the clip binds (bench/oracle/oracle.py's runner: its own process and server)."""
-    from bench.oracle import oracle
+    from bench._lib.oracle import PRESETS, train
 
-    p = dict(oracle.PRESETS["full"])
+    p = dict(PRESETS["full"])
     p["set"] = [*p["set"], "optim.optimizer_steps=4", *BIND]
-    oracle.train(p, seed, s.out / ORACLE_ARM, s.records, ORACLE_ARM)
+    train(p, seed, s.out / ORACLE_ARM, s.records, ORACLE_ARM)
 
 
 def paired(
@@ -442,7 +342,7 @@ def claims(s: Screen, rec: dict[tuple[str, int], dict[str, Any]], seeds: int) ->
 
 
 def claims_md(rows: list[dict[str, Any]], iterations: int) -> str:
-    from bench.credit_schemes._schemes import ci
+    from bench._lib.stats import ci
 
     def cell(v: dict[str, Any] | None) -> str:
         if v is None:
@@ -486,7 +386,7 @@ def clip_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def summary_md(a: dict[str, Any]) -> str:
-    from bench.credit_schemes._schemes import ci, fmt
+    from bench._lib.stats import ci, fmt
 
     def iv(v: dict[str, float]) -> str:
         return ci(v) if v.get("lo") == v.get("lo") else fmt(v["mean"]) + " (one seed)"
@@ -568,42 +468,23 @@ def summary_md(a: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="every path at tiny settings")
-    ap.add_argument("--iterations", type=int)
-    ap.add_argument("--seeds", type=int, help="at most this many seeds an arm")
-    ap.add_argument("--jobs", type=int, default=1, help="runs at once (one torch thread each)")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], help="key=value on every run")
-    ap.add_argument("--out", type=Path)
-    ap.add_argument("--records", type=Path)
-    ap.add_argument("--report-only", action="store_true")
-    ap.add_argument(
-        "--arms", nargs="+", choices=[*ARMS, *ONE_STEP, ORACLE_ARM], help="train only these arms (a kept one: longer)"
-    )
-    a = ap.parse_args()
+    a = screen_arguments(__doc__.split("\n\n")[0], [*ARMS, *ONE_STEP, ORACLE_ARM]).parse_args()
     s = settings(a)
     seeds = a.seeds or (1 if a.quick else 6)
     if not a.report_only:
-        from bench._warm import Stepgrpo
-
-        if jobs := queue(s, seeds, a.arms):
-            with Stepgrpo(a.jobs, s.out) as stepgrpo, ThreadPoolExecutor(a.jobs) as pool:
-                list(pool.map(lambda job: train_one(s, *job, stepgrpo), jobs))
+        if jobs := queue(seeds, a.arms):
+            s.run(jobs, a.jobs, extra=update_diagnostics)
         if not a.quick and (not a.arms or ORACLE_ARM in a.arms):  # the oracle where the clip binds, a run at a time
-            from bench.oracle._oracle import ORACLE
+            from bench._lib.oracle import ORACLE
             from stepgrpo_core.registry import allow
 
             allow(ORACLE)
             for seed in range(min(seeds, ORACLE_SEEDS)):
                 train_oracle(s, seed)
     analysis = analyse(s, seeds)
-    dest = s.out if a.quick else RECORDS.parent
     # another length (the 300-iteration check of the shipped window) is read into files of its own
     tag = "" if s.iterations == (QUICK if a.quick else FULL)["iterations"] else f"_{s.iterations}"
-    write_json(dest / f"analysis{tag}.json", analysis)
-    (dest / f"summary{tag}.md").write_text(summary_md(analysis))
-    print((dest / f"summary{tag}.md").read_text())
-    print(f"wrote {relative(dest)}/summary{tag}.md and analysis{tag}.json")
+    s.report(analysis, summary_md(analysis), tag)
 
 
 if __name__ == "__main__":

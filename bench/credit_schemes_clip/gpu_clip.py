@@ -1,8 +1,8 @@
 """The papers' optimizer at SD3.5-Medium's shape: does the PPO clip bind there as it does on the
 shipped model? (docs/bench/credit_schemes_clip/README.md; the CPU screen is `bench/credit_schemes_clip/clip.py`.)
 
-    python bench/credit_schemes_clip/gpu_clip.py [--out bench/out/gpu_clip]   # on a CUDA machine (~5 min, one H100)
-    python bench/credit_schemes_clip/gpu_clip.py --small --device cpu          # every code path at toy sizes, on a CPU
+    python -m bench.credit_schemes_clip.gpu_clip [--out bench/out/gpu_clip]   # on a CUDA machine (~5 min, one H100)
+    python -m bench.credit_schemes_clip.gpu_clip --small --device cpu          # every code path at toy sizes, on a CPU
 
 Two arms of `configs/flow_grpo_pickscore.yaml` (Flow-GRPO's recipe: its clip 1e-4), each
 `--iterations` iterations of `stepgrpo train` with four AdamW steps a sampled batch (the CPU
@@ -21,23 +21,13 @@ the policy's noise, which random weights share with a trained model only roughly
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-if (
-    __name__ == "__main__"
-):  # `python bench/credit_schemes_clip/gpu_clip.py`: the repository, not bench/, first on the path
-    sys.path[0] = str(Path(__file__).resolve().parents[2])
+from bench._lib.gpu import REPO, device_name, gpu_arguments, prepare, train, write_report
 
-from bench.gpu.gpu_train import build_policy, build_reward
-
-REPO = Path(__file__).resolve().parents[2]
 RECORDS = REPO / "docs" / "bench" / "credit_schemes_clip" / "runs"
 BIND = {"optim.optimizer_steps": "4", "optim.clip_range": "0.0001"}
 ARMS: dict[str, tuple[dict[str, str], str]] = {  # arm -> (overrides, the CPU screen's arm)
@@ -78,51 +68,20 @@ def fmt(values: Any) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = gpu_arguments(__doc__.split("\n\n")[0], "gpu_clip")
     p.add_argument("--recipe", type=Path, default=REPO / "configs" / "flow_grpo_pickscore.yaml")
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "gpu_clip")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--small", action="store_true", help="toy sizes (with --device cpu: try the script on a CPU)")
     p.add_argument("--iterations", type=int, default=3)
-    p.add_argument("--prompts", type=int, default=4, help="prompts per iteration")
-    p.add_argument("--group", type=int, default=8, help="trajectories per prompt")
     args = p.parse_args()
-    import torch
-
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("--device cuda but torch sees no CUDA device; use --small --device cpu to try the script")
-    args.out.mkdir(parents=True, exist_ok=True)
-    model, reward = args.out / "policy", args.out / "reward"
-    if not (model / "model_index.json").is_file():
-        build_policy(model, args.small)
-    if not (reward / "config.json").is_file():
-        build_reward(reward, args.small)
-    prompts = args.out / "prompts.txt"
-    lines = [f"a photo of a {c} {t}" for t in ("cat", "dog", "car", "tree", "house") for c in ("red", "blue", "green")]
-    prompts.write_text("\n".join(lines) + "\n")
-    dtype = "float32" if args.device == "cpu" else "bfloat16"
-    common = {
-        "model.path": str(model), "model.device": args.device, "model.dtype": dtype, "model.resolution": "null",
-        "reward.options": json.dumps({"model": str(reward), "processor": str(reward)}),
-        "run.prompts": str(prompts), "run.heldout_prompts": str(prompts), "run.iterations": str(args.iterations),
-        "run.prompts_per_iteration": str(args.prompts), "run.group_size": str(args.group), "run.eval_prompts": "1",
-        "run.eval_every": str(args.iterations), "run.runs_root": str(args.out / "runs"), "storage.images": "false",
+    results: dict[str, Any] = {"device": device_name(args.device)}
+    common = prepare(args) | {
+        "run.iterations": str(args.iterations), "run.eval_prompts": "1", "run.eval_every": str(args.iterations),
         "sampler.eval_steps": "4", **BIND,
     }  # fmt: skip
-    env = dict(os.environ, PREFECT_SERVER_ANALYTICS_ENABLED="false", MLFLOW_DISABLE_TELEMETRY="true")
-    env.pop("MLFLOW_TRACKING_URI", None)
-    results: dict[str, Any] = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"}
     lines_out = [f"device: {results['device']}; {args.recipe.name} + {BIND}, {args.iterations} iterations", ""]
     for arm, (sets, cpu_arm) in ARMS.items():
-        run_id = f"{arm}-{time.strftime('%Y%m%d-%H%M%S')}"
-        cmd = [sys.executable, "-m", "stepgrpo_cli", "train", "--config", str(args.recipe), "--run-id", run_id]
-        cmd += [a for k, v in {**common, **sets}.items() for a in ("--set", f"{k}={v}")]
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
-        (args.out / f"{arm}.log").write_text(proc.stdout + proc.stderr)
-        if proc.returncode != 0:
-            raise SystemExit(f"stepgrpo train ({arm}) failed (log: {args.out / f'{arm}.log'}):\n{proc.stderr[-3000:]}")
-        here, cpu = update_diagnostics(args.out / "runs" / run_id), cpu_reference(cpu_arm, args.iterations)
+        run_dir, _ = train(args.recipe, common | sets, args.out, arm)
+        here, cpu = update_diagnostics(run_dir), cpu_reference(cpu_arm, args.iterations)
         results[arm] = {"seconds": time.perf_counter() - t0, "here": here, "cpu_model": cpu}
         lines_out.append(
             f"{arm} ({results[arm]['seconds']:.0f} s): clip fraction by optimizer step | after step 1, by trained step"
@@ -136,9 +95,7 @@ def main() -> None:
                 f"  {'':11s} CPU  {fmt(ref.get('clip_frac_by_part'))} | {fmt(ref.get('clip_frac_later_by_step'))}"
             )
         lines_out.append("")
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
-    (args.out / "report.txt").write_text("\n".join(lines_out) + "\n")
-    print("\n".join(lines_out))
+    write_report(args.out, results, lines_out)
 
 
 if __name__ == "__main__":

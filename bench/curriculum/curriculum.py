@@ -14,25 +14,21 @@ difference with a 95 % t-interval over the seeds. What the draw did, from the st
 the mean within-group variance of the training rewards of each arm's iterations (what the
 curriculum draws by) and the share of groups with zero spread. Writes `OUT/curriculum.json`.
 
-    .venv/bin/python bench/curriculum/curriculum.py --jobs 2    # 3 seeds x 300 iterations x 2 arms (~95 min)
-    .venv/bin/python bench/curriculum/curriculum.py --iterations 20 --seeds 0   # does it run
+    .venv/bin/python -m bench.curriculum.curriculum --jobs 2    # 3 seeds x 300 iterations x 2 arms (~95 min)
+    .venv/bin/python -m bench.curriculum.curriculum --iterations 20 --seeds 0   # does it run
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-if __name__ == "__main__":  # `python bench/curriculum/curriculum.py`: the repository, not bench/, first on the path
-    sys.path[0] = str(Path(__file__).resolve().parents[2])
-
-from bench._common import OUT_DIR, machine, mean_ci, relative, write_json
-from bench._warm import Stepgrpo
-from bench.learning.learning import read_seed, run_seed  # _common is imported: its sys.path holds the root
+from bench._lib.common import OUT_DIR, machine, mean_ci, relative, write_json
+from bench._lib.runner import read_seed, run_seed
+from bench._lib.warm import Stepgrpo
 
 ARMS = {"uniform": [], "gain_variance": ["curriculum.draw=gain_variance"]}
 

@@ -1,6 +1,6 @@
 """A training run started from a Prefect deployment against the same run from the CLI.
 
-    python bench/deployed/deployed.py [--checkout DIR] [--iterations 5] [--out bench/out/deployed/NAME.json]
+    python -m bench.deployed.deployed [--checkout DIR] [--iterations 5] [--out bench/out/deployed/NAME.json]
 
 Starts a Prefect server (temporary home, free port), creates the `stepgrpo` process pool,
 `prefect deploy --all` from `--checkout` (default: this repository; another checkout, e.g. a
@@ -24,10 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-if __name__ == "__main__":  # `python bench/deployed/deployed.py`: the repository, not bench/, first on the path
-    sys.path[0] = str(Path(__file__).resolve().parents[2])
-
-from bench._prefect import BIN, api, call, local_server
+from bench._lib.prefect import BIN, api, call, local_server
 
 REPO = Path(__file__).resolve().parents[2]
 

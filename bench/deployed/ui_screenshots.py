@@ -5,7 +5,7 @@ held-out reward against cumulative transformer NFEs (`heldout/reward_by_nfe`, no
 evaluation image at its default size, a run's page with its description on top, and the model
 card of an exported LoRA as the hub renders one.
 
-    python bench/deployed/ui_screenshots.py [--out docs/images] [--chromium /usr/bin/chromium] [--only prefect|mlflow]
+    python -m bench.deployed.ui_screenshots [--out docs/images] [--chromium /usr/bin/chromium] [--only prefect|mlflow]
 
 It starts its own Prefect server (a temporary PREFECT_HOME, a free port), creates the `stepgrpo`
 process pool, deploys configs/shapes_stepwise.yaml, runs it for two short iterations through a
@@ -23,16 +23,12 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
-if __name__ == "__main__":  # `python bench/deployed/ui_screenshots.py`: the repository, not bench/, first on the path
-    sys.path[0] = str(Path(__file__).resolve().parents[2])
-
-from bench._prefect import BIN, api, call, free_port, local_server
+from bench._lib.prefect import BIN, api, call, free_port, local_server
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM_FLAGS = [  # headless on a machine without network: no background connections

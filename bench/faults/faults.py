@@ -29,8 +29,8 @@ images, rewards, advantages, checkpoints, evaluations, the MLflow store, the exp
    copied under another number (`inspect --verify`, `evaluate --iteration`): each holds when the
    command exits 1 in seconds with a short message naming the problem, and nothing was made.
 
-    .venv/bin/python bench/faults/faults.py                 # writes bench/out/faults/faults.json
-    .venv/bin/python bench/faults/faults.py --kills 3       # a quick look
+    .venv/bin/python -m bench.faults.faults                 # writes bench/out/faults/faults.json
+    .venv/bin/python -m bench.faults.faults --kills 3       # a quick look
 """
 
 from __future__ import annotations
@@ -48,12 +48,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-if __name__ == "__main__":  # `python bench/faults/faults.py`: the repository, not bench/, first on the path
-    sys.path[0] = str(Path(__file__).resolve().parents[2])
-
-from bench._common import OUT_DIR, ROOT, write_json
-from bench._warm import command_env  # the environment of a benchmark's `stepgrpo` command
-from bench.costs.digests import items
+from bench._lib.common import OUT_DIR, ROOT, write_json
+from bench._lib.digests import items
+from bench._lib.warm import command_env  # the environment of a benchmark's `stepgrpo` command
 
 RECIPE = [
     "run.iterations=2",

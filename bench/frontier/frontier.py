@@ -54,30 +54,30 @@ with all-zero advantages trained, AWM's images each from their own noise without
 
 Durable state: one record per finished run (`RECORDS/<arm>/seed_<S>.json`). Resumable.
 
-    .venv/bin/python bench/frontier/frontier.py --probes --jobs 2       # the probes (4 runs, seed 0)
-    .venv/bin/python bench/frontier/frontier.py --jobs 2                # the decision (background it)
-    .venv/bin/python bench/frontier/frontier.py --arms dgpo             # one arm's seeds
-    .venv/bin/python bench/frontier/frontier.py --report-only           # tables from the records so far
-    .venv/bin/python bench/frontier/frontier.py --quick --out DIR       # every path at tiny settings
+    .venv/bin/python -m bench.frontier.frontier --probes --jobs 2       # the probes (4 runs, seed 0)
+    .venv/bin/python -m bench.frontier.frontier --jobs 2                # the decision (background it)
+    .venv/bin/python -m bench.frontier.frontier --arms dgpo             # one arm's seeds
+    .venv/bin/python -m bench.frontier.frontier --report-only           # tables from the records so far
+    .venv/bin/python -m bench.frontier.frontier --quick --out DIR       # every path at tiny settings
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
-import json
 import statistics
-import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-if __name__ == "__main__":  # `python bench/frontier/frontier.py`: the repository, not bench/, first on the path
-    sys.path[0] = str(Path(__file__).resolve().parents[2])
-
-from bench._common import OUT_DIR, ROOT, relative, write_json
+from bench._lib.common import ROOT
+from bench._lib.compute import (
+    at_equal_compute,
+    contrast,
+    fmt_pooled,
+    grpo_passes,
+    reference_passes,
+)
+from bench._lib.runner import Screen, screen, screen_arguments
+from bench._lib.stats import pooled
 
 DOCS = ROOT / "docs" / "bench"
 RECORDS = DOCS / "frontier" / "runs"
@@ -162,52 +162,13 @@ PHASES: list[tuple[tuple[str, ...], int]] = [
     (("nft_stepwise_rollout",), 3),
     (("dgpo", "awm_authors", "nft_authors"), 6),
 ]
-FULL = {"iterations": 100, "eval_every": 25, "set": ["run.eval_seeds=8"]}
-QUICK = {
-    "iterations": 2,
-    "eval_every": 1,
-    "set": ["run.prompts_per_iteration=2", "run.group_size=4", "run.eval_prompts=8", "run.eval_seeds=1"],
-}
 CLAIMED = {"nft": ("DiffusionNFT", 25.0), "awm": ("AWM", 24.0), "dgpo": ("DGPO", 20.0)}
 
 
-@dataclass
-class Screen:
-    iterations: int
-    eval_every: int
-    overrides: list[str]
-    out: Path
-    records: Path
-    quick: bool = False
-    grpo_dirs: dict[str, list[Path]] = field(default_factory=dict)
-
-    def argv(self, arm: str) -> list[str]:
-        config, sets = {**ARMS, **PROBES}[arm] if arm not in GRPO else GRPO[arm][:2]
-        n = PROBE_ITERATIONS if arm in PROBES and not self.quick else self.iterations
-        return [config, *self.overrides, *sets, f"run.iterations={n}", f"run.eval_every={self.eval_every}"]
-
-    def record_path(self, arm: str, seed: int) -> Path:
-        from bench.credit_schemes_w9._w9 import covers
-
-        for d in [self.records, *self.grpo_dirs.get(arm, [])]:
-            p = d / arm / f"seed_{seed}.json"
-            if p.is_file() and covers(json.loads(p.read_text())["argv"], self.argv(arm)):
-                return p
-        return self.records / arm / f"seed_{seed}.json"
-
-
 def settings(a: argparse.Namespace) -> Screen:
-    p = QUICK if a.quick else FULL
-    out = (a.out or OUT_DIR / ("frontier_quick" if a.quick else "frontier")).resolve()
-    return Screen(
-        iterations=a.iterations or p["iterations"],
-        eval_every=p["eval_every"],
-        overrides=list(p["set"]) + a.overrides,
-        out=out,
-        records=(a.records or (out / "records" if a.quick else RECORDS)).resolve(),
-        quick=a.quick,
-        grpo_dirs={} if a.quick else {k: v[2] for k, v in GRPO.items()},
-    )
+    recipes = {**ARMS, **PROBES} | {arm: v[:2] for arm, v in GRPO.items()}
+    kept = {k: v[2] for k, v in GRPO.items()}
+    return screen(a, "frontier", recipes, RECORDS, kept, iterations_of={arm: PROBE_ITERATIONS for arm in PROBES})
 
 
 def queue(seeds: int, probes_only: bool = False, only: list[str] | None = None) -> list[tuple[str, int]]:
@@ -217,117 +178,7 @@ def queue(seeds: int, probes_only: bool = False, only: list[str] | None = None) 
     return [(arm, k) for arm, k in jobs if only is None or arm in only]
 
 
-def train_one(s: Screen, arm: str, seed: int, stepgrpo: Any) -> None:
-    from bench.credit_schemes_w9._w9 import covers, record_of
-    from bench.learning.learning import run_seed
-
-    path = s.record_path(arm, seed)
-    if path.is_file() and covers(json.loads(path.read_text())["argv"], s.argv(arm)):
-        return
-    out = s.out / arm
-    out.mkdir(parents=True, exist_ok=True)
-    argv = s.argv(arm)
-    t0 = time.perf_counter()
-    done = run_seed(argv[0], seed, argv[1:], out, stepgrpo)
-    write_json(path, record_of(done["run_dir"], argv))  # its passes per stage as they ran
-    print(f"{arm} seed {seed}: recorded after {time.perf_counter() - t0:.0f} s", flush=True)
-
-
 # --------------------------------------------------------------------------------- analysis
-
-
-def grpo_passes(r: dict[str, Any]) -> list[int]:
-    """A GRPO record's passes per iteration: stored as its stages ran, or, for a record made before
-    they were, rebuilt from what its config ran (`rebuilt_passes`)."""
-    if "passes" in r:
-        return list(r["passes"])
-    return rebuilt_passes(r["argv"], r["nfe"])
-
-
-def rebuilt_passes(argv: list[str], nfe: list[int]) -> list[int]:
-    """The passes of a GRPO record stored with NFEs alone (`nfe`: the rollout's, the completion's
-    and the update's forwards, as `bench._common.read_run` summed them then: without the ODE
-    reference's), from what the config of `argv` ran: the rollout's `B T` forwards, the ODE
-    reference's (`reference_passes`, not in `nfe`), no completion forwards (final-only, or the
-    rollout's own x0 predictions; any other completion is refused), and the update's forwards
-    `U = nfe - B T`, one backward for each of the policy's (`U / 2` with the KL's base forwards):
-    passes = nfe + reference + 2 backward. `tests/test_bench_frontier.py` runs iteration 0 of each
-    GRPO recipe read here and compares."""
-    from stepgrpo.reporting.costs import BACKWARD_PASSES
-
-    rollout, reference, per_backward = _what_ran(tuple(argv))
-    return [n + reference + BACKWARD_PASSES * ((n - rollout) // per_backward) for n in nfe]
-
-
-@functools.lru_cache
-def _what_ran(argv: tuple[str, ...]) -> tuple[int, int, int]:
-    """(rollout forwards, ODE reference forwards, update forwards per backward) an iteration of `argv`."""
-    from stepgrpo.config import load_config
-    from stepgrpo_core.completions import COMPLETIONS, Method
-
-    cfg = load_config(ROOT / argv[0], list(argv[1:]))
-    method = cfg.completion.method
-    if method is not None and not COMPLETIONS.facts(Method.parse(method).name)["rollout_velocity"]:
-        raise ValueError(f"{list(argv)}: completion {method!r} spends forwards a record's NFEs do not separate")
-    rollout = cfg.run.prompts_per_iteration * cfg.run.group_size * cfg.sampler.steps
-    return rollout, reference_passes(list(argv)), 2 if cfg.optim.kl_beta > 0 else 1
-
-
-def load(s: Screen, arm: str, seed: int) -> dict[str, Any] | None:
-    from bench.credit_schemes_w9._w9 import covers
-
-    p = s.record_path(arm, seed)
-    if not p.is_file():
-        return None
-    r = json.loads(p.read_text())
-    return r if covers(r["argv"], s.argv(arm)) else None
-
-
-def by_prompt_gain(r: dict[str, Any], it: int) -> list[float] | None:
-    """The record's held-out gain at `it` over its own base, per prompt (averaged over the noise
-    seeds): paired within the run, so runs whose initial noises differ compare prompt by prompt."""
-    from bench.credit_schemes_clip.clip import by_prompt
-
-    e, b = r["evals"].get(str(it)), r["evals"].get("0")
-    if e is None or b is None:
-        return None
-    P = int(e["prompts"])
-    return [x - y for x, y in zip(by_prompt(e["scores"], P), by_prompt(b["scores"], P))]
-
-
-def contrast(a: dict[str, Any], ia: int, b: dict[str, Any] | None, ib: int) -> dict[str, Any] | None:
-    """Gain of `a` at `ia` minus gain of `b` at `ib` (`b` None: `a`'s gain alone), per prompt."""
-    ga = by_prompt_gain(a, ia)
-    gb = by_prompt_gain(b, ib) if b is not None else [0.0] * len(ga or [])
-    if ga is None or gb is None or len(ga) != len(gb):
-        return None
-    d = [x - y for x, y in zip(ga, gb)]
-    return {"mean": sum(d) / len(d), "prompts": d}
-
-
-def reference_passes(argv: list[str]) -> int:
-    """The passes an iteration of the run with `argv` spent on its ODE reference (the ODE sample of
-    each distinct initial noise, `stepgrpo.loops.sampling.sample_groups`): a diagnostic in every run
-    compared here, whose credit (outcome, or step rewards from the rollout's own x0 predictions)
-    does not read it. A deterministic rollout is its own reference, and `sampler.ode_reference: false`
-    samples none (0)."""
-    from stepgrpo.config import load_config
-    from stepgrpo_core.kernels import KERNELS
-
-    cfg = load_config(ROOT / argv[0], argv[1:])
-    sp = cfg.sampler
-    if not sp.ode_reference or (sp.sde_solver is None and KERNELS.facts(sp.kernel)["deterministic"]):
-        return 0
-    return sp.steps * cfg.run.prompts_per_iteration * (1 if sp.shared_x0 else cfg.run.group_size)
-
-
-def equal_compute(o: dict[str, Any], cost: float, tolerance: float = 0.15, less: int = 0) -> int | None:
-    """outcome's evaluation nearest `cost` cumulative passes, when within `tolerance` of it (`less`:
-    passes an iteration not charged to outcome)."""
-    p = [x - less for x in grpo_passes(o)]
-    its = [int(i) for i in o["evals"] if int(i) > 0]
-    near = min(its, key=lambda i: abs(sum(p[:i]) - cost))
-    return near if abs(sum(p[:near]) / cost - 1) <= tolerance else None
 
 
 def speedup(a: dict[str, Any], o: dict[str, Any], N: int) -> tuple[float, bool] | None:
@@ -344,44 +195,11 @@ def speedup(a: dict[str, Any], o: dict[str, Any], N: int) -> tuple[float, bool] 
     return sum(p) / spent, True
 
 
-def at_equal_compute(
-    rec: dict[tuple[str, int], dict[str, Any]],
-    arm: str,
-    ref: str,
-    seeds: int,
-    every: int,
-    N: int,
-    less: tuple[int, int] = (0, 0),
-    every_seed: bool = True,
-) -> dict[str, Any] | None:
-    """`arm` minus the GRPO record `ref` at equal passes: the arm at its latest evaluation that every
-    seed's `ref` record reaches within 15 % (`equal_compute`), pooled over the seeds (`every_seed`
-    False: the latest that some seeds' records reach, pooled over those). `less`: passes an
-    iteration not charged to the arm and to `ref` (`reference_passes`)."""
-    from bench.credit_schemes_clip.clip import pooled
-
-    have = [k for k in range(seeds) if (arm, k) in rec and (ref, k) in rec]
-    for e in range(N - N % every, 0, -every):
-        rows, read = {}, []
-        for k in have:
-            a, o = rec[arm, k], rec[ref, k]
-            spent = sum(a["passes"][:e]) - less[0] * e
-            near = equal_compute(o, spent, less=less[1])
-            if near is not None and (c := contrast(a, e, o, near)):
-                rows[k] = c
-                read.append([near, round((sum(grpo_passes(o)[:near]) - less[1] * near) / spent, 3)])
-        if rows and (len(rows) == len(have) or not every_seed):
-            v = pooled(rows)
-            return v | {"at": e, "outcome_read_at": read, "beats": bool(v["prompts"]["lo"] > 0)}
-    return None
-
-
 def analyse(s: Screen, seeds: int = 6) -> dict[str, Any]:
-    from bench.credit_schemes_clip.clip import pooled
 
     N = s.iterations
     names = [*ARMS, *PROBES, *GRPO]
-    rec = {(arm, k): r for arm in names for k in range(seeds) if (r := load(s, arm, k))}
+    rec = {(arm, k): r for arm in names for k in range(seeds) if (r := s.load(arm, k))}
     out: dict[str, Any] = {"iterations": N, "arms": {}, "probes": {}, "equal_trajectories": {}}
     out |= {"equal_compute": {}, "equal_compute_net": {}, "between": {}, "departures": {}, "credit": {}, "speed": {}}
     for arm in [*ARMS, *PROBES]:
@@ -485,17 +303,6 @@ def claims(a: dict[str, Any]) -> list[dict[str, str]]:
     return rows
 
 
-def fmt(v: dict[str, Any] | None) -> str:
-    if not v:
-        return "n/a"
-    p, t = v["prompts"], v["seeds"]
-    each = ", ".join(f"{x:+.3f}" for x in v["per_seed"].values())
-    return (
-        f"{p['mean']:+.3f} [{p['lo']:+.3f}, {p['hi']:+.3f}] (per seed {each}; t over the {v['n']} seeds "
-        f"[{t['lo']:+.3f}, {t['hi']:+.3f}])"
-    )
-
-
 def summary_md(a: dict[str, Any]) -> str:
     N = a["iterations"]
     lines = [f"### The frontier after {N} iterations (held-out gain over each run's base, 126 prompts x 8 seeds)", ""]
@@ -510,7 +317,7 @@ def summary_md(a: dict[str, Any]) -> str:
         verdict = "switch" if v["switch"] else "keep the authors' setting"
         lines.append(f"- {name}: {v['mean']:+.3f} [{v['lo']:+.3f}, {v['hi']:+.3f}]: {verdict}")
     lines += ["", "#### Equal trajectories (both after the same iterations; prompt-clustered interval)", ""]
-    lines += [f"- {k}: {fmt(v)}" for k, v in a["equal_trajectories"].items()]
+    lines += [f"- {k}: {fmt_pooled(v)}" for k, v in a["equal_trajectories"].items()]
     for key, title in (
         ("equal_compute", "the GRPO record read at the evaluation nearest the arm's passes, within 15 %"),
         ("equal_compute_net", "the same, the diagnostic ODE reference not charged to either side"),
@@ -520,18 +327,18 @@ def summary_md(a: dict[str, Any]) -> str:
             at = ", ".join(str(i) for i, _ in v["outcome_read_at"])
             less = f" (less {v['less'][0]} and {v['less'][1]} passes an iteration)" if "less" in v else ""
             lines.append(
-                f"- {k}{less}, the arm at {v['at']} iterations (GRPO at {at}): {fmt(v)}; "
+                f"- {k}{less}, the arm at {v['at']} iterations (GRPO at {at}): {fmt_pooled(v)}; "
                 f"beats it: {'yes' if v['beats'] else 'no'}"
             )
     lines += ["", "#### The objectives against each other at equal passes (the second read nearest, within 15 %)", ""]
     for k, v in a["between"].items():
         at = ", ".join(str(i) for i, _ in v["outcome_read_at"])
-        lines.append(f"- {k}, the first at {v['at']} iterations (the second at {at}): {fmt(v)}")
+        lines.append(f"- {k}, the first at {v['at']} iterations (the second at {at}): {fmt_pooled(v)}")
     lines += ["", "#### The authors' ways against the decision's records (equal trajectories, same seeds)", ""]
-    lines += [f"- {k}: {fmt(v)}" for k, v in a["departures"].items()]
+    lines += [f"- {k}: {fmt_pooled(v)}" for k, v in a["departures"].items()]
     lines += ["", "#### Step credit inside the objective ((objective + dense@rollout) - objective; last: stepwise)", ""]
     for k, v in a["credit"].items():
-        lines.append(f"- {k}: {fmt(v)}; helps: {'yes' if v['helps'] else 'not shown'}")
+        lines.append(f"- {k}: {fmt_pooled(v)}; helps: {'yes' if v['helps'] else 'not shown'}")
     lines += ["", "#### Claims: the frontier rows", ""]
     lines += ["| paper | claim | passes ratio to reach its reward | verdict | gain at equal compute | step credit |"]
     lines += ["|---|---|---|---|---|---|"]
@@ -544,31 +351,15 @@ def summary_md(a: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="every path at tiny settings")
+    ap = screen_arguments(__doc__.split("\n\n")[0], [*ARMS, *PROBES])
     ap.add_argument("--probes", action="store_true", help="only seed 0 of nft and awm and the two probes")
-    ap.add_argument("--iterations", type=int)
-    ap.add_argument("--seeds", type=int, help="at most this many seeds an arm")
-    ap.add_argument("--jobs", type=int, default=1, help="runs at once (one torch thread each)")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], help="key=value on every run")
-    ap.add_argument("--out", type=Path)
-    ap.add_argument("--records", type=Path)
-    ap.add_argument("--arms", nargs="+", choices=[*ARMS, *PROBES], help="only these arms (in the queue's order)")
-    ap.add_argument("--report-only", action="store_true")
     a = ap.parse_args()
     s = settings(a)
     seeds = a.seeds or (1 if a.quick else 6)
     if not a.report_only:
-        from bench._warm import Stepgrpo
-
-        with Stepgrpo(a.jobs, s.out) as stepgrpo, ThreadPoolExecutor(a.jobs) as pool:
-            list(pool.map(lambda job: train_one(s, *job, stepgrpo), queue(seeds, a.probes, a.arms)))
+        s.run(queue(seeds, a.probes, a.arms), a.jobs)
     analysis = analyse(s, seeds)
-    dest = s.out if a.quick else RECORDS.parent
-    write_json(dest / "analysis.json", analysis)
-    (dest / "summary.md").write_text(summary_md(analysis))
-    print((dest / "summary.md").read_text())
-    print(f"wrote {relative(dest)}/summary.md and analysis.json")
+    s.report(analysis, summary_md(analysis))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """GPU checks of the policy: CUDA correctness on the shipped model, and throughput at SD3-medium scale.
 
 One self-contained script for a machine with one CUDA GPU. It needs torch, diffusers, transformers,
-peft and the repository on `sys.path` (no `pip install -e .`, no Prefect / MLflow / Zarr / pydantic):
+peft and the repository (run from its root as a module; no `pip install -e .`, no Prefect / MLflow / Zarr / pydantic):
 it imports only `stepgrpo_core`, `stepgrpo.policy` and diffusers.
 
 Section 1, correctness (the shipped `models/shapes`, in float32 and in bfloat16, LoRA r8 attached,
@@ -39,7 +39,7 @@ Results go to `--out` as they come: `results.json` (rewritten after every record
 is recorded with its error and the script goes on. `--small --device cpu` runs every code path at
 toy sizes on a CPU (T = 5, section 2 on a small transformer) to prove the script before it travels.
 
-    PYTHONPATH=. python3 bench/gpu/gpu.py [--out bench/out/gpu] [--device cuda] [--small] [--skip-scale]
+    python -m bench.gpu.gpu [--out bench/out/gpu] [--device cuda] [--small] [--skip-scale]
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ import math
 import os
 import platform
 import statistics
-import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -60,10 +59,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-# The repository root, not this folder, first on the path: `bench/storage/storage.py` would shadow the
-# `storage` package, and the run command (`PYTHONPATH=.`) may be given from elsewhere.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
-sys.path.insert(0, str(ROOT))
 
 # No network on the target machine, and no progress bars or library chatter in the report.
 for _name, _value in {
@@ -77,6 +72,7 @@ for _name, _value in {
 
 import torch  # noqa: E402
 
+from bench._lib.gpu import SD3_MEDIUM  # noqa: E402
 from stepgrpo.policy.base import DEFAULT_MODEL  # noqa: E402
 from stepgrpo.policy.lora import LoraSpec  # noqa: E402
 from stepgrpo.policy.sd3 import SD3Policy  # noqa: E402
@@ -111,20 +107,6 @@ CHUNK_MAX_BATCH = 7  # an odd max_batch for the chunking check: partial chunks e
 DEMO_LORA, DEMO_GUIDANCE = LoraSpec(rank=8, alpha=16.0), 2.5
 RECIPE_LORA, RECIPE_GUIDANCE, RECIPE_KL, RECIPE_MICRO = LoraSpec(rank=32, alpha=64.0), 4.5, 0.01, 8
 
-# diffusers' stabilityai/stable-diffusion-3-medium-diffusers transformer/config.json.
-SD3_MEDIUM = dict(
-    sample_size=128,
-    patch_size=2,
-    in_channels=16,
-    out_channels=16,
-    num_layers=24,
-    attention_head_dim=64,
-    num_attention_heads=24,
-    joint_attention_dim=4096,
-    caption_projection_dim=1536,
-    pooled_projection_dim=2048,
-    pos_embed_max_size=192,
-)
 # The same architecture at toy size, for `--small`.
 SMALL_TRANSFORMER = dict(
     sample_size=8,

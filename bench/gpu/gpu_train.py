@@ -1,8 +1,8 @@
 """One end-to-end `stepgrpo train` iteration at SD3.5-Medium's shape: each stage's seconds, peak GPU
 memory and MFU.
 
-    python bench/gpu/gpu_train.py [--recipe configs/flow_grpo_pickscore.yaml] [--out bench/out/gpu_train]
-    python bench/gpu/gpu_train.py --small --device cpu          # every code path at toy sizes, on a CPU
+    python -m bench.gpu.gpu_train [--recipe configs/flow_grpo_pickscore.yaml] [--out bench/out/gpu_train]
+    python -m bench.gpu.gpu_train --small --device cpu          # every code path at toy sizes, on a CPU
 
 What runs is the shipped command, `stepgrpo train --config <recipe>`, for one iteration (with its
 base and final evaluations), on random weights built here (no download):
@@ -25,65 +25,13 @@ seconds times the device's dense bf16 peak (`--peak-tflops`; known for H100/H200
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+from bench._lib.gpu import PEAK_TFLOPS, REPO, device_name, gpu_arguments, prepare, train
 
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # dense bf16, by device name
-WORDS = "a photo of red blue green cat dog car tree house on the left right with and".split()
 STAGES = ("rollout", "complete", "score", "credit", "update")
-
-
-def sd35m_spec(small: bool):
-    from stepgrpo.shapes.model import ModelSpec, sd35_medium_like_spec
-
-    if small:
-        return sd35_medium_like_spec()
-    return ModelSpec(
-        layers=24, heads=24, head_dim=64, text_dim=1024, text_layers=12, text_heads=16, projection_dim=1024,
-        vae_channels=(128, 256, 512, 512), vae_groups=32, latent_channels=16, sample_size=64, patch_size=2,
-        qk_norm="rms_norm", dual_attention_layers=tuple(range(13)),
-    )  # fmt: skip
-
-
-def build_policy(path: Path, small: bool) -> None:
-    from stepgrpo.shapes.model import build_pipeline
-
-    build_pipeline(sd35m_spec(small), seed=0).save_pretrained(str(path))
-
-
-def build_reward(path: Path, small: bool) -> None:
-    """A random CLIPModel of PickScore's architecture (ViT-H/14), with a CLIPProcessor."""
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
-
-    from stepgrpo.shapes.model import build_tokenizer
-
-    tokenizer = build_tokenizer(WORDS)
-    if small:
-        text = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
-        vision = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, patch_size=8)
-        size, dim = 32, 32
-    else:
-        text = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096)
-        vision = dict(
-            hidden_size=1280, num_hidden_layers=32, num_attention_heads=16, intermediate_size=5120, patch_size=14
-        )
-        size, dim = 224, 1024
-    config = CLIPConfig(
-        text_config={**text, "vocab_size": len(tokenizer), "max_position_embeddings": 77},
-        vision_config={**vision, "image_size": size},
-        projection_dim=dim,
-    )
-    CLIPModel(config).save_pretrained(str(path))
-    image = CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
-    CLIPProcessor(image_processor=image, tokenizer=tokenizer).save_pretrained(str(path))
 
 
 def row_flops(model_dir: Path, device: str, dtype: str) -> float:
@@ -119,55 +67,20 @@ def mlflow_numbers(run_dir: Path) -> dict[str, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = gpu_arguments(__doc__.split("\n\n")[0], "gpu_train", prompts=8)
     p.add_argument("--recipe", type=Path, default=REPO / "configs" / "flow_grpo_pickscore.yaml")
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "gpu_train")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--small", action="store_true", help="toy sizes (with --device cpu: try the script on a CPU)")
-    p.add_argument("--prompts", type=int, default=8, help="prompts per iteration")
-    p.add_argument("--group", type=int, default=8, help="trajectories per prompt")
     p.add_argument("--peak-tflops", type=float, default=None, help="device's dense bf16 peak (default: by name)")
     args = p.parse_args()
-    import torch
-
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("--device cuda but torch sees no CUDA device; use --small --device cpu to try the script")
-    args.out.mkdir(parents=True, exist_ok=True)
-    model, reward = args.out / "policy", args.out / "reward"
+    name = device_name(args.device)
     t0 = time.perf_counter()
-    if not (model / "model_index.json").is_file():
-        build_policy(model, args.small)
-    if not (reward / "config.json").is_file():
-        build_reward(reward, args.small)
+    sets = prepare(args)
     built_s = time.perf_counter() - t0
-    prompts = args.out / "prompts.txt"
-    colours, things = ("red", "blue", "green"), ("cat", "dog", "car", "tree", "house")
-    lines = [f"a photo of a {c} {t}" for t in things for c in colours]  # 15 distinct prompts
-    if args.prompts > len(lines):
-        raise SystemExit(f"--prompts {args.prompts}: at most {len(lines)} distinct prompts are built here")
-    prompts.write_text("\n".join(lines) + "\n")
-    dtype = "float32" if args.device == "cpu" else "bfloat16"
-    sets = {
-        "model.path": str(model), "model.device": args.device, "model.dtype": dtype, "model.resolution": "null",
-        "reward.options": json.dumps({"model": str(reward), "processor": str(reward)}),
-        "run.prompts": str(prompts), "run.heldout_prompts": str(prompts), "run.iterations": "1",
-        "run.prompts_per_iteration": str(args.prompts), "run.group_size": str(args.group), "run.eval_prompts": "3",
-        "run.runs_root": str(args.out / "runs"), "optim.optimizer_steps": "1", "storage.images": "false",
-    }  # fmt: skip
+    model, dtype = Path(sets["model.path"]), sets["model.dtype"]
+    sets |= {"run.iterations": "1", "run.eval_prompts": "3", "optim.optimizer_steps": "1"}
     if args.small:  # trying the script: the evaluations' ODE sampling cut to 4 steps of 1 prompt
         sets |= {"sampler.eval_steps": "4", "run.eval_prompts": "1"}
-    run_id = f"e2e-{time.strftime('%Y%m%d-%H%M%S')}"
-    cmd = [sys.executable, "-m", "stepgrpo_cli", "train", "--config", str(args.recipe), "--run-id", run_id]
-    cmd += [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
-    env = dict(os.environ, PREFECT_SERVER_ANALYTICS_ENABLED="false", MLFLOW_DISABLE_TELEMETRY="true")
-    env.pop("MLFLOW_TRACKING_URI", None)
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
-    train_s = time.perf_counter() - t0
-    (args.out / "train.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        raise SystemExit(f"stepgrpo train failed (log: {args.out / 'train.log'}):\n{proc.stderr[-3000:]}")
-    metrics = mlflow_numbers(args.out / "runs" / run_id)
+    run_dir, train_s = train(args.recipe, sets, args.out, "train")
+    metrics = mlflow_numbers(run_dir)
     from stepgrpo.config import load_config
 
     cfg = load_config(args.recipe, [f"{k}={v}" for k, v in sets.items()])
@@ -179,11 +92,10 @@ def main() -> None:
         "rollout": (metrics.get("nfe/rollout", 0) + metrics.get("nfe/ode_reference", 0)) * rows_per_nfe * flops,
         "complete": metrics.get("nfe/complete", 0) * rows_per_nfe * flops,
     }
-    update_nfe = json.loads((args.out / "runs" / run_id / "checkpoints" / "iter_0" / "_published.json").read_text())[
-        "inputs"
-    ].get("nfe", 0)
+    update_nfe = json.loads((run_dir / "checkpoints" / "iter_0" / "_published.json").read_text())["inputs"].get(
+        "nfe", 0
+    )
     stage_flops["update"] = update_nfe * rows_per_nfe * flops + 2 * graded * flops
-    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
     stages = {}
     for s in STAGES:

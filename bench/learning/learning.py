@@ -1,7 +1,7 @@
 """Does the shipped recipe learn? Held-out gain of `configs/shapes_outcome.yaml` over 3 seeds.
 
 Each seed is one `stepgrpo train --config CONFIG --set run.seed=S` run (one torch thread), exactly
-what a user runs, in a worker process that imported the CLI once (`bench/_warm.py`). Every
+what a user runs, in a worker process that imported the CLI once (`bench/_lib/warm.py`). Every
 `run.eval_every` iterations the run evaluates the held-out split (126 prompts x 2 noise seeds,
 10-step ODE) with the same prompts and noise as its base evaluation, so each evaluation pairs with
 the base sample by sample.
@@ -18,94 +18,24 @@ Runs are resumable: rerunning the script with the same `--out` resumes each seed
 and resumed reports the time of the part that finished it). Run with nothing else on the machine
 for the wall times to mean anything; `--jobs 2` runs two seeds at once (one core each).
 
-    .venv/bin/python bench/learning/learning.py                       # 3 seeds x 300 iterations
-    .venv/bin/python bench/learning/learning.py --config configs/shapes_stepwise.yaml --seeds 0
-    .venv/bin/python bench/learning/learning.py --quick               # 1 seed x 20 iterations: does it run
+    .venv/bin/python -m bench.learning.learning                       # 3 seeds x 300 iterations
+    .venv/bin/python -m bench.learning.learning --config configs/shapes_stepwise.yaml --seeds 0
+    .venv/bin/python -m bench.learning.learning --quick               # 1 seed x 20 iterations: does it run
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-if __name__ == "__main__":  # `python bench/learning/learning.py`: the repository, not bench/, first on the path
-    sys.path[0] = str(Path(__file__).resolve().parents[2])
-
-from bench._common import OUT_DIR, machine, mean_ci, relative, write_json
-from bench._warm import Stepgrpo
+from bench._lib.common import OUT_DIR, machine, mean_ci, relative, write_json
+from bench._lib.runner import read_seed, run_seed
+from bench._lib.warm import Stepgrpo
 
 TARGET_GAIN = 0.05  # held-out gain the shipped outcome recipe must reach (3 seeds, interval above 0)
 TARGET_MINUTES = 25.0  # per seed, one thread of a 2-core machine
-
-
-def run_seed(config: str, seed: int, overrides: list[str], out: Path, stepgrpo: Stepgrpo) -> dict[str, Any]:
-    """One training run as a user runs it (`stepgrpo train` in a warm worker of `stepgrpo`); returns
-    its run directory and wall seconds (the run's, not the worker's imports)."""
-    run_dir = out / f"seed_{seed}"
-    log = out / f"seed_{seed}.log"
-    timing = out / f"seed_{seed}.seconds.json"  # the wall time of the run that trained it
-    if timing.is_file():  # trained already: the command below only re-reads it (a few seconds)
-        recorded = json.loads(timing.read_text())
-        if recorded.get("argv") == [config, *overrides]:
-            print(
-                f"seed {seed}: trained earlier in {recorded['seconds'] / 60:.1f} min ({relative(timing)})", flush=True
-            )
-            log = out / f"seed_{seed}.reread.log"
-    args = ["train", "--config", config, "--run-dir", str(run_dir), "--set", f"run.seed={seed}"]
-    args += [a for o in overrides for a in ("--set", o)]
-    t0 = time.perf_counter()
-    rc = stepgrpo.run(args, log)
-    seconds = time.perf_counter() - t0
-    if rc != 0:
-        raise SystemExit(f"seed {seed}: `stepgrpo train` exited {rc}; see {relative(log)}")
-    if timing.is_file() and json.loads(timing.read_text()).get("argv") == [config, *overrides]:
-        return {"seed": seed, "run_dir": run_dir, "seconds": json.loads(timing.read_text())["seconds"]}
-    write_json(timing, {"argv": [config, *overrides], "seconds": seconds})
-    print(f"seed {seed}: done in {seconds / 60:.1f} min ({relative(log)})", flush=True)
-    return {"seed": seed, "run_dir": run_dir, "seconds": seconds}
-
-
-def read_seed(done: dict[str, Any]) -> dict[str, Any]:
-    """The seed's evaluations (iteration -> record) and its paired gains over its base."""
-    from stepgrpo.reporting.report import paired_gain
-    from stepgrpo.results import EvaluateResult
-
-    evals = {}
-    for f in (done["run_dir"] / "eval").glob("*.json"):
-        e = EvaluateResult.model_validate(json.loads(f.read_text())).record()  # older records: flat sub-scores
-        if f.stem != e["label"]:
-            continue  # an evaluation with other settings than the run's
-        it = 0 if e["label"] == "base" else int(e["label"].removeprefix("iter_")) + 1
-        evals[it] = e
-    base = evals[0]
-    points = []
-    for it in sorted(evals):
-        e = evals[it]
-        gain = paired_gain(base, e) if it else (0.0, 0.0, 0.0)
-        points.append(
-            {
-                "seed": done["seed"],
-                "iteration": it,
-                "reward": e["reward_mean"],
-                "strict": e.get("reward_strict", float("nan")),
-                "gain": gain[0],
-                "gain_lo": gain[1],
-                "gain_hi": gain[2],
-                **{f"sub_{k}": v for k, v in e.get("sub", {}).items()},
-            }
-        )
-    iterations = points[-1]["iteration"]
-    return {
-        **done,
-        "points": points,
-        "iterations": iterations,
-        "seconds_per_iteration": done["seconds"] / max(1, iterations),
-    }
 
 
 def plot(seeds: list[dict[str, Any]], curve: list[dict[str, Any]], title: str, path: Path) -> None:

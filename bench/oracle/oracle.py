@@ -1,13 +1,13 @@
 """The oracle bound: how much could any step-level credit buy in training on this model?
 
-    .venv/bin/python bench/oracle/oracle.py                  # 3 seeds at W = 9, resumable; then the report
-    .venv/bin/python bench/oracle/oracle.py --report-only    # the report from the recorded runs
-    .venv/bin/python bench/oracle/oracle.py --quick --out /tmp/o   # every path at tiny settings (a test runs it)
+    .venv/bin/python -m bench.oracle.oracle                  # 3 seeds at W = 9, resumable; then the report
+    .venv/bin/python -m bench.oracle.oracle --report-only    # the report from the recorded runs
+    .venv/bin/python -m bench.oracle.oracle --quick --out /tmp/o   # every path at tiny settings (a test runs it)
 
-Trains `configs/shapes_outcome_w9.yaml` with oracle credit (`bench/oracle/_oracle.py`: every trained step
+Trains `configs/shapes_outcome_w9.yaml` with oracle credit (`bench/_lib/oracle.py`: every trained step
 credited with its Monte-Carlo true advantage from `--continuations` SDE continuations of each state,
 common random numbers) for `--iterations`, seed `S` seeing the same prompts and noise as seed `S`
-of every arm of `bench/credit_schemes/credit_schemes.py --regime w9 / cheap`, and compares it at equal
+of every arm of `python -m bench.credit_schemes_w9.w9` and `bench.credit_schemes_cheap.cheap`, and compares it at equal
 trajectories with those arms' records (held-out gain over the base, paired by seed; BENCHMARKS
 section 10). Each finished run is kept as a record under docs/bench/credit_schemes_oracle/runs/
 (the same format as the comparisons'), the report beside it (`summary.md`, `oracle.csv`).
@@ -18,31 +18,14 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
-if __name__ == "__main__":  # `python bench/oracle/oracle.py`: the repository, not bench/, first on the path
-    sys.path[0] = str(Path(__file__).resolve().parents[2])
+from bench._lib import window as _w9
+from bench._lib.common import ROOT, relative, write_json
+from bench._lib.oracle import ORACLE, PRESETS, train, value_name
 
-from bench._common import ROOT, relative, write_json
-from bench.credit_schemes_w9 import _w9
-from bench.oracle._oracle import ORACLE, value_name
-
-CONFIG = "configs/shapes_outcome_w9.yaml"
 RECORDS = ROOT / "docs" / "bench" / "credit_schemes_oracle" / "runs"
-PRESETS = {
-    "full": {"iterations": 50, "seeds": 3, "continuations": 2, "eval_every": 25, "set": ["run.eval_seeds=8"]},
-    "quick": {
-        "iterations": 2,
-        "seeds": 1,
-        "continuations": 2,
-        "eval_every": 1,
-        "set": _w9.QUICK_SET,
-    },
-}
 # the arms compared at equal trajectories: (records of, arm)
 ARMS = (
     ("credit_schemes_w9", "outcome_w9"),
@@ -51,59 +34,9 @@ ARMS = (
 )
 
 
-def argv_of(p: dict[str, Any], seed: int) -> list[str]:
-    return [CONFIG, str(p["continuations"]), *p["set"], f"run.iterations={p['iterations']}",
-            f"run.eval_every={p['eval_every']}", f"run.seed={seed}"]  # fmt: skip
-
-
-def train(p: dict[str, Any], seed: int, out: Path, records: Path, arm: str = "oracle_w9") -> None:
-    """One oracle run (a process of its own with the benchmarks' environment), then its record as
-    `records/<arm>/seed_<seed>.json` (another arm: other overrides in `p["set"]`, e.g. the clip screen's
-    binding clip)."""
-    from bench._prefect import local_server
-    from bench._warm import command_env
-
-    path = records / arm / f"seed_{seed}.json"
-    argv = argv_of(p, seed)
-    if path.is_file() and json.loads(path.read_text())["argv"] == argv:
-        return
-    run_dir = out / f"seed_{seed}"
-    log = out / f"seed_{seed}.log"
-    env = command_env(out)
-    t0 = time.perf_counter()
-    with local_server(env, out / "prefect-home") as (_, _, env):
-        cmd = [sys.executable, "-m", "bench.oracle._oracle", CONFIG, str(run_dir), *argv[1:]]
-        with log.open("w") as f:
-            rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
-    if rc != 0:
-        raise SystemExit(f"{arm} seed {seed} exited {rc}; see {relative(log)}")
-    record = _w9.record_of(run_dir, argv)
-    record["values"] = values_cost(run_dir)
-    write_json(path, record)
-    print(f"{arm} seed {seed}: recorded after {time.perf_counter() - t0:.0f} s", flush=True)
-
-
-def values_cost(run_dir: Path) -> dict[str, list[float]]:
-    """Per iteration, the continuations' transformer rows and seconds (not in the run's own costs)."""
-    from stepgrpo.storage.run import Run
-
-    run = Run.open(run_dir)
-    nfe, seconds = [], []
-    for i in run.iterations("checkpoint"):
-        table = run.tables.read_rewards(i)
-        ((name, version),) = {
-            (n, v)
-            for n, v in zip(table.column("reward_name").to_pylist(), table.column("reward_version").to_pylist())
-            if n.endswith("-value")
-        }
-        info = run.tables.rows_info("rewards", run.tables.rewards_digest(i, name, version))
-        nfe.append(info["nfe"])
-        seconds.append(info["seconds"])
-    return {"nfe": nfe, "seconds": seconds}
-
-
-def report(p: dict[str, Any], records: Path) -> dict[str, Any]:
-    """Oracle and every compared arm after `iterations`, and the oracle minus each, paired by seed."""
+def report(p: dict[str, Any], records: Path, compared: Path) -> dict[str, Any]:
+    """Oracle and every compared arm (their records under `compared/<question>/runs`) after
+    `iterations`, and the oracle minus each, paired by seed."""
     N = p["iterations"]
     oracle = {}
     for seed in range(p["seeds"]):
@@ -115,7 +48,7 @@ def report(p: dict[str, Any], records: Path) -> dict[str, Any]:
     arms: dict[str, dict[int, dict[str, Any]]] = {}
     for regime, arm in ARMS:
         for seed in oracle:
-            path = records.parents[1] / regime / "runs" / arm / f"seed_{seed}.json"
+            path = compared / regime / "runs" / arm / f"seed_{seed}.json"
             if path.is_file():
                 r = json.loads(path.read_text())
                 if str(N) in r["evals"]:
@@ -172,12 +105,14 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, help="at most this many seeds")
     ap.add_argument("--only-seed", type=int, help="train this seed alone (several processes share the seeds)")
     ap.add_argument("--out", type=Path, help="run directories (scratch)")
+    ap.add_argument("--records", type=Path, help="where the oracle's records are kept (its reports beside them)")
     a = ap.parse_args()
     p = dict(PRESETS["quick" if a.quick else "full"])
     if a.seeds:
         p["seeds"] = min(p["seeds"], a.seeds)
     out = (a.out or ROOT / "bench" / "out" / "oracle").resolve()
-    records = (out / "records" / "runs" if a.quick else RECORDS).resolve()
+    records = (a.records or (out / "records" / "runs" if a.quick else RECORDS)).resolve()
+    compared = out if a.quick else RECORDS.parents[1]  # the other questions' records
     out.mkdir(parents=True, exist_ok=True)
     from stepgrpo_core.registry import allow
 
@@ -185,7 +120,7 @@ def main() -> None:
     if not a.report_only:
         for seed in [a.only_seed] if a.only_seed is not None else range(p["seeds"]):
             train(p, seed, out, records)
-    analysis = report(p, records)
+    analysis = report(p, records, compared)
     where = records.parent
     where.mkdir(parents=True, exist_ok=True)
     write_json(where / "analysis.json", analysis)

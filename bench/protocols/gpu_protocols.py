@@ -1,8 +1,8 @@
 """The papers' evaluation protocols at SD3.5-Medium's shape: images per second under each one's
 generation settings (docs/PAPERS.md; the protocols are `stepgrpo/prompts/protocols.py`).
 
-    python bench/protocols/gpu_protocols.py [--out bench/out/gpu_protocols]   # on a CUDA machine (~3 min, one H100)
-    python bench/protocols/gpu_protocols.py --small --device cpu              # every code path at toy sizes, on a CPU
+    python -m bench.protocols.gpu_protocols [--out bench/out/gpu_protocols]   # on a CUDA machine (~3 min, one H100)
+    python -m bench.protocols.gpu_protocols --small --device cpu              # every code path at toy sizes, on a CPU
 
 For each protocol (the shapes one aside: it is the shipped model's), random weights of SD3.5-M's
 transformer shape (`bench/gpu/gpu_train.py`, no download) sample `--pairs` (prompt, sample) pairs
@@ -17,27 +17,17 @@ seeds, and the report says whether the two are byte-identical on this device (wh
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-if __name__ == "__main__":  # `python bench/protocols/gpu_protocols.py`: the repository, not bench/, first on the path
-    sys.path[0] = str(Path(__file__).resolve().parents[2])
+from bench._lib.gpu import device_name, gpu_arguments, prepare, write_report
 
-from bench.gpu.gpu_train import build_policy
-
-REPO = Path(__file__).resolve().parents[2]
 PAIRS = {"geneval": 2212, "ocr": 1018, "pickscore": 2048, "drawbench": 1000}
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "gpu_protocols")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--small", action="store_true", help="toy sizes (with --device cpu: try the script on a CPU)")
+    p = gpu_arguments(__doc__.split("\n\n")[0], "gpu_protocols")
     p.add_argument("--pairs", type=int, default=16, help="(prompt, sample) pairs timed a protocol")
     p.add_argument("--batch", type=int, default=8, help="pairs a model call")
     args = p.parse_args()
@@ -47,15 +37,10 @@ def main() -> None:
     from stepgrpo.prompts.protocols import PROTOCOLS, sample_seed
     from stepgrpo_core.rollout import rollout
 
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("--device cuda but torch sees no CUDA device; use --small --device cpu to try the script")
-    args.out.mkdir(parents=True, exist_ok=True)
-    model = args.out / "policy"
-    if not (model / "model_index.json").is_file():
-        build_policy(model, args.small)
-    dtype = "float32" if args.device == "cpu" else "bfloat16"
+    results: dict[str, Any] = {"device": device_name(args.device)}
+    sets = prepare(args, reward=False)
+    model, dtype = Path(sets["model.path"]), sets["model.dtype"]
     texts = [f"a photo of a {c} {t}" for t in ("cat", "dog", "car", "tree") for c in ("red", "blue", "green", "black")]
-    results: dict[str, Any] = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"}
     lines = [f"device: {results['device']}; {args.pairs} pairs a protocol, {args.batch} a call", ""]
     for name, proto in PROTOCOLS.items():
         if name == "shapes":
@@ -97,9 +82,7 @@ def main() -> None:
             f"the whole protocol's {PAIRS[name]} images ~{PAIRS[name] / rate / 60:.1f} min; "
             f"same seeds, same bytes: {'yes' if identical else 'no'}"
         )
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
-    (args.out / "report.txt").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(args.out, results, lines)
 
 
 if __name__ == "__main__":

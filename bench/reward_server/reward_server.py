@@ -1,6 +1,6 @@
 """8 clients scoring through one `stepgrpo reward-server` against each scoring in-process, in one run.
 
-    python bench/reward_server/reward_server.py [--reward shapes | --clip] [--clients 8] [--requests 6] [--images 16]
+    python -m bench.reward_server.reward_server [--reward shapes | --clip] [--clients 8] [--requests 6] [--images 16]
 
 Each of `--clients` threads scores `--requests` requests of `--images` shipped-model-sized images
 (the shapes data set's renders, 64 x 64). In-process, each client builds its own reward (what 8
@@ -30,12 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-if (
-    __name__ == "__main__"
-):  # `python bench/reward_server/reward_server.py`: the repository, not bench/, first on the path
-    sys.path[0] = str(Path(__file__).resolve().parents[2])
-
-from bench._common import OUT_DIR
+from bench._lib.common import OUT_DIR
 
 
 def batches(clients: int, requests: int, images: int) -> list[list[tuple[torch.Tensor, list[str], list[dict]]]]:

@@ -2,7 +2,7 @@
 start of a fresh process (Python, torch, diffusers imported) and the load of a full-size
 SD3.5-M-shaped transformer saved in bf16, on this machine (docs/SCALING.md, "The update").
 
-    python bench/scale/load_sd35m.py [--dir DIR] [--repeats 3]
+    python -m bench.scale.load_sd35m [--dir DIR] [--repeats 3]
 
 The transformer has SD3.5-Medium's configuration (24 MMDiT-X blocks of 24 heads x 64, the first 13
 with a second attention, RMS qk-norm: 2.24 B parameters) and random weights; it is built once and
@@ -24,11 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-if __name__ == "__main__":  # `python bench/scale/load_sd35m.py`: the repository, not bench/, first on the path
-    sys.path[0] = str(Path(__file__).resolve().parents[2])
-
-from bench._common import OUT_DIR
-from bench.gpu.gpu import SD3_MEDIUM
+from bench._lib.common import OUT_DIR
+from bench._lib.gpu import SD3_MEDIUM
 
 # SD3.5-Medium's transformer: SD3-medium's shape (bench/gpu/gpu.py), a larger position grid, a second
 # attention in the first 13 blocks, RMS qk-norm

@@ -13,11 +13,11 @@ the ratios compare workers, not thread counts.
 3. The 2-process update (torchrun, gloo) / the update in this process.
 4. The ceiling of 2: the same bare rollout (32 trajectories, one thread) in two processes at once
    against one alone (what two busy cores of this machine give, with no pipeline at all).
-Every configuration must store the same bytes (checked with bench/costs/digests.py's items).
+Every configuration must store the same bytes (checked with bench._lib.digests' items).
 
-    python bench/scale/scale.py [--iterations 4] [--repeats 2] [--prompts 16]   # writes bench/out/scale/scale.json
-    python bench/scale/scale.py --device cuda --configs in-process ray-2       # on a GPU: two shards share it
-    python bench/scale/scale.py --configs in-process update-2 --set sampler.sde_window_size=9   # update-heavy
+    python -m bench.scale.scale [--iterations 4] [--repeats 2] [--prompts 16]   # writes bench/out/scale/scale.json
+    python -m bench.scale.scale --device cuda --configs in-process ray-2       # on a GPU: two shards share it
+    python -m bench.scale.scale --configs in-process update-2 --set sampler.sde_window_size=9   # update-heavy
 """
 
 from __future__ import annotations
@@ -30,12 +30,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-if __name__ == "__main__":  # `python bench/scale/scale.py`: the repository, not bench/, first on the path
-    sys.path[0] = str(Path(__file__).resolve().parents[2])
-
 from bench import _common
-from bench._common import OUT_DIR, machine, write_json
-from bench.costs.digests import items
+from bench._lib.common import OUT_DIR, machine, write_json
+from bench._lib.digests import items
 
 RECIPE = [
     "run.group_size=4",
@@ -149,7 +146,7 @@ def main() -> None:
     _common.setup_env(a.out, threads=1)
     import shutil
 
-    from bench._common import train_flow
+    from bench._lib.common import train_flow
 
     runs_root = a.out / "runs"
     shutil.rmtree(runs_root, ignore_errors=True)

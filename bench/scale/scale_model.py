@@ -13,7 +13,7 @@ SD3-medium-shaped transformer, bf16, 512 px, CFG) and from how stepgrpo splits t
 
 These are derived numbers, not measurements of a cluster.
 
-    python bench/scale/scale_model.py [--prompts 48] [--group-size 24] [--steps 10] [--method remaining]
+    python -m bench.scale.scale_model [--prompts 48] [--group-size 24] [--steps 10] [--method remaining]
 """
 
 from __future__ import annotations

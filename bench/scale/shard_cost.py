@@ -1,6 +1,6 @@
 """The fixed cost of one shard on a Ray worker: what the pipeline adds to a shard that does nothing.
 
-    python bench/scale/shard_cost.py [--shards 24] [--out FILE.json]
+    python -m bench.scale.shard_cost [--shards 24] [--out FILE.json]
 
 A flow maps `--shards` shards of an empty shard task (`stepgrpo.tasks.base.shard_task`), with a real
 shard's parameters (the run, the config), over a local Ray
@@ -14,15 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-if __name__ == "__main__":  # `python bench/scale/shard_cost.py`: the repository, not bench/, first on the path
-    sys.path[0] = str(Path(__file__).resolve().parents[2])
-
-from bench._common import setup_env
+from bench._lib.common import setup_env
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Disk per iteration of each shipped recipe, from the storage schema (docs/GPU.md's table).
 
-    python bench/storage/disk.py [--model sd35m|shapes] [--check RUN_DIR]
+    python -m bench.storage.disk [--model sd35m|shapes] [--check RUN_DIR]
 
 A stage's bytes follow from its arrays (`stepgrpo.storage.schema`): every per-trajectory chunk is the raw
 array bytes plus a 4-byte checksum, latents in the dtype they were sampled in. The paper recipes
@@ -14,11 +14,9 @@ the formula with what a stored run's iteration 0 occupies.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 
 from stepgrpo.config import Config, load_config  # noqa: E402
 

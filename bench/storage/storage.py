@@ -7,13 +7,12 @@ Measures, in one run, on 64 trajectories x 11 states x 16x64x64 float16 latents 
 - raw: `numpy.save` / `numpy.load` of the same array (one file, no checksum).
 Target: store write >= 0.5 x raw write. Best of `REPEATS` for each, so a busy machine hurts less.
 
-Run: python bench/storage/storage.py
+Run: python -m bench.storage.storage
 """
 
 from __future__ import annotations
 
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,9 +21,6 @@ import numpy as np
 
 # This file is named like the package it measures: drop its own folder from the import path so
 # `import storage` finds the package (run from the repository root, or with it installed).
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 from stepgrpo.storage import Run  # noqa: E402
 
 B, T, LATENT = 64, 10, (16, 64, 64)

@@ -1,6 +1,6 @@
 """What storing costs at SD3.5-M scale: one iteration of a step-level paper recipe through the run store.
 
-    python bench/storage/storage_sd35.py [--trajectories 1152] [--shard 48] [--dir DIR] [--out FILE.json]
+    python -m bench.storage.storage_sd35 [--trajectories 1152] [--shard 48] [--dir DIR] [--out FILE.json]
 
 The latents of `configs/stepwise_pickscore.yaml` (docs/GPU.md: 3.23 GiB an iteration): 1152
 trajectories x 11 states x 16x64x64 bf16 (SD3.5-M at 512 px) in the rollout, and as many again
@@ -22,7 +22,6 @@ import argparse
 import hashlib
 import json
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,9 +29,6 @@ from pathlib import Path
 import numpy as np
 
 # This folder holds bench/storage/storage.py, named like the package it measures: import the package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 import torch  # noqa: E402
 
 from stepgrpo.storage import Run  # noqa: E402

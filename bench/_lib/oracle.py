@@ -1,4 +1,5 @@
-"""Oracle credit, the bound of step-level credit (`bench/oracle/oracle.py`; benchmark only, not a product scheme).
+"""Oracle credit, the bound of step-level credit (benchmark only, not a product scheme): the scheme, its
+training flow and the runner that keeps a run's record (`bench/oracle/oracle.py` and the clip screen run it).
 
 Every trained step is credited with its Monte-Carlo true advantage `A*_k = V(x_{k+1}) - V(x_k)`
 under the policy that sampled it (`stepgrpo_core.quality.oracle_advantages`): what a perfect
@@ -26,17 +27,24 @@ trajectories only.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from prefect import flow
 
+from bench._lib.common import ROOT, relative, write_json
+from bench._lib.runner import record_of
+from bench._lib.window import QUICK_SET
 from stepgrpo.plugins import scheme
 from stepgrpo_core.quality import oracle_advantages
 
-ORACLE = "bench.oracle._oracle:oracle"  # the scheme's reference (imported by the benchmark's own config only)
+ORACLE = "bench._lib.oracle:oracle"  # the scheme's reference (imported by the benchmark's own config only)
 
 
 @scheme(version="1", step_rewards=False)  # reads the value rows the flow writes, not completions
@@ -124,6 +132,70 @@ def monte_carlo_values(run: Any, cfg: Any, iteration: int, m: int) -> tuple[torc
     return values, pol.nfe - nfe0
 
 
+CONFIG = "configs/shapes_outcome_w9.yaml"
+PRESETS = {
+    "full": {"iterations": 50, "seeds": 3, "continuations": 2, "eval_every": 25, "set": ["run.eval_seeds=8"]},
+    "quick": {
+        "iterations": 2,
+        "seeds": 1,
+        "continuations": 2,
+        "eval_every": 1,
+        "set": QUICK_SET,
+    },
+}
+
+
+def argv_of(p: dict[str, Any], seed: int) -> list[str]:
+    return [CONFIG, str(p["continuations"]), *p["set"], f"run.iterations={p['iterations']}",
+            f"run.eval_every={p['eval_every']}", f"run.seed={seed}"]  # fmt: skip
+
+
+def train(p: dict[str, Any], seed: int, out: Path, records: Path, arm: str = "oracle_w9") -> None:
+    """One oracle run (a process of its own with the benchmarks' environment), then its record as
+    `records/<arm>/seed_<seed>.json` (another arm: other overrides in `p["set"]`, e.g. the clip screen's
+    binding clip)."""
+    from bench._lib.prefect import local_server
+    from bench._lib.warm import command_env
+
+    path = records / arm / f"seed_{seed}.json"
+    argv = argv_of(p, seed)
+    if path.is_file() and json.loads(path.read_text())["argv"] == argv:
+        return
+    run_dir = out / f"seed_{seed}"
+    log = out / f"seed_{seed}.log"
+    env = command_env(out)
+    t0 = time.perf_counter()
+    with local_server(env, out / "prefect-home") as (_, _, env):
+        cmd = [sys.executable, "-m", "bench._lib.oracle", CONFIG, str(run_dir), *argv[1:]]
+        with log.open("w") as f:
+            rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        raise SystemExit(f"{arm} seed {seed} exited {rc}; see {relative(log)}")
+    record = record_of(run_dir, argv)
+    record["values"] = values_cost(run_dir)
+    write_json(path, record)
+    print(f"{arm} seed {seed}: recorded after {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+def values_cost(run_dir: Path) -> dict[str, list[float]]:
+    """Per iteration, the continuations' transformer rows and seconds (not in the run's own costs)."""
+    from stepgrpo.storage.run import Run
+
+    run = Run.open(run_dir)
+    nfe, seconds = [], []
+    for i in run.iterations("checkpoint"):
+        table = run.tables.read_rewards(i)
+        ((name, version),) = {
+            (n, v)
+            for n, v in zip(table.column("reward_name").to_pylist(), table.column("reward_version").to_pylist())
+            if n.endswith("-value")
+        }
+        info = run.tables.rows_info("rewards", run.tables.rewards_digest(i, name, version))
+        nfe.append(info["nfe"])
+        seconds.append(info["seconds"])
+    return {"nfe": nfe, "seconds": seconds}
+
+
 @flow(name="oracle-train", log_prints=True)
 def oracle_train(config_path: str | None, overrides: list[str], run_dir: str, continuations: int) -> dict[str, Any]:
     """`flows/train.py`'s loop with outcome's scoring and the oracle's values in place of completions."""
@@ -159,7 +231,7 @@ def oracle_train(config_path: str | None, overrides: list[str], run_dir: str, co
             return log.finish(export_lora(run, cfg, cfg.run.iterations - 1))
 
 
-if __name__ == "__main__":  # python -m bench.oracle._oracle CONFIG RUN_DIR M [key=value ...]
+if __name__ == "__main__":  # python -m bench._lib.oracle CONFIG RUN_DIR M [key=value ...]
     import sys
 
     config, run_dir, m, *sets = sys.argv[1:]

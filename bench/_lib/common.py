@@ -1,10 +1,9 @@
-"""Shared helpers of the benchmark scripts: import path, environment, the machine, one pipeline
-run read back from its run directory, and small statistics (the in-process reference loop is
-library code: `stepgrpo.loops.reference`).
+"""Shared helpers of the benchmark scripts: the environment, the machine, one pipeline run read back
+from its run directory, and small statistics (the in-process reference loop is library code:
+`stepgrpo.loops.reference`).
 
-The benchmarks are the package `bench` (`from bench._common import ...`; the suite imports them by
-name). A script run by its path (`python bench/credit_schemes_clip/clip.py`) puts the repository first on `sys.path`
-itself, as `python -m bench.credit_schemes_clip.clip` from the repository has it.
+The benchmarks are the package `bench`: every script runs from the repository's root as a module,
+`python -m bench.<question>.<script>`, and imports only `bench._lib` and the product.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-BENCH_DIR = Path(__file__).resolve().parent
+BENCH_DIR = Path(__file__).resolve().parents[1]
 ROOT = BENCH_DIR.parent
 
 OUT_DIR = BENCH_DIR / "out"  # gitignored; the numbers quoted in docs are copied to docs/bench/

@@ -1,12 +1,14 @@
-"""What both credit-scheme comparisons share (`bench/credit_schemes/credit_schemes.py`, its early window;
-`bench/credit_schemes_w9/_w9.py`, the papers' regime): reading a run's held-out evaluations, the paired
-difference of two, the interval and verdict formats, and the claims table."""
+"""The statistics every question reads its records with: a run's held-out evaluations, the paired
+difference of two, per-prompt means, intervals over seeds, clustered by prompt and bootstrapped over
+both levels, the interval and verdict formats, and the claims table."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Any
+
+from bench._lib.common import mean_ci
 
 
 def read_evals(run_dir: Path) -> dict[int, dict[str, Any]]:
@@ -91,3 +93,27 @@ def claims_md(rows: list[dict[str, str]]) -> str:
     ]
     L += [f"| {r['paper']} | {r['claim']} | {r['measured']} | {r['verdict']} |" for r in rows]
     return "\n".join(L) + "\n"
+
+
+def by_prompt(values: list[float], prompts: int) -> list[float]:
+    """Per-sample values (seed-major) averaged over each prompt's noise seeds."""
+    seeds = len(values) // prompts
+    return [sum(values[j * prompts + p] for j in range(seeds)) / seeds for p in range(prompts)]
+
+
+def pooled(rows: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Per seed, over seeds (t-interval), and clustered by prompt (each prompt averaged over seeds)."""
+    from stepgrpo.reporting.report import mean_interval
+
+    seeds = sorted(rows)
+    out: dict[str, Any] = {"per_seed": {str(k): rows[k]["mean"] for k in seeds}, "n": len(seeds)}
+    m, lo, hi = mean_ci([rows[k]["mean"] for k in seeds])
+    out["seeds"] = {"mean": m, "lo": lo, "hi": hi}
+    if seeds:
+        P = len(rows[seeds[0]]["prompts"])
+        per_prompt = [sum(rows[k]["prompts"][p] for k in seeds) / len(seeds) for p in range(P)]
+        m, lo, hi = mean_interval(per_prompt)
+        out["prompts"] = {"mean": m, "lo": lo, "hi": hi}
+        m, lo, hi = two_level({k: rows[k]["prompts"] for k in seeds})
+        out["bootstrap"] = {"mean": m, "lo": lo, "hi": hi}
+    return out

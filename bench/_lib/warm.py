@@ -3,11 +3,11 @@
 Every new `stepgrpo` process spends ~13 s importing (torch, diffusers, mlflow, Prefect) before it
 does any work, and without PREFECT_API_URL it also starts a temporary Prefect server of its own: at
 `--quick` settings that is most of a run. `Stepgrpo` keeps `jobs` worker processes
-(`python -m bench._warm`) that imported the CLI once, and runs each command in one of them through
+(`python -m bench._lib.warm`) that imported the CLI once, and runs each command in one of them through
 the CLI's own entry point (the typer app: the same checks, flows and exit codes as the console
 script), with every byte the command writes to stdout and stderr in its log. Without
 PREFECT_API_URL, one Prefect server under `out` serves all of them for the pool's life
-(`bench/_prefect.py`).
+(`bench/_lib/prefect.py`).
 
     with Stepgrpo(jobs=2, out=out) as stepgrpo:
         rc = stepgrpo.run(["train", "--config", "configs/shapes_outcome.yaml"], out / "train.log")
@@ -28,7 +28,7 @@ import sys
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def command_env(out: Path) -> dict[str, str]:
@@ -55,13 +55,13 @@ class Stepgrpo:
         self._stack = contextlib.ExitStack()
         env = command_env(self.out)
         if not env.get("PREFECT_API_URL"):
-            from bench._prefect import local_server
+            from bench._lib.prefect import local_server
 
             _, _, env = self._stack.enter_context(local_server(env, self.out / "prefect-home"))
         self._idle: queue.Queue[subprocess.Popen[str]] = queue.Queue()
         for _ in range(max(1, jobs)):
             worker = subprocess.Popen(
-                [sys.executable, "-m", "bench._warm"],
+                [sys.executable, "-m", "bench._lib.warm"],
                 cwd=ROOT,
                 env=dict(env, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))),
                 stdin=subprocess.PIPE,

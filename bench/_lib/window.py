@@ -1,5 +1,7 @@
-"""`bench/credit_schemes/credit_schemes.py --regime w9`: the papers' regime (the SDE on steps 0-8 of 10, those
-9 steps trained), outcome credit against each step-level scheme with enough seeds to decide.
+"""The papers' regime (the SDE on steps 0-8 of 10, those 9 steps trained), outcome credit against each
+step-level scheme with enough seeds to decide: the screen two questions run, `python -m
+bench.credit_schemes_w9.w9` (completions as each paper computes them) and `python -m
+bench.credit_schemes_cheap.cheap` (DenseGRPO's credit from the rollout's own x0 predictions).
 
 Arms (`ARMS`): `outcome_w9`, `dense_w9`, `stepwise_w9`, `turning_point_w9` (configs/shapes_<scheme>_w9.yaml,
 each scheme with its paper's completion) and the shipped early-window recipe `outcome_w3` as the
@@ -33,9 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench._common import ROOT, machine, mean_ci, relative, write_json
-from bench._warm import Stepgrpo
-from bench.learning.learning import run_seed
+from bench._lib.common import ROOT, machine, mean_ci, relative, write_json
+from bench._lib.runner import covers, record_of, run_seed
+from bench._lib.warm import Stepgrpo
 
 # arm -> (config, scheme, completion its scheme's paper uses)
 ARMS: dict[str, tuple[str, str]] = {
@@ -44,7 +46,7 @@ ARMS: dict[str, tuple[str, str]] = {
     "stepwise_w9": ("configs/shapes_stepwise_w9.yaml", "stepwise"),
     "turning_point_w9": ("configs/shapes_turning_point_w9.yaml", "turning_point"),
     "outcome_w3": ("configs/shapes_outcome.yaml", "outcome"),
-    # `--regime cheap`: DenseGRPO's credit from the rollout's own x0 predictions (0 extra NFEs)
+    # the cheap regime: DenseGRPO's credit from the rollout's own x0 predictions (0 extra NFEs)
     "dense_rollout_w9": ("configs/shapes_dense_w9.yaml", "dense"),
 }
 # overrides an arm adds to its config (the cheap arms: their completion)
@@ -79,7 +81,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "records": "credit_schemes_w9",
         "set": ["run.eval_seeds=8"],
     },
-    # `--regime cheap` (docs/BENCHMARKS.md section 10): step-level credit at outcome's cost, DenseGRPO on
+    # the cheap regime (docs/BENCHMARKS.md section 10): step-level credit at outcome's cost, DenseGRPO on
     # the rollout's own x0 predictions against both outcome recipes, 6 paired seeds. outcome_w9's
     # records (and outcome_w3's seeds 0-2, 500 iterations) are the papers' regime's (`borrow`); a cheap
     # arm's NFEs are ~1x outcome_w9's and ~1.5x outcome_w3's (equal NFEs: outcome_w3 after ~150
@@ -178,21 +180,6 @@ class W9:
         return self.records / arm / "check_seed_0.json"
 
 
-def covers(recorded: list[str], wanted: list[str]) -> bool:
-    """Whether a run made with argv `recorded` holds the run `wanted` asks for: the same argv, or
-    the same but for more `run.iterations` (a longer run of a constant learning rate passes through
-    the shorter one: same prompts, noise and updates, evaluated at the same iterations)."""
-
-    def split(argv: list[str]) -> tuple[list[str], int]:
-        rest = [x for x in argv if not x.startswith("run.iterations=")]
-        n = [int(x.split("=", 1)[1]) for x in argv if x.startswith("run.iterations=")]
-        return rest, (n[-1] if n else 0)
-
-    (r, n_r), (w, n_w) = split(recorded), split(wanted)
-    constant = not any(x.startswith("optim.lr_schedule=") and not x.endswith("=constant") for x in recorded)
-    return r == w and (n_r == n_w or (n_r > n_w and constant))
-
-
 def settings(a: Any) -> W9:
     name = "quick" if a.quick else "gpu" if a.gpu else "full"
     if getattr(a, "regime", "w9") == "cheap":
@@ -218,32 +205,6 @@ def settings(a: Any) -> W9:
 
 
 # --------------------------------------------------------------------------------- running
-
-
-def record_of(run_dir: Path, argv: list[str]) -> dict[str, Any]:
-    """The durable record of a finished run: costs per iteration, training rewards, and every
-    held-out evaluation with its per-sample scores (what pairing needs)."""
-    from bench._common import open_run_once, read_run
-    from bench.credit_schemes._schemes import read_evals  # the same reading as the early-window comparison
-    from stepgrpo.reporting.costs import iteration_costs
-
-    rec = read_run(run_dir)
-    # every stage's passes as it ran (`stepgrpo.reporting.costs`: forwards, and 2 a backward row)
-    costs = iteration_costs(open_run_once(run_dir))
-    evals = {}
-    for it, e in read_evals(run_dir).items():
-        keep = ("label", "prompts", "seeds", "reward_mean", "reward_strict", "sub")
-        evals[str(it)] = {k: e.get(k) for k in keep} | {"scores": [round(x, 6) for x in e["scores"]]}
-    return {
-        "argv": argv,
-        "nfe": [sum(n.values()) for n in rec.nfe],
-        "passes": [int(c["passes"]) for c in costs],
-        "stages": [c["nfe_stages"] | {"backward": (int(c["passes"]) - int(c["nfe"])) // 2} for c in costs],
-        "seconds": rec.iter_seconds,
-        "setup_seconds": rec.setup_seconds,
-        "train_reward": rec.train_reward,
-        "evals": evals,
-    }
 
 
 def train_one(s: W9, arm: str, seed: int, stepgrpo: Stepgrpo) -> None:
@@ -342,7 +303,7 @@ def load(s: W9, arm: str, seed: int) -> Rec | None:
 
 
 def gain(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float, float]:
-    from bench.credit_schemes._schemes import paired
+    from bench._lib.stats import paired
 
     return paired(a, b)
 
@@ -420,7 +381,7 @@ def analyse(runs: dict[tuple[str, int], Rec], s: W9) -> dict[str, Any]:
 def speed(runs: dict[tuple[str, int], Rec], arm: str, ref: str, seeds: list[int], N: int) -> dict[str, Any]:
     """Iterations the arm needs to reach outcome's held-out reward after N (linear between its
     evaluations), as a fraction of N, per seed."""
-    from bench.credit_schemes._schemes import crossing
+    from bench._lib.stats import crossing
 
     rows = []
     for seed in seeds:
@@ -444,7 +405,7 @@ def speed_verdict(e: dict[str, Any], claimed: float) -> str:
 
 
 def claims(a: dict[str, Any]) -> list[dict[str, str]]:
-    from bench.credit_schemes._schemes import ci, verdict
+    from bench._lib.stats import ci, verdict
 
     N, rows = a["iterations"], []
     for arm, (paper, speed_claim, fraction) in PAPERS.items():
@@ -518,10 +479,10 @@ CHEAP_ARMS = {"DenseGRPO": "dense_rollout_w9"}  # paper -> its arm with the roll
 
 
 def cheap_claims(a: dict[str, Any]) -> list[dict[str, str]]:
-    """The claims measured with the cheap estimator (`--regime cheap`): each paper's cheap arm
+    """The claims measured with the cheap estimator (the cheap regime): each paper's cheap arm
     against outcome_w9 (the papers' comparison) and against outcome_w3 (the best outcome recipe
     per NFE, section 8)."""
-    from bench.credit_schemes._schemes import ci, verdict
+    from bench._lib.stats import ci, verdict
 
     N, rows = a["iterations"], []
     for paper, arm in CHEAP_ARMS.items():
@@ -585,7 +546,7 @@ def prediction(s: W9, arm: str) -> str:
     if not path.is_file():
         return "n/a"
     c = json.loads(path.read_text())
-    from bench.credit_schemes._schemes import fmt
+    from bench._lib.stats import fmt
 
     rows = {r["scheme"]: r for r in c["gradient"]["uniform"]["rows"]}
     r = rows[c["scheme"]]
@@ -596,7 +557,7 @@ def prediction(s: W9, arm: str) -> str:
 
 
 def summary_md(a: dict[str, Any], s: W9, info: dict[str, Any]) -> str:
-    from bench.credit_schemes._schemes import ci, fmt
+    from bench._lib.stats import ci, fmt
 
     N = a["iterations"]
     L = [
@@ -744,11 +705,14 @@ def main(a: Any) -> None:
     analysis = analyse(runs, s)
     report = s.records.parent
     info = {
-        "settings": {k: (relative(v) if isinstance(v, Path) else v) for k, v in vars(s).items()},
+        # what ran, not where its files are (a copy of the records reports the same bytes)
+        "settings": {
+            k: (relative(v) if isinstance(v, Path) else v) for k, v in vars(s).items() if k not in ("out", "records")
+        },
         "machine": recorded_machine(report, a.report_only) or {"start": started, "end": machine()},
     }
     table = claims(analysis)
-    from bench.credit_schemes._schemes import claims_md
+    from bench._lib.stats import claims_md
 
     report.mkdir(parents=True, exist_ok=True)
     (report / "summary.md").write_text(summary_md(analysis, s, info))
@@ -773,3 +737,29 @@ def main(a: Any) -> None:
     print(
         f"wrote {relative(report)}/: summary.md, claims.md, {claims_file}, analysis.json, comparison.csv, heldout.png"
     )
+
+
+def cli(regime: str, description: str) -> None:
+    """The command of the regime `w9` or `cheap` (`python -m bench.credit_schemes_<regime>.<regime>`)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=description)
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="every path at tiny settings")
+    mode.add_argument("--gpu", action="store_true", help="8x the trajectories an iteration on a CUDA GPU")
+    ap.add_argument("--iterations", type=int, help="iterations of the step-level runs (the equal-trajectory budget)")
+    ap.add_argument("--eval-every", type=int)
+    ap.add_argument("--seeds", type=int, nargs="+")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], help="key=value on every run")
+    ap.add_argument("--jobs", type=int, help="runs at once (one torch thread each)")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--records", type=Path, help="where the finished runs' records are kept")
+    ap.add_argument("--report-only", action="store_true", help="read the finished runs and report")
+    a = ap.parse_args()
+    a.regime = regime
+    if a.gpu and not a.report_only:
+        import torch
+
+        if not torch.cuda.is_available():
+            ap.error("--gpu needs a CUDA GPU (torch sees none); on a CPU run the default or --quick")
+    main(a)
