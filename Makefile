@@ -6,9 +6,17 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: install lint test test-fast bench-smoke demo clean
+.PHONY: install lint test test-fast bench-smoke demo clean FORCE
 
-$(VENV)/.installed: pyproject.toml
+# The install is editable and strict (pyproject.toml: each file linked into the installed layout,
+# what a type checker in another project follows): it is made again when the list of the code's
+# files changes, not only pyproject.toml.
+CODE_FILES := $(shell find stepgrpo stepgrpo_cli stepgrpo_core flows tasks storage -name '*.py' -not -path '*/__pycache__/*' 2>/dev/null | LC_ALL=C sort)
+$(VENV)/.code-files: FORCE
+	@mkdir -p $(VENV)
+	@echo "$(CODE_FILES)" | cmp -s - $@ || echo "$(CODE_FILES)" > $@
+
+$(VENV)/.installed: pyproject.toml $(VENV)/.code-files
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) scripts/install_torch.py "$(TORCH_SPEC)"

@@ -191,6 +191,40 @@ def test_a_static_type_checker_resolves_every_import():
     assert unresolved == [] and report["summary"]["filesAnalyzed"] > 100, unresolved[:10]
 
 
+@pytest.mark.slow
+def test_a_type_checker_in_a_users_own_project_resolves_the_installed_names(tmp_path):
+    """From a project outside the checkout (no path of it given), basedpyright resolves every
+    `stepgrpo.*` name through the install and reads its signatures: the editable install is strict
+    (pyproject.toml's `[tool.distutils.editable_wheel]`), whose files a checker follows where the
+    default's import hook hides them, and the packages are marked typed (`py.typed`)."""
+    (tmp_path / "use.py").write_text(
+        "import stepgrpo\n"
+        "from stepgrpo.config import load_config\n"
+        "from stepgrpo.flows.train import train\n"
+        "from stepgrpo.storage.run import Run\n"
+        "from stepgrpo.tasks.credit import credit\n"
+        "from stepgrpo_cli import main\n"
+        "from stepgrpo_core import assign\n"
+        "reveal_type(load_config)\n"
+        "reveal_type(stepgrpo.train)\n"
+        "print(train, Run, credit, main, assign)\n"
+    )
+    done = subprocess.run(
+        [str(Path(sys.executable).with_name("basedpyright")), "--outputjson", "--pythonpath", sys.executable, "use.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    report = json.loads(done.stdout)
+    problems = [
+        f"{d.get('rule')}: {d['message']}"
+        for d in report["generalDiagnostics"]
+        if d.get("rule") in ("reportMissingImports", "reportMissingModuleSource", "reportAttributeAccessIssue",
+                             "reportMissingTypeStubs")
+    ]  # fmt: skip
+    assert problems == [], problems
+    revealed = [d["message"] for d in report["generalDiagnostics"] if d["severity"] == "information"]
+    assert len(revealed) == 2 and "-> Config" in revealed[0] and "Unknown" not in revealed[0], revealed
+
+
 def test_the_installed_names_are_links_to_the_top_level_folders():
     """`stepgrpo/flows` -> `flows/` (tasks, storage; the shipped configs and models): relative links,
     so a clone anywhere resolves them, and what a static checker or an editor follows."""
