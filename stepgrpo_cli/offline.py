@@ -191,7 +191,7 @@ def evaluate(
     protocol: Annotated[
         str | None,
         typer.Option(
-            help="A paper's evaluation protocol (geneval, ocr, pickscore, drawbench; shapes on a CPU): its "
+            help="A paper's evaluation protocol (`stepgrpo config variants` lists them; shapes on a CPU): its "
             "pinned prompts, samples, seeds, settings, scorer and aggregation, with an evidence bundle in the run's "
             "evidence/.",
             metavar="NAME",

@@ -75,34 +75,31 @@ def config_variants(
     markdown: Annotated[
         bool, typer.Option("--markdown", help="As the Markdown table of docs/METHODS.md.", metavar="")
     ] = False,
+    papers: Annotated[
+        bool,
+        typer.Option("--papers", help="The papers, each beside what implements it (docs/METHODS.md).", metavar=""),
+    ] = False,
 ) -> None:
     """Every family a config names: the built-in kernels, completion methods, credit schemes,
     objectives and rewards, the optimizer presets and the evaluation protocols: how a config names
-    each, its options, its paper, what it does (read from the registries and tables, the only lists)."""
+    each, its options, its paper, what it does (read from the registries, the only lists)."""
     from rich.table import Table
 
-    from stepgrpo.rewards import REWARDS
-    from stepgrpo_core.variants import core_registries, markdown_table
+    from stepgrpo.families import families
+    from stepgrpo_core.variants import core_registries, markdown_table, papers_table
 
-    families = core_registries()
+    if papers:
+        print(papers_table(families()), end="")
+        return
     if markdown:
-        print(markdown_table(families), end="")
+        print(markdown_table(core_registries()), end="")
         return
     table = Table("family", "name", "options", "paper", "what it does", show_lines=False)
-    for heading, registry in {**families, "reward": REWARDS}.items():
+    for heading, registry in families().items():
         for name in registry.names():
             d = registry.describe(name)
             options = ", ".join(f"{k}={v}" for k, v in d["options"].items())
             table.add_row(heading, d["pattern"], options, d["paper"] or "", d["summary"])
-    from stepgrpo.config import OPTIMIZER_PRESETS
-    from stepgrpo.prompts.protocols import PROTOCOLS
-
-    for name, (fields, source) in OPTIMIZER_PRESETS.items():
-        what = "optim fields " + ", ".join(f"{k}={v:g}" for k, v in fields.items())
-        table.add_row("optimizer preset", f"optim.preset: {name}", "", source, what + ".")
-    for name, p in PROTOCOLS.items():
-        what = f"{p.reward} on {p.prompts}, {p.samples} a prompt, {p.steps} steps, CFG {p.guidance:g}."
-        table.add_row("evaluation protocol", f"--protocol {name}", "", p.paper, what)
     shell.console.print(table)
 
 

@@ -19,24 +19,9 @@ GRPO, and DiffusionNFT, AWM and DGPO on forward-noised copies), `branching` (bra
 rollouts), `registry`, `variants` (every registry's entries in one table).
 
 The papers, cited where their formulas are implemented (by arXiv id and the equation, or the
-component by the paper's own name where we cite no equation number):
-
-    Flow-GRPO           arXiv 2505.05470  Liu et al. 2025, Flow-GRPO: Training Flow Matching Models via Online RL
-    Stepwise-Flow-GRPO  arXiv 2603.28718  Savani et al. 2026, Stepwise Credit Assignment for GRPO on
-                                          Flow-Matching Models
-    TP-GRPO             arXiv 2602.06422  Tong et al. 2026, Alleviating Sparse Rewards by Modeling Step-Wise and
-                                          Long-Term Sampling Effects in Flow-Based GRPO
-    DenseGRPO           arXiv 2601.20218  Deng et al. 2026, DenseGRPO: From Sparse to Dense Reward for Flow Matching
-                                          Model Alignment
-    DDIM                arXiv 2010.02502  Song et al. 2021, Denoising Diffusion Implicit Models
-    PPO                 arXiv 1707.06347  Schulman et al. 2017, Proximal Policy Optimization Algorithms
-    GRPO                arXiv 2402.03300  Shao et al. 2024, DeepSeekMath (Group Relative Policy Optimization)
-    MixGRPO             arXiv 2507.21802  Li et al. 2025, MixGRPO: mixed ODE-SDE sampling (the SDE window)
-    TempFlow-GRPO       arXiv 2508.04324  branched rollouts; per-step loss weighting by the step's noise
-    BranchGRPO          arXiv 2509.06040  tree rollouts and the tree advantage
-    DiffusionNFT        arXiv 2509.16117  Zheng et al. 2025, negative-aware fine-tuning (objective `nft`)
-    AWM                 arXiv 2509.25050  Xue et al. 2025, advantage weighted matching (objective `awm`)
-    DGPO                arXiv 2510.08425  Luo et al. 2025, direct group preference optimization (objective `dgpo`)
+component by the paper's own name where we cite no equation number), are `papers.PAPERS`; every
+registry entry names its own in its `paper` fact, and `stepgrpo config variants --papers` prints
+each paper beside what implements it (docs/METHODS.md).
 """
 
 from .calibration import initial_psi, update_psi

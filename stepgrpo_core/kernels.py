@@ -208,7 +208,7 @@ def step_moments(kind: str, x: torch.Tensor, v: torch.Tensor, sigma, sigma_next,
     """Mean and std of `x_{k+1} | x_k` under kernel `kind` (METHODS.md table, see module doc).
 
     Args:
-        kind: a name in `KERNELS` (`ode`, `flow`, `cps`, `ddim`, `psi`).
+        kind: a name in `KERNELS`.
         x: `[B, C, H, W]` state `x_k`; v: `[B, C, H, W]` velocity at `(x_k, sigma)`.
         sigma, sigma_next: `s = sigmas[k]`, `s' = sigmas[k+1]`; float, 0-d or `[B]`.
         noise: `a` (flow, cps), `eta` (ddim), `psi[k]` (psi), ignored for ode; float, 0-d or `[B]`.

@@ -4,12 +4,14 @@ and `stepgrpo config variants` are this module's output; the registries are the 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 from .completions import COMPLETIONS
 from .credit import SCHEMES
 from .kernels import KERNELS
 from .objectives import OBJECTIVES
+from .papers import PAPERS
 from .registry import Registry
 
 
@@ -30,4 +32,27 @@ def markdown_table(registries: Mapping[str, Registry]) -> str:
             options = options or "-"
             cell = d["summary"].replace("|", "\\|")
             rows.append(f"| {heading} | `{d['pattern']}` | {options} | {d['paper'] or '-'} | {cell} |")
+    return "\n".join(rows) + "\n"
+
+
+ARXIV = re.compile(r"arXiv (\d{4}\.\d{4,5})")
+
+
+def papers_table(registries: Mapping[str, Registry]) -> str:
+    """Every paper of `stepgrpo_core.papers` beside the built-in entries of `registries` whose
+    `paper` fact cites it (a heading -> registry), as the Markdown table between docs/METHODS.md's
+    `papers` markers (`stepgrpo config variants --papers`). A fact citing a paper missing from the
+    bibliography is refused."""
+    cited: dict[str, list[str]] = {}
+    for heading, registry in registries.items():
+        for name in sorted(registry._items):
+            for arxiv in ARXIV.findall(registry.facts(name)["paper"] or ""):
+                cited.setdefault(arxiv, []).append(f"{heading} `{registry.describe(name)['pattern']}`")
+    missing = sorted(set(cited) - set(PAPERS))
+    if missing:
+        raise ValueError(f"registry entries cite arXiv {', '.join(missing)}: add each to stepgrpo_core.papers.PAPERS")
+    rows = ["| arXiv | paper | what a config names of it |", "|---|---|---|"]
+    for arxiv in sorted(PAPERS):
+        what = ", ".join(dict.fromkeys(cited.get(arxiv, []))) or "- (cited where its piece is implemented)"
+        rows.append(f"| {arxiv} | {PAPERS[arxiv]} | {what} |")
     return "\n".join(rows) + "\n"

@@ -282,24 +282,20 @@ def test_runs_shows_an_extended_run_at_its_own_length(tmp_path, monkeypatch):
 
 
 def test_config_variants_lists_every_family_a_config_names(monkeypatch):
-    """Kernels, completions, schemes, objectives and rewards from their registries, and the optimizer
-    presets and evaluation protocols from their tables: every entry of each, whatever they hold."""
+    """Every family from its registry (kernels, completions, schemes, objectives, rewards, optimizer
+    presets, evaluation protocols): every entry of each, whatever they hold, with its paper."""
     from rich.console import Console
 
-    from stepgrpo.config import OPTIMIZER_PRESETS
+    from stepgrpo.families import families
     from stepgrpo_cli import shell
 
-    monkeypatch.setattr(shell, "console", Console(width=1000))  # every cell on one line
-    from stepgrpo.prompts.protocols import PROTOCOLS
-    from stepgrpo.rewards import REWARDS
-    from stepgrpo_core.variants import core_registries
+    monkeypatch.setattr(shell, "console", Console(width=2000))  # every cell on one line
 
     listed = runner.invoke(app, ["config", "variants"])
     assert listed.exit_code == 0, listed.output
-    for registry in [*core_registries().values(), REWARDS]:
+    assert {"optimizer preset", "evaluation protocol", "reward", "credit scheme"} <= set(families())
+    rows = {tuple(c.strip() for c in ln.split("│")[1:3]): ln for ln in listed.output.splitlines() if "│" in ln}
+    for heading, registry in families().items():
         for name in registry.names():
-            assert registry.describe(name)["pattern"] in listed.output
-    for name in OPTIMIZER_PRESETS:
-        assert f"optim.preset: {name}" in listed.output
-    for name in PROTOCOLS:
-        assert f"--protocol {name}" in listed.output
+            d = registry.describe(name)
+            assert d["summary"][:20] in rows.get((heading, d["pattern"]), ""), (heading, name)

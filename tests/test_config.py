@@ -270,7 +270,7 @@ def test_the_run_form_marks_the_fields_that_take_no_null_required_and_shows_each
 def test_a_papers_optimizer_preset_is_written_where_it_is_named(tmp_path):
     from stepgrpo.config import OPTIMIZER_PRESETS, stage_fields
 
-    fields, source = OPTIMIZER_PRESETS["flow_grpo"]
+    fields, source = OPTIMIZER_PRESETS.get("flow_grpo")(), OPTIMIZER_PRESETS.facts("flow_grpo")["paper"]
     assert "flow_grpo" in source and "clip_range" in source  # every value with where it came from
     cfg = load_config(None, ["optim.preset=flow_grpo"])
     assert {k: getattr(cfg.optim, k) for k in fields} == fields

@@ -68,6 +68,27 @@ def test_the_methods_doc_holds_the_registries_table():
     assert text[start : text.index("<!-- /variants -->")] == markdown_table(core_registries())
 
 
+def test_the_papers_table_is_generated_and_the_bibliography_is_what_the_code_cites():
+    """docs/METHODS.md's papers table is `stepgrpo config variants --papers` (the bibliography beside
+    the registries' `paper` facts); every arXiv id the code cites is in the bibliography, and every
+    paper in it is cited by the code."""
+    import re
+    from pathlib import Path
+
+    from stepgrpo.families import families
+    from stepgrpo_core.papers import PAPERS
+    from stepgrpo_core.variants import papers_table
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "docs" / "METHODS.md").read_text()
+    start = text.index("-->\n", text.index("<!-- papers:")) + 4
+    assert text[start : text.index("<!-- /papers -->")] == papers_table(families())
+    folders = ("stepgrpo", "stepgrpo_cli", "stepgrpo_core", "flows", "tasks", "storage")
+    code = {p.resolve() for d in folders for p in (root / d).rglob("*.py")} - {(root / "stepgrpo_core" / "papers.py")}
+    cited = {m for p in code for m in re.findall(r"arXiv (\d{4}\.\d{4,5})", p.read_text())}
+    assert cited == set(PAPERS), (sorted(cited - set(PAPERS)), sorted(set(PAPERS) - cited))
+
+
 class Pair(NamedTuple):
     emb: torch.Tensor
     mask: torch.Tensor

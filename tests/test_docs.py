@@ -198,3 +198,54 @@ def noised_tiny(args: list[str]) -> list[str]:
     name = args[args.index("--config") + 1]
     path = Path(name) if (REPO / name).is_file() else name
     return [] if load_config(REPO / path if isinstance(path, Path) else path).update.on_transitions else NOISED_TINY
+
+
+# --------------------------------------------------------------------------------- lists of names
+
+LIST_SEPARATOR = r"(?:\s*[,/|;]\s*(?:and\s+|or\s+)?|\s+(?:and|or)\s+)"
+NAME = r"`?[A-Za-z_][\w\-]*`?"
+EXAMPLES = re.compile(r"(?:e\.g\.|for example|such as)[\s(`]*$")  # a list given as examples is no list of a family
+GENERATED = re.compile(r"<!-- (\w+): generated.*?<!-- /\1 -->", re.S)
+
+
+def hand_lists(text: str, family: set[str], least: int = 3) -> list[tuple[int, str]]:
+    """Runs of at least `least` names of `family` joined by list separators in `text` (a line and the
+    run): a list that goes stale when the family grows. Markdown table rows (data, one arm a cell),
+    generated regions and lists given as examples are not lists of the family."""
+    text = GENERATED.sub(lambda m: "\n" * m.group(0).count("\n"), text)
+    text = "\n".join("" if line.lstrip().startswith("|") else line for line in text.split("\n"))
+    found = []
+    for m in re.finditer(NAME + "(?:" + LIST_SEPARATOR + NAME + ")+", text):
+        names = [n.strip("`") for n in re.findall(NAME, m.group(0)) if n.strip("`") not in ("and", "or")]
+        ours = set(names) & family
+        if len(ours) >= least and len(ours) >= len(set(names)) - 1 and not EXAMPLES.search(text[: m.start()]):
+            found.append((text[: m.start()].count("\n") + 1, m.group(0)))
+    return found
+
+
+def test_no_document_or_docstring_lists_a_familys_names_by_hand():
+    """The names of a family (kernels, completions, credit schemes, objectives, rewards, optimizer
+    presets, evaluation protocols) are listed by their registry alone (`stepgrpo config variants`;
+    the variants table of METHODS.md is its output): the README, every page under docs/ and every
+    docstring and comment of the code (a config field's help is its docstring) name one where it
+    matters, never the whole family by hand."""
+    from stepgrpo.families import families
+
+    folders = ("stepgrpo", "stepgrpo_cli", "stepgrpo_core", "flows", "tasks", "storage")
+    code = sorted({p.resolve() for d in folders for p in (REPO / d).rglob("*.py")})  # stepgrpo/flows: a link
+    lists = []
+    for path in [*DOCS, *code]:
+        text = path.read_text()
+        for heading, registry in families().items():
+            for line, run in hand_lists(text, set(registry.names())):
+                lists.append(f"{path.relative_to(REPO)}:{line}: the {heading}s {run!r}")
+    assert lists == [], "name the registry (`stepgrpo config variants`) instead:\n" + "\n".join(lists)
+
+
+def test_a_hand_written_list_of_a_family_is_found():
+    family = {"ode", "flow", "cps", "ddim"}
+    assert hand_lists("kind: one of `ode`, `flow`, `cps` or `ddim`.", family) == [(1, "`ode`, `flow`, `cps` or `ddim`")]
+    assert hand_lists("kind: one of ode | flow | cps\n", family) != []
+    assert hand_lists("| ode | flow | cps |\n", family) == []  # a table row
+    assert hand_lists("e.g. `ode`, `flow`, `cps`", family) == []  # examples
+    assert hand_lists("`ode` and `flow`", family) == []  # two

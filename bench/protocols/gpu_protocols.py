@@ -34,7 +34,7 @@ def main() -> None:
     import torch
 
     from stepgrpo.policy.sd3 import SD3Policy
-    from stepgrpo.prompts.protocols import PROTOCOLS, sample_seed
+    from stepgrpo.prompts.protocols import PROTOCOLS, protocol, sample_seed
     from stepgrpo_core.rollout import rollout
 
     results: dict[str, Any] = {"device": device_name(args.device)}
@@ -42,7 +42,8 @@ def main() -> None:
     model, dtype = Path(sets["model.path"]), sets["model.dtype"]
     texts = [f"a photo of a {c} {t}" for t in ("cat", "dog", "car", "tree") for c in ("red", "blue", "green", "black")]
     lines = [f"device: {results['device']}; {args.pairs} pairs a protocol, {args.batch} a call", ""]
-    for name, proto in PROTOCOLS.items():
+    for name in PROTOCOLS.names():
+        proto = protocol(name)
         if name == "shapes":
             continue
         steps = 4 if args.small else proto.steps

@@ -37,9 +37,9 @@ class RunConfig(Section):
     eval_seeds: int = Field(1, ge=1, le=1024)
     """Sampling seeds per held-out prompt."""
     eval_protocol: str | None = None
-    """A paper's evaluation protocol (`stepgrpo.prompts.protocols`: geneval, ocr, pickscore,
-    drawbench, shapes) under which every held-out evaluation also measures the policy, each with
-    its evidence bundle in the run's `evidence/` (as `stepgrpo evaluate RUN --protocol NAME`;
+    """A paper's evaluation protocol (`stepgrpo config variants` lists them) under which every
+    held-out evaluation also measures the policy, each with its evidence bundle in the run's
+    `evidence/` (as `stepgrpo evaluate RUN --protocol NAME`;
     the name and its prompt file are checked before a run starts, `stepgrpo.checks`)."""
 
     runs_root: str = "runs"

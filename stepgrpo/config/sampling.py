@@ -68,7 +68,8 @@ class SamplerConfig(Section):
     """Kernel noise parameter: `a` for flow (0.7; below sqrt 2) and cps (0.7; at most 1), `eta` for ddim
     (1.0; at most 1); unused by ode and psi. Checked against the kernel's range."""
     sde_window_start: int = Field(0, ge=0)
-    """First stochastic step of the SDE window (MixGRPO / Flow-GRPO-Fast); steps outside are ODE."""
+    """First stochastic step of the SDE window (MixGRPO, arXiv 2507.21802; Flow-GRPO-Fast); steps
+    outside are ODE."""
     sde_window_size: int | None = Field(None, ge=1)
     """Number of stochastic steps from `sde_window_start`; None means every step."""
     branch_window: tuple[int, int] | None = None

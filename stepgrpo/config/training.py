@@ -3,16 +3,17 @@ update's objective, DenseGRPO's calibration."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from stepgrpo.config._section import ConfigError, Section, registered
+from stepgrpo_core.registry import Registry
 
 # The papers' optimizers, as their authors' code sets them; `optim.preset: NAME` writes these fields
 # where it stands (a config file's own optim keys and later `--set`s win). Each value with its source.
-OPTIMIZER_PRESETS: dict[str, tuple[dict[str, Any], str]] = {
+_BUILT_IN: dict[str, tuple[dict[str, Any], str]] = {
     "flow_grpo": (
         {"clip_range": 1e-4, "optimizer_steps": 2, "inner_epochs": 1, "adv_clip": 5.0, "kl_beta": 0.04},
         "Flow-GRPO's code (yifan123/flow_grpo, config/base.py and config/grpo.py, its GenEval and OCR configs): "
@@ -34,31 +35,48 @@ OPTIMIZER_PRESETS: dict[str, tuple[dict[str, Any], str]] = {
 }
 
 
+# The presets as a registry (the one list: `stepgrpo config variants`): an entry returns its fields,
+# its source is its `paper` fact.
+OPTIMIZER_PRESETS: Registry[Callable[[], dict[str, Any]]] = Registry("optimizer preset")
+
+
+def _register(name: str, fields: dict[str, Any], source: str) -> None:
+    def entry() -> dict[str, Any]:
+        return dict(fields)
+
+    entry.__doc__ = "Sets optim " + ", ".join(f"{k}={v:g}" for k, v in fields.items()) + "."
+    OPTIMIZER_PRESETS.register(name, paper=source, pattern=f"optim.preset: {name}")(entry)
+
+
+for _name, (_fields, _source) in _BUILT_IN.items():
+    _register(_name, _fields, _source)
+
+
 def expand_preset(optim: Mapping[str, Any], name: Any, where: str) -> dict[str, Any]:
     """`optim` with preset `name`'s fields written under its own (its explicit fields win)."""
     if name is None:
         return dict(optim)
     if name not in OPTIMIZER_PRESETS:
         raise ConfigError(
-            f"{where}: optim.preset {name!r} is not one of {', '.join(map(repr, OPTIMIZER_PRESETS))} "
+            f"{where}: optim.preset {name!r} is not one of {', '.join(map(repr, OPTIMIZER_PRESETS.names()))} "
             "(or leave it out and set optim.clip_range / optimizer_steps / kl_beta yourself)"
         )
-    return {**OPTIMIZER_PRESETS[name][0], **optim}
+    return {**OPTIMIZER_PRESETS.get(name)(), **optim}
 
 
 class OptimConfig(Section):
     preset: str | None = None
     """Which paper's optimizer the clip, steps a sampled batch, inner epochs, advantage clip and KL
-    weight came from (`flow_grpo`, `flow_grpo_fast`, `tp_grpo`: `OPTIMIZER_PRESETS`, each value
-    with its source): written where the preset is named; fields set beside it or later win. Those
-    papers' log-probs drop a `1 / (2 std^2)` factor that stepgrpo's exact density keeps, so the same
-    clip range is tighter here (METHODS.md)."""
+    weight came from (`stepgrpo config variants` lists the presets, each value with its source):
+    written where the preset is named; fields set beside it or later win. Those papers' log-probs
+    drop a `1 / (2 std^2)` factor that stepgrpo's exact density keeps, so the same clip range is
+    tighter here (METHODS.md)."""
 
     @field_validator("preset")
     @classmethod
     def _known_preset(cls, v: str | None) -> str | None:
         if v is not None and v not in OPTIMIZER_PRESETS:
-            raise ValueError(f"{v!r} is not one of {', '.join(map(repr, OPTIMIZER_PRESETS))}")
+            raise ValueError(f"{v!r} is not one of {', '.join(map(repr, OPTIMIZER_PRESETS.names()))}")
         return v
 
     lr: float = Field(3e-4, gt=0, le=1.0)
@@ -182,7 +200,7 @@ class UpdateConfig(Section):
     zero_advantage: Literal["keep", "drop"] | None = None
     """Samples whose advantages are all zero: trained (`keep`: their loss still acts, e.g.
     DiffusionNFT's pull toward the old policy and every KL term) or left out (`drop`, as Flow-GRPO
-    does); None: as the objective's authors do (grpo drops them; nft, awm and dgpo keep them)."""
+    does); None: as the objective's authors do (grpo drops them; the objectives on noised copies keep them)."""
 
     @field_validator("objective")
     @classmethod

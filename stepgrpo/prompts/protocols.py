@@ -16,10 +16,12 @@ duplicates.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from stepgrpo.errors import StageError
+from stepgrpo_core.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,7 @@ _GPU = (
     "the images (bf16 kernels and attention differ between GPU models and library versions), hence the "
     "scores; the prompts, seeds and aggregation do not"
 )
-PROTOCOLS: dict[str, Protocol] = {
+_BUILT_IN: dict[str, Protocol] = {
     "geneval": Protocol(
         "geneval",
         "pinned:geneval_official",
@@ -142,10 +144,29 @@ PROTOCOLS: dict[str, Protocol] = {
 }
 
 
+# The protocols as a registry (the one list: `stepgrpo config variants` prints it, the docs cite it);
+# an entry returns its `Protocol`, and its paper is a fact like every variant's.
+PROTOCOLS: Registry[Callable[[], Protocol]] = Registry("evaluation protocol")
+
+
+def _register(p: Protocol) -> None:
+    def entry() -> Protocol:
+        return p
+
+    entry.__doc__ = (
+        f"{p.reward} on {p.prompts.removeprefix('pinned:')}, {p.samples} a prompt, {p.steps} steps, CFG {p.guidance:g}."
+    )
+    PROTOCOLS.register(p.name, paper=p.paper or None, pattern=f"--protocol {p.name}")(entry)
+
+
+for _p in _BUILT_IN.values():
+    _register(_p)
+
+
 def protocol(name: str) -> Protocol:
     if name not in PROTOCOLS:
-        raise StageError(f"no evaluation protocol {name!r}; protocols: {', '.join(PROTOCOLS)}")
-    return PROTOCOLS[name]
+        raise StageError(f"no evaluation protocol {name!r}; protocols: {', '.join(PROTOCOLS.names())}")
+    return PROTOCOLS.get(name)()
 
 
 def sample_seed(text: str, sample: int) -> int:

@@ -1,4 +1,4 @@
-"""Rewards computed from CLIP embeddings: `pickscore`, `clipscore`, `aesthetic`.
+"""Rewards computed from CLIP embeddings: PickScore, CLIPScore and the LAION aesthetic predictor.
 
 Each loads a transformers `CLIPModel` and `CLIPProcessor` with `from_pretrained`, from a hub id
 (the published defaults below) or a local directory, so tests load tiny random-weight models
