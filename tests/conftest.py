@@ -171,6 +171,20 @@ def server(prefect_server):
     return env
 
 
+@pytest.fixture(scope="session")
+def warm_cli(prefect_server):
+    """`stepgrpo` commands against the session's Prefect server, each in a child of one process that
+    imported the CLI once (tests/warm_cli.py): what the console script runs, without its ~4 s of
+    imports a command. `warm_cli.run(args, cwd, warm_cli.env)`."""
+    from warm_cli import WarmCli
+
+    env = dict(os.environ, PREFECT_HOME=prefect_server["home"], PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    env.update(COLUMNS="250", PREFECT_API_URL=prefect_server["url"])
+    warm = WarmCli(env)
+    yield warm
+    warm.close()
+
+
 @pytest.fixture(scope="module")
 def harness(prefect_server):
     """This process's flows run against the session's Prefect server."""

@@ -121,7 +121,7 @@ def _sigint_as_at_a_terminal() -> None:
 
 
 @pytest.mark.slow
-def test_ctrl_c_prints_the_command_that_resumes_and_it_resumes(tmp_path):
+def test_ctrl_c_prints_the_command_that_resumes_and_it_resumes(tmp_path, server):
     """SIGINT (a terminal's Ctrl-C) after the first checkpoint: exit 130 with the resume command;
     that command resumes the run at its first unfinished iteration, and finishes it."""
     from stepgrpo.shapes.model import build_pipeline, tiny_spec
@@ -163,8 +163,12 @@ def test_ctrl_c_prints_the_command_that_resumes_and_it_resumes(tmp_path):
     said = err.split("Resume it with:\n", 1)[1].strip().splitlines()[0].strip()
     assert said.startswith("stepgrpo train --set") and said.endswith("--run-id interrupted")
 
-    again = subprocess.run(
-        [sys.executable, "-m", "stepgrpo_cli", *said.split()[1:]], env=env, capture_output=True, text=True, timeout=300
+    again = subprocess.run(  # against the session's server: the resume, not a second temporary server, is checked
+        [sys.executable, "-m", "stepgrpo_cli", *said.split()[1:]],
+        env=dict(server, PREFECT_SERVER_ANALYTICS_ENABLED="false"),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resuming run interrupted at iteration " in again.stdout + again.stderr
@@ -172,7 +176,7 @@ def test_ctrl_c_prints_the_command_that_resumes_and_it_resumes(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_failure_inside_the_flow_is_one_line_and_verbose_shows_the_traceback(tmp_path):
+def test_a_failure_inside_the_flow_is_one_line_and_verbose_shows_the_traceback(tmp_path, server):
     """A reward that raises mid-run: the command exits 1 with one line naming the error and how to
     see the traceback; Prefect's own tracebacks stay off the console. `--verbose`: they show."""
     from stepgrpo.shapes.model import build_pipeline, tiny_spec
@@ -197,7 +201,11 @@ def test_a_failure_inside_the_flow_is_one_line_and_verbose_shows_the_traceback(t
     assert quiet.returncode == 1, said[-3000:]
     assert "RuntimeError: the reward model ran out of memory" in said and "--verbose" in said
     assert "Traceback" not in said, said[-3000:]
-    loud = subprocess.run(
-        [*args, "--run-id", "loud", "--verbose"], env=env, capture_output=True, text=True, timeout=300
+    loud = subprocess.run(  # the session's server: the console's lines, not a second temporary server, are checked
+        [*args, "--run-id", "loud", "--verbose"],
+        env=dict(server, PYTHONPATH=str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert loud.returncode == 1 and "Traceback" in loud.stdout + loud.stderr

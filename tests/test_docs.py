@@ -173,11 +173,10 @@ def test_a_python_block_runs(block, server, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("block", [b for b in RUN if b.language in ("bash", "sh")], ids=lambda b: b.name)
-def test_a_shell_block_runs(block, server, tmp_path):
-    """Its commands in order, in one empty directory (runs/ under it), through the installed
-    console script; a training command gets the tiny settings as `--set`s, `credit-quality` two
-    continuations a state."""
-    script = Path(sys.executable).with_name("stepgrpo")
+def test_a_shell_block_runs(block, warm_cli, tmp_path):
+    """Its commands in order, in one empty directory (runs/ under it), each as the console script
+    runs it (in a warm child: tests/warm_cli.py); a training command gets the tiny settings as
+    `--set`s, `credit-quality` two continuations a state."""
     work = checkout_like(tmp_path)
     for argv in commands(block):
         args = stepgrpo_args(argv)
@@ -185,7 +184,7 @@ def test_a_shell_block_runs(block, server, tmp_path):
             args = [*args, *[a for s in [*TINY, *noised_tiny(args)] for a in ("--set", s)]]
         elif args and args[0] in SMALL:
             args = [*args, *SMALL[args[0]]]
-        done = subprocess.run([str(script), *args], cwd=work, env=server, capture_output=True, text=True, timeout=600)
+        done = warm_cli.run(args, cwd=work, env=warm_cli.env, timeout=600)
         assert done.returncode == 0, f"{block.name}: {shlex.join(argv)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
 
 
