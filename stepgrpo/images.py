@@ -17,13 +17,16 @@ from PIL import Image
 
 def quantize(images: torch.Tensor) -> torch.Tensor:
     """`[N, 3, H, W]` float in [0, 1] -> uint8 of the same layout (rounded, clamped, as
-    diffusers' `numpy_to_pil`): the 8-bit images every reward is given."""
-    return images.detach().float().clamp(0, 1).mul(255).round().to(torch.uint8)
+    diffusers' `numpy_to_pil`): the 8-bit images every reward is given. One float temporary (the
+    clamped copy, then scaled and rounded in place): a batch of large images is not held three
+    times over."""
+    return images.detach().float().clamp(0, 1).mul_(255).round_().to(torch.uint8)
 
 
 def dequantize(images: torch.Tensor) -> torch.Tensor:
-    """uint8 `[N, 3, H, W]` -> float32 in [0, 1] (exact inverse of `quantize` on its outputs)."""
-    return images.float() / 255.0
+    """uint8 `[N, 3, H, W]` -> float32 in [0, 1] (exact inverse of `quantize` on its outputs); the
+    division in place on the new float copy."""
+    return images.to(torch.float32, copy=True).div_(255.0)
 
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:
@@ -43,7 +46,7 @@ def from_uint8(arr: np.ndarray) -> torch.Tensor:
     if arr.ndim != 4 or arr.shape[-1] != 3:
         raise ValueError(f"expected uint8 images [N, H, W, 3], got {arr.shape}")
     # a copy: the array may be read-only (PIL / OpenCV views), which torch.from_numpy cannot share
-    return torch.from_numpy(np.array(arr, dtype=np.uint8)).permute(0, 3, 1, 2).float() / 255.0
+    return dequantize(torch.from_numpy(np.array(arr, dtype=np.uint8)).permute(0, 3, 1, 2))
 
 
 def grid(images: torch.Tensor, ncols: int = 8, pad: int = 2) -> Image.Image:

@@ -445,3 +445,29 @@ def test_a_request_s_images_are_held_once_at_a_byte_a_channel():
     decoded = decode_images(encoded, 512)
     assert decoded.dtype == torch.uint8 and torch.equal(decoded, pixels)
     assert held_bytes() - before <= 48 * 3 * 512 * 512 + (1 << 20)
+    assert encoded == [None] * 48  # each base64 string let go once its image is decoded
+
+
+def test_the_server_parses_a_body_once_and_refuses_what_is_not_a_score_request():
+    """The body is read into one buffer of its declared length and parsed with each copy let go
+    (`service.read_json`); what is not JSON, or not a ScoreRequest, is a 422 naming why, and the
+    OpenAPI page still documents the request's schema."""
+    from fastapi.testclient import TestClient
+
+    from stepgrpo.rewards.remote import encode_images
+    from stepgrpo.rewards.service import build_app
+
+    app = build_app(build_reward("jpeg_compressibility"), max_batch=4)
+    json_type = {"content-type": "application/json"}
+    with TestClient(app) as client:
+        good = {"images": encode_images(torch.rand(2, 3, 8, 8)), "prompts": ["a", "b"]}
+        answer = client.post("/score", content=json.dumps(good).encode(), headers=json_type)
+        assert answer.status_code == 200 and len(answer.json()["scores"]) == 2
+        not_json = client.post("/score", content=b"{images: [", headers=json_type)
+        assert not_json.status_code == 422 and "not JSON" in not_json.text
+        not_strings = client.post("/score", content=json.dumps({"images": [1], "prompts": ["a"]}), headers=json_type)
+        assert not_strings.status_code == 422 and "images" in not_strings.text
+        missing = client.post("/score", content=json.dumps({"images": []}), headers=json_type)
+        assert missing.status_code == 422 and "prompts" in missing.text
+        schema = client.get("/openapi.json").json()["paths"]["/score"]["post"]["requestBody"]
+        assert "images" in json.dumps(schema)

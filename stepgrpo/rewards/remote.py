@@ -37,7 +37,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableSequence, Sequence
 from typing import Any
 
 import numpy as np
@@ -88,48 +88,71 @@ def encode_images(images: torch.Tensor) -> list[str]:
     return out
 
 
-def decode_images(encoded: Sequence[str], resolution: int | None = None) -> torch.Tensor:
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def png_size(encoded: str, i: int) -> tuple[int, int]:
+    """(width, height) of the base64 PNG `encoded` (image `i` of a request), from its first 24 bytes
+    (the signature and the IHDR chunk): nothing else of it is decoded."""
+    try:
+        head = base64.b64decode(encoded[:32], validate=True)
+    except (binascii.Error, ValueError) as err:
+        raise ValueError(
+            f"image {i} is not valid base64 ({err}); send each image as the standard base64 of its PNG "
+            "bytes (`base64.b64encode(png).decode()`), without line breaks or a data: prefix"
+        ) from None
+    if len(head) < 24 or not head.startswith(PNG_SIGNATURE) or head[12:16] != b"IHDR":
+        raise ValueError(f"image {i} is base64 but not a PNG image (no PNG header); send PNG bytes")
+    return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+
+
+def decode_images(encoded: MutableSequence[str | None], resolution: int | None = None) -> torch.Tensor:
     """base64 PNG -> `[N, 3, H, W]` uint8: the client's 8-bit images (`dequantize` makes them the
-    reward's float input, a batch at a time). Every image's size is read from its header and checked
-    before any is decoded: against `resolution` (a side) when given, and bounded (`MAX_IMAGE_PIXELS`,
-    `MAX_REQUEST_PIXELS`): a small request of huge PNGs must not allocate gigabytes. Each image is
-    decoded straight into its row of the result and its PNG bytes let go: the request's pixels are
-    held once, at a byte a channel."""
-    opened, total = [], 0
+    reward's float input, a batch at a time). Every image's size is read from its PNG header (the
+    first 32 base64 characters) and checked before any is decoded: against `resolution` (a side)
+    when given, the images of one request alike, and bounded (`MAX_IMAGE_PIXELS`,
+    `MAX_REQUEST_PIXELS`): a small request of huge PNGs must not allocate gigabytes. Then each image
+    is decoded straight into its row of the result and its base64 string let go (`encoded[i]` becomes
+    None: the caller's list, parsed from the request, is released as it is read): the request's
+    pixels are held once, at a byte a channel, beside what remains of its text."""
+    sizes, total = [], 0
     for i, e in enumerate(encoded):
+        width, height = png_size(e or "", i)
+        if resolution is not None and (width, height) != (resolution, resolution):
+            raise ValueError(
+                f"image {i} is {width}x{height}, but this server scores "
+                f"{resolution}x{resolution} images (--resolution); send images at the model's resolution"
+            )
+        total += width * height
+        if width * height > MAX_IMAGE_PIXELS or total > MAX_REQUEST_PIXELS:
+            raise ValueError(
+                f"image {i} is {width}x{height}: over the server's limits ({MAX_IMAGE_PIXELS} pixels "
+                f"an image, {MAX_REQUEST_PIXELS} a request); send smaller images or fewer a request"
+            )
+        sizes.append((width, height))
+    if len(set(sizes)) > 1:
+        raise ValueError(f"the images of one request differ in size: {sorted(set(sizes))}")
+    width, height = sizes[0] if sizes else (0, 0)
+    out = torch.empty((len(sizes), 3, height, width), dtype=torch.uint8)
+    for i in range(len(sizes)):
+        e, encoded[i] = encoded[i], None
         try:
-            data = base64.b64decode(e, validate=True)
+            data = base64.b64decode(e or "", validate=True)
         except (binascii.Error, ValueError) as err:
             raise ValueError(
                 f"image {i} is not valid base64 ({err}); send each image as the standard base64 of its PNG "
                 "bytes (`base64.b64encode(png).decode()`), without line breaks or a data: prefix"
             ) from None
+        del e
         try:
-            image = Image.open(io.BytesIO(data))
-        except (OSError, Image.DecompressionBombError) as err:
+            with Image.open(io.BytesIO(data)) as image:
+                if image.format != "PNG" or image.size != (width, height):
+                    raise ValueError(f"image {i} is base64 but not the PNG its header says; send PNG bytes")
+                out[i] = torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1)
+        except (OSError, Image.DecompressionBombError, SyntaxError) as err:
             raise ValueError(
                 f"image {i} is base64 but not a PNG image ({type(err).__name__}); send PNG bytes"
             ) from None
-        if resolution is not None and image.size != (resolution, resolution):
-            raise ValueError(
-                f"image {i} is {image.size[0]}x{image.size[1]}, but this server scores "
-                f"{resolution}x{resolution} images (--resolution); send images at the model's resolution"
-            )
-        pixels = image.size[0] * image.size[1]
-        total += pixels
-        if pixels > MAX_IMAGE_PIXELS or total > MAX_REQUEST_PIXELS:
-            raise ValueError(
-                f"image {i} is {image.size[0]}x{image.size[1]}: over the server's limits ({MAX_IMAGE_PIXELS} pixels "
-                f"an image, {MAX_REQUEST_PIXELS} a request); send smaller images or fewer a request"
-            )
-        opened.append(image)
-    if len({im.size for im in opened}) > 1:
-        raise ValueError(f"the images of one request differ in size: {sorted({im.size for im in opened})}")
-    width, height = opened[0].size if opened else (0, 0)
-    out = torch.empty((len(opened), 3, height, width), dtype=torch.uint8)
-    for i in range(len(opened)):
-        im, opened[i] = opened[i], None  # its PNG bytes go with it once decoded
-        out[i] = torch.from_numpy(np.array(im.convert("RGB"))).permute(2, 0, 1)
     return out
 
 

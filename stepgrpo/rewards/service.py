@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 from pydantic import BaseModel, Field
+from starlette.requests import Request  # the score route's parameter: resolved from this module's names
 
 from stepgrpo.images import dequantize
 from stepgrpo.rewards.base import Reward, RewardOutput, checked
@@ -127,7 +128,7 @@ class Batcher:
     def _score_batch(self, batch: list[_Request]) -> list[RewardOutput]:
         """One reward call on the batch's rows (chunks of `max_batch` for a single large request),
         split back per request."""
-        images = torch.cat([r.images for r in batch])
+        images = batch[0].images if len(batch) == 1 else torch.cat([r.images for r in batch])  # one request: no copy
         prompts = [p for r in batch for p in r.prompts]
         metadata = [m for r in batch for m in r.metadata]
         parts = []
@@ -185,6 +186,28 @@ class Info(BaseModel):
     protocol: int = PROTOCOL
 
 
+async def read_json(request: Request) -> Any:
+    """The request's JSON body, parsed with the body held once: read into one buffer of its declared
+    length (the guard checked it), decoded, and parsed, each copy let go as the next is made (the
+    framework's body parsing keeps the chunks, the joined bytes and the text beside the parsed
+    strings). A body longer or shorter than its Content-Length is refused."""
+    length = int(request.headers["content-length"])
+    buffer, n = bytearray(length), 0
+    async for chunk in request.stream():
+        if n + len(chunk) > length:
+            raise ValueError(f"the body is longer than its Content-Length ({length} bytes)")
+        buffer[n : n + len(chunk)] = chunk
+        n += len(chunk)
+    if n != length:
+        raise ValueError(f"the body ended after {n} of its Content-Length's {length} bytes")
+    text = buffer.decode("utf-8")
+    del buffer
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"the body is not JSON: {err}") from None
+
+
 def build_app(
     reward: Reward,
     *,
@@ -197,9 +220,11 @@ def build_app(
     None: its largest batch of the largest images it scores (`body_limit`)."""
     from contextlib import asynccontextmanager
 
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI
     from fastapi.concurrency import run_in_threadpool
+    from fastapi.encoders import jsonable_encoder
     from fastapi.responses import JSONResponse, Response
+    from pydantic import ValidationError
 
     batcher = Batcher(reward, max_batch)
     max_body = body_limit(max_batch, resolution) if max_body is None else max_body
@@ -246,16 +271,31 @@ def build_app(
         """The reward served: what a client's config must declare."""
         return Info(name=str(reward.name), version=str(reward.version), protocol=PROTOCOL)
 
-    @app.post("/score", response_model=ScoreAnswer, responses={400: {"description": "bad images or lengths"}})
-    async def score(body: ScoreRequest) -> Any:
+    schema = {"content": {"application/json": {"schema": ScoreRequest.model_json_schema()}}, "required": True}
+
+    @app.post(
+        "/score",
+        response_model=ScoreAnswer,
+        responses={400: {"description": "bad images or lengths"}, 422: {"description": "not a ScoreRequest"}},
+        openapi_extra={"requestBody": schema},
+    )
+    async def score(request: Request) -> Any:
         """Score the images (batched with other clients' requests of the same size)."""
+        try:
+            body = ScoreRequest.model_validate(await read_json(request))
+        except ValueError as err:  # not JSON, or not a ScoreRequest (pydantic's ValidationError is one)
+            detail = err.errors(include_url=False) if isinstance(err, ValidationError) else str(err)
+            return JSONResponse({"detail": jsonable_encoder(detail)}, status_code=422)
         n = len(body.images)
         metadata = body.metadata if body.metadata is not None else [{}] * n
         if not n or len(body.prompts) != n or len(metadata) != n:
             why = f"{n} images, {len(body.prompts)} prompts and {len(metadata)} metadata: give one of each per image"
             return refuse(400, why)
+        ids = [image_id(e) for e in body.images]
+        encoded: list[str | None] = body.images  # type: ignore[assignment]  # released as decoded
+        body.images = []
         try:
-            images = await run_in_threadpool(decode_images, body.images, resolution)
+            images = await run_in_threadpool(decode_images, encoded, resolution)
         except (ValueError, binascii.Error, OSError) as err:
             return refuse(400, f"{type(err).__name__}: {err}")
         try:
@@ -263,7 +303,7 @@ def build_app(
         except (ValueError, KeyError, TypeError) as err:
             return refuse(400, f"reward {reward.name!r} refused the request: {type(err).__name__}: {err}")
         answer = {
-            "ids": [image_id(e) for e in body.images],
+            "ids": ids,
             "scores": out.scores.float().tolist(),
             "strict": None if out.strict is None else out.strict.float().tolist(),
             "sub": {k: v.float().tolist() for k, v in out.sub.items()},
