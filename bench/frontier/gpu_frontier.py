@@ -1,15 +1,17 @@
-"""The frontier's objectives at SD3.5-Medium's shape: seconds per iteration and transformer passes of
-DiffusionNFT, AWM and DGPO beside Flow-GRPO's, one iteration each (docs/bench/frontier/README.md; the
+"""The frontier's objectives and TempFlow-GRPO's branched rollouts at SD3.5-Medium's shape: seconds per
+iteration and transformer passes of DiffusionNFT, AWM, DGPO and TempFlow-GRPO beside Flow-GRPO's, one
+iteration each (docs/bench/frontier/README.md; the
 CPU decision is `bench/frontier/frontier.py`).
 
     python -m bench.frontier.gpu_frontier [--out bench/out/gpu_frontier]   # on a CUDA machine (~5 min, one H100)
     python -m bench.frontier.gpu_frontier --small --device cpu             # every code path at toy sizes, on a CPU
 
-Four recipes as shipped (`configs/diffusionnft_geneval.yaml`, `configs/awm_geneval.yaml`,
-`configs/dgpo_ocr.yaml`, `configs/flow_grpo_pickscore.yaml`), each `--iterations` iterations of
+Five recipes as shipped (`configs/diffusionnft_geneval.yaml`, `configs/awm_geneval.yaml`,
+`configs/dgpo_ocr.yaml`, `configs/tempflow_geneval.yaml`, `configs/flow_grpo_pickscore.yaml`; `--recipes`
+picks some), each `--iterations` iterations of
 `stepgrpo train` on random weights of SD3.5-M's transformer shape and a PickScore-shaped reward
 (`bench/gpu/gpu_train.py` builds both; no download; the GenEval detector is not part of what is
-timed), with `--prompts x --group` trajectories an iteration for all four. For each it reads the stored costs
+timed), with `--prompts x --group` trajectories an iteration for all of them. For each it reads the stored costs
 (`stepgrpo.reporting.costs.iteration_costs`): seconds per stage and NFEs per stage, and the
 forward-equivalent passes (a backward row = 2 forwards). Output: `results.json` and `report.txt`
 in `--out`.
@@ -26,6 +28,7 @@ RECIPES = {
     "diffusionnft": "configs/diffusionnft_geneval.yaml",
     "awm": "configs/awm_geneval.yaml",
     "dgpo": "configs/dgpo_ocr.yaml",
+    "tempflow": "configs/tempflow_geneval.yaml",
     "flow_grpo": "configs/flow_grpo_pickscore.yaml",
 }
 
@@ -40,6 +43,7 @@ def costs(run_dir: Path) -> list[dict[str, Any]]:
 def main() -> None:
     p = gpu_arguments(__doc__.split("\n\n")[0], "gpu_frontier")
     p.add_argument("--iterations", type=int, default=1)
+    p.add_argument("--recipes", nargs="+", choices=list(RECIPES), default=list(RECIPES))
     args = p.parse_args()
     results: dict[str, Any] = {"device": device_name(args.device)}
     common = prepare(args) | {
@@ -54,10 +58,13 @@ def main() -> None:
         "",
     ]
     out.append("recipe: seconds an iteration (rollout / score / update) | NFEs an iteration | passes an iteration")
-    for name, recipe in RECIPES.items():
+    for name in args.recipes:
         sets = dict(common)
-        if name == "flow_grpo":
+        if name in ("flow_grpo", "tempflow"):
             sets.pop("update.times", None)
+        if name == "tempflow" and args.small:  # the branch steps within the toy grid
+            sets["sampler.branch_window"] = "[0,3]"
+        recipe = RECIPES[name]
         run_dir, seconds = train(recipe, sets, args.out, name)
         rows = costs(run_dir)
         results[name] = {"wall_seconds": seconds, "iterations": rows}
