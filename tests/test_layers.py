@@ -59,6 +59,7 @@ ROOMS = [
     {"policy", "shapes"},  # the models
     {"rewards"},  # the scorers (built on the models)
     {"plugins", "prompts", "runtime", "reporting", "pretraining"},
+    {"families"},  # every family of names a config takes, by its registry
     {"loops"},  # the computations a stage calls
     {"runs"},  # a run as the pipeline opens it
     {"checks", "inspection"},  # what is checked before a server starts; the read side of a run

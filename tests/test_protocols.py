@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import time
 
 import pytest
 
@@ -196,7 +197,13 @@ def test_a_bundle_goes_to_wandb_as_an_artifact(tmp_path, monkeypatch):
               "artifacts": [str(bundle)]}  # fmt: skip
     log_offline_record(tmp_path / "run", "p", record)
     (folder,) = (tmp_path / "wandb").glob("offline-run-*")
-    artifacts = [r.artifact for r in wandb_records(next(folder.glob("run-*.wandb"))) if r.HasField("artifact")]
+    deadline = time.monotonic() + 60  # W&B's own process writes the run file: on a busy machine, after finish
+    while True:
+        records = wandb_records(next(folder.glob("run-*.wandb")))
+        artifacts = [r.artifact for r in records if r.HasField("artifact")]
+        if artifacts or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert ("evidence-shapes-base", "evidence", ["report.json"]) in [
         (a.name, a.type, [e.path for e in a.manifest.contents]) for a in artifacts
     ]
