@@ -50,6 +50,7 @@ Resumable.
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +145,26 @@ def analyse(s: Screen, seeds: int = 6) -> dict[str, Any]:
         if (mine := [r for (a, _), r in rec.items() if a == ref])
     }
     out["claims"] = claims(out)
+    out["quality"] = quality(QUALITY)
+    return out
+
+
+# `stepgrpo credit-quality RUN --iteration 0 --continuations 4 --method rollout` on seed 0 of each arm
+# (the base policy, before any update), its record kept as `quality/<arm>.json`
+QUALITY = RECORDS.parent / "quality"
+
+
+def quality(folder: Path) -> dict[str, Any]:
+    """Each kept check's gradient cosines with the Monte-Carlo true advantages' (uniform step
+    weights): per scheme, the cosine with its interval, and the check's reliability."""
+    out = {}
+    for path in sorted(folder.glob("*.json")):
+        r = json.loads(path.read_text())
+        g = r["gradient"]["uniform"]
+        out[path.stem] = {
+            "reward": r["reward_name"], "continuations": r["continuations"], "reliability": g["reliability"],
+            "schemes": {row["scheme"]: [row["cosine"], row["low"], row["high"]] for row in g["rows"]},
+        }  # fmt: skip
     return out
 
 
@@ -204,6 +225,14 @@ def summary_md(a: dict[str, Any]) -> str:
         at = ", ".join(str(i) for i, _ in v["outcome_read_at"])
         lines.append(f"- {k}, the arm at {v['at']} iterations (the reference at {at}): {fmt_pooled(v)}; beats it: "
                      f"{'yes' if v['beats'] else 'no'}")  # fmt: skip
+    if a.get("quality"):
+        schemes = list(dict.fromkeys(s for q in a["quality"].values() for s in q["schemes"]))
+        lines += ["", "#### Credit quality at iteration 0 (gradient cosine with the true advantages', seed 0)", ""]
+        lines += ["| arm (its run's states) | reward | reliability | " + " | ".join(schemes) + " |"]
+        lines += ["|---|---|---|" + "---|" * len(schemes)]
+        for arm, q in a["quality"].items():
+            cells = [f"{c[0]:.2f} [{c[1]:.2f}, {c[2]:.2f}]" if (c := q["schemes"].get(s)) else "-" for s in schemes]
+            lines.append(f"| {arm} | {q['reward']} | {q['reliability']:.2f} | " + " | ".join(cells) + " |")
     lines += ["", "#### Claims: each paper's headline, read on this model", ""]
     lines += ["| paper | claim | measured (arm - outcome after the same iterations) | verdict |", "|---|---|---|---|"]
     lines += [f"| {r['paper']} | {r['claim']} | {r['measured']} | {r['verdict']} |" for r in a.get("claims", [])]
