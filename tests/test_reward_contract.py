@@ -465,6 +465,10 @@ def test_the_server_parses_a_body_once_and_refuses_what_is_not_a_score_request()
         assert answer.status_code == 200 and len(answer.json()["scores"]) == 2
         not_json = client.post("/score", content=b"{images: [", headers=json_type)
         assert not_json.status_code == 422 and "not JSON" in not_json.text
+        not_utf8 = client.post("/score", content=b'{"images": ["\xff"]}', headers=json_type)
+        assert not_utf8.status_code == 422 and "not UTF-8 JSON" in not_utf8.text
+        deep = client.post("/score", content=b"[" * 100_000 + b"]" * 100_000, headers=json_type)
+        assert deep.status_code == 422 and "nested too deeply" in deep.text
         not_strings = client.post("/score", content=json.dumps({"images": [1], "prompts": ["a"]}), headers=json_type)
         assert not_strings.status_code == 422 and "images" in not_strings.text
         missing = client.post("/score", content=json.dumps({"images": []}), headers=json_type)

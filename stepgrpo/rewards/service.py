@@ -200,12 +200,17 @@ async def read_json(request: Request) -> Any:
         n += len(chunk)
     if n != length:
         raise ValueError(f"the body ended after {n} of its Content-Length's {length} bytes")
-    text = buffer.decode("utf-8")
+    try:
+        text = buffer.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"the body is not UTF-8 JSON ({err.reason} at byte {err.start})") from None
     del buffer
     try:
         return json.loads(text)
     except json.JSONDecodeError as err:
         raise ValueError(f"the body is not JSON: {err}") from None
+    except RecursionError:
+        raise ValueError("the body's JSON is nested too deeply; send a ScoreRequest object") from None
 
 
 def build_app(
