@@ -90,6 +90,8 @@ def key_of(
     }
     if methods:  # a check of the run's own rewards keeps the key it had before methods could be judged
         parts["methods"] = list(methods)
+    if cfg.sampler.branch_window is not None:  # continued under the branched policy (`judging.continuations`)
+        parts["continued"] = "branched"
     return digest_of(parts)
 
 

@@ -132,6 +132,27 @@ def tree_run(harness, tree_settings, tmp_path_factory) -> Path:
     return run_dir
 
 
+def test_credit_quality_continues_a_branched_run_under_its_own_policy(clean):
+    """The check's continuations of a branched run take the kernel at each trajectory's branch step
+    alone: every state after it is deterministic, its value the trajectory's own final reward, and the
+    continuations cost the rows up to the branch steps only."""
+    import numpy as np
+
+    from stepgrpo.flows.quality import credit_quality
+
+    run = Run.open(clean)
+    data = run.stages.read_rollout(0)
+    branch = np.isfinite(data.log_probs).argmax(axis=1)
+    check = credit_quality(str(clean), iteration=0, continuations=2, schemes=["outcome"])
+    values = np.asarray(check["values"])
+    for b, row in enumerate(values):
+        assert np.array_equal(row[branch[b] + 1 :], np.full(T - branch[b], row[T])), b  # V(x_T) = R_T
+    assert len(np.unique(values[:, 0])) > 1  # before the branch: continued, not the final reward
+    window_end = 3
+    expected = sum(int((branch >= k).sum()) * 2 * (T - k) for k in range(window_end))
+    assert check["nfe"] == expected
+
+
 def test_a_tree_run_computes_each_node_once_and_credits_each_depth(tree_run):
     from stepgrpo_core.credit import assign
 

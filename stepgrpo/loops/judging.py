@@ -98,37 +98,60 @@ def continuations(
     window (the states from its end on evolve deterministically: their entries are `finals [B]`,
     `R_T`), and their transformer rows. State `k`'s rewards `[B, M]` are read back with `done(k)`
     when a stopped check finished them (their rows counted as computed), else computed and kept
-    with `save(k, ...)`. Chunk `b0` of state `k` draws from `generator(*seeds, k, b0)`."""
+    with `save(k, ...)`. Chunk `b0` of state `k` draws from `generator(*seeds, k, b0)`.
+
+    A branched run (`sampler.branch_window`) is continued under its own policy: a trajectory's one
+    stochastic step is its group's branch step `b` (`branch_steps`), so its states up to `b` are
+    continued with the kernel at `b` alone and the ODE elsewhere, and its states after `b` are
+    deterministic (`R_T`)."""
     B, T1 = data.states.shape[:2]
     T = T1 - 1
     start, end = window_of(data, T)
+    branch = branch_steps(cfg, data)
     sigmas = torch.from_numpy(data.sigmas).to(pol.device)
     cond = encode(pol, prompts.texts, data.prompt_ids)
     out = finals.double()[:, None, None].expand(B, T1, m).clone()
     rows_per_call = max(1, cfg.model.max_batch // m)  # trajectories a call continues, m times each
     nfe0, read_back = pol.nfe, 0
     for k in track(range(end), "continue"):
+        # (rows, their SDE window) continued from state k: every row in the run's window, or a
+        # branched run's rows up to their branch step, each group of rows with its branch step alone
+        if branch is None:
+            parts = [(np.arange(B), (start, end - start))]
+        else:
+            parts = [(np.flatnonzero(branch == b), (int(b), 1)) for b in np.unique(branch[branch >= k])]
         found = done(k)
         if found is not None:
             out[:, k] = found
-            read_back += B * m * (T - k)  # what computing them cost (a CFG pair counts once)
+            read_back += sum(len(r) for r, _ in parts) * m * (T - k)  # what computing them cost (a CFG pair once)
             continue
-        for b0 in range(0, B, rows_per_call):
-            rows = torch.arange(b0, min(B, b0 + rows_per_call))
-            reps = rows.repeat_interleave(m)  # trajectory of each continuation
-            x = torch.from_numpy(data.states[rows.numpy(), k]).to(pol.device, pol.dtype).repeat_interleave(m, 0)
-            gen = generator(*seeds, k, b0, device=pol.device)
-            x_T = continue_states(
-                pol.velocity, x, sigmas, k, take(cond, reps), data.kernel, noise, (start, end - start), gen
-            )
-            images = reward_images(pol.decoder, x_T)[0]
-            pids = data.prompt_ids[reps.numpy()]
-            scored = score_images(
-                reward, images, prompts.texts_of(pids), prompts.metadata_of(pids), len(images), pol.decoder.device, ""
-            )
-            out[rows, k] = scored.scores.double().reshape(len(rows), m)
+        for todo, window in parts:
+            for c0 in range(0, len(todo), rows_per_call):
+                rows = torch.from_numpy(todo[c0 : c0 + rows_per_call])
+                reps = rows.repeat_interleave(m)  # trajectory of each continuation
+                x = torch.from_numpy(data.states[rows.numpy(), k]).to(pol.device, pol.dtype).repeat_interleave(m, 0)
+                gen = generator(*seeds, k, int(rows[0]), device=pol.device)
+                x_T = continue_states(pol.velocity, x, sigmas, k, take(cond, reps), data.kernel, noise, window, gen)
+                images = reward_images(pol.decoder, x_T)[0]
+                pids = data.prompt_ids[reps.numpy()]
+                scored = score_images(
+                    reward, images, prompts.texts_of(pids), prompts.metadata_of(pids), len(images),
+                    pol.decoder.device, "",
+                )  # fmt: skip
+                out[rows, k] = scored.scores.double().reshape(len(rows), m)
         save(k, out[:, k])
     return out, pol.nfe - nfe0 + read_back
+
+
+def branch_steps(cfg: Config, data: Any) -> np.ndarray | None:
+    """A branched run's branch step of each stored trajectory `[B]` (the one step with a density),
+    None for any other run. A trajectory with no such step, or several, is refused."""
+    if cfg.sampler.branch_window is None:
+        return None
+    finite = np.isfinite(data.log_probs)
+    if not (finite.sum(axis=1) == 1).all():
+        raise StageError("a branched run's trajectories must each have one step with a density (its branch step)")
+    return finite.argmax(axis=1)
 
 
 def gradient_sums(
