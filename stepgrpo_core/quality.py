@@ -91,15 +91,27 @@ def continue_states(
     noise: float | torch.Tensor,
     window: tuple[int, int],
     generator: torch.Generator | None = None,
+    sde_steps: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Sample the rest of the trajectory from state `x_k` with the policy's kernel inside its SDE
     window (ODE outside), as the rollout did: `states [n, C, H, W]` (the rows to continue, repeated
-    once per continuation by the caller) -> final states `x_T [n, C, H, W]`. `sigmas [T+1]`."""
+    once per continuation by the caller) -> final states `x_T [n, C, H, W]`. `sigmas [T+1]`.
+    `sde_steps`: the kernel at these steps alone instead of a window (a tree's split steps), the
+    ODE between them."""
     num_steps = sigmas.shape[0] - 1
     if not 0 <= k <= num_steps:
         raise ValueError(f"k must lie in [0, T = {num_steps}]; got {k}")
     if k == num_steps:
         return states.clone()
+    if sde_steps is not None:  # segment by segment: the ODE up to each step, the kernel at it
+        per_step = KERNELS.facts(kernel)["per_step"]
+        x, at = states, k
+        for s in sorted(j for j in sde_steps if j >= k):
+            table = noise[at : s + 1] if per_step else noise
+            x = rollout(velocity, x, sigmas[at : s + 2], cond, kernel=kernel, noise=table,
+                        window=(s - at, 1), generator=generator).states[:, -1]  # fmt: skip
+            at = s + 1
+        return rollout(velocity, x, sigmas[at:], cond, kernel="ode").states[:, -1] if at < num_steps else x
     rest = shifted_window(window, k, num_steps)
     table = noise[k:] if KERNELS.facts(kernel)["per_step"] else noise
     out = rollout(

@@ -92,6 +92,8 @@ def key_of(
         parts["methods"] = list(methods)
     if cfg.sampler.branch_window is not None:  # continued under the branched policy (`judging.continuations`)
         parts["continued"] = "branched"
+    if cfg.sampler.branch_tree is not None:  # continued with the kernel at the tree's split steps alone
+        parts["continued"] = "tree"
     return digest_of(parts)
 
 

@@ -171,6 +171,21 @@ def test_a_tree_run_computes_each_node_once_and_credits_each_depth(tree_run):
     torch.testing.assert_close(stored, by_hand)
 
 
+def test_credit_quality_continues_a_tree_run_at_its_split_steps_alone(tree_run):
+    """A tree run's states are continued with the kernel at its split steps (0 and 2) alone: the
+    states after the last split are deterministic (their value the final reward), and the states
+    up to it are continued (values that differ from the final reward)."""
+    import numpy as np
+
+    from stepgrpo.flows.quality import credit_quality
+
+    check = credit_quality(str(tree_run), iteration=0, continuations=2, schemes=["tree"])
+    values = np.asarray(check["values"])
+    assert np.array_equal(values[:, 3], values[:, T])  # after the last split: V = R_T
+    assert not np.array_equal(values[:, 1], values[:, T])  # before it: continued
+    assert check["nfe"] == sum(len(values) * 2 * (T - k) for k in range(3))
+
+
 def test_a_tree_run_killed_in_its_update_resumes_bit_identical(tree_run, tree_settings, tmp_path, monkeypatch):
     run_dir = tmp_path / "killed"
     monkeypatch.setenv("STEPGRPO_FAULT", f"raise:update:1:{tmp_path / 'fired'}")

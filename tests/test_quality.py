@@ -175,3 +175,24 @@ def test_the_oracle_scheme_returns_the_true_advantage(case):
     assert corr > 0.3  # M = 16 continuations: ~0.5 here; the Monte-Carlo noise of a difference of means
     with pytest.raises(ValueError, match=r"\[B, T\+1\]"):
         oracle_advantages(exact[:, :1])
+
+
+def test_continuations_at_chosen_steps_take_the_kernel_there_alone():
+    """`continue_states(..., sde_steps=S)` (a tree's split steps): the kernel at the steps of S from
+    `k` on, the ODE elsewhere; one step is the window of that step alone, and no step left is the ODE."""
+    torch.manual_seed(0)
+
+    def velocity(x, sigma, cond):
+        return 0.3 * x + sigma.reshape(-1, 1, 1, 1)
+
+    sigmas = torch.linspace(1, 0, 7)
+    x = torch.randn(4, 2, 3, 3)
+
+    def go(k, window, steps=None, kernel="flow"):
+        gen = torch.Generator().manual_seed(1)
+        return continue_states(velocity, x, sigmas, k, None, kernel, 0.7, window, gen, steps)
+
+    assert torch.equal(go(1, (3, 1)), go(1, (0, 6), [3]))
+    assert torch.equal(go(4, (0, 6), [1, 3]), go(4, (0, 6), kernel="ode"))  # no split step left: the ODE
+    two = go(0, (0, 6), [1, 4])
+    assert not torch.equal(two, go(0, (0, 6), [1])) and not torch.equal(two, go(0, (1, 4)))

@@ -103,11 +103,13 @@ def continuations(
     A branched run (`sampler.branch_window`) is continued under its own policy: a trajectory's one
     stochastic step is its group's branch step `b` (`branch_steps`), so its states up to `b` are
     continued with the kernel at `b` alone and the ODE elsewhere, and its states after `b` are
-    deterministic (`R_T`)."""
+    deterministic (`R_T`). A tree run (`sampler.branch_tree`) likewise: the kernel at its split steps
+    alone, the states after the last split deterministic."""
     B, T1 = data.states.shape[:2]
     T = T1 - 1
     start, end = window_of(data, T)
     branch = branch_steps(cfg, data)
+    splits = [int(s) for s, _ in cfg.sampler.branch_tree] if cfg.sampler.branch_tree is not None else None
     sigmas = torch.from_numpy(data.sigmas).to(pol.device)
     cond = encode(pol, prompts.texts, data.prompt_ids)
     out = finals.double()[:, None, None].expand(B, T1, m).clone()
@@ -120,6 +122,8 @@ def continuations(
             parts = [(np.arange(B), (start, end - start))]
         else:
             parts = [(np.flatnonzero(branch == b), (int(b), 1)) for b in np.unique(branch[branch >= k])]
+        if splits is not None:  # a tree: every path stochastic at the split steps alone
+            parts = [(np.arange(B), (start, end - start))] if any(s >= k for s in splits) else []
         found = done(k)
         if found is not None:
             out[:, k] = found
@@ -131,7 +135,9 @@ def continuations(
                 reps = rows.repeat_interleave(m)  # trajectory of each continuation
                 x = torch.from_numpy(data.states[rows.numpy(), k]).to(pol.device, pol.dtype).repeat_interleave(m, 0)
                 gen = generator(*seeds, k, int(rows[0]), device=pol.device)
-                x_T = continue_states(pol.velocity, x, sigmas, k, take(cond, reps), data.kernel, noise, window, gen)
+                x_T = continue_states(
+                    pol.velocity, x, sigmas, k, take(cond, reps), data.kernel, noise, window, gen, sde_steps=splits
+                )
                 images = reward_images(pol.decoder, x_T)[0]
                 pids = data.prompt_ids[reps.numpy()]
                 scored = score_images(
