@@ -55,4 +55,4 @@ def test_a_record_is_written_whole_and_names_paths_from_the_repository(tmp_path)
     write_json(path, {"b": np.float32(0.5), "a": np.arange(3)})
     assert json.loads(path.read_text()) == {"a": [0, 1, 2], "b": 0.5}
     assert not list(path.parent.glob("*.tmp"))  # written beside, then renamed over
-    assert relative(ROOT / "docs" / "x.md") == "docs/x.md" and relative(tmp_path) == str(tmp_path)
+    assert relative(ROOT / "docs" / "METHODS.md") == "docs/METHODS.md" and relative(tmp_path) == str(tmp_path)

@@ -22,7 +22,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench._lib.gpu import device_name, gpu_arguments, prepare, train, write_report
+from bench._lib.gpu import REPO, device_name, gpu_arguments, prepare, train, write_report
+from stepgrpo.config import load_config
 
 RECIPES = {
     "diffusionnft": "configs/diffusionnft_geneval.yaml",
@@ -59,12 +60,13 @@ def main() -> None:
     ]
     out.append("recipe: seconds an iteration (rollout / score / update) | NFEs an iteration | passes an iteration")
     for name in args.recipes:
-        sets = dict(common)
-        if name in ("flow_grpo", "tempflow"):
-            sets.pop("update.times", None)
-        if name == "tempflow" and args.small:  # the branch steps within the toy grid
-            sets["sampler.branch_window"] = "[0,3]"
         recipe = RECIPES[name]
+        shipped = load_config(REPO / recipe)
+        sets = dict(common)
+        if shipped.update.on_transitions:  # grid times are an objective on noised copies' setting
+            sets.pop("update.times", None)
+        if shipped.sampler.branch_window is not None and args.small:  # the branch steps within the toy grid
+            sets["sampler.branch_window"] = "[0,3]"
         run_dir, seconds = train(recipe, sets, args.out, name)
         rows = costs(run_dir)
         results[name] = {"wall_seconds": seconds, "iterations": rows}

@@ -116,14 +116,7 @@ def continuations(
     rows_per_call = max(1, cfg.model.max_batch // m)  # trajectories a call continues, m times each
     nfe0, read_back = pol.nfe, 0
     for k in track(range(end), "continue"):
-        # (rows, their SDE window) continued from state k: every row in the run's window, or a
-        # branched run's rows up to their branch step, each group of rows with its branch step alone
-        if branch is None:
-            parts = [(np.arange(B), (start, end - start))]
-        else:
-            parts = [(np.flatnonzero(branch == b), (int(b), 1)) for b in np.unique(branch[branch >= k])]
-        if splits is not None:  # a tree: every path stochastic at the split steps alone
-            parts = [(np.arange(B), (start, end - start))] if any(s >= k for s in splits) else []
+        parts = continued_rows(k, B, (start, end - start), branch, splits)
         found = done(k)
         if found is not None:
             out[:, k] = found
@@ -147,6 +140,19 @@ def continuations(
                 out[rows, k] = scored.scores.double().reshape(len(rows), m)
         save(k, out[:, k])
     return out, pol.nfe - nfe0 + read_back
+
+
+def continued_rows(
+    k: int, rows: int, window: tuple[int, int], branch: np.ndarray | None, splits: list[int] | None
+) -> list[tuple[np.ndarray, tuple[int, int]]]:
+    """The rows continued from state `k`, each part with its SDE window: every row in the run's
+    window; a branched run's rows up to their branch step, each branch step's rows with that step
+    alone; a tree's every row while a split step is left (its continuations take the splits)."""
+    if splits is not None:
+        return [(np.arange(rows), window)] if any(s >= k for s in splits) else []
+    if branch is not None:
+        return [(np.flatnonzero(branch == b), (int(b), 1)) for b in np.unique(branch[branch >= k])]
+    return [(np.arange(rows), window)]
 
 
 def branch_steps(cfg: Config, data: Any) -> np.ndarray | None:
