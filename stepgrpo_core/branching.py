@@ -11,6 +11,9 @@ The shared prefix is computed once a group: one row through steps `0 .. b-1`, th
 `x_b`. Its transformer rows are counted once (`Rollout.nfe`), so a branched group costs `b + G (T
 - b)` rows where `G` independent trajectories cost `G T`.
 
+`anchor_rollout` (G2RPO, Step-GRPO) branches a group's members off one ODE anchor at several
+steps, `children` members a step: the members that branch at one step are siblings.
+
 Shapes: `P` groups of `G` members, `B = P G` trajectories (group after group), `T` steps, latent
 `C, H, W`.
 """
@@ -108,6 +111,81 @@ def branched_rollout(
     return Rollout(states, log_probs, stds, nfe, velocities)
 
 
+@torch.no_grad()
+def anchor_rollout(
+    velocity: Velocity,
+    x0: torch.Tensor,
+    sigmas: torch.Tensor,
+    cond: Any,
+    steps: list[int],
+    children: int,
+    kernel: str = "flow",
+    noise: float | torch.Tensor = 0.7,
+    generator: torch.Generator | None = None,
+) -> Rollout:
+    """Sample `P` groups as branches off one ODE anchor (G2RPO's singular stochastic sampling, arXiv
+    2510.01982; Step-GRPO's k candidates a step, arXiv 2605.25661): each group's anchor follows the
+    ODE from its initial noise, computed once; at each step `b_l` of `steps` (increasing) `children`
+    members take step `b_l` from the anchor's state `x_{b_l}` with the kernel, each with its own
+    noise, and the ODE after it. Member `l children + j` of a group is child `j` of step `b_l`, so a
+    group holds `G = len(steps) children` trajectories, the members that share a branch step
+    adjacent.
+
+    The anchor is computed once a group, through the velocity at its last branch state: a child's
+    stochastic step is the anchor's velocity plus its noise (no row of its own), so a group costs
+    `b_L + 1 + children sum_l (T - b_l - 1)` rows (`Rollout.nfe`). Only each member's branch step has
+    a density. `cond`: leading dim `B = P G` (a group's members share a prompt: the anchor reads its
+    first member's).
+    """
+    KERNELS.validate(kernel)
+    if KERNELS.facts(kernel)["deterministic"]:
+        raise ValueError(f"kernel {kernel!r} is deterministic: an anchor's branch steps need a stochastic kernel")
+    s = check_sigmas(sigmas).to(x0.device)
+    T, P, k = s.shape[0] - 1, x0.shape[0], int(children)
+    steps = [int(b) for b in steps]
+    if x0.dim() != 4:
+        raise ValueError(f"x0 must be [P, C, H, W] (one initial noise a group); got {tuple(x0.shape)}")
+    if not steps or steps != sorted(set(steps)) or steps[0] < 0 or steps[-1] >= T or k < 1:
+        raise ValueError(f"anchor steps {steps}: increasing within [0, {T}), and children >= 1 (got {k})")
+    G = len(steps) * k
+    per_step = bool(KERNELS.facts(kernel)["per_step"])
+    states, velocities, log_probs, stds = _blank(x0, P * G, T)
+    raw: list[torch.Tensor] = []  # the anchor's velocities as the model gave them (a child's step reads them)
+
+    def recorded(x: torch.Tensor, sigma: torch.Tensor, c: Any) -> torch.Tensor:
+        raw.append(velocity(x, sigma, c))
+        return raw[-1]
+
+    last = steps[-1]
+    anchor = rollout(recorded, x0, s[: last + 2], take(cond, torch.arange(P) * G), kernel="ode")
+    nfe = anchor.nfe  # rows 0 .. b_L: the anchor to its last branch state, and the velocity there
+    for i, b in enumerate(steps):
+        rows = (torch.arange(P)[:, None] * G + i * k + torch.arange(k)).reshape(-1)
+        states[rows, : b + 1] = anchor.states[:, : b + 1].repeat_interleave(k, dim=0)
+        velocities[rows, :b] = anchor.velocities[:, :b].repeat_interleave(k, dim=0)
+        shared = [raw[b].repeat_interleave(k, dim=0)]  # the branch step's velocity: the anchor's, once
+
+        def child(x: torch.Tensor, sigma: torch.Tensor, c: Any, shared: list[torch.Tensor] = shared) -> torch.Tensor:
+            return shared.pop() if shared else velocity(x, sigma, c)
+
+        branched = rollout(
+            child,
+            anchor.states[:, b].repeat_interleave(k, dim=0),
+            s[b:],
+            take(cond, rows),
+            kernel=kernel,
+            noise=noise[b:] if per_step else noise,
+            window=(0, 1),
+            generator=generator,
+        )
+        states[rows, b:] = branched.states
+        velocities[rows, b:] = branched.velocities
+        log_probs[rows, b:] = branched.log_probs
+        stds[rows, b:] = branched.stds
+        nfe += branched.nfe - len(rows)  # its first row was the anchor's
+    return Rollout(states, log_probs, stds, nfe, velocities)
+
+
 def _blank(x0: torch.Tensor, B: int, T: int) -> tuple[torch.Tensor, ...]:
     """A branched rollout's outputs before they are filled: states `[B, T+1, ...]` and velocities
     `[B, T, ...]` (dtype of `x0`), log-probs NaN and stds 0 `[B, T]` (no density until a branch step)."""
@@ -118,6 +196,16 @@ def _blank(x0: torch.Tensor, B: int, T: int) -> tuple[torch.Tensor, ...]:
         torch.full((B, T), float("nan"), device=x0.device),
         torch.zeros(B, T, device=x0.device),
     )
+
+
+def branch_steps_of(log_probs: torch.Tensor) -> torch.Tensor:
+    """`[B]` long: each trajectory's branch step, the one step of a branched rollout with a density
+    (`log_probs [B, T]`, NaN where a step has none). A trajectory with no such step, or several, is
+    refused."""
+    finite = torch.isfinite(log_probs)
+    if not bool((finite.sum(dim=1) == 1).all()):
+        raise ValueError("a branched rollout's trajectories must each have one step with a density (its branch step)")
+    return finite.float().argmax(dim=1)
 
 
 def draw_branch_steps(window: tuple[int, int], groups: int, generator: torch.Generator) -> torch.Tensor:

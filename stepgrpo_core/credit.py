@@ -38,8 +38,10 @@ from .registry import PluginError, Registry, takes_positional
 STD_EPS = 1e-4  # added to every std of a normalization (Flow-GRPO's 1e-4)
 # Keywords `assign` supplies from the run, not from `credit.options`: `trained [T]` bool, the steps
 # the update trains (a scheme that declares it reads it; its stored advantages name the steps);
-# `tree`, the rollout's branching `[(step, factor), ...]` (`sampler.branch_tree`; None unbranched).
-CONTEXT = ("trained", "tree")
+# `tree`, the rollout's branching `[(step, factor), ...]` (`sampler.branch_tree`; None unbranched);
+# `branch [B]` long, each trajectory's branch step, its one stochastic step (`sampler.branch_anchor`
+# or `branch_window`; None for any other rollout).
+CONTEXT = ("trained", "tree", "branch")
 # TP-GRPO's sampling mini-batch: the authors' SD3 launch config samples 9 images a GPU batch, and
 # their code balances the turning points within each such batch (METHODS.md, scheme 4).
 TP_SAMPLE_BATCH = 9
@@ -170,6 +172,47 @@ def tree(rewards, gains, groups: Groups, tree: list[tuple[int, int]] | None = No
         shifted = value - value[:, :1]  # exact zero for a group whose nodes are equal (see Groups.normalize)
         z = (shifted - shifted.mean(dim=1, keepdim=True)) / (shifted.std(dim=1, correction=0, keepdim=True) + STD_EPS)
         adv[order, int(b)] = z.repeat_interleave(under, dim=1).reshape(-1)
+    return adv, _no_turning(gains)
+
+
+def _siblings(groups: Groups, branch: torch.Tensor | None, scheme: str) -> Groups:
+    """The members of a group that branched at the same step: the siblings a branched scheme compares."""
+    if branch is None:
+        raise ValueError(
+            f"credit.scheme {scheme} compares siblings that share a branch step: set sampler.branch_anchor or "
+            "sampler.branch_window"
+        )
+    return Groups(groups.index * (int(branch.max()) + 1) + branch.to(groups.index.device))
+
+
+@SCHEMES.register("granular", paper='arXiv 2510.01982, "multi-granularity advantage integration"')
+def granular(rewards, gains, groups: Groups, branch: torch.Tensor | None = None):
+    """G2RPO: at each trajectory's branch step `b`, the sum over denoising granularities of its
+    reward normalized among its siblings (the members of its group that branched at `b`):
+    `A_b = z(R_T) + z(R_{b+1})`, `R_T` the state after the branch denoised on the rollout's own
+    grid, `R_{b+1}` the same state denoised by the run's completion method (`substeps:N` a coarser
+    grid, `rollout` one step); 0 at every other step, which has no density. The paper sums over
+    several merge factors of the grid; here the granularities are the rollout's and the completion's."""
+    sib = _siblings(groups, branch, "granular")
+    rows = torch.arange(rewards.shape[0], device=rewards.device)
+    b = branch.to(rewards.device)  # type: ignore[union-attr]  # checked by _siblings
+    finer, coarser = rewards[:, -1:], rewards[rows, b + 1][:, None]
+    adv = torch.zeros_like(gains)
+    adv[rows, b] = (sib.normalize(finer) + sib.normalize(coarser)).reshape(-1)
+    return adv, _no_turning(gains)
+
+
+@SCHEMES.register("local", paper='arXiv 2605.25661, "step-level group advantage"')
+def local(rewards, gains, groups: Groups, branch: torch.Tensor | None = None):
+    """Step-GRPO: at each trajectory's branch step `b`, the reward of the state it reached, `R_{b+1}`
+    (the completion method's: the policy's own x0 prediction with `rollout`, in place of the paper's
+    reward model on noisy latents), z-scored among its `k` siblings (the members of its group that
+    branched at `b` from the same state); 0 at every other step, which has no density."""
+    sib = _siblings(groups, branch, "local")
+    rows = torch.arange(rewards.shape[0], device=rewards.device)
+    b = branch.to(rewards.device)  # type: ignore[union-attr]  # checked by _siblings
+    adv = torch.zeros_like(gains)
+    adv[rows, b] = sib.normalize(rewards[rows, b + 1][:, None]).reshape(-1)
     return adv, _no_turning(gains)
 
 
@@ -335,8 +378,9 @@ def check_options(scheme: str, options: Mapping[str, object]) -> None:
     if (problem := unknown_options(scheme, options)) is not None:
         raise ValueError(problem)
     tree = [(0, 2)] if reads_tree(scheme) else None  # the tiny batch's one group as a one-split tree
+    branch = torch.zeros(2, dtype=torch.long) if reads_branch(scheme) else None  # both branching at step 0
     try:
-        assign(scheme, torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), tree=tree, **options)
+        assign(scheme, torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), tree=tree, branch=branch, **options)
     except (TypeError, ValueError) as err:
         raise ValueError(f"credit.options of scheme {scheme!r}: {err}") from None
 
@@ -344,6 +388,11 @@ def check_options(scheme: str, options: Mapping[str, object]) -> None:
 def reads_tree(scheme: str) -> bool:
     """Whether `scheme` declares the `tree` keyword (it credits a tree rollout's nodes)."""
     return "tree" in inspect.signature(SCHEMES.get(scheme)).parameters
+
+
+def reads_branch(scheme: str) -> bool:
+    """Whether `scheme` declares the `branch` keyword (it compares siblings that share a branch step)."""
+    return "branch" in inspect.signature(SCHEMES.get(scheme)).parameters
 
 
 def reads_trained(scheme: str) -> bool:
@@ -357,6 +406,7 @@ def assign(
     group_ids: torch.Tensor,
     trained: torch.Tensor | None = None,
     tree: list[tuple[int, int]] | None = None,
+    branch: torch.Tensor | None = None,
     **options,
 ) -> Credit:
     """Advantages of every step under credit `scheme` (module doc).
@@ -369,6 +419,8 @@ def assign(
             that declares `trained` (`CONTEXT`).
         tree: the rollout's branching `[(step, factor), ...]` (`sampler.branch_tree`), passed to a
             scheme that declares `tree`.
+        branch: `[B]` long, each trajectory's branch step (a branched rollout's one stochastic
+            step), passed to a scheme that declares `branch`.
         options: the scheme's options (`scheme_options(scheme)`); unknown ones are rejected.
 
     Returns `Credit` (advantages `[B, T]` fp32, gains, turning mask, keep mask, drop counts).
@@ -394,6 +446,12 @@ def assign(
     context = {"trained": trained.cpu().bool()} if trained is not None and reads_trained(scheme) else {}
     if reads_tree(scheme):
         context["tree"] = [tuple(map(int, node)) for node in tree] if tree else None
+    if reads_branch(scheme):
+        if branch is not None and (branch.shape != (rewards.shape[0],) or bool((branch < 0).any())):
+            raise ValueError(f"branch must hold each trajectory's branch step ([B={rewards.shape[0]}], >= 0)")
+        if branch is not None and int(branch.max()) >= gains.shape[1]:
+            raise ValueError(f"branch steps must lie in [0, T) = [0, {gains.shape[1]})")
+        context["branch"] = branch.long().cpu() if branch is not None else None
     out = fn(rewards, gains, groups, **options, **context)
     advantages, turn = out if isinstance(out, tuple) else (out, _no_turning(gains))  # a plug-in may return A alone
     if not isinstance(advantages, torch.Tensor) or advantages.shape != gains.shape:

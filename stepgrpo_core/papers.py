@@ -21,7 +21,9 @@ PAPERS: dict[str, str] = {
     "2509.16117": "DiffusionNFT: Zheng et al. 2025, negative-aware fine-tuning",
     "2509.25050": "AWM: Xue et al. 2025, advantage weighted matching",
     "2510.08425": "DGPO: Luo et al. 2025, direct group preference optimization",
+    "2510.01982": "G2RPO: Zhou et al. 2025, Granular GRPO (singular stochastic sampling, multi-granularity advantages)",
     "2601.20218": "DenseGRPO: Deng et al. 2026, From Sparse to Dense Reward for Flow Matching Model Alignment",
     "2602.06422": "TP-GRPO: Tong et al. 2026, Modeling Step-Wise and Long-Term Sampling Effects in Flow-Based GRPO",
     "2603.28718": "Stepwise-Flow-GRPO: Savani et al. 2026, Stepwise Credit Assignment for GRPO on Flow-Matching Models",
+    "2605.25661": "Step-GRPO: k candidates a step from one state, each step's advantage among them",
 }

@@ -20,7 +20,8 @@ from stepgrpo.results import CreditResult, ScoreResult
 from stepgrpo.storage.publish import options_digest
 from stepgrpo.storage.run import Run
 from stepgrpo.tasks.base import repair_table, stage_task
-from stepgrpo_core.credit import SCHEMES, assign, reads_trained
+from stepgrpo_core.branching import branch_steps_of
+from stepgrpo_core.credit import SCHEMES, assign, reads_branch, reads_trained
 
 
 @stage_task("credit")
@@ -98,4 +99,11 @@ def _assign(run: Run, cfg: Config, iteration: int, reward_name: str, reward_vers
             )
         rewards = rewards[:, -1:].expand_as(rewards).clone()  # the scheme reads R_T only
     group_ids = torch.from_numpy(run.stages.read_array(iteration, "rollout", "group_ids")).long()
-    return assign(scheme, rewards, group_ids, training.trained_mask(cfg), cfg.sampler.branch_tree, **cfg.credit.options)
+    branch = None
+    if reads_branch(scheme) and cfg.sampler.branches():  # each trajectory's one step with a density
+        try:
+            branch = branch_steps_of(torch.from_numpy(run.stages.read_array(iteration, "rollout", "log_probs")))
+        except ValueError as err:
+            raise StageError(f"iteration {iteration}: {err}") from None
+    trained, tree = training.trained_mask(cfg), cfg.sampler.branch_tree
+    return assign(scheme, rewards, group_ids, trained, tree, branch, **cfg.credit.options)

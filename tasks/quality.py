@@ -90,7 +90,7 @@ def key_of(
     }
     if methods:  # a check of the run's own rewards keeps the key it had before methods could be judged
         parts["methods"] = list(methods)
-    if cfg.sampler.branch_window is not None:  # continued under the branched policy (`judging.continuations`)
+    if cfg.sampler.branches():  # continued under the branched policy (`judging.continuations`)
         parts["continued"] = "branched"
     if cfg.sampler.branch_tree is not None:  # continued with the kernel at the tree's split steps alone
         parts["continued"] = "tree"
@@ -188,7 +188,9 @@ def compute(
         t = time.perf_counter()
         grids[method], nfe = judging.method_rewards(pol, cfg, reward, data, prompts, method, rewards[:, -1])
         cost[method] = {"nfe_per_trajectory": nfe / B, "seconds": time.perf_counter() - t}
-    tables, skipped = judging.judged_tables(cfg, schemes, grids, group_ids, training.trained_mask(cfg))
+    branch = judging.branch_steps(cfg, data)
+    branch_t = torch.from_numpy(branch) if branch is not None else None
+    tables, skipped = judging.judged_tables(cfg, schemes, grids, group_ids, training.trained_mask(cfg), branch_t)
     judged = list(tables)
 
     noise = stored_noise(data.kernel_params, pol.device)

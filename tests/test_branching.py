@@ -141,3 +141,69 @@ def test_the_tree_advantage_is_each_node_s_mean_leaf_reward_normalized_over_its_
     assert bool((out.advantages[:, [0, 2]] == 0).all())  # no branch there, no density, no credit
     with pytest.raises(ValueError, match="sampler.branch_tree"):
         assign("tree", rewards, torch.zeros(4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("kernel", ["flow", "psi"])
+def test_an_anchor_is_computed_once_and_its_children_are_its_steps_run_one_by_one(kernel):
+    """G2RPO's / Step-GRPO's sampling: each group's ODE anchor once, through the velocity at its last
+    branch state; 2 children at each of steps 1 and 3, each the kernel's step from the anchor's
+    state with the anchor's velocity, then the ODE."""
+    from stepgrpo_core.branching import anchor_rollout, branch_steps_of
+
+    x0, _ = make()
+    steps, k = [1, 3], 2  # G = 4 a group
+    cond = {"scale": torch.linspace(0.5, 1.5, P).repeat_interleave(4)}
+    noise = initial_psi(SIGMAS) if kernel == "psi" else 0.7
+    counted = Counted()
+    out = anchor_rollout(counted, x0, SIGMAS, cond, steps, k, kernel, noise, torch.Generator().manual_seed(3))
+    # the anchor: rows at states 0..3 (4); children: 2 x (T - 2) after step 1, 2 x (T - 4) after step 3
+    assert out.nfe == counted.rows == P * (4 + k * (T - 2) + k * (T - 4))
+    assert branch_steps_of(out.log_probs).reshape(P, 4).tolist() == [[1, 1, 3, 3]] * P
+    for g in range(P):
+        one = {"scale": cond["scale"][g * 4 : g * 4 + 1]}
+        anchor = rollout(velocity, x0[g : g + 1], SIGMAS, one, kernel="ode")
+        members = out.states[g * 4 : (g + 1) * 4]
+        for j, b in enumerate([1, 1, 3, 3]):
+            torch.testing.assert_close(members[j, : b + 1], anchor.states[0, : b + 1])  # the anchor's path
+            rows = {"scale": cond["scale"][g * 4 + j : g * 4 + j + 1]}
+            rest = rollout(velocity, members[j : j + 1, b + 1], SIGMAS[b + 1 :], rows, kernel="ode")
+            torch.testing.assert_close(members[j : j + 1, b + 1 :], rest.states)  # the ODE after the branch
+            again = step_log_prob(velocity, members[j : j + 1], SIGMAS, rows, b, kernel, noise)
+            torch.testing.assert_close(again.log_prob, out.log_probs[g * 4 + j, b : b + 1])
+        assert not torch.equal(members[0, 2], members[1, 2]) and not torch.equal(members[2, 4], members[3, 4])
+    with pytest.raises(ValueError, match="increasing within"):
+        anchor_rollout(velocity, x0, SIGMAS, cond, [3, 1], k)
+    with pytest.raises(ValueError, match="deterministic"):
+        anchor_rollout(velocity, x0, SIGMAS, cond, [1, 3], k, kernel="ode")
+
+
+def test_the_sibling_schemes_by_hand():
+    """G2RPO's multi-granularity sum and Step-GRPO's local advantage on one group of 4: two siblings
+    branching at step 0, two at step 2 (T = 4), each z-scored among its own siblings alone."""
+    from stepgrpo_core.credit import STD_EPS, assign
+
+    rewards = torch.tensor(
+        [
+            [0.0, 1.0, 9.0, 9.0, 2.0],  # branch 0: R_1 = 1, R_T = 2
+            [0.0, 3.0, 9.0, 9.0, 1.0],  # branch 0: R_1 = 3, R_T = 1
+            [0.0, 0.0, 0.0, 5.0, 4.0],  # branch 2: R_3 = 5, R_T = 4
+            [0.0, 0.0, 0.0, 5.0, 8.0],  # branch 2: R_3 = 5 (a tie), R_T = 8
+        ]
+    )
+    groups, branch = torch.zeros(4, dtype=torch.long), torch.tensor([0, 0, 2, 2])
+
+    def z(lo: float, hi: float) -> float:
+        """Two siblings z-score to -z and +z: half their gap over the population std (that half) + eps."""
+        half = (hi - lo) / 2
+        return half / (half + STD_EPS)
+
+    local = assign("local", rewards, groups, branch=branch).advantages
+    expected = torch.zeros(4, 4)
+    expected[0, 0], expected[1, 0] = -z(1, 3), z(1, 3)  # R_1: 1 < 3
+    torch.testing.assert_close(local, expected)  # step 2's siblings tie on R_3: 0
+    granular = assign("granular", rewards, groups, branch=branch).advantages
+    expected[0, 0], expected[1, 0] = -z(1, 3) + z(1, 2), z(1, 3) - z(1, 2)  # R_T: 2 > 1 against R_1's order
+    expected[2, 2], expected[3, 2] = -z(4, 8), z(4, 8)  # R_3 ties, R_T: 4 < 8
+    torch.testing.assert_close(granular, expected)
+    with pytest.raises(ValueError, match="sampler.branch_anchor"):
+        assign("local", rewards, groups)

@@ -195,3 +195,85 @@ def test_a_tree_run_killed_in_its_update_resumes_bit_identical(tree_run, tree_se
     _train(tree_settings, run_dir)
     ours, theirs = checkpoints(run_dir), checkpoints(tree_run)
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+@pytest.fixture(scope="module")
+def anchor_settings(branched) -> list[str]:
+    # G = 4 a group: 2 children off the anchor at step 0, 2 at step 2 (T = 4); G2RPO's two granularities
+    drop = ("sampler.branch_window", "run.group_size", "credit.scheme", "completion.method")
+    sets = [s for s in branched if not s.startswith(drop)]
+    return [
+        *sets, "sampler.branch_anchor=[0,2]", "run.group_size=4", "completion.method=rollout",
+        "credit.scheme=granular", "optim.micro_batch=4",
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def anchor_run(harness, anchor_settings, tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("anchor") / "run"
+    _train(anchor_settings, run_dir)
+    return run_dir
+
+
+def test_an_anchor_run_computes_its_anchor_once_and_credits_siblings_alone(anchor_run):
+    """Each group's anchor once (rows at states 0-2), each child's step from the anchor's velocity,
+    the ODE after it; the stored advantages are G2RPO's sum at each branch step alone, and `local`
+    re-credited offline from the stored rewards (no model) equals its hand computation."""
+    from stepgrpo.flows.credit import credit
+    from stepgrpo_core.credit import assign
+
+    run = Run.open(anchor_run)
+    data = run.stages.read_rollout(0)
+    # a group: the anchor's 3 rows, 2 children x 3 steps after step 0, 2 x 1 after step 2
+    assert run.stage_manifest(0, "rollout")["inputs"]["nfe"] == P * (3 + 2 * 3 + 2 * 1) < P * 4 * T
+    finite = torch.isfinite(torch.from_numpy(data.log_probs))
+    branch = finite.float().argmax(dim=1)
+    assert bool((finite.sum(dim=1) == 1).all()) and branch.tolist() == [0, 0, 2, 2] * P
+    states = torch.from_numpy(data.states)
+    assert torch.equal(states[0, 0], states[2, 0]) and torch.equal(states[2, :3], states[3, :3])  # the anchor
+    assert not torch.equal(states[0, 1], states[1, 1]) and not torch.equal(states[2, 3], states[3, 3])  # siblings
+    rewards = run.tables.reward_grid(0, "jpeg_compressibility", "1").float()
+    groups = torch.arange(P).repeat_interleave(4)
+    digest = run.tables.read_advantages(0).column("options_digest").to_pylist()[0]
+    stored = run.tables.advantage_grid(0, "granular", digest).float()
+    torch.testing.assert_close(stored, assign("granular", rewards, groups, branch=branch).advantages)
+    assert bool((stored[finite == 0] == 0).all())  # no density, no credit
+    credit(str(anchor_run), "local")
+    table = Run.open(anchor_run).tables.read_advantages(0)
+    schemes, digests = table.column("scheme").to_pylist(), table.column("options_digest").to_pylist()
+    local = next(d for s, d in zip(schemes, digests) if s == "local")
+    redone = Run.open(anchor_run).tables.advantage_grid(0, "local", local).float()
+    torch.testing.assert_close(redone, assign("local", rewards, groups, branch=branch).advantages)
+
+
+def test_an_anchor_run_killed_in_its_rollout_and_update_resumes_bit_identical(
+    anchor_run, anchor_settings, tmp_path, monkeypatch
+):
+    run_dir = tmp_path / "killed"
+    spec = tmp_path / "fault"
+    monkeypatch.setenv("STEPGRPO_FAULT", f"@{spec}")
+    for n, (stage, row) in enumerate([("rollout", 0), ("update", 1)]):
+        spec.write_text(f"raise:{stage}:{row}:{tmp_path / f'fired-{n}'}")
+        with pytest.raises(Exception, match="STEPGRPO_FAULT"):
+            _train(anchor_settings, run_dir)
+        assert (tmp_path / f"fired-{n}").exists()
+    spec.write_text("")
+    _train(anchor_settings, run_dir)
+    ours, theirs = checkpoints(run_dir), checkpoints(anchor_run)
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_credit_quality_judges_the_sibling_schemes_on_an_anchor_run(anchor_run):
+    """The check continues an anchor run's states with the kernel at each trajectory's branch step
+    alone and judges G2RPO's and Step-GRPO's advantages beside outcome's."""
+    import numpy as np
+
+    from stepgrpo.flows.quality import credit_quality
+
+    check = credit_quality(str(anchor_run), iteration=0, continuations=2, schemes=["outcome", "granular", "local"])
+    assert {"outcome", "granular", "local"} <= set(check["schemes"])
+    values = np.asarray(check["values"])
+    branch = np.array([0, 0, 2, 2] * P)
+    for b, row in enumerate(values):
+        assert np.array_equal(row[branch[b] + 1 :], np.full(T - branch[b], row[T])), b
+    assert check["nfe"] == sum(int((branch >= k).sum()) * 2 * (T - k) for k in range(3))

@@ -86,6 +86,14 @@ class SamplerConfig(Section):
     step with `kernel` and its own noise, then the ODE on. Every node is computed once; each branch
     transition is trained once. `credit.scheme: tree` credits it (BranchGRPO's tree advantage). It
     replaces the SDE window; None: no tree."""
+    branch_anchor: list[int] | None = None
+    """Anchor branching (G2RPO's singular stochastic sampling, Step-GRPO's k candidates a step;
+    `stepgrpo_core.branching.anchor_rollout`): `[b_1, b_2, ...]`, steps increasing: each group's
+    anchor follows the ODE from its initial noise, computed once, and at each listed step
+    `run.group_size / len(steps)` members branch from the anchor's state there, each taking that
+    step with `kernel` and its own noise, then the ODE on. The members that branch at one step are
+    siblings: `credit.scheme: granular` or `local` compares them. It replaces the SDE window; None:
+    no anchor."""
     ode_solver: Literal["euler", "dpm2"] = "euler"
     """The solver of the rollout's deterministic steps: `euler` (SD3's sampler), or `dpm2`,
     DPM-Solver++ 2M from diffusers' scheduler (DiffusionNFT's 10-step ODE rollouts; multistep, so
@@ -170,14 +178,23 @@ class SamplerConfig(Section):
     def _branches(self) -> SamplerConfig:
         from stepgrpo_core.kernels import KERNELS
 
-        if self.branch_window is None and self.branch_tree is None:
+        chosen = [n for n in ("branch_window", "branch_tree", "branch_anchor") if getattr(self, n) is not None]
+        if not chosen:
             return self
-        name = "sampler.branch_window" if self.branch_tree is None else "sampler.branch_tree"
-        if self.branch_window is not None and self.branch_tree is not None:
+        name = f"sampler.{chosen[0]}"
+        if len(chosen) > 1:
             raise ValueError(
-                "sampler.branch_window and sampler.branch_tree: one branches at a step, the other a tree; set one"
+                f"{' and '.join('sampler.' + n for n in chosen)}: each is a way to branch a group "
+                "(at a drawn step, as a tree, off an anchor); set one"
             )
-        if self.branch_window is not None:
+        if self.branch_anchor is not None:
+            steps = self.branch_anchor
+            if not steps or steps != sorted(set(steps)) or steps[0] < 0 or steps[-1] >= self.steps:
+                raise ValueError(
+                    f"sampler.branch_anchor {steps}: the branch steps, increasing within the {self.steps} steps "
+                    f"(0 <= step < {self.steps})"
+                )
+        elif self.branch_window is not None:
             lo, hi = self.branch_window
             if not 0 <= lo < hi <= self.steps:
                 raise ValueError(
@@ -222,12 +239,19 @@ class SamplerConfig(Section):
             )
         return self
 
+    def branches(self) -> bool:
+        """Whether each trajectory takes one stochastic step, its branch step (`branch_window`,
+        `branch_anchor`): its members' densities sit at that step alone."""
+        return self.branch_window is not None or self.branch_anchor is not None
+
     def window(self) -> tuple[int, int]:
         """The stochastic steps `[start, end)` (branched: the steps a group may branch at)."""
         if self.branch_window is not None:
             return int(self.branch_window[0]), int(self.branch_window[1])
         if self.branch_tree is not None:
             return int(self.branch_tree[0][0]), int(self.branch_tree[-1][0]) + 1
+        if self.branch_anchor is not None:
+            return int(self.branch_anchor[0]), int(self.branch_anchor[-1]) + 1
         size = self.sde_window_size or self.steps - self.sde_window_start
         return self.sde_window_start, self.sde_window_start + size
 

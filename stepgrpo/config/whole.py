@@ -113,17 +113,29 @@ class Config(Section):
                     f"sampler.branch_tree {tree}: its factors' product ({math.prod(f for _, f in tree)}) must be "
                     f"run.group_size ({self.run.group_size}), the leaves of a group's tree"
                 )
-        from stepgrpo_core.credit import reads_tree
+        if (anchor := self.sampler.branch_anchor) is not None and self.run.group_size % len(anchor):
+            raise ValueError(
+                f"sampler.branch_anchor {anchor}: run.group_size ({self.run.group_size}) must be a multiple of its "
+                f"{len(anchor)} steps (the children of each step)"
+            )
+        from stepgrpo_core.credit import reads_branch, reads_tree
+
+        if reads_branch(self.credit.scheme) and not self.sampler.branches():
+            raise ValueError(
+                f"credit.scheme {self.credit.scheme} compares siblings that share a branch step: set "
+                "sampler.branch_anchor or sampler.branch_window (or pick another scheme)"
+            )
 
         if reads_tree(self.credit.scheme) and tree is None:
             raise ValueError(
                 f"credit.scheme {self.credit.scheme} reads the rollout's tree: set sampler.branch_tree (or pick "
                 "another scheme)"
             )
-        b = self.sampler.window() if self.sampler.branch_window or tree else None
+        b = self.sampler.window() if self.sampler.branch_window or tree or anchor else None
         if b is not None and b[1] == self.sampler.steps and not self.optim.train_final_step:
+            listed = [s for s, _ in tree] if tree else anchor if anchor else list(range(*b))
             raise ValueError(
-                f"the branch steps {list(range(*b)) if tree is None else [s for s, _ in tree]} reach the final step, "
+                f"the branch steps {listed} reach the final step, "
                 "which is not trained by default: a branch there would train nothing; end them before step "
                 f"{b[1] - 1} or set optim.train_final_step=true"
             )
@@ -225,6 +237,7 @@ STAGE_FIELDS: dict[str, tuple[str, ...]] = {
         "sampler.sde_window_size",
         "sampler.branch_window",
         "sampler.branch_tree",
+        "sampler.branch_anchor",
         "sampler.shared_x0",
         "sampler.ode_reference",
         "sampler.ode_solver",
@@ -271,6 +284,7 @@ KEY_NEUTRAL: dict[str, Any] = {
     "sampler.sde_solver": None,
     "sampler.branch_window": None,
     "sampler.branch_tree": None,
+    "sampler.branch_anchor": None,
     "optim.step_weighting": "uniform",
     "optim.preset": None,
     "update.objective": "grpo",

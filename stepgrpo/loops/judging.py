@@ -19,7 +19,7 @@ from stepgrpo.loops.scoring import decode_distinct, reward_images, score_images
 from stepgrpo.reporting.report import track
 from stepgrpo_core.completions import completed_through
 from stepgrpo_core.conditioning import take
-from stepgrpo_core.credit import SCHEMES, assign, reads_tree
+from stepgrpo_core.credit import SCHEMES, assign, reads_branch, reads_tree
 from stepgrpo_core.loss import step_weights
 from stepgrpo_core.quality import GradientSums, TrueValues, continue_states, gradient_check, true_advantages
 from stepgrpo_core.rollout import step_log_prob
@@ -100,7 +100,7 @@ def continuations(
     when a stopped check finished them (their rows counted as computed), else computed and kept
     with `save(k, ...)`. Chunk `b0` of state `k` draws from `generator(*seeds, k, b0)`.
 
-    A branched run (`sampler.branch_window`) is continued under its own policy: a trajectory's one
+    A branched run (`sampler.branch_window`, `branch_anchor`) is continued under its own policy: a trajectory's one
     stochastic step is its group's branch step `b` (`branch_steps`), so its states up to `b` are
     continued with the kernel at `b` alone and the ODE elsewhere, and its states after `b` are
     deterministic (`R_T`). A tree run (`sampler.branch_tree`) likewise: the kernel at its split steps
@@ -158,12 +158,14 @@ def continued_rows(
 def branch_steps(cfg: Config, data: Any) -> np.ndarray | None:
     """A branched run's branch step of each stored trajectory `[B]` (the one step with a density),
     None for any other run. A trajectory with no such step, or several, is refused."""
-    if cfg.sampler.branch_window is None:
+    from stepgrpo_core.branching import branch_steps_of
+
+    if not cfg.sampler.branches():
         return None
-    finite = np.isfinite(data.log_probs)
-    if not (finite.sum(axis=1) == 1).all():
-        raise StageError("a branched run's trajectories must each have one step with a density (its branch step)")
-    return finite.argmax(axis=1)
+    try:
+        return branch_steps_of(torch.from_numpy(np.asarray(data.log_probs))).numpy()
+    except ValueError as err:
+        raise StageError(str(err)) from None
 
 
 def gradient_sums(
@@ -220,10 +222,12 @@ def judged_tables(
     grids: dict[str | None, torch.Tensor],
     group_ids: torch.Tensor,
     mask: torch.Tensor,
+    branch: torch.Tensor | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Each scheme's advantages `[B, T]` (clipped as the loss clips them) from each method's step
     rewards `grids` (the run's own method first, named by the scheme alone; another method's as
-    `scheme:method`); a scheme that reads only `R_T` is judged once. Also what was skipped, with why."""
+    `scheme:method`); a scheme that reads only `R_T` is judged once. `branch [B]`: a branched run's
+    branch steps (`branch_steps`). Also what was skipped, with why."""
     tables, skipped = {}, []
     for method, rewards in grids.items():
         step_rewards = bool(torch.isfinite(rewards).all())
@@ -238,7 +242,11 @@ def judged_tables(
             if reads_tree(s) and cfg.sampler.branch_tree is None:
                 skipped.append(f"{s}: credits a tree rollout's nodes; this run's rollout is no tree")
                 continue
-            adv = assign(s, grid.float(), group_ids, mask, cfg.sampler.branch_tree, **options).advantages.double()
+            if reads_branch(s) and branch is None:
+                skipped.append(f"{s}: compares siblings that share a branch step; this run's rollout does not branch")
+                continue
+            tree = cfg.sampler.branch_tree
+            adv = assign(s, grid.float(), group_ids, mask, tree, branch, **options).advantages.double()
             name = s if method == cfg.completion.method else f"{s}:{method}"
             tables[name] = adv.clamp(-cfg.optim.adv_clip, cfg.optim.adv_clip)
     return tables, skipped

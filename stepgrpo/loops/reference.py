@@ -29,8 +29,9 @@ from stepgrpo.loops import training, workspace
 from stepgrpo.loops.sampling import complete_chunks, encode, generator, iteration_plan, sample_iteration
 from stepgrpo.loops.scoring import reward_images, score_images
 from stepgrpo.prompts import prompt_source
+from stepgrpo_core.branching import branch_steps_of
 from stepgrpo_core.completions import completed_through
-from stepgrpo_core.credit import assign
+from stepgrpo_core.credit import assign, reads_branch
 from stepgrpo_core.kernels import KERNELS
 
 
@@ -99,9 +100,9 @@ def reference_loop(
         else:
             grid = scored[:, -1:].expand(B, T + 1).clone()  # outcome reads R_T only
         groups = torch.from_numpy(plan.group_ids).long()
-        credit = assign(
-            cfg.credit.scheme, grid, groups, training.trained_mask(cfg), cfg.sampler.branch_tree, **cfg.credit.options
-        )
+        branch = branch_steps_of(log_probs) if reads_branch(cfg.credit.scheme) and cfg.sampler.branches() else None
+        trained, tree = training.trained_mask(cfg), cfg.sampler.branch_tree
+        credit = assign(cfg.credit.scheme, grid, groups, trained, tree, branch, **cfg.credit.options)
         t4 = time.perf_counter()
         batch = training.Batch(
             states,

@@ -110,6 +110,7 @@ def sample_groups(
     sde_solver: str | None = None,
     branch_window: tuple[int, int] | None = None,
     branch_tree: list[tuple[int, int]] | None = None,
+    branch_anchor: list[int] | None = None,
 ) -> Iterator[GroupChunk]:
     """Sample `len(group_noise)` groups of `group_size` trajectories, `groups_per_call` at a time.
 
@@ -123,10 +124,11 @@ def sample_groups(
     `sa_solver`, its tau `noise`), its noise from the same generator. `branch_window`: branched
     rollouts (`stepgrpo_core.branching`; shared `x_0`), group `g` branching at the step drawn from
     `generator(*group_noise[g], "branch")`, its prefix sampled once; `branch_tree`: each group a tree
-    (`tree_rollout`), every node once. `groups`: only these groups (a shard's; it starts at a call
-    boundary).
+    (`tree_rollout`), every node once; `branch_anchor`: each group's members branch off its ODE
+    anchor, `G / len(branch_anchor)` at each listed step (`anchor_rollout`), the anchor once.
+    `groups`: only these groups (a shard's; it starts at a call boundary).
     """
-    from stepgrpo_core.branching import branched_rollout, draw_branch_steps, tree_rollout
+    from stepgrpo_core.branching import anchor_rollout, branched_rollout, draw_branch_steps, tree_rollout
     from stepgrpo_core.kernels import KERNELS
     from stepgrpo_core.rollout import rollout
 
@@ -159,6 +161,9 @@ def sample_groups(
             kind, deterministic = kernel, bool(KERNELS.facts(kernel)["deterministic"])
         if branch_tree is not None:  # each group a tree, every node once
             sde = tree_rollout(pol.velocity, x0[::G], sigmas, cond, branch_tree, kernel, noise, g)
+        elif branch_anchor is not None:  # each group's anchor once, its members off it at the listed steps
+            children = G // len(branch_anchor)
+            sde = anchor_rollout(pol.velocity, x0[::G], sigmas, cond, branch_anchor, children, kernel, noise, g)
         elif branch_window is not None:  # each group's shared prefix once, then its members' branches
             at = torch.cat([draw_branch_steps(branch_window, 1, generator(*group_noise[c], "branch")) for c in called])
             sde = branched_rollout(pol.velocity, x0[::G], sigmas, cond, G, at, kernel, noise, g, ode_step=step)
@@ -314,6 +319,7 @@ def sample_iteration(
         sde_solver=cfg.sampler.sde_solver,
         branch_window=cfg.sampler.branch_window,
         branch_tree=cfg.sampler.branch_tree,
+        branch_anchor=cfg.sampler.branch_anchor,
     )
 
 
