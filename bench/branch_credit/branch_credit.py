@@ -26,7 +26,11 @@ Arms (6 seeds, 100 iterations; 300 for the ones the 100-iteration reading leaves
   member's reward normalized among its two siblings at two granularities, R_T and the one-step x0
   prediction after the branch) and local_jpeg (configs/shapes_local.yaml, Step-GRPO: the same
   rollouts, the x0 prediction's reward alone z-scored among the siblings), each against
-  outcome_jpeg by the same rule, and against tempflow_jpeg reported beside
+  outcome_jpeg by the same rule, and against tempflow_jpeg reported beside; and on shapes, where the
+  tempflow and tree arms left the decision open (level per trajectory, the tree ahead per pass by
+  little), 6 seeds (added after the jpeg anchor runs started, before any shapes anchor run): granular
+  (configs/shapes_granular.yaml: four members off each group's anchor at steps 0 and 1) and local
+  (configs/shapes_local.yaml, the same rollouts), against outcome_w3 by the same rule and AWM beside
 against outcome_w3 (shapes_outcome.yaml: the same window of steps 0-2, every member SDE on all
 three), outcome_w3_k4 (the clip recipe, configs/shapes_outcome_clip.yaml) and AWM (the frontier's
 best objective; its records as the frontier ran them).
@@ -79,7 +83,10 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     "outcome_jpeg": ("configs/shapes_outcome.yaml", [*JPEG, "sampler.sde_window_size=9"]),
     "tempflow_jpeg": (TEMPFLOW, [*JPEG, "sampler.branch_window=[0,9]"]),
     "tree_jpeg": ("configs/shapes_tree.yaml", [*JPEG, "sampler.branch_tree=[[2,2],[5,2],[8,2]]"]),
-    # the anchor arms (G2RPO, Step-GRPO), added after the tempflow and tree arms: 3 seeds
+    # the anchor arms (G2RPO, Step-GRPO), added after the tempflow and tree arms: on shapes 6 seeds
+    "granular": ("configs/shapes_granular.yaml", []),
+    "local": ("configs/shapes_local.yaml", []),
+    # on jpeg_compressibility 3 seeds
     "granular_jpeg": ("configs/shapes_granular.yaml", [*JPEG, "sampler.branch_anchor=[1,3,5,7]"]),
     "local_jpeg": ("configs/shapes_local.yaml", [*JPEG, "sampler.branch_anchor=[1,3,5,7]"]),
 }
@@ -119,6 +126,8 @@ AGAINST = {
     "outcome_jpeg": (),
     "tempflow_jpeg": ("outcome_jpeg",),
     "tree_jpeg": ("outcome_jpeg",),
+    "granular": ("outcome_w3", "awm"),
+    "local": ("outcome_w3", "awm"),
     "granular_jpeg": ("outcome_jpeg", "tempflow_jpeg"),
     "local_jpeg": ("outcome_jpeg", "tempflow_jpeg"),
 }
@@ -196,12 +205,12 @@ CLAIMS = [
     (
         "G2RPO (arXiv 2510.01982)",
         "multi-granularity step advantages from an ODE anchor beat Flow-GRPO",
-        [("granular_jpeg", "outcome_jpeg")],
+        [("granular", "outcome_w3"), ("granular_jpeg", "outcome_jpeg")],
     ),
     (
         "Step-GRPO (arXiv 2605.25661)",
         "about 3.5x fewer GPU-hours than outcome GRPO with the same reward, at k = 2",
-        [("local_jpeg", "outcome_jpeg")],
+        [("local", "outcome_w3"), ("local_jpeg", "outcome_jpeg")],
     ),
 ]
 
