@@ -26,10 +26,12 @@ from zarr.core.sync import sync
 from stepgrpo.storage.errors import CorruptChunkError, IncompleteStageError
 from stepgrpo.storage.publish import canonical_json, check_json
 from stepgrpo.storage.schema import (
+    BY_NODE,
     CHECKSUM_BYTES,
     CHUNK_KEY_SEPARATOR,
     DIGEST_FORMAT,
     DIGEST_FORMATS,
+    NODE_ROWS,
     ArraySpec,
     StoreSpec,
     array_shape,
@@ -142,12 +144,45 @@ class StageStore:
         return _le(storage_dtype(self.spec.array(name), self.attrs.get("latent_dtype", "")))
 
     def chunks(self, spec: ArraySpec, trajectories: Iterable[int] | None = None) -> list[tuple[int, ...]]:
-        """Chunk coordinates of `spec` (only those of `trajectories` for per-trajectory arrays)."""
+        """Chunk coordinates of `spec` (only those of `trajectories` for per-trajectory arrays); for
+        an array stored by node, the states (velocities) each trajectory owns (none for a
+        trajectory whose row table was not written yet)."""
         ndim = len(spec.axes)
         if not spec.per_trajectory:
             return [(0,) * ndim]
         rows = range(self.B) if trajectories is None else trajectories
+        if self.by_node(spec):
+            table, owned = NODE_ROWS[spec.name], []
+            for b in rows:
+                if chunk_file(self.path, table, (b, 0)).exists():
+                    mine = np.flatnonzero(self._node_rows(spec, [b])[0] == b)
+                    owned += [(b, int(k)) + (0,) * (ndim - 2) for k in mine]
+            return owned
         return [(b,) + (0,) * (ndim - 1) for b in rows]
+
+    def by_node(self, spec: ArraySpec) -> bool:
+        """Whether `spec` is stored by node in this store (`BY_NODE`): one state (velocity) a chunk."""
+        return spec.name in NODE_ROWS and self.attrs.get(BY_NODE) is True
+
+    def chunk_shape(self, spec: ArraySpec) -> tuple[int, ...]:
+        shape = self.shape(spec.name)
+        return (1, 1, *shape[2:]) if self.by_node(spec) else chunk_shape(spec, shape)
+
+    def _node_rows(self, spec: ArraySpec, rows: Sequence[int]) -> np.ndarray:
+        """`spec`'s row table for `rows` `[n, T+1]` (`[n, T]`), each entry checked to name a
+        trajectory at or before its own."""
+        table = self.spec.array(NODE_ROWS[spec.name])
+        out = np.empty((len(rows), self.shape(spec.name)[1]), self.dtype(table.name))
+        for i, b in enumerate(rows):
+            self._read_chunk(table, (b, 0), out[i : i + 1])
+        bad = (out < 0) | (out > np.asarray(rows, dtype=np.int64)[:, None])
+        if bad.any():
+            i = int(np.argwhere(bad)[0][0])
+            raise CorruptChunkError(
+                f"{self.path.name}/{table.name} of trajectory {rows[i]} names {out[i].tolist()}: each entry must be "
+                "a trajectory at or before its own; the stage is damaged: delete it and re-run it"
+            )
+        return out
 
     # --- create / write -----------------------------------------------------------------------
 
@@ -180,7 +215,7 @@ class StageStore:
                     spec.name,
                     shape=self.shape(spec.name),
                     dtype=self.dtype(spec.name),
-                    chunks=chunk_shape(spec, self.shape(spec.name)),
+                    chunks=self.chunk_shape(spec),
                     compressors=[Crc32cCodec()],
                     filters=None,
                     fill_value=np.nan if self.dtype(spec.name).kind == "f" else 0,
@@ -231,6 +266,8 @@ class StageStore:
         written is a whole trajectory, so writers of disjoint ranges never share a chunk.
         """
         jobs: list[tuple[ArraySpec, tuple[int, ...], np.ndarray]] = []
+        if tables := set(NODE_ROWS.values()) & set(arrays):
+            raise ValueError(f"{self.spec.kind}: {sorted(tables)} are written with their arrays, from their bytes")
         for name, value in arrays.items():
             spec = self.spec.array(name)
             if not spec.per_trajectory:
@@ -241,11 +278,34 @@ class StageStore:
             if start < 0 or start + n > self.B:
                 raise ValueError(f"{self.spec.kind}.{name}: trajectories {start}..{start + n} outside [0, {self.B})")
             arr = self._as_stored(name, value, (n, *self.shape(name)[1:]))
+            if self.by_node(spec):
+                jobs += self._node_jobs(spec, start, arr)
+                continue
             for i in range(n):
                 jobs.append((spec, (start + i,) + (0,) * (arr.ndim - 1), arr[i : i + 1]))
         for spec in {job[0] for job in jobs}:  # per array: chunk sizes differ between arrays
             mine = [job for job in jobs if job[0] is spec]
             _each(lambda i: self._write_chunk(*mine[i]), len(mine), mine[0][2].nbytes)
+
+    def _node_jobs(
+        self, spec: ArraySpec, start: int, arr: np.ndarray
+    ) -> list[tuple[ArraySpec, tuple[int, ...], np.ndarray]]:
+        """`arr [n, T(+1), ...]` of trajectories `start ..` stored by node: each state (velocity)
+        that is the same bytes as one before it in this call, at the same step, points to that
+        one's chunk in the row table; the others are written, one chunk each. Writers of disjoint
+        ranges still never share a chunk: an entry points only into its own call's trajectories."""
+        n, K = arr.shape[:2]
+        rows = np.empty((n, K), np.int64)
+        first: dict[tuple[int, bytes], int] = {}
+        jobs = []
+        for i in range(n):
+            for k in range(K):
+                key = (k, hashlib.blake2b(memoryview(arr[i, k]).cast("B"), digest_size=16).digest())
+                rows[i, k] = owner = first.setdefault(key, start + i)
+                if owner == start + i:
+                    jobs.append((spec, (start + i, k) + (0,) * (arr.ndim - 2), arr[i : i + 1, k : k + 1]))
+        table = self.spec.array(NODE_ROWS[spec.name])
+        return jobs + [(table, (start + i, 0), rows[i : i + 1]) for i in range(n)]
 
     # --- verify / read ------------------------------------------------------------------------
 
@@ -304,8 +364,22 @@ class StageStore:
         if bad:
             raise IndexError(f"{self.spec.kind}.{name}: trajectories {bad} outside [0, {self.B})")
         out = np.empty((len(rows), *shape[1:]), self.dtype(name))
-        coords = self.chunks(spec, rows)
-        _each(lambda i: self._read_chunk(spec, coords[i], out[i : i + 1]), len(rows), out[:1].nbytes)
+        if self.by_node(spec):  # each state from the chunk of the trajectory that holds it
+            owners = self._node_rows(spec, rows)
+            cells = [(i, k) for i in range(len(rows)) for k in range(shape[1])]
+            rest = (0,) * (len(shape) - 2)
+            _each(
+                lambda j: self._read_chunk(
+                    spec,
+                    (int(owners[cells[j]]), cells[j][1], *rest),
+                    out[cells[j][0] : cells[j][0] + 1, cells[j][1] : cells[j][1] + 1],
+                ),
+                len(cells),
+                out[:1, :1].nbytes,
+            )
+        else:
+            coords = self.chunks(spec, rows)
+            _each(lambda i: self._read_chunk(spec, coords[i], out[i : i + 1]), len(rows), out[:1].nbytes)
         return bf16_values(out) if self._bf16(name) else out
 
     def rows_intact(self, rows: range) -> bool:
@@ -355,7 +429,7 @@ class StageStore:
             dtype, shape = self.dtype(spec.name), self.shape(spec.name)
             digest.update(canonical_json([spec.name, dtype.str, list(shape)]).encode())
             coords = self.chunks(spec)
-            bufs = [np.empty(chunk_shape(spec, shape), dtype) for _ in range(min(len(coords), 2 * IO_THREADS))]
+            bufs = [np.empty(self.chunk_shape(spec), dtype) for _ in range(min(len(coords), 2 * IO_THREADS))]
             hashes: list[bytes] = [b""] * len(bufs)
 
             def check(i: int, window: list[tuple[int, ...]]) -> None:

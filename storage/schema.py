@@ -50,11 +50,20 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 5  # 2: rollout.ode_final; 3: bf16 latents stored as bf16 (uint16 bits); 4: rollout.velocities;
-# 5: rollout.ode_final optional (`sampler.ode_reference: false`)
-# 3 only adds the bf16 latent dtype, 4 an optional array (older rollouts lack it) and 5 makes one optional
-# (older rollouts all have it): older runs read unchanged
-READABLE_SCHEMA_VERSIONS = (2, 3, 4, 5)
+SCHEMA_VERSION = 6  # 2: rollout.ode_final; 3: bf16 latents stored as bf16 (uint16 bits); 4: rollout.velocities;
+# 5: rollout.ode_final optional (`sampler.ode_reference: false`); 6: a branched rollout's states by node
+# (`BY_NODE`, the optional rollout.state_rows)
+# 3 only adds the bf16 latent dtype, 4 an optional array (older rollouts lack it), 5 makes one optional
+# (older rollouts all have it) and 6 adds a layout older rollouts do not use: older runs read unchanged
+READABLE_SCHEMA_VERSIONS = (2, 3, 4, 5, 6)
+# A rollout whose attrs set BY_NODE true stores each distinct state once (a branched rollout: its
+# members' shared prefix, a tree's nodes): `states` is chunked one state per chunk, and `state_rows [B,
+# T+1]` names for each trajectory and state the trajectory whose chunk holds it (itself, or an earlier
+# trajectory written in the same call whose state there is the same bytes); `velocities` likewise
+# with `velocity_rows [B, T]`. Only the chunks a trajectory owns are written; `StageStore.read`
+# gives each array whole, as any rollout's.
+BY_NODE = "states_by_node"
+NODE_ROWS = {"states": "state_rows", "velocities": "velocity_rows"}  # array stored by node -> its row table
 
 # Latent storage dtype for each compute dtype: the same (bf16 as its bits, `BF16_BITS`).
 LATENT_STORAGE_DTYPES: dict[str, str] = {
@@ -123,6 +132,14 @@ ROLLOUT = StoreSpec(
     arrays=(
         ArraySpec("states", ("B", "T+1", "C", "H", "W"), "latent", True, "states x_0..x_T"),
         ArraySpec(
+            "state_rows",
+            ("B", "T+1"),
+            "int64",
+            True,
+            "stored by node (`BY_NODE`): the trajectory whose `states` chunk holds state k of this one",
+            optional=True,
+        ),
+        ArraySpec(
             "log_probs",
             ("B", "T"),
             "float32",
@@ -147,6 +164,14 @@ ROLLOUT = StoreSpec(
             True,
             "the velocity step k was sampled with, at x_k (CFG applied): x_k - sigmas[k] v_k is the "
             "rollout's own clean-latent prediction (completion `rollout`, 0 NFEs)",
+            optional=True,
+        ),
+        ArraySpec(
+            "velocity_rows",
+            ("B", "T"),
+            "int64",
+            True,
+            "stored by node (`BY_NODE`): the trajectory whose `velocities` chunk holds velocity k of this one",
             optional=True,
         ),
         ArraySpec("sigmas", ("T+1",), "float32", False, "the grid, sigmas[0] = 1 > ... > sigmas[T] = 0"),

@@ -18,7 +18,16 @@ from stepgrpo.storage.errors import NotPublishedError
 from stepgrpo.storage.ledger import open_ledger
 from stepgrpo.storage.pruned import pruned
 from stepgrpo.storage.publish import fresh_partial
-from stepgrpo.storage.schema import COMPLETION, IMAGES, ROLLOUT, StoreSpec, completion_stage, latent_storage_dtype
+from stepgrpo.storage.schema import (
+    BY_NODE,
+    COMPLETION,
+    IMAGES,
+    NODE_ROWS,
+    ROLLOUT,
+    StoreSpec,
+    completion_stage,
+    latent_storage_dtype,
+)
 from stepgrpo.storage.writer import StageWriter, abort_on_error
 
 if TYPE_CHECKING:
@@ -85,6 +94,7 @@ class StageStores:
         attrs: Mapping[str, Any] | None = None,
         resume: str | None = None,
         omit: Sequence[str] = (),
+        by_node: bool = False,
     ) -> StageWriter:
         """Begin the rollout of `iteration`: the plan (`sigmas [T+1]`, `seeds, prompt_ids, group_ids [B]`)
         is written now; `states`, `log_probs`, `stds`, `ode_final`, `velocities` are written per trajectory
@@ -93,6 +103,7 @@ class StageStores:
         `latent_shape` is `(C, H, W)`; `latent_dtype` the compute dtype ("float16", "float32",
         "bfloat16" -> stored as float32). Raises StageLockedError if another writer holds the stage.
         `resume`: the stage's key, to continue an interrupted sharded attempt (`Run._begin`).
+        `by_node`: store each distinct state once (a branched rollout's shared prefix; `BY_NODE`).
         """
         B, T = len(seeds), len(sigmas) - 1
         C, H, W = (int(x) for x in latent_shape)
@@ -107,7 +118,10 @@ class StageStores:
             "W": W,
             "latent_dtype": latent_storage_dtype(latent_dtype),
             "source_dtype": latent_dtype,
+            **({BY_NODE: True} if by_node else {}),
         }
+        tables = [t for a, t in NODE_ROWS.items() if not by_node or a in omit]  # a table only beside its array
+        omit = (*omit, *tables)
         writer = self.run._begin(iteration, "rollout", ROLLOUT, resume)
         with abort_on_error(writer):
             _create(

@@ -90,6 +90,7 @@ def compute(run: Run, cfg: Config, iteration: int, noise: float | torch.Tensor, 
         },
         resume=key,
         omit=() if cfg.sampler.ode_reference else ("ode_final",),
+        by_node=cfg.sampler.branches() or cfg.sampler.branch_tree is not None,  # a shared prefix stored once
     )
     with writer:
         done = fan_out(

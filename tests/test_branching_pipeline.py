@@ -72,6 +72,10 @@ def test_each_group_branches_once_and_its_prefix_is_counted_once(clean):
             assert len({tuple(m.tolist()) for m in states[g, :, b + 1]}) == G  # then each its own
         prefix_once = sum(int(at[g, 0]) + G * (T - int(at[g, 0])) for g in range(P))
         assert run.stage_manifest(i, "rollout")["inputs"]["nfe"] == prefix_once < P * G * T
+        # each state stored once: a group's prefix x_0 .. x_b, then each member's own x_{b+1} .. x_T
+        stored = len(list((run.stage_path(i, "rollout") / "states").glob("c.*")))
+        assert stored == sum(int(at[g, 0]) + 1 + G * (T - int(at[g, 0])) for g in range(P)) < P * G * (T + 1)
+        run.verify(i, "rollout")
 
 
 def test_a_branched_run_killed_in_each_stage_resumes_bit_identical(clean, branched, tmp_path, monkeypatch):
@@ -163,6 +167,8 @@ def test_a_tree_run_computes_each_node_once_and_credits_each_depth(tree_run):
     finite = torch.isfinite(torch.from_numpy(data.log_probs))
     assert finite[:, 0].tolist() == [True, False, True, False] * P  # one density per child at step 0
     assert bool(finite[:, 2].all()) and int(finite.sum()) == P * 6
+    # each node's states once: the root's x_0, 2 children x (x_1, x_2), 4 leaves x (x_3, x_4), a group
+    assert len(list((run.stage_path(0, "rollout") / "states").glob("c.*"))) == P * (1 + 2 * 2 + 4 * 2)
     digest = run.tables.read_advantages(0).column("options_digest").to_pylist()[0]
     stored = run.tables.advantage_grid(0, "tree", digest).float()
     final = run.tables.reward_grid(0, "jpeg_compressibility", "1")[:, -1:].float()  # a final-only run: R_T
@@ -229,6 +235,8 @@ def test_an_anchor_run_computes_its_anchor_once_and_credits_siblings_alone(ancho
     finite = torch.isfinite(torch.from_numpy(data.log_probs))
     branch = finite.float().argmax(dim=1)
     assert bool((finite.sum(dim=1) == 1).all()) and branch.tolist() == [0, 0, 2, 2] * P
+    # each state stored once: the anchor's x_0 .. x_2, then each member's own states after its branch
+    assert len(list((run.stage_path(0, "rollout") / "states").glob("c.*"))) == P * (3 + 2 * 4 + 2 * 2)
     states = torch.from_numpy(data.states)
     assert torch.equal(states[0, 0], states[2, 0]) and torch.equal(states[2, :3], states[3, :3])  # the anchor
     assert not torch.equal(states[0, 1], states[1, 1]) and not torch.equal(states[2, 3], states[3, 3])  # siblings

@@ -97,6 +97,9 @@ def test_rollout_round_trip_is_bit_exact(tmp_path, dtype, stored):
     # the store is plain Zarr v3 with the schema's layout and checksum codec
     group = zarr.open_group(str(run.stage_path(0, "rollout")), mode="r")
     for spec in ROLLOUT.arrays:
+        if spec.name in ("state_rows", "velocity_rows"):  # only a rollout stored by node has them
+            assert spec.name not in group
+            continue
         arr = group[spec.name]
         plain = arr[...]
         if dtype == "bfloat16" and spec.dtype == "latent":  # a plain Zarr reader sees the bits
@@ -310,6 +313,59 @@ def test_a_rollout_made_without_its_ode_reference(tmp_path):
     got = run.stages.read_rollout(0)
     assert got.ode_final is None and same_bits(got.states, x["states"].numpy())
     run.verify(0, "rollout")  # the published stage is whole without it
+
+
+def test_a_branched_rollout_stores_each_state_once_and_reads_whole(tmp_path):
+    """Stored by node (`by_node`): a state that is the same bytes as one before it in the same write
+    points to that chunk; every trajectory reads whole and bit-exact; the digest covers what is
+    stored; a missing owned chunk or a `state_rows` entry pointing forward is refused."""
+    from stepgrpo.storage.arrays import StageStore
+    from stepgrpo.storage.errors import CorruptChunkError
+
+    run = Run.create(tmp_path, "r", {})
+    x = rollout_inputs()
+    s = x["states"]
+    s[1, :2] = s[0, :2]  # trajectory 1 shares x_0, x_1 with 0 (a branch at step 1)
+    s[2, 0] = s[0, 0]  # equal to 0's, but written in another call: stored again
+    s[3, :1] = s[2, :1]  # 3 shares x_0 with 2 (the second write call)
+    v = x["velocities"]
+    v[1, :1] = v[0, :1]  # and the velocity at x_0
+    plan = {k: x[k] for k in ("sigmas", "seeds", "prompt_ids", "group_ids")}
+    common = {**plan, "latent_shape": (C, H, W), "latent_dtype": "float16", "kernel": "sde", "kernel_params": {}}
+
+    def write(i: int, order=(0, 2)) -> dict:
+        with run.stages.begin_rollout(i, **common, by_node=True) as w:
+            for start in order:
+                sl = slice(start, start + 2)
+                w.write(start, **{k: x[k][sl] for k in ("states", "log_probs", "stds", "ode_final", "velocities")})
+            return w.publish()
+
+    manifest = write(0)
+    got = run.stages.read_rollout(0)
+    assert same_bits(got.states, s.numpy()) and same_bits(run.stages.read_rollout(0, [3, 1]).states, s.numpy()[[3, 1]])
+    rows = run.stages.read_array(0, "rollout", "state_rows")
+    assert rows.tolist() == [[0] * 4, [0, 0, 1, 1], [2] * 4, [2, 3, 3, 3]]
+    path = run.stage_path(0, "rollout")
+    assert len(list((path / "states").glob("c.*"))) == 4 * (T + 1) - 3  # 3 states stored once for two
+    assert run.stages.read_array(0, "rollout", "velocity_rows")[1].tolist() == [0, 1, 1]
+    assert len(list((path / "velocities").glob("c.*"))) == 4 * T - 1 and same_bits(got.velocities, v.numpy())
+    assert manifest["counts"]["bytes"] < write_rollout(Run.create(tmp_path / "plain", "p", {}), 0, x)["counts"]["bytes"]
+    assert write(1, order=(2, 0))["digest"] == manifest["digest"]  # the same content, the same digest
+    run.verify(0, "rollout")
+    with pytest.raises(ValueError, match="written with their arrays"):
+        with run.stages.begin_rollout(2, **common, by_node=True) as w:
+            w.write(0, states=s[:2], state_rows=rows[:2])
+    # damage: a pointer forward, then an owned chunk gone
+    store = StageStore.open(path, ROLLOUT)
+    forward = rows[1:2].copy()
+    forward[0, 3] = 3
+    store._write_chunk(ROLLOUT.array("state_rows"), (1, 0), forward)
+    with pytest.raises(CorruptChunkError, match="at or before its own"):
+        run.stages.read_rollout(0)
+    store._write_chunk(ROLLOUT.array("state_rows"), (1, 0), rows[1:2].copy())
+    (path / "states" / "c.0.1.0.0.0").unlink()
+    with pytest.raises(CorruptChunkError, match="missing"):
+        run.stages.read_rollout(0, [1])
 
 
 def test_runs_with_different_ids_are_isolated(tmp_path):
