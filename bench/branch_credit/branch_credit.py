@@ -171,8 +171,16 @@ def analyse(s: Screen, seeds: int = 6) -> dict[str, Any]:
 
 
 # `stepgrpo credit-quality RUN --iteration 0 --continuations 4 --method rollout` on seed 0 of each arm
-# (the base policy, before any update), its record kept as `quality/<arm>.json`
+# (the base policy, before any update), its record kept as `quality/<arm>.json`; the anchor arms'
+# (granular_jpeg, whose iteration 0 is local_jpeg's) with `--continuations 8` (at 4 the check's
+# reliability was 0.37 on its 8 groups)
 QUALITY = RECORDS.parent / "quality"
+
+
+# the checks of runs whose own completion method is `rollout` (the anchor arms'): their step-reward
+# schemes are named as the others' `--method rollout` columns
+OWN_ROLLOUT = {"granular_jpeg"}
+STEP_SCHEMES = ("dense", "stepwise", "turning_point")
 
 
 def quality(folder: Path) -> dict[str, Any]:
@@ -182,9 +190,10 @@ def quality(folder: Path) -> dict[str, Any]:
     for path in sorted(folder.glob("*.json")):
         r = json.loads(path.read_text())
         g = r["gradient"]["uniform"]
+        rename = (lambda s: f"{s}:rollout" if s in STEP_SCHEMES else s) if path.stem in OWN_ROLLOUT else str
         out[path.stem] = {
             "reward": r["reward_name"], "continuations": r["continuations"], "reliability": g["reliability"],
-            "schemes": {row["scheme"]: [row["cosine"], row["low"], row["high"]] for row in g["rows"]},
+            "schemes": {rename(row["scheme"]): [row["cosine"], row["low"], row["high"]] for row in g["rows"]},
         }  # fmt: skip
     return out
 
@@ -257,11 +266,12 @@ def summary_md(a: dict[str, Any]) -> str:
     if a.get("quality"):
         schemes = list(dict.fromkeys(s for q in a["quality"].values() for s in q["schemes"]))
         lines += ["", "#### Credit quality at iteration 0 (gradient cosine with the true advantages', seed 0)", ""]
-        lines += ["| arm (its run's states) | reward | reliability | " + " | ".join(schemes) + " |"]
-        lines += ["|---|---|---|" + "---|" * len(schemes)]
+        lines += ["| arm (its run's states) | reward | M | reliability | " + " | ".join(schemes) + " |"]
+        lines += ["|---|---|---|---|" + "---|" * len(schemes)]
         for arm, q in a["quality"].items():
             cells = [f"{c[0]:.2f} [{c[1]:.2f}, {c[2]:.2f}]" if (c := q["schemes"].get(s)) else "-" for s in schemes]
-            lines.append(f"| {arm} | {q['reward']} | {q['reliability']:.2f} | " + " | ".join(cells) + " |")
+            row = f"| {arm} | {q['reward']} | {q['continuations']} | {q['reliability']:.2f} | "
+            lines.append(row + " | ".join(cells) + " |")
     lines += ["", "#### Claims: each paper's headline, read on this model", ""]
     lines += ["| paper | claim | measured (arm - outcome after the same iterations) | verdict |", "|---|---|---|---|"]
     lines += [f"| {r['paper']} | {r['claim']} | {r['measured']} | {r['verdict']} |" for r in a.get("claims", [])]
