@@ -902,13 +902,13 @@ def test_credit_quality_is_stored_reused_and_computed_again_when_damaged(trained
     from stepgrpo.tasks import quality
 
     out = credit_quality(run=trained["run_dir"], iteration=1, continuations=2)
-    # every scheme judged but those that credit a tree rollout's nodes (this run is no tree)
-    from stepgrpo_core.credit import SCHEMES, reads_tree
+    # every scheme judged but those that credit a branched rollout's nodes or siblings (this run branches not)
+    from stepgrpo_core.credit import SCHEMES, reads_branch, reads_tree
 
-    tree_schemes = [s for s in SCHEMES.names() if reads_tree(s)]
+    branched = [s for s in SCHEMES.names() if reads_tree(s) or reads_branch(s)]
     assert {"dense", "outcome", "stepwise", "turning_point"} <= set(out["schemes"])
-    assert not set(out["schemes"]) & set(tree_schemes)
-    assert [s.split(":")[0] for s in out["skipped"]] == tree_schemes
+    assert not set(out["schemes"]) & set(branched)
+    assert sorted(s.split(":")[0] for s in out["skipped"]) == sorted(branched)
     assert [r["step"] for r in out["steps"]] == [0, 1, 2]  # the trained steps (T = 4, the final one not)
     assert out["nfe"] == 6 * 2 * (4 + 3 + 2 + 1)  # B x M continuations of x_0 .. x_3
     assert out["score_rows"] == 6 * 3 and out["groups"] == 2
