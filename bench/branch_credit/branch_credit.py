@@ -172,14 +172,14 @@ def analyse(s: Screen, seeds: int = 6) -> dict[str, Any]:
 
 # `stepgrpo credit-quality RUN --iteration 0 --continuations 4 --method rollout` on seed 0 of each arm
 # (the base policy, before any update), its record kept as `quality/<arm>.json`; the anchor arms'
-# (granular_jpeg, whose iteration 0 is local_jpeg's) with `--continuations 8` (at 4 the check's
-# reliability was 0.37 on its 8 groups)
+# (granular and granular_jpeg, whose iteration 0 is local's and local_jpeg's) with `--continuations
+# 8` (at 4 the check's reliability on granular_jpeg was 0.37)
 QUALITY = RECORDS.parent / "quality"
 
 
 # the checks of runs whose own completion method is `rollout` (the anchor arms'): their step-reward
 # schemes are named as the others' `--method rollout` columns
-OWN_ROLLOUT = {"granular_jpeg"}
+OWN_ROLLOUT = {"granular", "granular_jpeg"}
 STEP_SCHEMES = ("dense", "stepwise", "turning_point")
 
 
