@@ -63,6 +63,11 @@ READABLE_SCHEMA_VERSIONS = (2, 3, 4, 5, 6)
 # with `velocity_rows [B, T]`. Only the chunks a trajectory owns are written; `StageStore.read`
 # gives each array whole, as any rollout's.
 BY_NODE = "states_by_node"
+# Below this many bytes a state, one file a state costs more disk than a shared prefix saves (each
+# file fills a 4 KiB filesystem block at least; a 1 KiB latent of the shipped model fills four):
+# `storage.branch_nodes: auto` stores a branched rollout by node from here on (a 512 px SD3 latent
+# in bf16 is 128 KiB).
+BY_NODE_MIN_BYTES = 16 * 1024
 NODE_ROWS = {"states": "state_rows", "velocities": "velocity_rows"}  # array stored by node -> its row table
 
 # Latent storage dtype for each compute dtype: the same (bf16 as its bits, `BF16_BITS`).

@@ -9,6 +9,7 @@ the SDE training reward).
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -25,6 +26,7 @@ from stepgrpo.runtime.faults import maybe_fail
 from stepgrpo.runtime.sharding import shard_ranges
 from stepgrpo.storage.ledger import record
 from stepgrpo.storage.run import Run
+from stepgrpo.storage.schema import BY_NODE_MIN_BYTES
 from stepgrpo.tasks.base import fan_out, manifest, reuse, shard_task, stage_task
 from stepgrpo.tasks.draw import drawn_prompts
 from stepgrpo.tasks.keys import Key, stage_key
@@ -67,6 +69,15 @@ def execute(run: Run, cfg: Config, iteration: int, noise: float | torch.Tensor, 
     return stored(run, iteration)
 
 
+def by_node(cfg: Config, latent_shape: tuple[int, ...]) -> bool:
+    """Whether the rollout stores each node once (`storage.branch_nodes`): a branched rollout's, where
+    its states are large enough (`BY_NODE_MIN_BYTES`) or the setting says `always`."""
+    if cfg.storage.branch_nodes == "never" or not (cfg.sampler.branches() or cfg.sampler.branch_tree is not None):
+        return False
+    state_bytes = math.prod(latent_shape) * (4 if cfg.model.dtype == "float32" else 2)
+    return cfg.storage.branch_nodes == "always" or state_bytes >= BY_NODE_MIN_BYTES
+
+
 def compute(run: Run, cfg: Config, iteration: int, noise: float | torch.Tensor, key: str) -> None:
     """Sample the iteration's shards (`stepgrpo.runtime.sharding`) on the flow's workers, then publish."""
     t0 = time.perf_counter()
@@ -90,7 +101,7 @@ def compute(run: Run, cfg: Config, iteration: int, noise: float | torch.Tensor, 
         },
         resume=key,
         omit=() if cfg.sampler.ode_reference else ("ode_final",),
-        by_node=cfg.sampler.branches() or cfg.sampler.branch_tree is not None,  # a shared prefix stored once
+        by_node=by_node(cfg, pol.latent_shape),
     )
     with writer:
         done = fan_out(

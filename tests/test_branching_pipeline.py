@@ -47,6 +47,7 @@ def branched(tmp_path_factory) -> list[str]:
         "optim.lr=1e-3",
         "scale.stage_retries=0",
         "scale.threads=1",  # the runs' bytes are compared
+        "storage.branch_nodes=always",  # each node once, though the tiny model's states are small
     ]
 
 
@@ -190,6 +191,22 @@ def test_credit_quality_continues_a_tree_run_at_its_split_steps_alone(tree_run):
     assert np.array_equal(values[:, 3], values[:, T])  # after the last split: V = R_T
     assert not np.array_equal(values[:, 1], values[:, T])  # before it: continued
     assert check["nfe"] == sum(len(values) * 2 * (T - k) for k in range(3))
+
+
+def test_a_branched_run_stores_each_node_once_where_its_states_are_large_enough(tmp_path):
+    """`storage.branch_nodes: auto` stores a branched rollout by node where a state is at least
+    16 KiB (a 256 px SD3 latent), whole where it is smaller (one file a state would fill a block
+    each); an unbranched rollout is never stored by node."""
+    from stepgrpo.config import validate_config
+    from stepgrpo.tasks.rollout import by_node
+
+    branched = validate_config({"sampler": {"branch_window": [0, 3], "sde_window_size": None}})
+    plain = validate_config({})
+    assert by_node(branched, (16, 32, 32)) and not by_node(branched, (4, 16, 16))  # float32: 64 KiB, 4 KiB
+    assert not by_node(plain, (16, 128, 128))
+    always = branched.model_copy(update={"storage": branched.storage.model_copy(update={"branch_nodes": "always"})})
+    never = branched.model_copy(update={"storage": branched.storage.model_copy(update={"branch_nodes": "never"})})
+    assert by_node(always, (4, 16, 16)) and not by_node(never, (16, 128, 128))
 
 
 def test_a_tree_run_killed_in_its_update_resumes_bit_identical(tree_run, tree_settings, tmp_path, monkeypatch):

@@ -81,6 +81,13 @@ class StorageConfig(Section):
     """Keep the uint8 images the reward saw (every scored state) so that re-scoring with another
     reward skips the VAE. 3 x H x W bytes a state: 3 KB at 32 px, 768 KB at 512 px (six times a
     fp16 SD3 latent); turn off for large images if disk matters more than re-scoring time."""
+    branch_nodes: Literal["auto", "always", "never"] = "auto"
+    """How a branched rollout (`sampler.branch_window`, `branch_tree`, `branch_anchor`) stores its
+    states and velocities: `always` each node once, one state a file with a table naming which
+    trajectory's file holds each (a member's shared prefix stored once); `never` each trajectory
+    whole, one file a trajectory; `auto` by node where a state is at least 16 KiB (every SD3 or
+    Flux latent of 256 px or more), whole where smaller files would cost more disk than the prefix
+    saves (the shipped model's 1 KiB states). Either reads the same."""
     keep: Literal["all", "last", "tables"] = "all"
     """What the run keeps of each finished iteration (one whose update is published): `all` every
     stage; `last` the latents, completions and images of the last `keep_last` iterations only;
