@@ -30,7 +30,9 @@ Arms (6 seeds, 100 iterations; 300 for the ones the 100-iteration reading leaves
   tempflow and tree arms left the decision open (level per trajectory, the tree ahead per pass by
   little), 6 seeds (added after the jpeg anchor runs started, before any shapes anchor run): granular
   (configs/shapes_granular.yaml: four members off each group's anchor at steps 0 and 1) and local
-  (configs/shapes_local.yaml, the same rollouts), against outcome_w3 by the same rule and AWM beside
+  (configs/shapes_local.yaml, the same rollouts), against outcome_w3 by the same rule and AWM beside;
+  after those lost, one diagnostic seed, not decided: granular_exact (granular with
+  `completion.method: remaining`, whose R_{b+1} is R_T: twice the sibling advantage)
 against outcome_w3 (shapes_outcome.yaml: the same window of steps 0-2, every member SDE on all
 three), outcome_w3_k4 (the clip recipe, configs/shapes_outcome_clip.yaml) and AWM (the frontier's
 best objective; its records as the frontier ran them).
@@ -86,11 +88,21 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     # the anchor arms (G2RPO, Step-GRPO), added after the tempflow and tree arms: on shapes 6 seeds
     "granular": ("configs/shapes_granular.yaml", []),
     "local": ("configs/shapes_local.yaml", []),
+    # a diagnostic, not decided (added after the shapes anchor arms lost): granular with the exact
+    # completion, R_{b+1} = R_T, so its advantage is twice the sibling advantage; 1 seed
+    "granular_exact": ("configs/shapes_granular.yaml", ["completion.method=remaining"]),
     # on jpeg_compressibility 3 seeds
     "granular_jpeg": ("configs/shapes_granular.yaml", [*JPEG, "sampler.branch_anchor=[1,3,5,7]"]),
     "local_jpeg": ("configs/shapes_local.yaml", [*JPEG, "sampler.branch_anchor=[1,3,5,7]"]),
 }
-SEEDS = {"outcome_jpeg": 3, "tempflow_jpeg": 3, "tree_jpeg": 3, "granular_jpeg": 3, "local_jpeg": 3}  # others: 6
+SEEDS = {
+    "outcome_jpeg": 3,
+    "tempflow_jpeg": 3,
+    "tree_jpeg": 3,
+    "granular_jpeg": 3,
+    "local_jpeg": 3,
+    "granular_exact": 1,
+}
 # the kept records compared with: name -> (config, overrides, where)
 REFS: dict[str, tuple[str, list[str], list[Path]]] = {
     "outcome_w3": (
@@ -127,6 +139,7 @@ AGAINST = {
     "tempflow_jpeg": ("outcome_jpeg",),
     "tree_jpeg": ("outcome_jpeg",),
     "granular": ("outcome_w3", "awm"),
+    "granular_exact": ("outcome_w3",),
     "local": ("outcome_w3", "awm"),
     "granular_jpeg": ("outcome_jpeg", "tempflow_jpeg"),
     "local_jpeg": ("outcome_jpeg", "tempflow_jpeg"),
