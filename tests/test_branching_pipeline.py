@@ -271,13 +271,11 @@ def test_an_anchor_run_computes_its_anchor_once_and_credits_siblings_alone(ancho
     torch.testing.assert_close(redone, assign("local", rewards, groups, branch=branch).advantages)
 
 
-def test_an_anchor_run_killed_in_its_rollout_and_update_resumes_bit_identical(
-    anchor_run, anchor_settings, tmp_path, monkeypatch
-):
+def test_an_anchor_run_killed_in_each_stage_resumes_bit_identical(anchor_run, anchor_settings, tmp_path, monkeypatch):
     run_dir = tmp_path / "killed"
     spec = tmp_path / "fault"
     monkeypatch.setenv("STEPGRPO_FAULT", f"@{spec}")
-    for n, (stage, row) in enumerate([("rollout", 0), ("update", 1)]):
+    for n, (stage, row) in enumerate([("rollout", 0), ("complete", 0), ("score", 0), ("update", 1)]):
         spec.write_text(f"raise:{stage}:{row}:{tmp_path / f'fired-{n}'}")
         with pytest.raises(Exception, match="STEPGRPO_FAULT"):
             _train(anchor_settings, run_dir)
