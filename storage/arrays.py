@@ -263,7 +263,8 @@ class StageStore:
         """Write trajectories `start .. start+n` of the per-trajectory arrays given.
 
         Each value has shape `[n, ...]` (the array's shape with `B` replaced by `n`); every chunk
-        written is a whole trajectory, so writers of disjoint ranges never share a chunk.
+        written is a whole trajectory (or, stored by node, one state of one of them), so writers of
+        disjoint ranges never share a chunk.
         """
         jobs: list[tuple[ArraySpec, tuple[int, ...], np.ndarray]] = []
         if tables := set(NODE_ROWS.values()) & set(arrays):
