@@ -103,10 +103,7 @@ def branched_rollout(
             window=(0, 1),
             generator=generator,
         )
-        states[rows, b:] = branched.states
-        velocities[rows, b:] = branched.velocities
-        log_probs[rows, b:] = branched.log_probs
-        stds[rows, b:] = branched.stds
+        _place((states, velocities, log_probs, stds), rows, b, branched)
         nfe += branched.nfe
     return Rollout(states, log_probs, stds, nfe, velocities)
 
@@ -178,12 +175,19 @@ def anchor_rollout(
             window=(0, 1),
             generator=generator,
         )
-        states[rows, b:] = branched.states
-        velocities[rows, b:] = branched.velocities
-        log_probs[rows, b:] = branched.log_probs
-        stds[rows, b:] = branched.stds
+        _place((states, velocities, log_probs, stds), rows, b, branched)
         nfe += branched.nfe - len(rows)  # its first row was the anchor's
     return Rollout(states, log_probs, stds, nfe, velocities)
+
+
+def _place(out: tuple[torch.Tensor, ...], rows: torch.Tensor, b: int, branched: Rollout) -> None:
+    """Write `branched`, the members' rollout from their branch step `b` on, into the outputs
+    `(states, velocities, log_probs, stds)` of `_blank` at `rows`."""
+    states, velocities, log_probs, stds = out
+    states[rows, b:] = branched.states
+    velocities[rows, b:] = branched.velocities
+    log_probs[rows, b:] = branched.log_probs
+    stds[rows, b:] = branched.stds
 
 
 def _blank(x0: torch.Tensor, B: int, T: int) -> tuple[torch.Tensor, ...]:

@@ -15,12 +15,11 @@ import torch
 
 from stepgrpo.config import Config
 from stepgrpo.errors import StageError
-from stepgrpo.loops import training
+from stepgrpo.loops import judging, training
 from stepgrpo.results import CreditResult, ScoreResult
 from stepgrpo.storage.publish import options_digest
 from stepgrpo.storage.run import Run
 from stepgrpo.tasks.base import repair_table, stage_task
-from stepgrpo_core.branching import branch_steps_of
 from stepgrpo_core.credit import SCHEMES, assign, reads_branch, reads_trained
 
 
@@ -102,8 +101,9 @@ def _assign(run: Run, cfg: Config, iteration: int, reward_name: str, reward_vers
     branch = None
     if reads_branch(scheme) and cfg.sampler.branches():  # each trajectory's one step with a density
         try:
-            branch = branch_steps_of(torch.from_numpy(run.stages.read_array(iteration, "rollout", "log_probs")))
-        except ValueError as err:
+            steps = judging.branch_steps(cfg, run.stages.read_array(iteration, "rollout", "log_probs"))
+        except StageError as err:
             raise StageError(f"iteration {iteration}: {err}") from None
+        branch = torch.from_numpy(steps) if steps is not None else None
     trained, tree = training.trained_mask(cfg), cfg.sampler.branch_tree
     return assign(scheme, rewards, group_ids, trained, tree, branch, **cfg.credit.options)

@@ -188,7 +188,7 @@ def compute(
         t = time.perf_counter()
         grids[method], nfe = judging.method_rewards(pol, cfg, reward, data, prompts, method, rewards[:, -1])
         cost[method] = {"nfe_per_trajectory": nfe / B, "seconds": time.perf_counter() - t}
-    branch = judging.branch_steps(cfg, data)
+    branch = judging.branch_steps(cfg, data.log_probs)
     branch_t = torch.from_numpy(branch) if branch is not None else None
     tables, skipped = judging.judged_tables(cfg, schemes, grids, group_ids, training.trained_mask(cfg), branch_t)
     judged = list(tables)

@@ -108,7 +108,7 @@ def continuations(
     B, T1 = data.states.shape[:2]
     T = T1 - 1
     start, end = window_of(data, T)
-    branch = branch_steps(cfg, data)
+    branch = branch_steps(cfg, data.log_probs)
     splits = [int(s) for s, _ in cfg.sampler.branch_tree] if cfg.sampler.branch_tree is not None else None
     sigmas = torch.from_numpy(data.sigmas).to(pol.device)
     cond = encode(pol, prompts.texts, data.prompt_ids)
@@ -155,15 +155,16 @@ def continued_rows(
     return [(np.arange(rows), window)]
 
 
-def branch_steps(cfg: Config, data: Any) -> np.ndarray | None:
-    """A branched run's branch step of each stored trajectory `[B]` (the one step with a density),
-    None for any other run. A trajectory with no such step, or several, is refused."""
+def branch_steps(cfg: Config, log_probs: np.ndarray) -> np.ndarray | None:
+    """A branched run's branch step of each stored trajectory `[B]` (the one step with a density in
+    its stored `log_probs [B, T]`), None for any other run. A trajectory with no such step, or
+    several, is refused."""
     from stepgrpo_core.branching import branch_steps_of
 
     if not cfg.sampler.branches():
         return None
     try:
-        return branch_steps_of(torch.from_numpy(np.asarray(data.log_probs))).numpy()
+        return branch_steps_of(torch.from_numpy(np.asarray(log_probs))).numpy()
     except ValueError as err:
         raise StageError(str(err)) from None
 
