@@ -7,9 +7,10 @@ step is the ODE again. The members' rewards then differ only through that one st
 group-normalized reward is that step's advantage (the sibling advantage), with no value estimate in
 between; and only step `b` of each trajectory has a density to train.
 
-The shared prefix is computed once a group: one row through steps `0 .. b-1`, then `G` copies of
-`x_b`. Its transformer rows are counted once (`Rollout.nfe`), so a branched group costs `b + G (T
-- b)` rows where `G` independent trajectories cost `G T`.
+The shared prefix is computed once a group: one row through steps `0 .. b-1` and the velocity at
+`x_b` (the members' steps differ in their noise alone), then `G` rows a step after it. Its
+transformer rows are counted once (`Rollout.nfe`), so a branched group costs `b + 1 + G (T - b - 1)`
+rows where `G` independent trajectories cost `G T`.
 
 `anchor_rollout` (G2RPO, Step-GRPO) branches a group's members off one ODE anchor at several
 steps, `children` members a step: the members that branch at one step are siblings.
@@ -92,9 +93,10 @@ def branched_rollout(
             states[rows, : b + 1] = prefix.states.repeat_interleave(G, dim=0)
             velocities[rows, :b] = prefix.velocities.repeat_interleave(G, dim=0)
             x_b, nfe = prefix.states[:, -1], nfe + prefix.nfe
+        v_b = velocity(x_b, s[b].repeat(len(x_b)), take(cond, groups * G))  # the branch step's, once a group
         tail = noise[b:] if per_step else noise
         branched = rollout(
-            velocity,
+            _reusing(velocity, v_b.repeat_interleave(G, dim=0)),
             x_b.repeat_interleave(G, dim=0),
             s[b:],
             take(cond, rows),
@@ -104,8 +106,19 @@ def branched_rollout(
             generator=generator,
         )
         _place((states, velocities, log_probs, stds), rows, b, branched)
-        nfe += branched.nfe
+        nfe += len(x_b) + branched.nfe - len(rows)  # the members' first row was the group's
     return Rollout(states, log_probs, stds, nfe, velocities)
+
+
+def _reusing(velocity: Velocity, shared: torch.Tensor) -> Velocity:
+    """`velocity`, its first call answered with `shared`: the velocity at the state the rows branch
+    from, computed once for all of them (a branch step's rows differ in their noise alone)."""
+    pending = [shared]
+
+    def call(x: torch.Tensor, sigma: torch.Tensor, c: Any) -> torch.Tensor:
+        return pending.pop() if pending else velocity(x, sigma, c)
+
+    return call
 
 
 @torch.no_grad()
@@ -160,13 +173,8 @@ def anchor_rollout(
         rows = (torch.arange(P)[:, None] * G + i * k + torch.arange(k)).reshape(-1)
         states[rows, : b + 1] = anchor.states[:, : b + 1].repeat_interleave(k, dim=0)
         velocities[rows, :b] = anchor.velocities[:, :b].repeat_interleave(k, dim=0)
-        shared = [raw[b].repeat_interleave(k, dim=0)]  # the branch step's velocity: the anchor's, once
-
-        def child(x: torch.Tensor, sigma: torch.Tensor, c: Any, shared: list[torch.Tensor] = shared) -> torch.Tensor:
-            return shared.pop() if shared else velocity(x, sigma, c)
-
         branched = rollout(
-            child,
+            _reusing(velocity, raw[b].repeat_interleave(k, dim=0)),  # the branch step's velocity: the anchor's
             anchor.states[:, b].repeat_interleave(k, dim=0),
             s[b:],
             take(cond, rows),
@@ -235,10 +243,13 @@ def tree_rollout(
     """Sample `P` groups as trees (BranchGRPO, arXiv 2509.06040): each group's root follows the ODE
     from its initial noise; at each `(b_d, f_d)` of `tree` (steps increasing) every node splits into
     `f_d` children that take step `b_d` with the kernel, each with its own noise, and the ODE on to
-    the next branch step (the last to `x_T`). The leaves are the group's `G = prod f_d` trajectories,
-    in tree order (leaf `l`'s ancestor at depth `d` is `l // (G / (f_1 ... f_d))` within its group).
+    the next listed step (the last to `x_T`). A factor of 1 is a stochastic step without a split
+    (`SamplerConfig.tree`: `sampler.tree_sde`). The leaves are the group's `G = prod f_d`
+    trajectories, in tree order (leaf `l`'s ancestor after step `b_d` is `l // (G / (f_1 ... f_d))`
+    within its group).
 
-    Every node is computed once (`Rollout.nfe`), and every branch transition has its density stored
+    Every node's velocity is computed once (`Rollout.nfe`; a split's children share their parent's,
+    as BranchGRPO's sampler splits one prediction's step), and every transition has its density stored
     once, at the first leaf under the child it made (its other leaves carry NaN there), so an update
     trains each transition once. `cond`: leading dim `B = P G` (a group's members share a prompt).
     """
@@ -249,8 +260,8 @@ def tree_rollout(
     T, P = s.shape[0] - 1, x0.shape[0]
     steps = [int(b) for b, _ in tree]
     factors = [int(f) for _, f in tree]
-    if not tree or any(f < 2 for f in factors) or steps != sorted(set(steps)) or not 0 <= steps[0] <= steps[-1] < T:
-        raise ValueError(f"tree {tree}: (step, factor) pairs with steps increasing in [0, {T}) and factors >= 2")
+    if not tree or any(f < 1 for f in factors) or steps != sorted(set(steps)) or not 0 <= steps[0] <= steps[-1] < T:
+        raise ValueError(f"tree {tree}: (step, factor) pairs with steps increasing in [0, {T}) and factors >= 1")
     G = 1
     for f in factors:
         G *= f
@@ -272,18 +283,67 @@ def tree_rollout(
             seg = rollout(velocity, x, s[k : b + 1], take(cond, nodes), kernel="ode")
             fill(seg, k, leaves)
             x, nfe = seg.states[:, -1], nfe + seg.nfe
+        v_b = velocity(x, s[b].repeat(len(x)), take(cond, nodes))  # each node's once, shared by its children
         leaves //= f
         nodes = (nodes[:, None] + torch.arange(f) * leaves).reshape(-1)
         tail = noise[b : b + 1] if per_step else noise
         seg = rollout(
-            velocity, x.repeat_interleave(f, dim=0), s[b : b + 2], take(cond, nodes), kernel=kernel, noise=tail,
-            generator=generator,
+            _reusing(velocity, v_b.repeat_interleave(f, dim=0)), x.repeat_interleave(f, dim=0), s[b : b + 2],
+            take(cond, nodes), kernel=kernel, noise=tail, generator=generator,
         )  # fmt: skip
         fill(seg, b, leaves)
         log_probs[nodes, b], stds[nodes, b] = seg.log_probs[:, 0], seg.stds[:, 0]
-        x, k, nfe = seg.states[:, -1], b + 1, nfe + seg.nfe
+        x, k, nfe = seg.states[:, -1], b + 1, nfe + len(v_b)
     if k < T:
         seg = rollout(velocity, x, s[k:], take(cond, nodes), kernel="ode")
         fill(seg, k, leaves)
         nfe += seg.nfe
     return Rollout(states, log_probs, stds, nfe, velocities)
+
+
+def width_pruned(
+    has: torch.Tensor,
+    advantages: torch.Tensor,
+    group_ids: torch.Tensor,
+    tree: list[tuple[int, int]],
+    mode: str,
+    keep: float,
+) -> torch.Tensor:
+    """A tree's width pruning (BranchGRPO, arXiv 2509.06040; its code's `width_pruning_mode` and
+    `width_pruning_ratio`): which of the transitions `has [B, T]` (bool: a density the update would
+    train) stay, those at or before the tree's last split all, and of those after it, per group:
+
+    - `per_branch` (mode 1): each leaf's `n` transitions after the last split (the branch the last
+      split made, one leaf) keep their best `max(1, int(n keep))` by advantage;
+    - `extremes` (mode 2): the group's `N` keep the best `c // 2` and the worst `c - c // 2`,
+      `c = min(N, max(2, int(N keep)))`.
+
+    Ties go to the earlier leaf, then the earlier step (the authors' stable sort of a depth-first
+    walk). `advantages [B, T]`; `group_ids [B]`, a group's rows its leaves in tree order; `tree`:
+    the stochastic steps `[(step, factor), ...]` (`SamplerConfig.tree`). The authors pool mode 2
+    over one device's batch; here each tree is pooled alone, so the choice does not depend on how
+    a batch is cut. The rollout, the rewards and the advantages are unchanged: only fewer
+    transitions go through the backward pass."""
+    if mode not in ("per_branch", "extremes") or not 0 < keep <= 1:
+        raise ValueError(f"width pruning {mode!r} keeping {keep}: per_branch or extremes, keeping a share in (0, 1]")
+    last = max((int(b) for b, f in tree if int(f) > 1), default=-1)
+    out = has.clone()
+    tail = out[:, last + 1 :]  # a view: pruning writes through
+    adv = advantages[:, last + 1 :].tolist()
+
+    def ranked(pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        return sorted(pairs, key=lambda p: -adv[p[0]][p[1]])  # stable: tree order within a tie
+
+    for g in torch.unique(group_ids).tolist():
+        rows = torch.nonzero(group_ids == g).reshape(-1).tolist()
+        leaf = {r: [(r, k) for k in torch.nonzero(tail[r]).reshape(-1).tolist()] for r in rows}
+        pairs = [p for r in rows for p in leaf[r]]
+        if mode == "per_branch":
+            kept = {p for r in rows for p in ranked(leaf[r])[: max(1, int(len(leaf[r]) * keep))]}
+        else:
+            order, c = ranked(pairs), min(len(pairs), max(2, int(len(pairs) * keep)))
+            kept = set(order[: c // 2]) | set(order[len(order) - (c - c // 2) :])
+        for r, k in pairs:
+            if (r, k) not in kept:
+                tail[r, k] = False
+    return out

@@ -149,11 +149,13 @@ def outcome(rewards, gains, groups: Groups, global_std: bool = True):
 @SCHEMES.register("tree", step_rewards=False, paper='arXiv 2509.06040, "tree-based advantage estimator"')
 def tree(rewards, gains, groups: Groups, tree: list[tuple[int, int]] | None = None):
     """BranchGRPO: the rollout is a tree a group (`sampler.branch_tree`, leaves in tree order); each
-    node's value is the mean reward of the leaves under it, and at each branch step `b_d` the value
-    of the child a trajectory went through, normalized over the group's children at that depth,
-    is the advantage of that step (0 at every other step, which has no density). The leaf rewards
-    are fused with equal weights: the paper's path-probability weights need the transitions'
-    densities, which the credit stage does not read."""
+    node's value is the mean reward of the leaves under it, and at each stochastic step `b_d` of
+    `tree` (a split, or with factor 1 a node's one child: `SamplerConfig.tree`) the value of the
+    child a trajectory went through, normalized over the group's nodes at that depth, is the
+    advantage of that step (0 at a step before the first split, whose depth holds one node, and at
+    every step off the list, which has no density). The leaf rewards are fused with equal weights:
+    the paper's path-probability weights need the transitions' densities, which the credit stage
+    does not read (its code's default, `tree_prob_weighted` off, is the equal weights)."""
     if not tree:
         raise ValueError("credit.scheme tree reads the rollout's tree: set sampler.branch_tree")
     final = rewards[:, -1]

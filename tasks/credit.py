@@ -105,5 +105,5 @@ def _assign(run: Run, cfg: Config, iteration: int, reward_name: str, reward_vers
         except StageError as err:
             raise StageError(f"iteration {iteration}: {err}") from None
         branch = torch.from_numpy(steps) if steps is not None else None
-    trained, tree = training.trained_mask(cfg), cfg.sampler.branch_tree
+    trained, tree = training.trained_mask(cfg), cfg.sampler.tree()
     return assign(scheme, rewards, group_ids, trained, tree, branch, **cfg.credit.options)

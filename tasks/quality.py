@@ -92,8 +92,8 @@ def key_of(
         parts["methods"] = list(methods)
     if cfg.sampler.branches():  # continued under the branched policy (`judging.continuations`)
         parts["continued"] = "branched"
-    if cfg.sampler.branch_tree is not None:  # continued with the kernel at the tree's split steps alone
-        parts["continued"] = "tree"
+    if cfg.sampler.branch_tree is not None:  # continued with the kernel at the tree's stochastic steps alone
+        parts["continued"] = "tree" if cfg.sampler.tree_sde is None else f"tree {cfg.sampler.tree()}"
     return digest_of(parts)
 
 

@@ -43,8 +43,8 @@ def test_the_prefix_is_shared_and_counted_once_and_each_state_is_its_step_run_al
     noise = initial_psi(SIGMAS) if kernel == "psi" else 0.7
     counted = Counted()
     out = branched_rollout(counted, x0, SIGMAS, cond, G, branch, kernel, noise, torch.Generator().manual_seed(1))
-    # the prefix once a group: b rows, then G (T - b)
-    expected = sum(b + G * (T - b) for b in branch.tolist())
+    # the prefix once a group: b rows and the velocity at x_b, then G (T - b - 1)
+    expected = sum(b + 1 + G * (T - b - 1) for b in branch.tolist())
     assert out.nfe == counted.rows == expected < P * G * T
     for g, b in enumerate(branch.tolist()):
         rows = slice(g * G, (g + 1) * G)
@@ -102,8 +102,9 @@ def test_a_tree_computes_each_node_once_and_stores_each_branch_transition_once()
     cond = {"scale": torch.linspace(0.5, 1.5, P).repeat_interleave(4)}
     counted = Counted()
     out = tree_rollout(counted, x0, SIGMAS, cond, tree, generator=torch.Generator().manual_seed(2))
-    # root: steps 0 (1 row); depth 1: steps 1-2 (2 rows); depth 2: steps 3-5 (4 rows), a group
-    assert out.nfe == counted.rows == P * (1 * 1 + 2 * 2 + 4 * 3)
+    # each node's velocity once (a split's children share their parent's): the root at steps 0-1,
+    # the 2 children at steps 2-3, the 4 leaves at steps 4-5, a group
+    assert out.nfe == counted.rows == P * (1 * 2 + 2 * 2 + 4 * 2)
     for g in range(P):
         leaves = out.states[g * 4 : (g + 1) * 4]
         assert bool((leaves[:, :2] == leaves[:1, :2]).all())  # the root's path, to x_1
@@ -141,6 +142,79 @@ def test_the_tree_advantage_is_each_node_s_mean_leaf_reward_normalized_over_its_
     assert bool((out.advantages[:, [0, 2]] == 0).all())  # no branch there, no density, no credit
     with pytest.raises(ValueError, match="sampler.branch_tree"):
         assign("tree", rewards, torch.zeros(4, dtype=torch.long))
+
+
+def test_a_tree_s_other_stochastic_steps_are_each_node_s_one_child():
+    """`sampler.tree_sde` (BranchGRPO's own rollouts, stochastic at every step): a factor-1 step is
+    each node's kernel step, its density stored once at the node's first leaf; the nodes are still
+    computed once, and the tree advantage there is the node's, 0 before the first split (one node)."""
+    from stepgrpo.config import validate_config
+    from stepgrpo_core.branching import tree_rollout
+    from stepgrpo_core.credit import assign
+
+    cfg = validate_config({"sampler": {"steps": T, "branch_tree": [[1, 2], [3, 2]], "tree_sde": [0, T]}})
+    tree = cfg.sampler.tree()
+    assert tree == [(0, 1), (1, 2), (2, 1), (3, 2), (4, 1), (5, 1)] and cfg.sampler.window() == (0, T)
+    x0, _ = make()
+    cond = {"scale": torch.linspace(0.5, 1.5, P).repeat_interleave(4)}
+    counted = Counted()
+    out = tree_rollout(counted, x0, SIGMAS, cond, tree, generator=torch.Generator().manual_seed(2))
+    assert out.nfe == counted.rows == P * (1 * 2 + 2 * 2 + 4 * 2)  # as the ODE between the splits costs
+    for g in range(P):
+        rows = slice(g * 4, (g + 1) * 4)
+        leaves, lp = out.states[rows], out.log_probs[rows]
+        assert torch.isfinite(lp).tolist() == [
+            [True, True, True, True, True, True],
+            [False, False, False, True, True, True],
+            [False, True, True, True, True, True],
+            [False, False, False, True, True, True],
+        ]  # the root's steps at leaf 0, a child's at its first leaf, a leaf's own from step 3
+        for k in range(T):
+            again = step_log_prob(velocity, leaves, SIGMAS, {"scale": cond["scale"][rows]}, k, "flow", 0.7)
+            has = torch.isfinite(lp[:, k])
+            torch.testing.assert_close(again.log_prob[has], lp[has, k])
+    R = torch.tensor([1.0, 2.0, 3.0, 5.0])
+    rewards = torch.zeros(4, T + 1)
+    rewards[:, -1] = R
+    adv = assign("tree", rewards, torch.zeros(4, dtype=torch.long), tree=tree).advantages
+    assert bool((adv[:, 0] == 0).all())  # the root alone at its depth
+    torch.testing.assert_close(adv[:, 2], adv[:, 1])  # the children's values again
+    torch.testing.assert_close(adv[:, 4], adv[:, 3])  # the leaves' values after the last split
+    torch.testing.assert_close(adv[:, 5], adv[:, 3])
+
+
+def test_width_pruning_by_hand():
+    """BranchGRPO's width pruning on a group of 4 leaves whose last split is at step 1 (T = 4):
+    the trained transitions after it (steps 2 and 3 of every leaf) are cut; those up to it stay."""
+    from stepgrpo_core.branching import width_pruned
+
+    tree = [(0, 2), (1, 2), (2, 1), (3, 1)]
+    has = torch.ones(4, 4, dtype=torch.bool)
+    has[[1, 3], 0] = False  # step 0's two children live at leaves 0 and 2
+    adv = torch.tensor(
+        [
+            [9.0, 9.0, 0.5, 0.7],
+            [0.0, 9.0, -1.0, 2.0],
+            [9.0, 9.0, 0.1, 0.1],
+            [0.0, 9.0, -3.0, 1.0],
+        ]
+    )
+    one = torch.zeros(4, dtype=torch.long)
+    # per_branch, half: each leaf keeps its better step of 2 (leaf 2's tie: the earlier step)
+    kept = width_pruned(has, adv, one, tree, "per_branch", 0.5)
+    assert kept[:, 2:].tolist() == [[False, True], [False, True], [True, False], [False, True]]
+    assert torch.equal(kept[:, :2], has[:, :2])
+    # extremes, half: of the 8, the best 2 (2.0, 1.0) and the worst 2 (-3.0, -1.0)
+    kept = width_pruned(has, adv, one, tree, "extremes", 0.5)
+    assert kept[:, 2:].tolist() == [[False, False], [True, True], [False, False], [True, True]]
+    # extremes keeps at least 2; a share of 1 keeps every one; groups are pruned apart
+    assert int(width_pruned(has, adv, one, tree, "extremes", 0.01)[:, 2:].sum()) == 2
+    assert torch.equal(width_pruned(has, adv, one, tree, "extremes", 1.0), has)
+    two = torch.cat([has, has]), torch.cat([adv, adv]), torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    both = width_pruned(*two[:2], two[2], tree, "extremes", 0.5)
+    assert torch.equal(both[:4], kept) and torch.equal(both[4:], kept)
+    with pytest.raises(ValueError, match="per_branch or extremes"):
+        width_pruned(has, adv, one, tree, "widest", 0.5)
 
 
 @pytest.mark.parametrize("kernel", ["flow", "psi"])

@@ -71,7 +71,7 @@ def test_each_group_branches_once_and_its_prefix_is_counted_once(clean):
             b = int(at[g, 0])
             assert bool((states[g, :, : b + 1] == states[g, :1, : b + 1]).all())  # the shared prefix
             assert len({tuple(m.tolist()) for m in states[g, :, b + 1]}) == G  # then each its own
-        prefix_once = sum(int(at[g, 0]) + G * (T - int(at[g, 0])) for g in range(P))
+        prefix_once = sum(int(at[g, 0]) + 1 + G * (T - int(at[g, 0]) - 1) for g in range(P))
         assert run.stage_manifest(i, "rollout")["inputs"]["nfe"] == prefix_once < P * G * T
         # each state stored once: a group's prefix x_0 .. x_b, then each member's own x_{b+1} .. x_T
         stored = len(list((run.stage_path(i, "rollout") / "states").glob("c.*")))
@@ -125,9 +125,13 @@ def test_a_stored_branched_run_rescores_without_a_transformer_call(clean, tmp_pa
 
 @pytest.fixture(scope="module")
 def tree_settings(branched) -> list[str]:
-    # G = 4 leaves a group: two children at step 0, each two at step 2 (T = 4)
+    # BranchGRPO's own tree: G = 4 leaves a group, two children at step 0, each two at step 1, every
+    # other step stochastic too (T = 4), the trained transitions after the last split width-pruned
     sets = [s for s in branched if not s.startswith(("sampler.branch_window", "run.group_size", "credit.scheme"))]
-    return [*sets, "sampler.branch_tree=[[0,2],[2,2]]", "run.group_size=4", "credit.scheme=tree", "optim.micro_batch=4"]
+    return [
+        *sets, "sampler.branch_tree=[[0,2],[1,2]]", "sampler.tree_sde=[0,4]", "optim.width_pruning=extremes",
+        "run.group_size=4", "credit.scheme=tree", "optim.micro_batch=4",
+    ]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -163,34 +167,39 @@ def test_a_tree_run_computes_each_node_once_and_credits_each_depth(tree_run):
 
     run = Run.open(tree_run)
     data = run.stages.read_rollout(0)
-    # a group: the root 0 steps before its split at 0, 2 children x 2 steps, 4 leaves x 2 steps
-    assert run.stage_manifest(0, "rollout")["inputs"]["nfe"] == P * (2 * 2 + 4 * 2) < P * 4 * T
+    # a group: the root at step 0, its 2 children at step 1, the 4 leaves at steps 2 and 3
+    assert run.stage_manifest(0, "rollout")["inputs"]["nfe"] == P * (1 + 2 + 4 * 2) < P * 4 * T
     finite = torch.isfinite(torch.from_numpy(data.log_probs))
     assert finite[:, 0].tolist() == [True, False, True, False] * P  # one density per child at step 0
-    assert bool(finite[:, 2].all()) and int(finite.sum()) == P * 6
-    # each node's states once: the root's x_0, 2 children x (x_1, x_2), 4 leaves x (x_3, x_4), a group
-    assert len(list((run.stage_path(0, "rollout") / "states").glob("c.*"))) == P * (1 + 2 * 2 + 4 * 2)
+    assert bool(finite[:, 1:].all()) and int(finite.sum()) == P * (2 + 4 * 3)  # a leaf's own from step 1
+    # each node's states once: the root's x_0, 2 children's x_1, 4 leaves x (x_2, x_3, x_4), a group
+    assert len(list((run.stage_path(0, "rollout") / "states").glob("c.*"))) == P * (1 + 2 + 4 * 3)
     digest = run.tables.read_advantages(0).column("options_digest").to_pylist()[0]
     stored = run.tables.advantage_grid(0, "tree", digest).float()
     final = run.tables.reward_grid(0, "jpeg_compressibility", "1")[:, -1:].float()  # a final-only run: R_T
     rewards = final.expand(P * 4, T + 1)
-    by_hand = assign("tree", rewards, torch.arange(P).repeat_interleave(4), tree=[(0, 2), (2, 2)]).advantages
+    nodes = [(0, 2), (1, 2), (2, 1), (3, 1)]  # the splits and the tree_sde steps between and after them
+    by_hand = assign("tree", rewards, torch.arange(P).repeat_interleave(4), tree=nodes).advantages
     torch.testing.assert_close(stored, by_hand)
+    # width pruning (extremes, half): of each group's 4 trained transitions after the last split (step 2),
+    # the best and the worst go through the backward pass; the trained transitions are steps 0 to 2's
+    for it in range(2):
+        stats = run.checkpoint_state(it)["update"]
+        assert stats["width_pruned"] == P * 2
+        assert run.stage_manifest(it, "checkpoint")["inputs"]["backward"] == P * (2 + 4 + 4) - P * 2
 
 
-def test_credit_quality_continues_a_tree_run_at_its_split_steps_alone(tree_run):
-    """A tree run's states are continued with the kernel at its split steps (0 and 2) alone: the
-    states after the last split are deterministic (their value the final reward), and the states
-    up to it are continued (values that differ from the final reward)."""
+def test_credit_quality_continues_a_tree_run_at_its_stochastic_steps(tree_run):
+    """A tree run's states are continued with the kernel at its stochastic steps: its splits (0 and
+    1) and the tree_sde steps after them (2 and 3), so every state before `x_T` is continued."""
     import numpy as np
 
     from stepgrpo.flows.quality import credit_quality
 
     check = credit_quality(str(tree_run), iteration=0, continuations=2, schemes=["tree"])
     values = np.asarray(check["values"])
-    assert np.array_equal(values[:, 3], values[:, T])  # after the last split: V = R_T
-    assert not np.array_equal(values[:, 1], values[:, T])  # before it: continued
-    assert check["nfe"] == sum(len(values) * 2 * (T - k) for k in range(3))
+    assert not np.array_equal(values[:, 2], values[:, T])  # after the last split: still continued
+    assert check["nfe"] == sum(len(values) * 2 * (T - k) for k in range(T))
 
 
 def test_a_branched_run_stores_each_node_once_where_its_states_are_large_enough(tmp_path):

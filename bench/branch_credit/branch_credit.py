@@ -33,6 +33,14 @@ Arms (6 seeds, 100 iterations; 300 for the ones the 100-iteration reading leaves
   (configs/shapes_local.yaml, the same rollouts), against outcome_w3 by the same rule and AWM beside;
   after those lost, one diagnostic seed, not decided: granular_exact (granular with
   `completion.method: remaining`, whose R_{b+1} is R_T: twice the sibling advantage)
+  BranchGRPO's own rollout (added after every arm above had run, before any of its runs), 6 seeds
+  on shapes (tree_full) and 3 on jpeg_compressibility (tree_full_jpeg): configs/shapes_tree.yaml
+  with its authors' layout scaled to 10 steps (binary splits in the first half, at 0, 2 and 4),
+  every other step stochastic too (`sampler.tree_sde: [0, 10]`, their sampler's default) and the
+  trained transitions after the last split width-pruned to their best and worst half a group
+  (`optim.width_pruning: extremes`, `width_keep: 0.5`, their mode 2): against outcome_w3 /
+  outcome_jpeg by the same rule, the ODE-between-splits tree (tree / tree_jpeg) reported beside;
+  BranchGRPO's claims row reads these arms (its published rollout) where they have run
 against outcome_w3 (shapes_outcome.yaml: the same window of steps 0-2, every member SDE on all
 three), outcome_w3_k4 (the clip recipe, configs/shapes_outcome_clip.yaml) and AWM (the frontier's
 best objective; its records as the frontier ran them).
@@ -77,6 +85,12 @@ RECORDS = DOCS / "branch_credit" / "runs"
 TEMPFLOW = "configs/shapes_tempflow.yaml"
 CLIP = ["optim.preset=flow_grpo", "optim.optimizer_steps=4", "optim.kl_beta=0.0"]
 JPEG = ["reward.name=jpeg_compressibility"]
+FULL_TREE = [
+    "sampler.branch_tree=[[0,2],[2,2],[4,2]]",
+    "sampler.tree_sde=[0,10]",
+    "optim.width_pruning=extremes",
+    "optim.width_keep=0.5",
+]
 ARMS: dict[str, tuple[str, list[str]]] = {
     "tempflow": (TEMPFLOW, []),
     "tempflow_k4": (TEMPFLOW, CLIP),
@@ -94,6 +108,10 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     # on jpeg_compressibility 3 seeds
     "granular_jpeg": ("configs/shapes_granular.yaml", [*JPEG, "sampler.branch_anchor=[1,3,5,7]"]),
     "local_jpeg": ("configs/shapes_local.yaml", [*JPEG, "sampler.branch_anchor=[1,3,5,7]"]),
+    # BranchGRPO's own rollout and width pruning (added after all of the above had run): shapes 6
+    # seeds, jpeg 3
+    "tree_full": ("configs/shapes_tree.yaml", FULL_TREE),
+    "tree_full_jpeg": ("configs/shapes_tree.yaml", [*JPEG, *FULL_TREE]),
 }
 SEEDS = {
     "outcome_jpeg": 3,
@@ -102,6 +120,7 @@ SEEDS = {
     "granular_jpeg": 3,
     "local_jpeg": 3,
     "granular_exact": 1,
+    "tree_full_jpeg": 3,
 }
 # the kept records compared with: name -> (config, overrides, where)
 REFS: dict[str, tuple[str, list[str], list[Path]]] = {
@@ -143,6 +162,8 @@ AGAINST = {
     "local": ("outcome_w3", "awm"),
     "granular_jpeg": ("outcome_jpeg", "tempflow_jpeg"),
     "local_jpeg": ("outcome_jpeg", "tempflow_jpeg"),
+    "tree_full": ("outcome_w3", "tree"),
+    "tree_full_jpeg": ("outcome_jpeg", "tree_jpeg"),
 }
 
 
@@ -225,7 +246,13 @@ CLAIMS = [
     (
         "BranchGRPO (arXiv 2509.06040)",
         "+16 % HPSv2.1 over DanceGRPO with ~55 % less time an iteration (tree rollouts, the tree advantage)",
-        [("tree", "outcome_w3"), ("tree_jpeg", "outcome_jpeg")],
+        # its published rollout (every step stochastic, width pruning) where it has run, else the tree's
+        [
+            ("tree_full", "outcome_w3"),
+            ("tree_full_jpeg", "outcome_jpeg"),
+            ("tree", "outcome_w3"),
+            ("tree_jpeg", "outcome_jpeg"),
+        ],
         "trajectories",
     ),
     (
@@ -248,17 +275,18 @@ def claims(a: dict[str, Any]) -> list[dict[str, str]]:
     pre-registered intervals, clustered by prompt) and the passes an iteration against the
     reference; a verdict by the interval the claim is about (equal trajectories for more reward from
     the same training, equal passes for the same reward from less compute): above 0 supported,
-    below contradicted, else not shown."""
+    below contradicted, else not shown. One reading a reward: its first pair with records."""
     rows = []
     for paper, claim, pairs, per in CLAIMS:
-        measured, verdicts = [], []
+        measured, verdicts, read = [], [], set()
         for arm, ref in pairs:
             v = a["equal_trajectories"].get(f"{arm} - {ref}")
-            if v is None:
+            reward = "jpeg_compressibility" if arm.endswith("_jpeg") else "shapes"
+            if v is None or reward in read:
                 continue
+            read.add(reward)
             p = v["prompts"]
             ratio = a["passes_per_iteration"][arm] / a["passes_per_iteration"][ref]
-            reward = "jpeg_compressibility" if arm.endswith("_jpeg") else "shapes"
             text = f"{reward}: {p['mean']:+.3f} [{p['lo']:+.3f}, {p['hi']:+.3f}] per trajectory"
             if e := a["equal_passes"].get(f"{arm} - {ref}"):
                 q = e["prompts"]
@@ -266,7 +294,8 @@ def claims(a: dict[str, Any]) -> list[dict[str, str]]:
                 p = q if per == "passes" else p
             elif per == "passes":
                 continue
-            measured.append(f"{text} ({ratio:.2f}x the passes an iteration)")
+            which = f", {arm}" if arm.startswith("tree") else ""  # BranchGRPO's row reads one of two arms
+            measured.append(f"{text} ({ratio:.2f}x the passes an iteration{which})")
             said = "supported" if p["lo"] > 0 else "contradicted" if p["hi"] < 0 else "not shown"
             verdicts.append(f"{said} on {reward}")
         rows.append({

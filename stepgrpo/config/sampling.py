@@ -86,6 +86,11 @@ class SamplerConfig(Section):
     step with `kernel` and its own noise, then the ODE on. Every node is computed once; each branch
     transition is trained once. `credit.scheme: tree` credits it (BranchGRPO's tree advantage). It
     replaces the SDE window; None: no tree."""
+    tree_sde: tuple[int, int] | None = None
+    """A tree's stochastic steps besides its splits: `[lo, hi]`, and at steps `lo .. hi - 1` every
+    node takes its one child's step with `kernel` (a transition trained once, as a split's) where
+    it would follow the ODE. BranchGRPO's own rollouts: every step, `[0, T]`; BranchGRPO-Mix: a
+    window. None: the ODE between the splits."""
     branch_anchor: list[int] | None = None
     """Anchor branching (G2RPO's singular stochastic sampling, Step-GRPO's k candidates a step;
     `stepgrpo_core.branching.anchor_rollout`): `[b_1, b_2, ...]`, steps increasing: each group's
@@ -179,6 +184,11 @@ class SamplerConfig(Section):
         from stepgrpo_core.kernels import KERNELS
 
         chosen = [n for n in ("branch_window", "branch_tree", "branch_anchor") if getattr(self, n) is not None]
+        if self.tree_sde is not None and self.branch_tree is None:
+            raise ValueError(
+                "sampler.tree_sde: the stochastic steps between a tree's splits; set sampler.branch_tree (or, "
+                "unbranched, sampler.sde_window_start / sde_window_size)"
+            )
         if not chosen:
             return self
         name = f"sampler.{chosen[0]}"
@@ -210,6 +220,12 @@ class SamplerConfig(Section):
                 )
             if any(f < 2 for _, f in self.branch_tree):
                 raise ValueError(f"sampler.branch_tree {self.branch_tree}: every factor at least 2 (a node's children)")
+            if self.tree_sde is not None and not 0 <= self.tree_sde[0] < self.tree_sde[1] <= self.steps:
+                lo, hi = self.tree_sde
+                raise ValueError(
+                    f"sampler.tree_sde [{lo}, {hi}]: the stochastic steps lo .. hi - 1 must lie in the {self.steps} "
+                    f"steps (0 <= lo < hi <= {self.steps})"
+                )
         fixes = {
             "sampler.shared_x0 is false: a branched group's members share their initial noise and prefix; set it "
             "true": not self.shared_x0,
@@ -244,12 +260,22 @@ class SamplerConfig(Section):
         `branch_anchor`): its members' densities sit at that step alone."""
         return self.branch_window is not None or self.branch_anchor is not None
 
+    def tree(self) -> list[tuple[int, int]] | None:
+        """A tree rollout's stochastic steps `[(step, factor), ...]`, increasing: its splits
+        (`branch_tree`) and, factor 1, the steps of `tree_sde` between them (a node's one child).
+        None without a tree."""
+        if self.branch_tree is None:
+            return None
+        splits = {int(b): int(f) for b, f in self.branch_tree}
+        sde = range(*self.tree_sde) if self.tree_sde is not None else range(0)
+        return sorted({**dict.fromkeys(sde, 1), **splits}.items())
+
     def window(self) -> tuple[int, int]:
         """The stochastic steps `[start, end)` (branched: the steps a group may branch at)."""
         if self.branch_window is not None:
             return int(self.branch_window[0]), int(self.branch_window[1])
-        if self.branch_tree is not None:
-            return int(self.branch_tree[0][0]), int(self.branch_tree[-1][0]) + 1
+        if (tree := self.tree()) is not None:
+            return int(tree[0][0]), int(tree[-1][0]) + 1
         if self.branch_anchor is not None:
             return int(self.branch_anchor[0]), int(self.branch_anchor[-1]) + 1
         size = self.sde_window_size or self.steps - self.sde_window_start

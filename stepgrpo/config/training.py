@@ -114,6 +114,15 @@ class OptimConfig(Section):
     """Also train step T-1 when `train_steps` is None. Off as in Flow-GRPO (`timestep_fraction`
     0.99) and TP-GRPO: its std is tiny and its noise barely changes the image, yet it dominates the
     gradient."""
+    width_pruning: Literal["off", "per_branch", "extremes"] = "off"
+    """A tree's width pruning (BranchGRPO, arXiv 2509.06040; its code's `width_pruning_mode`): the
+    stochastic transitions after the tree's last split (`sampler.tree_sde` reaching past it) are
+    cut to `width_keep` of them before the update, per group; the rollout and credit are unchanged.
+    `per_branch` (mode 1) keeps each leaf's best `max(1, int(n width_keep))` of its `n` by advantage
+    (ties: the earlier step); `extremes` (mode 2) keeps the group's best half and worst half of
+    `max(2, int(N width_keep))`. Depth pruning is `train_steps`."""
+    width_keep: float = Field(0.5, gt=0, le=1)
+    """The share of the transitions after a tree's last split that `width_pruning` keeps (BranchGRPO: 0.5)."""
     step_weighting: Literal["uniform", "noise"] = "uniform"
     """Per-step loss weight, orthogonal to credit: `uniform` (every trained step 1) or `noise`
     (TempFlow-GRPO, arXiv 2508.04324: proportional to the step's transition std, normalized to mean 1

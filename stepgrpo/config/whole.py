@@ -93,6 +93,7 @@ class Config(Section):
                 "of a group would be the same sample; set sampler.shared_x0=false (each member its own initial noise, "
                 "as DiffusionNFT's ODE rollouts do) or a stochastic kernel"
             )
+        self._width_pruning()
         if not self.update.on_transitions:
             from stepgrpo_core.objectives import times_count
 
@@ -131,7 +132,8 @@ class Config(Section):
                 f"credit.scheme {self.credit.scheme} reads the rollout's tree: set sampler.branch_tree (or pick "
                 "another scheme)"
             )
-        b = self.sampler.window() if self.sampler.branch_window or tree or anchor else None
+        b = self.sampler.window() if self.sampler.branch_window or anchor else None
+        b = (tree[0][0], tree[-1][0] + 1) if tree else b  # a tree's splits (a tree_sde step may be the last)
         if b is not None and b[1] == self.sampler.steps and not self.optim.train_final_step:
             listed = [s for s, _ in tree] if tree else anchor if anchor else list(range(*b))
             raise ValueError(
@@ -150,6 +152,27 @@ class Config(Section):
                 "optim.ema_decay (a LoRA's reference is the base model, its adapter disabled)"
             )
         return self._batch_fits()
+
+    def _width_pruning(self) -> None:
+        """Refuse a width pruning with nothing to act on: it cuts a tree's trained transitions after
+        its last split."""
+        if self.optim.width_pruning == "off":
+            return
+        name = f"optim.width_pruning {self.optim.width_pruning}"
+        tree = self.sampler.tree()
+        if tree is None:
+            raise ValueError(f"{name} prunes a tree's transitions: set sampler.branch_tree (or width_pruning: off)")
+        if not self.update.on_transitions:
+            raise ValueError(
+                f"{name} prunes the rollout's transitions; update.objective {self.update.objective} trains on noised "
+                "copies of the samples: set width_pruning: off"
+            )
+        last = max(int(b) for b, _ in self.sampler.branch_tree or ())
+        if not any(k > last for k in self.trained_steps() if k in dict(tree)):
+            raise ValueError(
+                f"{name} acts on the trained stochastic steps after the tree's last split (step {last}); there are "
+                f"none: set sampler.tree_sde to reach past step {last + 1} (BranchGRPO: [0, {self.sampler.steps}])"
+            )
 
     def _groups_whole(self) -> None:
         """Refuse a setting that would split a group where the objective reads whole groups."""
@@ -237,6 +260,7 @@ STAGE_FIELDS: dict[str, tuple[str, ...]] = {
         "sampler.sde_window_size",
         "sampler.branch_window",
         "sampler.branch_tree",
+        "sampler.tree_sde",
         "sampler.branch_anchor",
         "sampler.shared_x0",
         "sampler.ode_reference",
@@ -284,8 +308,11 @@ KEY_NEUTRAL: dict[str, Any] = {
     "sampler.sde_solver": None,
     "sampler.branch_window": None,
     "sampler.branch_tree": None,
+    "sampler.tree_sde": None,
     "sampler.branch_anchor": None,
     "optim.step_weighting": "uniform",
+    "optim.width_pruning": "off",
+    "optim.width_keep": 0.5,
     "optim.preset": None,
     "update.objective": "grpo",
     "update.options": {},

@@ -103,13 +103,14 @@ def continuations(
     A branched run (`sampler.branch_window`, `branch_anchor`) is continued under its own policy: a trajectory's one
     stochastic step is its group's branch step `b` (`branch_steps`), so its states up to `b` are
     continued with the kernel at `b` alone and the ODE elsewhere, and its states after `b` are
-    deterministic (`R_T`). A tree run (`sampler.branch_tree`) likewise: the kernel at its split steps
-    alone, the states after the last split deterministic."""
+    deterministic (`R_T`). A tree run (`sampler.branch_tree`) likewise: the kernel at its stochastic
+    steps alone (its splits and `sampler.tree_sde`), the states after the last deterministic."""
     B, T1 = data.states.shape[:2]
     T = T1 - 1
     start, end = window_of(data, T)
     branch = branch_steps(cfg, data.log_probs)
-    splits = [int(s) for s, _ in cfg.sampler.branch_tree] if cfg.sampler.branch_tree is not None else None
+    tree = cfg.sampler.tree()
+    splits = [int(s) for s, _ in tree] if tree is not None else None
     sigmas = torch.from_numpy(data.sigmas).to(pol.device)
     cond = encode(pol, prompts.texts, data.prompt_ids)
     out = finals.double()[:, None, None].expand(B, T1, m).clone()
@@ -147,7 +148,7 @@ def continued_rows(
 ) -> list[tuple[np.ndarray, tuple[int, int]]]:
     """The rows continued from state `k`, each part with its SDE window: every row in the run's
     window; a branched run's rows up to their branch step, each branch step's rows with that step
-    alone; a tree's every row while a split step is left (its continuations take the splits)."""
+    alone; a tree's every row while a stochastic step is left (its continuations take them)."""
     if splits is not None:
         return [(np.arange(rows), window)] if any(s >= k for s in splits) else []
     if branch is not None:
@@ -246,7 +247,7 @@ def judged_tables(
             if reads_branch(s) and branch is None:
                 skipped.append(f"{s}: compares siblings that share a branch step; this run's rollout does not branch")
                 continue
-            tree = cfg.sampler.branch_tree
+            tree = cfg.sampler.tree()
             adv = assign(s, grid.float(), group_ids, mask, tree, branch, **options).advantages.double()
             name = s if method == cfg.completion.method else f"{s}:{method}"
             tables[name] = adv.clamp(-cfg.optim.adv_clip, cfg.optim.adv_clip)

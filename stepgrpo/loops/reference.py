@@ -101,7 +101,7 @@ def reference_loop(
             grid = scored[:, -1:].expand(B, T + 1).clone()  # outcome reads R_T only
         groups = torch.from_numpy(plan.group_ids).long()
         branch = branch_steps_of(log_probs) if reads_branch(cfg.credit.scheme) and cfg.sampler.branches() else None
-        trained, tree = training.trained_mask(cfg), cfg.sampler.branch_tree
+        trained, tree = training.trained_mask(cfg), cfg.sampler.tree()
         credit = assign(cfg.credit.scheme, grid, groups, trained, tree, branch, **cfg.credit.options)
         t4 = time.perf_counter()
         batch = training.Batch(

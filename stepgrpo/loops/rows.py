@@ -28,6 +28,7 @@ import torch
 
 from stepgrpo.config import Config
 from stepgrpo.loops.batching import micro_batches, update_velocity
+from stepgrpo_core.branching import width_pruned
 from stepgrpo_core.conditioning import take
 from stepgrpo_core.kernels import diffusion_coefficient
 from stepgrpo_core.loss import grpo_loss, step_weights
@@ -100,8 +101,16 @@ class Transitions:
         # (trajectory, step) pairs with a density: every trajectory at every stochastic step, or, in a
         # branched rollout, each trajectory at its group's branch step alone
         self.has = torch.isfinite(batch.old_log_probs).cpu()
-        self.steps = [k for k in cfg.trained_steps() if bool(self.has[:, k].any())]
         self.adv = torch.nan_to_num(batch.advantages.float(), nan=0.0)
+        self.pruned = 0  # trained transitions a tree's width pruning left out (`optim.width_pruning`)
+        if cfg.optim.width_pruning != "off":
+            trained = torch.zeros(self.has.shape[1], dtype=torch.bool)
+            trained[cfg.trained_steps()] = True
+            o, tree, ids = cfg.optim, cfg.sampler.tree() or [], batch.group_ids.cpu()
+            kept = width_pruned(self.has & trained, self.adv.cpu(), ids, tree, o.width_pruning, o.width_keep)
+            self.pruned = int((self.has & trained).sum() - kept.sum())
+            self.has = kept | (self.has & ~trained)
+        self.steps = [k for k in cfg.trained_steps() if bool(self.has[:, k].any())]
         steps = cfg.optim.step_weighting, batch.kernel, batch.sigmas, batch.noise, self.steps
         # per-step loss weights, mean 1 over the trained steps (`optim.step_weighting`)
         self.weight = dict(zip(self.steps, step_weights(*steps).tolist()))

@@ -124,8 +124,9 @@ def sample_groups(
     `sa_solver`, its tau `noise`), its noise from the same generator. `branch_window`: branched
     rollouts (`stepgrpo_core.branching`; shared `x_0`), group `g` branching at the step drawn from
     `generator(*group_noise[g], "branch")`, its prefix sampled once; `branch_tree`: each group a tree
-    (`tree_rollout`), every node once; `branch_anchor`: each group's members branch off its ODE
-    anchor, `G / len(branch_anchor)` at each listed step (`anchor_rollout`), the anchor once.
+    (`tree_rollout`; `SamplerConfig.tree`: its splits and other stochastic steps), every node once;
+    `branch_anchor`: each group's members branch off its ODE anchor, `G / len(branch_anchor)` at
+    each listed step (`anchor_rollout`), the anchor once.
     `groups`: only these groups (a shard's; it starts at a call boundary).
     """
     from stepgrpo_core.branching import anchor_rollout, branched_rollout, draw_branch_steps, tree_rollout
@@ -318,7 +319,7 @@ def sample_iteration(
         ode_solver=cfg.sampler.ode_solver,
         sde_solver=cfg.sampler.sde_solver,
         branch_window=cfg.sampler.branch_window,
-        branch_tree=cfg.sampler.branch_tree,
+        branch_tree=cfg.sampler.tree(),
         branch_anchor=cfg.sampler.branch_anchor,
     )
 

@@ -197,6 +197,8 @@ def update(
         diag.gather(parallel)
     out = diag.summary()
     out["backward_rows"] = diag.backward_rows
+    if cfg.optim.width_pruning != "off":
+        out["width_pruned"] = rows_of.pruned
     if companion is not None:
         out["companion_decay"] = decay
     if signal is not None and len(diag.halves) == 2:
