@@ -218,12 +218,18 @@ def test_a_branched_run_stores_each_node_once_where_its_states_are_large_enough(
     assert by_node(always, (4, 16, 16)) and not by_node(never, (16, 128, 128))
 
 
-def test_a_tree_run_killed_in_its_update_resumes_bit_identical(tree_run, tree_settings, tmp_path, monkeypatch):
+def test_a_tree_run_killed_in_each_stage_resumes_bit_identical(tree_run, tree_settings, tmp_path, monkeypatch):
+    """A tree with stochastic steps between its splits and width pruning, killed in its rollout,
+    scoring and update (the pruned update's second iteration), resumes to the uninterrupted bytes."""
     run_dir = tmp_path / "killed"
-    monkeypatch.setenv("STEPGRPO_FAULT", f"raise:update:1:{tmp_path / 'fired'}")
-    with pytest.raises(Exception, match="STEPGRPO_FAULT"):
-        _train(tree_settings, run_dir)
-    monkeypatch.delenv("STEPGRPO_FAULT")
+    spec = tmp_path / "fault"
+    monkeypatch.setenv("STEPGRPO_FAULT", f"@{spec}")
+    for n, (stage, row) in enumerate([("rollout", 0), ("score", 0), ("update", 1)]):
+        spec.write_text(f"raise:{stage}:{row}:{tmp_path / f'fired-{n}'}")
+        with pytest.raises(Exception, match="STEPGRPO_FAULT"):
+            _train(tree_settings, run_dir)
+        assert (tmp_path / f"fired-{n}").exists()
+    spec.write_text("")
     _train(tree_settings, run_dir)
     ours, theirs = checkpoints(run_dir), checkpoints(tree_run)
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
