@@ -318,8 +318,8 @@ def width_pruned(
     - `extremes` (mode 2): the group's `N` keep the best `c // 2` and the worst `c - c // 2`,
       `c = min(N, max(2, int(N keep)))`.
 
-    Ties go to the earlier leaf, then the earlier step (the authors' stable sort of a depth-first
-    walk). `advantages [B, T]`; `group_ids [B]`, a group's rows its leaves in tree order; `tree`:
+    The ranking keeps tree order within a tie (leaf, then step: the authors' stable sort of a
+    depth-first walk). `advantages [B, T]`; `group_ids [B]`, a group's rows its leaves in tree order; `tree`:
     the stochastic steps `[(step, factor), ...]` (`SamplerConfig.tree`). The authors pool mode 2
     over one device's batch; here each tree is pooled alone, so the choice does not depend on how
     a batch is cut. The rollout, the rewards and the advantages are unchanged: only fewer

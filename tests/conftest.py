@@ -229,19 +229,28 @@ def _registries_as_they_were():
         registry._items, registry._facts = items, facts
 
 
-# The test files that take longest, longest first (wall seconds in `make test` on 2 cores). `make test`
-# hands files to its two workers in this order (`--no-loadscope-reorder`; xdist's default puts the
-# files with most tests first, which left the longest files to run alone at the end).
+# The test files that take longest, longest first (seconds of one worker, setup and teardown included:
+# `pytest -n 1 --durations=0` on 2 cores beside a two-job benchmark, so about 1.3x an idle run's). `make
+# test` hands files to its two workers in this order (`--no-loadscope-reorder`; xdist's default puts the
+# files with most tests first, which left the longest files to run alone at the end); `make bench-smoke`'s
+# files likewise.
 LONGEST_FIRST = (
-    "test_scale_ray.py",  # ~165 s
-    "test_flows.py",  # ~135 s
-    "test_scale_nodes.py",  # ~100 s
-    "test_bench_credit_schemes.py",  # ~125 s
-    "test_deploy.py",  # ~95 s
-    "test_scale.py",  # ~80 s
-    "test_bench_gpu.py",  # ~75 s
-    "test_flows_resume.py",  # ~70 s
-    "test_orphans.py",  # ~60 s
+    "test_flows.py",  # ~174 s
+    "test_scale_nodes.py",  # ~137 s
+    "test_scale.py",  # ~128 s
+    "test_bench_credit_schemes.py",  # ~125 s (bench-smoke)
+    "test_docs.py",  # ~110 s
+    "test_scale_sharded.py",  # ~91 s
+    "test_console.py",  # ~85 s
+    "test_bench_gpu.py",  # ~75 s (bench-smoke)
+    "test_packaging.py",  # ~71 s
+    "test_layers.py",  # ~67 s
+    "test_deploy.py",  # ~65 s
+    "test_scale_ray.py",  # ~58 s
+    "test_objectives_pipeline.py",  # ~50 s
+    "test_branching_pipeline.py",  # ~40 s
+    "test_flows_resume.py",  # ~40 s
+    "test_orphans.py",  # ~30 s
 )
 
 
