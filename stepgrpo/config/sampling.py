@@ -83,9 +83,9 @@ class SamplerConfig(Section):
     """Tree rollouts (BranchGRPO, `stepgrpo_core.branching.tree_rollout`): `[[step, factor], ...]`,
     steps increasing, the factors' product `run.group_size`: each group's root follows the ODE from
     its initial noise, and at each step every node splits into `factor` children, each taking that
-    step with `kernel` and its own noise, then the ODE on. Every node is computed once; each branch
-    transition is trained once. `credit.scheme: tree` credits it (BranchGRPO's tree advantage). It
-    replaces the SDE window; None: no tree."""
+    step with `kernel` and its own noise, then the ODE on (`tree_sde`: stochastic steps between).
+    Every node is computed once; each transition is trained once. `credit.scheme: tree` credits it
+    (BranchGRPO's tree advantage). It replaces the SDE window; None: no tree."""
     tree_sde: tuple[int, int] | None = None
     """A tree's stochastic steps besides its splits: `[lo, hi]`, and at steps `lo .. hi - 1` every
     node takes its one child's step with `kernel` (a transition trained once, as a split's) where
