@@ -122,7 +122,10 @@ def test_the_recipe_reaches_its_first_rollout(recipe, sd35_like, flux_like, tmp_
     # an ODE rollout (DiffusionNFT) or a multistep solver's (AWM's SA-Solver): no step has a density of its own
     if KERNELS.facts(cfg.sampler.kernel)["deterministic"] or cfg.sampler.sde_solver:
         start = end = 0
-    if cfg.sampler.branches() or cfg.sampler.branch_tree:  # branched: one density, at its step
+    if cfg.sampler.branch_tree:  # a tree: the first leaf holds every transition on its path
+        assert [k for k, x in enumerate(stochastic) if x] == [s for s, _ in cfg.sampler.tree() or ()]
+        return
+    if cfg.sampler.branches():  # branched: one density, at its step
         (b,) = [k for k, x in enumerate(stochastic) if x]
         assert start <= b < end
         return
