@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_objectives_pipeline import _train, checkpoints
+from test_objectives_pipeline import _train, checkpoints, train_killed_in_turn
 
 from stepgrpo.storage.run import Run
 
@@ -81,15 +81,7 @@ def test_each_group_branches_once_and_its_prefix_is_counted_once(clean):
 
 def test_a_branched_run_killed_in_each_stage_resumes_bit_identical(clean, branched, tmp_path, monkeypatch):
     run_dir = tmp_path / "killed"
-    spec = tmp_path / "fault"
-    monkeypatch.setenv("STEPGRPO_FAULT", f"@{spec}")
-    for n, (stage, row) in enumerate([("rollout", 0), ("score", 0), ("update", 1)]):
-        spec.write_text(f"raise:{stage}:{row}:{tmp_path / f'fired-{n}'}")
-        with pytest.raises(Exception, match="STEPGRPO_FAULT"):
-            _train(branched, run_dir)
-        assert (tmp_path / f"fired-{n}").exists()
-    spec.write_text("")
-    _train(branched, run_dir)
+    train_killed_in_turn(branched, run_dir, [("rollout", 0), ("score", 0), ("update", 1)], tmp_path, monkeypatch)
     ours, theirs = checkpoints(run_dir), checkpoints(clean)
     assert ours.keys() == theirs.keys() and ours
     assert all(torch.equal(ours[k], theirs[k]) for k in ours), [k for k in ours if not torch.equal(ours[k], theirs[k])]
@@ -222,15 +214,7 @@ def test_a_tree_run_killed_in_each_stage_resumes_bit_identical(tree_run, tree_se
     """A tree with stochastic steps between its splits and width pruning, killed in its rollout,
     scoring and update (the pruned update's second iteration), resumes to the uninterrupted bytes."""
     run_dir = tmp_path / "killed"
-    spec = tmp_path / "fault"
-    monkeypatch.setenv("STEPGRPO_FAULT", f"@{spec}")
-    for n, (stage, row) in enumerate([("rollout", 0), ("score", 0), ("update", 1)]):
-        spec.write_text(f"raise:{stage}:{row}:{tmp_path / f'fired-{n}'}")
-        with pytest.raises(Exception, match="STEPGRPO_FAULT"):
-            _train(tree_settings, run_dir)
-        assert (tmp_path / f"fired-{n}").exists()
-    spec.write_text("")
-    _train(tree_settings, run_dir)
+    train_killed_in_turn(tree_settings, run_dir, [("rollout", 0), ("score", 0), ("update", 1)], tmp_path, monkeypatch)
     ours, theirs = checkpoints(run_dir), checkpoints(tree_run)
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
@@ -288,15 +272,8 @@ def test_an_anchor_run_computes_its_anchor_once_and_credits_siblings_alone(ancho
 
 def test_an_anchor_run_killed_in_each_stage_resumes_bit_identical(anchor_run, anchor_settings, tmp_path, monkeypatch):
     run_dir = tmp_path / "killed"
-    spec = tmp_path / "fault"
-    monkeypatch.setenv("STEPGRPO_FAULT", f"@{spec}")
-    for n, (stage, row) in enumerate([("rollout", 0), ("complete", 0), ("score", 0), ("update", 1)]):
-        spec.write_text(f"raise:{stage}:{row}:{tmp_path / f'fired-{n}'}")
-        with pytest.raises(Exception, match="STEPGRPO_FAULT"):
-            _train(anchor_settings, run_dir)
-        assert (tmp_path / f"fired-{n}").exists()
-    spec.write_text("")
-    _train(anchor_settings, run_dir)
+    stages = [("rollout", 0), ("complete", 0), ("score", 0), ("update", 1)]
+    train_killed_in_turn(anchor_settings, run_dir, stages, tmp_path, monkeypatch)
     ours, theirs = checkpoints(run_dir), checkpoints(anchor_run)
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 

@@ -71,6 +71,20 @@ def _train(overrides: list[str], run_dir: Path) -> dict:
     return train(overrides=overrides, run_dir=str(run_dir))
 
 
+def train_killed_in_turn(overrides: list[str], run_dir: Path, faults, tmp_path: Path, monkeypatch) -> None:
+    """Train `run_dir` failed in turn at each `(stage, row)` of `faults` (each fault once, each
+    checked to have fired), then finished."""
+    spec = tmp_path / "fault"
+    monkeypatch.setenv("STEPGRPO_FAULT", f"@{spec}")
+    for n, (stage, row) in enumerate(faults):
+        spec.write_text(f"raise:{stage}:{row}:{tmp_path / f'fired-{n}'}")
+        with pytest.raises(Exception, match="STEPGRPO_FAULT"):
+            _train(overrides, run_dir)
+        assert (tmp_path / f"fired-{n}").exists()
+    spec.write_text("")
+    _train(overrides, run_dir)
+
+
 def checkpoints(run_dir: Path) -> dict[str, torch.Tensor]:
     """Every tensor of every checkpoint (trained adapter, companion, AdamW state, RNG), by name."""
     out = {}
@@ -97,15 +111,7 @@ def test_a_run_killed_in_each_stage_resumes_bit_identical(objective, clean, tiny
     adapter (`old` / `kl_ema`) with them."""
     overrides = [*tiny, *CASES[objective]]
     run_dir = tmp_path / "killed"
-    spec = tmp_path / "fault"
-    monkeypatch.setenv("STEPGRPO_FAULT", f"@{spec}")
-    for n, (stage, row) in enumerate([("rollout", 0), ("score", 0), ("update", 1)]):
-        spec.write_text(f"raise:{stage}:{row}:{tmp_path / f'fired-{n}'}")
-        with pytest.raises(Exception, match="STEPGRPO_FAULT"):
-            _train(overrides, run_dir)
-        assert (tmp_path / f"fired-{n}").exists()
-    spec.write_text("")
-    _train(overrides, run_dir)
+    train_killed_in_turn(overrides, run_dir, [("rollout", 0), ("score", 0), ("update", 1)], tmp_path, monkeypatch)
     ours, theirs = checkpoints(run_dir), checkpoints(clean[objective])
     from stepgrpo_core.objectives import OBJECTIVES
 

@@ -230,7 +230,7 @@ def judged_tables(
     rewards `grids` (the run's own method first, named by the scheme alone; another method's as
     `scheme:method`); a scheme that reads only `R_T` is judged once. `branch [B]`: a branched run's
     branch steps (`branch_steps`). Also what was skipped, with why."""
-    tables, skipped = {}, []
+    tables, skipped, tree = {}, [], cfg.sampler.tree()
     for method, rewards in grids.items():
         step_rewards = bool(torch.isfinite(rewards).all())
         grid = rewards if step_rewards else rewards[:, -1:].expand_as(rewards)  # final-only runs: R_T everywhere
@@ -241,13 +241,12 @@ def judged_tables(
             if reads_steps and not step_rewards:
                 skipped.append(f"{s}: needs a reward for every state; this run was scored on final samples only")
                 continue
-            if reads_tree(s) and cfg.sampler.branch_tree is None:
+            if reads_tree(s) and tree is None:
                 skipped.append(f"{s}: credits a tree rollout's nodes; this run's rollout is no tree")
                 continue
             if reads_branch(s) and branch is None:
                 skipped.append(f"{s}: compares siblings that share a branch step; this run's rollout does not branch")
                 continue
-            tree = cfg.sampler.tree()
             adv = assign(s, grid.float(), group_ids, mask, tree, branch, **options).advantages.double()
             name = s if method == cfg.completion.method else f"{s}:{method}"
             tables[name] = adv.clamp(-cfg.optim.adv_clip, cfg.optim.adv_clip)
