@@ -64,4 +64,9 @@ def bind(run: Run, cfg: Config) -> Stages:
     from stepgrpo.tasks.update import update
 
     stages = Stages(prompts, calibrate, draw, rollout, complete, score, credit, update, evaluate)
-    return Stages(*(with_retries(getattr(stages, f.name), cfg.scale.stage_retries) for f in fields(Stages)))
+    return Stages(
+        *(
+            with_retries(getattr(stages, f.name), cfg.scale.stage_retries, cfg.scale.stage_retry_delay_s)
+            for f in fields(Stages)
+        )
+    )

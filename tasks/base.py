@@ -29,9 +29,6 @@ from stepgrpo.tasks.keys import Key
 RESUME_FIX = "resume the run with `stepgrpo train` and its config to compute it again, or restore it from a copy"
 
 
-RETRY_DELAY_S = 10.0
-
-
 def stage_task(stage: str) -> Callable[[Callable[..., Any]], Any]:
     """`@stage_task("rollout")`: a Prefect task named after its stage that caches nothing; its
     runs are named after the stage and iteration (`rollout iter_3`, `evaluate base`). On a GPU its
@@ -104,11 +101,11 @@ def transient(task: Any, task_run: Any, state: Any) -> bool:
     return not isinstance(error, deterministic)
 
 
-def with_retries(stage: Any, retries: int) -> Any:
-    """`stage` retried `retries` times after a transient failure (`transient`)."""
+def with_retries(stage: Any, retries: int, delay_s: float) -> Any:
+    """`stage` retried `retries` times, `delay_s` seconds after a transient failure (`transient`)."""
     if not retries:
         return stage
-    return stage.with_options(retries=retries, retry_delay_seconds=RETRY_DELAY_S, retry_condition_fn=transient)
+    return stage.with_options(retries=retries, retry_delay_seconds=delay_s, retry_condition_fn=transient)
 
 
 def shard_task(stage: str) -> Callable[[Callable[..., Any]], Any]:

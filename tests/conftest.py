@@ -187,10 +187,14 @@ def warm_cli(prefect_server):
 
 @pytest.fixture(scope="module")
 def harness(prefect_server):
-    """This process's flows run against the session's Prefect server."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    """This process's flows run against the session's Prefect server, without flow-run heartbeats:
+    they feed Prefect's zombie-run automations, which the session's server does not run (its
+    services are off), and each flow's end waits 0-1 s for the heartbeat thread's sleep (Prefect
+    sleeps in steps of 1 s): ~0.5 s a flow, some 200 flows a session. The heartbeats' own setting is
+    tested in tests/test_cli.py."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
-    with temporary_settings(updates={PREFECT_API_URL: prefect_server["url"]}):
+    with temporary_settings(updates={PREFECT_API_URL: prefect_server["url"], PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
         yield
         drain()
 

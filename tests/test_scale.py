@@ -14,9 +14,11 @@ import pytest
 import torch
 from scale_fixtures import RAY, SHARDED, _train, lora, reference, stored, tiny  # noqa: F401  (fixtures)
 
+from stepgrpo.config import load_config
 from stepgrpo.errors import StageError
 from stepgrpo.paths import REPO_ROOT
 from stepgrpo.storage.run import Run
+from stepgrpo.tasks import bind
 
 pytestmark = pytest.mark.slow
 
@@ -41,8 +43,10 @@ def test_a_failed_stage_is_retried_by_prefect_and_the_retry_keeps_its_finished_s
     # The same fault as above, with the default `scale.stage_retries`: one command finishes the run.
     monkeypatch.setenv("STEPGRPO_FAULT", f"raise:rollout:6:{tmp_path / 'failed'}")
     run_dir = tmp_path / "retried"
-    _train(tiny, run_dir, *SHARDED)
+    _train(tiny, run_dir, *SHARDED, "scale.stage_retry_delay_s=0.5")  # the default waits 10 s
     assert (tmp_path / "failed").exists()  # the fault fired
+    stages = bind(Run.open(run_dir), load_config(None, [*tiny, "scale.stage_retry_delay_s=0.5"]))
+    assert (stages.rollout.retries, stages.rollout.retry_delay_seconds) == (1, 0.5)
     assert Run.open(run_dir).stage_manifest(0, "rollout")["inputs"]["shards"]["computed"] == [
         [6, 12],
         [12, 18],
@@ -51,16 +55,24 @@ def test_a_failed_stage_is_retried_by_prefect_and_the_retry_keeps_its_finished_s
     assert stored(run_dir) == stored(reference)
 
 
-def test_the_two_process_update_matches_the_one_process_update(harness, tiny, reference, tmp_path):
+def test_the_two_process_update_matches_the_one_process_update_and_a_killed_rank_reruns_to_the_same_bytes(
+    harness, tiny, reference, tmp_path, monkeypatch
+):
     """On the same inputs: the reference run with its last checkpoint removed, resumed with two
     update processes (the update of iteration 1 loads iteration 0's AdamW state). A fresh
     two-process run drifts from the reference after its first update: its weights differ in the
-    8th digit, and the next rollout's 8-bit images (what the reward scores) amplify that."""
+    8th digit, and the next rollout's 8-bit images (what the reward scores) amplify that. A copy
+    whose last rank dies mid-update fails the stage, publishes nothing, and its rerun computes the
+    two-process update's bytes."""
     import shutil
+    import socket
 
-    run_dir = tmp_path / "two-processes"
-    shutil.copytree(reference, run_dir)
-    shutil.rmtree(run_dir / "checkpoints" / "iter_1")
+    runs = {}
+    for name in ("killed", "two-processes"):
+        runs[name] = tmp_path / name
+        shutil.copytree(reference, runs[name])
+        shutil.rmtree(runs[name] / "checkpoints" / "iter_1")
+    run_dir = runs["two-processes"]
     _train(tiny, run_dir, "scale.update_processes=2")
     run = Run.open(run_dir)
     assert run.stage_manifest(1, "checkpoint")["inputs"]["processes"] == 2
@@ -73,6 +85,15 @@ def test_the_two_process_update_matches_the_one_process_update(harness, tiny, re
     assert state["trained_trajectories"] == ref_state["trained_trajectories"]
     assert state["loss"] == pytest.approx(ref_state["loss"], rel=1e-4, abs=1e-7)
     assert state["grad_norm"] == pytest.approx(ref_state["grad_norm"], rel=1e-4)
+
+    monkeypatch.setenv("STEPGRPO_FAULT", f"kill:update:1:{tmp_path / 'fired'}")  # the last rank dies, once
+    with pytest.raises(
+        Exception, match=rf"update over 2 processes failed \(rank 1 on {socket.gethostname()}, exit 137"
+    ):
+        _train(tiny, runs["killed"], "scale.update_processes=2")
+    assert (tmp_path / "fired").exists() and run_stage_missing(runs["killed"], 1)  # nothing half-published
+    _train(tiny, runs["killed"], "scale.update_processes=2")  # the rerun: a new group
+    assert torch.equal(lora(runs["killed"], 1), lora(run_dir, 1))
 
 
 def test_kept_ranks_load_the_policy_once_over_a_run_and_match_the_in_process_update(harness, tiny, reference, tmp_path):
@@ -88,29 +109,6 @@ def test_kept_ranks_load_the_policy_once_over_a_run_and_match_the_in_process_upd
     assert all(w["loads"].get("policy") == 1 for r in ranks for w in r)  # loaded once, kept
     a, b = lora(reference, 0), lora(run_dir, 0)
     assert float((a - b).norm() / a.norm()) < 1e-6
-
-
-def test_a_rank_killed_mid_update_fails_the_stage_and_the_rerun_computes_the_same_bytes(
-    harness, tiny, reference, tmp_path, monkeypatch
-):
-    import shutil
-    import socket
-
-    runs = {}
-    for name in ("killed", "clean"):
-        runs[name] = tmp_path / name
-        shutil.copytree(reference, runs[name])
-        shutil.rmtree(runs[name] / "checkpoints" / "iter_1")
-    monkeypatch.setenv("STEPGRPO_FAULT", f"kill:update:1:{tmp_path / 'fired'}")  # the last rank dies, once
-    with pytest.raises(
-        Exception, match=rf"update over 2 processes failed \(rank 1 on {socket.gethostname()}, exit 137"
-    ):
-        _train(tiny, runs["killed"], "scale.update_processes=2")
-    assert (tmp_path / "fired").exists() and run_stage_missing(runs["killed"], 1)  # nothing half-published
-    _train(tiny, runs["killed"], "scale.update_processes=2")  # the rerun: a new group
-    monkeypatch.delenv("STEPGRPO_FAULT")
-    _train(tiny, runs["clean"], "scale.update_processes=2")
-    assert torch.equal(lora(runs["killed"], 1), lora(runs["clean"], 1))
 
 
 def run_stage_missing(run_dir, iteration: int) -> bool:
@@ -175,7 +173,8 @@ def test_the_http_reward_refuses_a_server_serving_another_reward(served):
 def test_the_http_reward_names_an_unreachable_server():
     from stepgrpo.rewards import build_reward
 
-    remote = build_reward({"name": "http", "options": {"url": "http://127.0.0.1:9", "name": "x", "version": "1"}})
+    options = {"url": "http://127.0.0.1:9", "name": "x", "version": "1", "backoff": 0.01}  # tried 4 times in 0.07 s
+    remote = build_reward({"name": "http", "options": options})
     with pytest.raises(RuntimeError, match="cannot be reached.*stepgrpo reward-server"):
         remote(torch.zeros(1, 3, 8, 8), ["a red circle"], [{}])
 

@@ -129,6 +129,9 @@ class ScaleConfig(Section):
     """Times Prefect runs a stage task again after a failure that may pass (an out-of-memory error,
     a reward server that did not answer; not bad input or damaged data). Safe: every stage is
     idempotent and a retry reuses the shards the failed attempt finished. 0: no retries."""
+    stage_retry_delay_s: float = Field(10.0, ge=0, le=3600)
+    """Seconds Prefect waits before it runs a failed stage task again (`stage_retries`): time for a
+    preempted node to come back or a reward server to restart."""
     threads: int | None = Field(None, ge=1, le=1024)
     """torch CPU threads of every stepgrpo process of the run (the flow, Ray shards, the update's
     processes); None: `STEPGRPO_THREADS` when set, else torch's default of one per core. A new run
