@@ -71,17 +71,16 @@ def test_deploy_all_and_run_one_deployment_through_a_process_worker(server, harn
     assert result["torch_threads"] == 2
 
 
-def test_stepgrpo_deploy_fills_the_run_form_and_the_deployed_train_runs_like_the_cli(server, harness, tmp_path):
+def test_stepgrpo_deploy_fills_the_run_form_and_the_deployed_train_runs_like_the_cli(
+    warm_cli, server, harness, tmp_path
+):
     """`stepgrpo deploy`: the form's defaults are the YAML's values; a run of it through a worker
     is named after its run id, applies the config's thread count, and logs to the runs root's store."""
     sets = ["run.iterations=1", "run.eval_prompts=4", "run.eval_seeds=1", f"run.runs_root={tmp_path}"]
     sets += ["scale.threads=2", "run.prompts_per_iteration=2", "run.group_size=2"]
     sets += ["sampler.steps=4", "sampler.eval_steps=4"]  # the tiniest run of the recipe
     args = [a for s in sets for a in ("--set", s)]
-    out = subprocess.run(
-        [sys.executable, "-m", "stepgrpo_cli", "deploy", "--config", "configs/demo.yaml", "--name", "tiny", *args],
-        env=server, cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    out = warm_cli.run(["deploy", "--config", "configs/demo.yaml", "--name", "tiny", *args], REPO, warm_cli.env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     with api_client() as api:
         form = json.dumps(api.read_deployment_by_name("train/tiny").parameters)  # the run form's values
@@ -109,7 +108,9 @@ def test_stepgrpo_deploy_fills_the_run_form_and_the_deployed_train_runs_like_the
     assert mlrun.data.tags["stepgrpo.config"] == "demo"  # the config tells runs of the runs root's experiment apart
 
 
-def test_a_deployment_runs_where_it_was_made_and_offline_flows_deploy_too(server, harness, tmp_path, monkeypatch):
+def test_a_deployment_runs_where_it_was_made_and_offline_flows_deploy_too(
+    warm_cli, server, harness, tmp_path, monkeypatch
+):
     """From a user's own directory: the run form's relative paths are anchored there, the worker runs
     there (the deployment's source), the offline flows deploy by name, and a missing pool is named
     with the command that creates it."""
@@ -122,10 +123,7 @@ def test_a_deployment_runs_where_it_was_made_and_offline_flows_deploy_too(server
     (tmp_path / "prompts.txt").write_text("a red circle\na blue square\n")
     sets = ["--set", "run.runs_root=runs", "--set", "run.prompts=prompts.txt", "--set", "run.prompts_per_iteration=1"]
     prefect(server, "work-pool", "create", "stepgrpo", "--type", "process", "--overwrite")
-    made = subprocess.run(
-        [sys.executable, "-m", "stepgrpo_cli", "deploy", "--config", "shapes_outcome", "--name", "here", *sets],
-        env=server, cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    made = warm_cli.run(["deploy", "--config", "shapes_outcome", "--name", "here", *sets], tmp_path, warm_cli.env)
     assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-2000:]
     with api_client() as api:
         deployment = api.read_deployment_by_name("train/here")

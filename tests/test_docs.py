@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import re
 import shlex
-import subprocess
-import sys
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,9 +141,11 @@ def test_a_yaml_or_toml_block_parses_and_a_config_fragment_validates(block, tmp_
 
 @pytest.mark.slow
 @pytest.mark.parametrize("block", [b for b in RUN if b.language == "python"], ids=lambda b: b.name)
-def test_a_python_block_runs(block, server, tmp_path):
-    """In a fresh process, from an empty directory; `stepgrpo.train` and `calibrate` calls get the
-    tiny settings appended to their `overrides`, `credit_quality` two continuations a state."""
+def test_a_python_block_runs(block, warm_cli, tmp_path):
+    """As `python block.py` from an empty directory (in a warm child: tests/warm_cli.py, which
+    imported stepgrpo and its libraries, not the block's own names); `stepgrpo.train` and
+    `calibrate` calls get the tiny settings appended to their `overrides`, `credit_quality` two
+    continuations a state."""
     preamble = (
         "import stepgrpo.flows.session as _s\n"
         "_config_of = _s.config_of\n"
@@ -160,14 +160,7 @@ def test_a_python_block_runs(block, server, tmp_path):
     )
     script = tmp_path / "block.py"
     script.write_text(preamble + block.text + "\n")
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=checkout_like(tmp_path / "work"),
-        env=server,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = warm_cli.python(script, cwd=checkout_like(tmp_path / "work"), env=warm_cli.env, timeout=600)
     assert done.returncode == 0, f"{block.name}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
 
 
