@@ -94,9 +94,16 @@ def prefect_server(heartbeats: bool = True) -> Iterator[None]:
 
 def offline_log(path: Path) -> contextlib.AbstractContextManager[None]:
     """The MLflow run of an offline command, written by a helper process that imports MLflow while
-    the command imports Prefect and torch (`stepgrpo.reporting.offline`)."""
+    the command imports Prefect and torch (`stepgrpo.reporting.offline`). A process that imported
+    MLflow already (a notebook that trained a run) has nothing for a helper to overlap: the record
+    is written in this process, ~2 s of CPU and a process start less. (The CLI starts its helper
+    before any of this, `stepgrpo_cli.shell`; `log` takes that one.)"""
+    import sys
+
     from stepgrpo.reporting import offline
 
+    if "mlflow" in sys.modules:
+        return contextlib.nullcontext()
     return offline.helper(path)
 
 

@@ -330,6 +330,7 @@ def test_the_mlflow_helper_of_an_offline_command_fails_loudly_and_stops_when_unu
     import shutil
 
     from stepgrpo.errors import StageError
+    from stepgrpo.flows import session
     from stepgrpo.reporting import offline
 
     copy = tmp_path / "copy"
@@ -340,6 +341,9 @@ def test_the_mlflow_helper_of_an_offline_command_fails_loudly_and_stops_when_unu
     assert proc.returncode is not None and not offline._ACTIVE
     with offline.helper(tmp_path / "not-a-run"):
         assert not offline._ACTIVE  # no run, no helper: the command says what is wrong
+    assert "mlflow" in sys.modules  # this process trained: the Python API's commands write their own runs
+    with session.offline_log(copy):
+        assert not offline._ACTIVE
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "nosuchscheme://store")  # MLflow has no store for it
     record = {"kind": "credit", "experiment": "x", "name": "tiny-a credit x", "tags": {}, "params": {}}
     record |= {"rows": [{"iteration": 0, "adv_std": 1.0}], "metrics": ["adv_std"]}
