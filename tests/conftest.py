@@ -233,28 +233,32 @@ def _registries_as_they_were():
         registry._items, registry._facts = items, facts
 
 
-# The test files that take longest, longest first (seconds of one worker, setup and teardown included:
-# `pytest -n 1 --durations=0` on 2 cores beside a two-job benchmark, so about 1.3x an idle run's). `make
-# test` hands files to its two workers in this order (`--no-loadscope-reorder`; xdist's default puts the
-# files with most tests first, which left the longest files to run alone at the end); `make bench-smoke`'s
-# files likewise.
+# The test files that take longest, longest first (seconds of one worker, setup and teardown included,
+# in an idle `make test` on 2 cores: both workers busy, so each file's seconds are those it takes beside
+# another; the bench-smoke files' from `make bench-smoke` likewise). `make test` hands files to its two
+# workers in this order (`--no-loadscope-reorder`; xdist's default puts the files with most tests first,
+# which left the longest files to run alone at the end); `make bench-smoke`'s files likewise.
 LONGEST_FIRST = (
-    "test_flows.py",  # ~174 s
-    "test_scale_nodes.py",  # ~137 s
-    "test_scale.py",  # ~128 s
     "test_bench_credit_schemes.py",  # ~125 s (bench-smoke)
-    "test_docs.py",  # ~110 s
-    "test_scale_sharded.py",  # ~91 s
-    "test_console.py",  # ~85 s
+    "test_flows.py",  # ~105 s
+    "test_scale_nodes.py",  # ~99 s
     "test_bench_gpu.py",  # ~75 s (bench-smoke)
-    "test_packaging.py",  # ~71 s
-    "test_layers.py",  # ~67 s
-    "test_deploy.py",  # ~65 s
-    "test_scale_ray.py",  # ~58 s
-    "test_objectives_pipeline.py",  # ~50 s
-    "test_branching_pipeline.py",  # ~40 s
-    "test_flows_resume.py",  # ~40 s
-    "test_orphans.py",  # ~30 s
+    "test_docs.py",  # ~75 s
+    "test_console.py",  # ~62 s
+    "test_scale.py",  # ~56 s
+    "test_packaging.py",  # ~54 s
+    "test_scale_sharded.py",  # ~54 s
+    "test_deploy.py",  # ~50 s
+    "test_scale_ray.py",  # ~46 s
+    "test_layers.py",  # ~39 s
+    "test_objectives_pipeline.py",  # ~34 s
+    "test_flows_resume.py",  # ~27 s
+    "test_orphans.py",  # ~25 s
+    "test_cli.py",  # ~19 s
+    "test_branching_pipeline.py",  # ~17 s
+    "test_reward_contract.py",  # ~15 s
+    "test_recipes.py",  # ~15 s
+    "test_server.py",  # ~13 s
 )
 
 

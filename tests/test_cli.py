@@ -211,6 +211,7 @@ def test_offline_commands_skip_flow_heartbeats_unless_the_user_asks_for_them(mon
     for name in session.HEARTBEAT_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("STEPGRPO_KEPT_SERVER", "0")  # no server lookup: only the settings are read
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # and no temporary server started (none called)
     with session.prefect_server(heartbeats=False):
         assert get_current_settings().flows.heartbeat_frequency is None
     default = get_current_settings().flows.heartbeat_frequency

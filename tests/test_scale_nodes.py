@@ -114,7 +114,7 @@ def test_a_placement_that_leaves_no_room_for_a_shard_is_refused(tmp_path, nodes)
         ray_ranks(_never, 2, 0.9, tmp_path)
     assert not list(tmp_path.iterdir())  # its rendezvous directory is gone
     with pytest.raises(StageError, match=r"cannot place 3 rank\(s\) of \{'CPU': 0.1\} \(strict_spread\)"):
-        ray_ranks(_never, 3, 0.1, tmp_path, wait_s=3)
+        ray_ranks(_never, 3, 0.1, tmp_path, wait_s=1)  # 3 ranks one a node on 2 nodes: never placed
 
 
 def _never(rank: int, world: int):
