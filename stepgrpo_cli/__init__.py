@@ -9,31 +9,11 @@ __all__ = ["app", "main"]
 
 def main() -> None:
     """The console script: the command, then the process ends as soon as the command and every exit
-    handler (Prefect's log flush, the temporary server's stop, `logging`'s) have finished.
+    handler (Prefect's log flush, the temporary server's stop, `logging`'s) have finished, without
+    the interpreter's teardown (`stepgrpo.runtime.environment.end_at_exit`)."""
+    from stepgrpo.runtime.environment import end_at_exit
 
-    The interpreter's own teardown after that, freeing the modules of torch, Prefect, pandas and
-    the rest one by one, takes about a second on a small CPU and does nothing a finished command
-    needs: every file a command writes is closed by the command itself, and no stage is published
-    at exit. So the last exit handler (registered first, it runs last) ends the process with the
-    command's status instead."""
-    import atexit
-    import os
-    import sys
-
-    status = [1]
-
-    def end_now() -> None:
-        import logging
-
-        logging.shutdown()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):  # a closed pipe or stream
-                pass
-        os._exit(status[0])
-
-    atexit.register(end_now)  # of the handlers registered before it (importing the app), `logging`'s: run above
+    status = end_at_exit()
     try:
         app()
     except SystemExit as done:

@@ -201,6 +201,30 @@ def test_the_console_script_ends_with_the_commands_status_and_all_its_output(tmp
     assert usage.returncode == 2, usage.returncode
 
 
+def test_a_process_ended_at_exit_runs_its_later_handlers_and_ends_with_its_status():
+    """`end_at_exit` (the console script's and the update ranks' ending): the handlers registered
+    after it run, printed bytes and logging come out through pipes, the status is the cell's; an
+    uncaught exception ends with 1 and its traceback."""
+    import subprocess
+    import sys
+
+    script = (
+        "import atexit, logging, sys\n"
+        "from stepgrpo.runtime.environment import end_at_exit\n"
+        "ended = end_at_exit()\n"
+        "atexit.register(lambda: print('later handler', flush=False))\n"
+        "logging.basicConfig(stream=sys.stderr)\n"
+        "logging.getLogger('x').warning('logged')\n"
+        "print('printed', end='')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script + "ended[0] = 3\n"], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (3, "printedlater handler\n", "WARNING:x:logged\n")
+    failed = subprocess.run(
+        [sys.executable, "-c", script + "raise RuntimeError('boom')\n"], capture_output=True, text=True, timeout=60
+    )
+    assert failed.returncode == 1 and "RuntimeError: boom" in failed.stderr, failed.stderr
+
+
 def test_offline_commands_skip_flow_heartbeats_unless_the_user_asks_for_them(monkeypatch):
     """Prefect's heartbeat thread holds a flow's end for up to 1 s; the offline commands (seconds
     long) run without it, unless the user set the interval; training keeps Prefect's default."""

@@ -393,4 +393,8 @@ def export_iteration(run: Any, stored_cfg: Config, iteration: int | None, folder
 
 
 if __name__ == "__main__":
+    from stepgrpo.runtime.environment import end_at_exit
+
+    ended = end_at_exit()  # without the interpreter's teardown: ~1.5 s of CPU a rank
     serve(*sys.argv[1:])
+    ended[0] = 0
