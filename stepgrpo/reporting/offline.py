@@ -130,7 +130,4 @@ def main(run_dir: str, run_id: str) -> int:
 
 
 if __name__ == "__main__":
-    from stepgrpo.runtime.environment import end_at_exit
-
-    ended = end_at_exit()  # before MLflow's import: its exit handlers run, the interpreter's teardown (~0.4 s) not
-    ended[0] = main(*sys.argv[1:3])
+    sys.exit(main(*sys.argv[1:3]))

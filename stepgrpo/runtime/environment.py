@@ -73,8 +73,7 @@ def end_at_exit() -> list[int]:
     The interpreter's own teardown after that, freeing the modules of torch, diffusers, Prefect and
     the rest one by one, takes 1-2 s of CPU on a small machine and does nothing a finished process
     needs: every file it wrote is closed by the code that wrote it, and nothing is published at
-    exit. The console script, the update's rank processes and an offline command's MLflow helper
-    end this way."""
+    exit. The console script and the update's rank processes end this way."""
     import atexit
     import sys
 
