@@ -190,8 +190,8 @@ def harness(prefect_server):
     """This process's flows run against the session's Prefect server, without flow-run heartbeats:
     they feed Prefect's zombie-run automations, which the session's server does not run (its
     services are off), and each flow's end waits 0-1 s for the heartbeat thread's sleep (Prefect
-    sleeps in steps of 1 s): ~0.5 s a flow, some 200 flows a session. The heartbeats' own setting is
-    tested in tests/test_cli.py."""
+    sleeps in steps of 1 s): 36 s of tests/test_flows.py's ~70 flows alone. The heartbeats' own
+    setting is tested in tests/test_cli.py."""
     from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
     with temporary_settings(updates={PREFECT_API_URL: prefect_server["url"], PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
@@ -235,7 +235,7 @@ def _registries_as_they_were():
 
 # The test files that take longest, longest first (seconds of one worker, setup and teardown included,
 # in an idle `make test` on 2 cores: both workers busy, so each file's seconds are those it takes beside
-# another; the bench-smoke files' from `make bench-smoke` likewise). `make test` hands files to its two
+# another; the bench-smoke files' from an earlier `make bench-smoke`). `make test` hands files to its two
 # workers in this order (`--no-loadscope-reorder`; xdist's default puts the files with most tests first,
 # which left the longest files to run alone at the end); `make bench-smoke`'s files likewise.
 LONGEST_FIRST = (
