@@ -121,22 +121,23 @@ def _sigint_as_at_a_terminal() -> None:
 
 
 @pytest.mark.slow
-def test_ctrl_c_prints_the_command_that_resumes_and_it_resumes(tmp_path, server):
-    """SIGINT (a terminal's Ctrl-C) after the first checkpoint: exit 130 with the resume command;
-    that command resumes the run at its first unfinished iteration, and finishes it."""
+def test_ctrl_c_prints_the_command_that_resumes_and_it_resumes(tmp_path, server, prefect_home):
+    """SIGINT (a terminal's Ctrl-C) after the first checkpoint, while the second update runs (held
+    there by the fault hook until the signal comes): exit 130 with the resume command; that
+    command resumes the run at its first unfinished iteration, and finishes it."""
     from stepgrpo.shapes.model import build_pipeline, tiny_spec
 
     model = tmp_path / "tiny-sd3"
     build_pipeline(tiny_spec(), seed=0).save_pretrained(str(model))
     sets = [f"model.path={model}", "model.lora_rank=4", "model.guidance_scale=1.0", "sampler.steps=4"]
-    # 12 iterations (~0.5 s each): the SIGINT sent after the first checkpoint lands mid-run even when
-    # this process notices the checkpoint late on a busy machine
-    sets += ["sampler.eval_steps=4", "reward.name=jpeg_compressibility", "run.iterations=12"]
+    sets += ["sampler.eval_steps=4", "reward.name=jpeg_compressibility", "run.iterations=2"]
     sets += ["run.prompts_per_iteration=2", "run.group_size=3", "run.eval_prompts=2", "optim.micro_batch=3"]
     sets += [f"run.runs_root={tmp_path / 'runs'}", "scale.threads=1"]
     args = ["train", *[a for s in sets for a in ("--set", s)], "--run-id", "interrupted"]
-    env = dict(os.environ, PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    env = dict(os.environ, PREFECT_HOME=str(prefect_home), PREFECT_SERVER_ANALYTICS_ENABLED="false")
     env.pop("PREFECT_API_URL", None)  # the command's own temporary server, which a Ctrl-C must not reach
+    held = tmp_path / "held"  # iteration 1's update stops before it publishes, until the signal
+    env["STEPGRPO_FAULT"] = f"hang:update:1:{held}"
     command = subprocess.Popen(
         [sys.executable, "-m", "stepgrpo_cli", *args],
         env=env,
@@ -151,14 +152,16 @@ def test_ctrl_c_prints_the_command_that_resumes_and_it_resumes(tmp_path, server)
     )
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
     inherited = f"this test process: SIGINT {signal.getsignal(signal.SIGINT)}, blocked {blocked}"
-    first = tmp_path / "runs" / "interrupted" / "checkpoints" / "iter_0" / "_published.json"
     deadline = time.monotonic() + 240
-    while not first.is_file():
+    T0 = time.monotonic()
+    while not held.is_file():
         assert command.poll() is None, command.communicate()
         assert time.monotonic() < deadline
         time.sleep(0.2)
+    print("HELD", time.monotonic()-T0, flush=True)
     os.killpg(command.pid, signal.SIGINT)  # the whole group, as a terminal does
     out, err = command.communicate(timeout=120)
+    print("EXITED", time.monotonic()-T0, flush=True)
     assert command.returncode == 130, inherited + "\n" + err[-3000:]
     said = err.split("Resume it with:\n", 1)[1].strip().splitlines()[0].strip()
     assert said.startswith("stepgrpo train --set") and said.endswith("--run-id interrupted")
@@ -170,13 +173,14 @@ def test_ctrl_c_prints_the_command_that_resumes_and_it_resumes(tmp_path, server)
         text=True,
         timeout=300,
     )
+    print("RESUMED", time.monotonic()-T0, flush=True)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "resuming run interrupted at iteration " in again.stdout + again.stderr
-    assert (tmp_path / "runs" / "interrupted" / "checkpoints" / "iter_11" / "_published.json").is_file()
+    assert "resuming run interrupted at iteration 1 of 2" in again.stdout + again.stderr
+    assert (tmp_path / "runs" / "interrupted" / "checkpoints" / "iter_1" / "_published.json").is_file()
 
 
 @pytest.mark.slow
-def test_a_failure_inside_the_flow_is_one_line_and_verbose_shows_the_traceback(tmp_path, server):
+def test_a_failure_inside_the_flow_is_one_line_and_verbose_shows_the_traceback(tmp_path, server, prefect_home):
     """A reward that raises mid-run: the command exits 1 with one line naming the error and how to
     see the traceback; Prefect's own tracebacks stay off the console. `--verbose`: they show."""
     from stepgrpo.shapes.model import build_pipeline, tiny_spec
@@ -194,7 +198,7 @@ def test_a_failure_inside_the_flow_is_one_line_and_verbose_shows_the_traceback(t
     sets += ["reward.name=boom:Boom", "run.iterations=1", "run.prompts_per_iteration=2", "run.group_size=2"]
     sets += ["run.eval_prompts=2", f"run.runs_root={tmp_path / 'runs'}", "scale.stage_retries=0"]
     args = [sys.executable, "-m", "stepgrpo_cli", "train", *[a for s in sets for a in ("--set", s)]]
-    env = dict(os.environ, PYTHONPATH=str(tmp_path), PREFECT_HOME=str(tmp_path / "prefect"))
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), PREFECT_HOME=str(prefect_home))
     env.pop("PREFECT_API_URL", None)
     quiet = subprocess.run([*args, "--run-id", "quiet"], env=env, capture_output=True, text=True, timeout=300)
     said = quiet.stdout + quiet.stderr

@@ -54,8 +54,8 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "kill -9"])
-def test_a_command_leaves_no_process_behind(tmp_path, sig):
-    env = dict(os.environ, PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+def test_a_command_leaves_no_process_behind(tmp_path, sig, prefect_home):
+    env = dict(os.environ, PREFECT_HOME=str(prefect_home), PREFECT_SERVER_ANALYTICS_ENABLED="false")
     env.pop("PREFECT_API_URL", None)  # its own temporary server
     command = subprocess.Popen(
         [sys.executable, "-c", COMMAND, str(tmp_path / "run")], env=env, stdout=subprocess.PIPE, text=True

@@ -75,7 +75,7 @@ FLOW_ON_KEPT = textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_start_status_use_and_stop(home, tmp_path):
+def test_start_status_use_and_stop(home, prefect_home, tmp_path):  # prefect_home: that home, its database made
     from conftest import free_port
 
     env = dict(os.environ, COLUMNS="250")
