@@ -153,15 +153,12 @@ def test_ctrl_c_prints_the_command_that_resumes_and_it_resumes(tmp_path, server,
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
     inherited = f"this test process: SIGINT {signal.getsignal(signal.SIGINT)}, blocked {blocked}"
     deadline = time.monotonic() + 240
-    T0 = time.monotonic()
     while not held.is_file():
         assert command.poll() is None, command.communicate()
         assert time.monotonic() < deadline
         time.sleep(0.2)
-    print("HELD", time.monotonic()-T0, flush=True)
     os.killpg(command.pid, signal.SIGINT)  # the whole group, as a terminal does
     out, err = command.communicate(timeout=120)
-    print("EXITED", time.monotonic()-T0, flush=True)
     assert command.returncode == 130, inherited + "\n" + err[-3000:]
     said = err.split("Resume it with:\n", 1)[1].strip().splitlines()[0].strip()
     assert said.startswith("stepgrpo train --set") and said.endswith("--run-id interrupted")
@@ -173,7 +170,6 @@ def test_ctrl_c_prints_the_command_that_resumes_and_it_resumes(tmp_path, server,
         text=True,
         timeout=300,
     )
-    print("RESUMED", time.monotonic()-T0, flush=True)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resuming run interrupted at iteration 1 of 2" in again.stdout + again.stderr
     assert (tmp_path / "runs" / "interrupted" / "checkpoints" / "iter_1" / "_published.json").is_file()

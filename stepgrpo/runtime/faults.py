@@ -4,9 +4,9 @@
 that starts at `<first row>` raise (or end its process with `os._exit`, as `kill -9` would, or stop
 there until its process is interrupted or killed, as a stuck stage would) after it wrote its first
 rows, once: the fault fires only while `<marker file>` does not exist, and creates it (a test waits
-for that file to know where the process is). `STEPGRPO_FAULT=@<file>` reads that spec from `<file>` at every check (no file, or an
-empty one: no fault), so the workers of a long-lived Ray cluster, whose environment is fixed when
-they start, can be given another fault for each run. Unset, this does nothing.
+for that file to know where the process is). `STEPGRPO_FAULT=@<file>` reads that spec from
+`<file>` at every check (no file, or an empty one: no fault), so the workers of a long-lived Ray
+cluster, whose environment is fixed when they start, can be given another fault for each run. Unset, this does nothing.
 """
 
 from __future__ import annotations
