@@ -160,6 +160,8 @@ def test_ctrl_c_prints_the_command_that_resumes_and_it_resumes(tmp_path, server,
     os.killpg(command.pid, signal.SIGINT)  # the whole group, as a terminal does
     out, err = command.communicate(timeout=120)
     assert command.returncode == 130, inherited + "\n" + err[-3000:]
+    checkpoints = tmp_path / "runs" / "interrupted" / "checkpoints"
+    assert (checkpoints / "iter_0" / "_published.json").is_file() and not (checkpoints / "iter_1").exists()
     said = err.split("Resume it with:\n", 1)[1].strip().splitlines()[0].strip()
     assert said.startswith("stepgrpo train --set") and said.endswith("--run-id interrupted")
 

@@ -1,8 +1,10 @@
 """The update's ranks on a Ray cluster of two nodes (`ray.cluster_utils.Cluster`, gloo): Ray actors
 kept for the run, placed one a node by a placement group; on the same inputs they compute the
-one-process update, a rank killed mid-update fails the stage and the rerun computes the same bytes,
-and a placement that would starve the shards is refused with its fix. Its own file (its own
-cluster), so that it runs beside the other scale tests on another worker."""
+one-process update, a rank killed mid-update fails the stage and the rerun (a new group) computes
+it (within 1e-6; that a rerun gives an uninterrupted run's very bytes, tests/test_scale.py and
+tests/test_scale_sharded.py check on one node), and a placement that would starve the shards is
+refused with its fix. Its own file (its own cluster), so that it runs beside the other scale tests
+on another worker."""
 
 from __future__ import annotations
 
@@ -68,15 +70,12 @@ def test_ranks_on_two_nodes_compute_the_one_process_update_and_a_killed_rank_is_
     assert (tmp_path / "fired").exists()
     assert Run.open(killed).stage_manifest(1, "checkpoint") is None  # nothing half-published
     assert not list(killed.glob(".update-ranks-*"))  # the rendezvous is cleaned up
-    _train(tiny, killed, *TWO_NODES)  # the rerun: a new group
-    clean = resumed_at_iteration_1(reference, tmp_path / "clean")
-    _train(tiny, clean, *TWO_NODES)
+    _train(tiny, killed, *TWO_NODES)  # the rerun: a new group, which computes the update whole
 
-    ranks = Run.open(clean).stage_manifest(1, "checkpoint")["inputs"]["ranks"]
+    ranks = Run.open(killed).stage_manifest(1, "checkpoint")["inputs"]["ranks"]
     assert len({w["node"] for w in ranks}) == 2  # one rank a node
     assert all(w["loads"].get("policy") == 1 for w in ranks)
-    assert torch.equal(lora(killed, 1), lora(clean, 1))  # the rerun computed the same bytes
-    a, b = lora(reference, 1), lora(clean, 1)
+    a, b = lora(reference, 1), lora(killed, 1)
     assert not torch.equal(a, lora(reference, 0))  # iteration 1 moved the weights
     assert float((a - b).norm() / a.norm()) < 1e-6  # the one-process update's
 
