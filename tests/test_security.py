@@ -264,16 +264,23 @@ LOOPBACK_HEX = ("0100007F", "00000000000000000000000001000000")  # 127.0.0.1, ::
 
 @pytest.mark.slow  # rank processes
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_update_ranks_listen_on_loopback_only_and_die_with_their_launcher(tmp_path):
-    """Two ranks formed as the update forms them (`stepgrpo.runtime.parallel`): every socket they listen on
-    is on the loopback interface; a kill -9 of the process that launched them kills them too."""
+@pytest.mark.parametrize("warm", [False, True], ids=["new processes", "forked by a warm process"])
+def test_update_ranks_listen_on_loopback_only_and_die_with_their_launcher(tmp_path, warm):
+    """Two ranks formed as the update forms them (`stepgrpo.runtime.parallel`; as new processes, and
+    forked by the warm process the launcher keeps, `stepgrpo.runtime.warm`): every socket they listen
+    on is on the loopback interface; a kill -9 of the process that launched them kills them too."""
     script = tmp_path / "ranks.py"
+    cmd = (
+        '[sys.executable, "-m", "rank"], 2, "ranks", "", ("torch",)'
+        if warm
+        else '[sys.executable, "rank.py"], 2, "ranks", ""'
+    )
     script.write_text(
         textwrap.dedent(
             f"""
             import json, os, sys, time
             from stepgrpo.runtime import parallel
-            pool = parallel.RankPool(lambda d: [sys.executable, {str(tmp_path / "rank.py")!r}], 2, "ranks", "")
+            pool = parallel.RankPool(lambda d: {cmd})
             print(json.dumps([p.pid for p in pool.procs]), flush=True)
             time.sleep(600)
             """
@@ -293,7 +300,7 @@ def test_update_ranks_listen_on_loopback_only_and_die_with_their_launcher(tmp_pa
             """
         )
     )
-    launcher = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
     try:
         pids = json.loads(launcher.stdout.readline())
         deadline = time.monotonic() + 60

@@ -251,7 +251,13 @@ def _start(config: str, cfg: Config, run_dir: Path) -> ranks.RankPool | Any:
         path.write_text(config)
         return [sys.executable, "-m", __name__, str(path)]
 
-    return ranks.RankPool(args, n, "the update", HINT)
+    return ranks.RankPool(args, n, "the update", HINT, preload=RANK_PRELOAD)
+
+
+# what a rank imports before its first update, imported once by the warm process its ranks are
+# forked from (`RankPool`'s `preload`): this module, the policy's and the rewards' code, and the
+# libraries behind them (diffusers' models, transformers' text encoders, peft)
+RANK_PRELOAD = (__name__, "stepgrpo.loops.workspace", "stepgrpo.policy", "stepgrpo.rewards", "diffusers.models", "peft")
 
 
 def group_backend(gpu: bool, gpus_per_rank: float) -> str:
