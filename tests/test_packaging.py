@@ -70,13 +70,6 @@ def test_an_installed_wheel_trains_a_shipped_config_from_another_directory(tmp_p
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
         return done.stdout
 
-    where = run(
-        str(venv / "bin" / "python"),
-        "-c",
-        "import stepgrpo.paths as p, stepgrpo.policy.base as b, stepgrpo.loops.workspace as w; "
-        "print(p.SHIPPED_ROOT, b.DEFAULT_MODEL, w.resolve_model_path('models/shapes'))",
-    )
-    assert where.split() == [str(shipped), *[str(shipped / "models" / "shapes")] * 2]
     stepgrpo = str(venv / "bin" / "stepgrpo")
     assert run(stepgrpo, "--version").startswith("stepgrpo ")
     assert "--set" in run(stepgrpo, "demo", "--help")
@@ -88,9 +81,14 @@ def test_an_installed_wheel_trains_a_shipped_config_from_another_directory(tmp_p
     api = (
         "import flows, tasks, storage, stepgrpo; "
         "scores = stepgrpo.rescore('wheel', 'shapes'); "
-        "print(len(scores), flows.MINE, tasks.MINE, storage.MINE, stepgrpo.open_run('wheel').iterations('rollout'))"
+        "print(len(scores), flows.MINE, tasks.MINE, storage.MINE, stepgrpo.open_run('wheel').iterations('rollout')); "
+        # the shipped files and model are found from the installed package
+        "import stepgrpo.paths as p, stepgrpo.policy.base as b, stepgrpo.loops.workspace as w; "
+        "print(p.SHIPPED_ROOT, b.DEFAULT_MODEL, w.resolve_model_path('models/shapes'))"
     )
-    assert run(str(venv / "bin" / "python"), "-c", api).split() == ["1", "flows", "tasks", "storage", "[0]"]
+    said, where = run(str(venv / "bin" / "python"), "-c", api).strip().splitlines()[-2:]
+    assert said.split() == ["1", "flows", "tasks", "storage", "[0]"]
+    assert where.split() == [str(shipped), *[str(shipped / "models" / "shapes")] * 2]
     assert run(str(venv / "bin" / "python"), "-m", "stepgrpo_cli", "--version").startswith("stepgrpo ")
     from stepgrpo.storage.run import Run
 
