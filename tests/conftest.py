@@ -275,25 +275,25 @@ def _registries_as_they_were():
 # which left the longest files to run alone at the end); `make bench-smoke`'s files likewise.
 LONGEST_FIRST = (
     "test_bench_credit_schemes.py",  # ~125 s (bench-smoke)
-    "test_flows.py",  # ~105 s
-    "test_scale_nodes.py",  # ~99 s
+    "test_flows.py",  # ~156 s
+    "test_scale_nodes.py",  # ~117 s
+    "test_docs.py",  # ~108 s
+    "test_console.py",  # ~81 s
     "test_bench_gpu.py",  # ~75 s (bench-smoke)
-    "test_docs.py",  # ~75 s
-    "test_console.py",  # ~62 s
-    "test_scale.py",  # ~56 s
-    "test_packaging.py",  # ~54 s
-    "test_scale_sharded.py",  # ~54 s
-    "test_deploy.py",  # ~50 s
-    "test_scale_ray.py",  # ~46 s
-    "test_layers.py",  # ~39 s
-    "test_objectives_pipeline.py",  # ~34 s
-    "test_flows_resume.py",  # ~27 s
-    "test_orphans.py",  # ~25 s
-    "test_cli.py",  # ~19 s
-    "test_branching_pipeline.py",  # ~17 s
-    "test_reward_contract.py",  # ~15 s
-    "test_recipes.py",  # ~15 s
+    "test_scale_ray.py",  # ~66 s
+    "test_deploy.py",  # ~62 s
+    "test_layers.py",  # ~60 s
+    "test_packaging.py",  # ~58 s
+    "test_flows_resume.py",  # ~47 s
+    "test_scale.py",  # ~42 s
+    "test_objectives_pipeline.py",  # ~35 s
+    "test_scale_sharded.py",  # ~32 s
+    "test_branching_pipeline.py",  # ~25 s
+    "test_orphans.py",  # ~23 s
+    "test_recipes.py",  # ~21 s
+    "test_reward_contract.py",  # ~18 s
     "test_server.py",  # ~13 s
+    "test_cli.py",  # ~5 s
 )
 
 
