@@ -33,6 +33,8 @@ import threading
 import time
 from typing import Any
 
+from stepgrpo.runtime.parallel import ANSWER_ENV, PARENT_ENV
+
 _MAX = 1 << 20  # a request's bytes (its environment included)
 _FDS = 3  # a rank's stdin, its log, the write end of its answers
 
@@ -49,7 +51,7 @@ class Warm:
         self.preload, self.key, self.dead = preload, _key(), False
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._log = tempfile.TemporaryFile()  # its own output: imports' warnings, a failure's traceback
-        env = {**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1", _PARENT_ENV: str(os.getpid())}
+        env = {**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1", PARENT_ENV: str(os.getpid())}  # die_with_parent
         self._proc = subprocess.Popen(
             [sys.executable, "-m", __name__, str(theirs.fileno()), *preload],
             env=env,
@@ -151,7 +153,6 @@ class WarmChild:
 
 
 _kept: Warm | None = None
-_PARENT_ENV = "STEPGRPO_WARM_PARENT"
 
 
 def _key() -> tuple:
@@ -184,10 +185,9 @@ def kept(preload: tuple[str, ...]) -> Warm | None:
 def _serve(fd: int, preload: list[str]) -> None:
     import importlib
 
-    from stepgrpo.runtime.parallel import PARENT_ENV, die_with_parent
+    from stepgrpo.runtime.parallel import die_with_parent
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the launcher's to handle
-    os.environ[PARENT_ENV] = os.environ[_PARENT_ENV]  # die_with_parent's check
     die_with_parent()
     sock = socket.socket(fileno=fd)
     for name in preload:
@@ -234,8 +234,6 @@ def _run(request: dict[str, Any], fds: list[int]) -> None:
     """In the forked rank: become `python -m <module> <args>` in the launcher's environment; never returns."""
     import runpy
     import traceback
-
-    from stepgrpo.runtime.parallel import ANSWER_ENV, PARENT_ENV
 
     status = 1
     try:
